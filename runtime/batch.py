@@ -1,0 +1,72 @@
+"""The contract between the scheduler and the model runner.
+
+The runtime must not import the scheduler, so what it needs of a request and of its
+sampling parameters is described here as protocols; ``scheduler.Request`` and
+``scheduler.SamplingParams`` satisfy them structurally.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import torch
+
+
+class SamplingSpec(Protocol):
+    """Per-request sampling parameters, already validated at the edge."""
+
+    temperature: float  # 0 => greedy (argmax)
+    top_k: int  # 0 or -1 => off
+    top_p: float  # 1.0 => off
+    min_p: float  # 0.0 => off
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float  # 1.0 => off
+    logit_bias: dict[int, float] | None
+    min_tokens: int
+    logprobs: int | None  # None => none; k => the chosen token's logprob plus the top-k alternatives
+
+
+class SequenceView(Protocol):
+    """What the runner reads of one sequence (a ``scheduler.Request``)."""
+
+    seq_id: int  # unique while the sequence lives
+    token_ids: list[int]  # prompt + generated so far; the runner only reads it
+    num_prompt_tokens: int
+    num_computed_tokens: int  # tokens whose K/V are already in the pool
+    block_table: list[int]  # pool block ids, in order
+    params: SamplingSpec
+    generator: torch.Generator | None  # set when the request has a seed
+    stop_token_ids_for_min_tokens: Sequence[int]  # suppressed while fewer than min_tokens were generated
+
+
+@dataclass
+class BatchItem:
+    """Compute ``num_new_tokens`` tokens of ``seq`` (positions num_computed .. num_computed+num_new-1).
+
+    ``sample`` is True when this chunk reaches the end of ``seq.token_ids``: the logits of its last
+    position are sampled to produce the next token. A prefill chunk that stops short samples nothing.
+    """
+
+    seq: SequenceView
+    num_new_tokens: int
+    sample: bool
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities (of the model's distribution before temperature/top-k/top-p) for one step."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = most likely
+    top: list[tuple[int, float]] = field(default_factory=list)  # the k most likely (token id, logprob)
+
+
+@dataclass
+class RunnerOutput:
+    """One entry per ``BatchItem`` in the order given; None where the item did not sample."""
+
+    sampled_token_ids: list[int | None]
+    logprobs: list[TokenLogprobs | None]

@@ -1,0 +1,97 @@
+"""KV-pool sizing and roofline bounds, shared by the engine's start-up and ``servelm plan``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime.config import ModelConfig
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """2 (K and V) x layers x kv_heads x head_dim x dtype bytes."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes(dtype)
+
+
+def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    return cfg.num_params * dtype_bytes(dtype)
+
+
+def flops_per_token(cfg: ModelConfig, context_len: int = 0) -> float:
+    """Forward FLOPs for one token: 2 x matmul params (LM head included) + attention over context."""
+    emb = cfg.vocab_size * cfg.hidden_size
+    matmul_params = cfg.num_params - emb * (1 if cfg.tie_word_embeddings else 2) + emb
+    attn = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context_len
+    return 2.0 * matmul_params + attn
+
+
+@dataclass(frozen=True)
+class DevicePreset:
+    name: str
+    memory_bytes: int
+    bandwidth_bytes_s: float  # datasheet HBM/DRAM bandwidth
+    peak_flops: float  # dense bf16 (fp32 for cpu)
+
+
+DEVICE_PRESETS: dict[str, DevicePreset] = {
+    "a100-80g": DevicePreset("a100-80g", 80 * 10**9, 2.039e12, 312e12),
+    "h100-80g": DevicePreset("h100-80g", 80 * 10**9, 3.35e12, 989e12),
+    "h200": DevicePreset("h200", 141 * 10**9, 4.8e12, 989e12),
+    # This repo's reference CPU (2 cores, AVX-512), measured: see shared FACTS.
+    "cpu": DevicePreset("cpu", 24 * 2**30, 26e9, 200e9),
+}
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What a KV budget buys: logged at start-up and printed by ``servelm plan``."""
+
+    weight_bytes: int
+    kv_bytes_per_token: int
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+
+    @property
+    def token_capacity(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def blocks_per_max_len_request(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    @property
+    def max_len_requests(self) -> int:
+        """How many requests of ``max_model_len`` tokens fit at once."""
+        return self.num_blocks // self.blocks_per_max_len_request
+
+    def describe(self) -> str:
+        return (
+            f"weights {self.weight_bytes / 2**20:.1f} MiB; KV {self.kv_bytes_per_token / 1024:.1f} KiB/token; "
+            f"{self.num_blocks} blocks x {self.block_size} tokens = {self.token_capacity} tokens "
+            f"({self.num_blocks * self.block_size * self.kv_bytes_per_token / 2**20:.1f} MiB); "
+            f"{self.max_len_requests} requests of max_model_len={self.max_model_len} fit"
+        )
+
+
+class CapacityError(ValueError):
+    """The KV budget cannot hold even one request of ``max_model_len``."""
+
+
+def plan_capacity(
+    cfg: ModelConfig, dtype: torch.dtype, kv_budget_bytes: int, block_size: int, max_model_len: int
+) -> Capacity:
+    per_tok = kv_bytes_per_token(cfg, dtype)
+    num_blocks = int(kv_budget_bytes // (per_tok * block_size))
+    cap = Capacity(weight_bytes(cfg, dtype), per_tok, block_size, num_blocks, max_model_len)
+    if cap.token_capacity < max_model_len:
+        raise CapacityError(
+            f"max_model_len={max_model_len} does not fit the KV pool: {kv_budget_bytes / 2**20:.1f} MiB holds "
+            f"{cap.token_capacity} tokens ({per_tok} bytes/token); raise the KV memory or lower max_model_len"
+        )
+    return cap

@@ -1,0 +1,108 @@
+"""Model configuration: the subset of a Hugging Face ``config.json`` the runtime needs."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Architectures our Llama-family implementation serves (HF ``architectures`` names).
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+class UnsupportedModelError(ValueError):
+    """The model folder or file exists but is not something we can serve."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and options of a Llama-family decoder."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        archs = d.get("architectures") or []
+        arch = archs[0] if archs else ""
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"unsupported architecture {arch or '(none given)'!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = int(d["num_attention_heads"])
+        hidden = int(d["hidden_size"])
+        eos = d.get("eos_token_id")
+        if eos is None:
+            eos_ids: tuple[int, ...] = ()
+        elif isinstance(eos, list):
+            eos_ids = tuple(int(e) for e in eos)
+        else:
+            eos_ids = (int(eos),)
+        # transformers 5 folds rope_theta and scaling into ``rope_parameters``; 4.x used ``rope_scaling``.
+        rope_params = d.get("rope_parameters") or {}
+        rope_scaling = d.get("rope_scaling") or (
+            rope_params if rope_params.get("rope_type", "default") != "default" else None
+        )
+        return cls(
+            architecture=arch,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(d["intermediate_size"]),
+            num_layers=int(d["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
+            head_dim=int(d.get("head_dim") or hidden // num_heads),
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(d.get("rope_theta", rope_params.get("rope_theta", 10000.0))),
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=d.get("sliding_window") if d.get("use_sliding_window", False) else None,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelConfig":
+        p = Path(path) / "config.json"
+        if not p.is_file():
+            raise UnsupportedModelError(f"{path}: expected a Hugging Face model folder with config.json")
+        return cls.from_hf_dict(json.loads(p.read_text()))
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count (embeddings counted once when tied)."""
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
+        mlp = 3 * h * i
+        norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        per_layer = attn + mlp + norms
+        emb = v * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + emb + h

@@ -1,0 +1,28 @@
+"""The one configuration dataclass, built from the CLI (``servelm serve``) or by hand in tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to start; ``None`` means "derive a default at start-up"."""
+
+    model: str | None = None  # HF folder, .gguf file, or None for the embedded default model
+    served_model_name: str | None = None
+    tokenizer: str | None = None  # defaults to the model folder
+    dtype: str = "auto"  # auto => float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto => cuda when available, else cpu
+    block_size: int | None = None  # None => 16 on CPU, what the attention backend needs on CUDA
+    kv_cache_memory: int | None = None  # bytes for the KV pool (CPU); None => 2 GiB on CPU
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None  # None => min(model's max positions, 8192)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None  # None => 512 on CPU, 8192 on CUDA
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"  # "fcfs" (continuous batching) | "static"
+    max_waiting_requests: int = 1024
+    enforce_eager: bool = False  # CUDA: no CUDA graphs
+    num_threads: int | None = None  # CPU: torch intra-op threads (None => torch's default)
+    seed: int = 0  # for requests without a seed

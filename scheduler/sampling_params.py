@@ -1,0 +1,93 @@
+"""Sampling parameters: validated once at the edge; the engine trusts them afterwards."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class InvalidParameterError(ValueError):
+    """A request parameter is out of range; ``param`` names it (OpenAI's error ``param``)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    """Per-request generation options (OpenAI's, plus vLLM-style extensions)."""
+
+    n: int = 1
+    max_tokens: int | None = 16  # None => up to max_model_len
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    logprobs: int | None = None  # number of top alternatives (0 = only the chosen token)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        def bad(param: str, msg: str) -> None:
+            raise InvalidParameterError(param, msg)
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", f"n must be at least 1, got {self.n}")
+        if self.n > 128:
+            bad("n", f"n must be at most 128, got {self.n}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0.0 <= self.temperature <= 2.0:
+            bad("temperature", f"temperature must be in [0, 2], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            bad("top_k", f"top_k must be -1 (off), 0 (off) or positive, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            bad("repetition_penalty", f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        if self.min_tokens < 0:
+            bad("min_tokens", f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            bad("logprobs", f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            bad("seed", f"seed out of range: {self.seed}")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            bad("stop", "stop strings must be non-empty strings")
+        if len(self.stop) > 16:
+            bad("stop", f"at most 16 stop strings, got {len(self.stop)}")
+        if self.logit_bias:
+            for tok, bias in self.logit_bias.items():
+                if not -100.0 <= bias <= 100.0:
+                    bad("logit_bias", f"logit_bias values must be in [-100, 100], got {bias} for token {tok}")
+                if tok < 0 or (vocab_size is not None and tok >= vocab_size):
+                    bad("logit_bias", f"logit_bias token id {tok} is outside the vocabulary")
+        if vocab_size is not None:
+            for tok in self.stop_token_ids:
+                if not 0 <= tok < vocab_size:
+                    bad("stop_token_ids", f"stop token id {tok} is outside the vocabulary")
