@@ -1,0 +1,111 @@
+"""Peak compute and memory bandwidth of the serving device: the denominators of MFU and MBU.
+
+On CPU the peaks are measured once at start-up (a matmul of the row count a batched decode step
+runs, and a large tensor copy), because a datasheet number means little for a shared 2-core VM.
+On NVIDIA data-centre GPUs the datasheet values are used (dense bf16/fp16 tensor-core FLOP/s and
+HBM bandwidth) since that is the ceiling utilisation is conventionally quoted against; unknown
+cards are measured.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from runtime.capacity import DEVICE_PRESETS
+
+# Substrings of ``torch.cuda.get_device_name()`` -> (dense bf16 FLOP/s, bandwidth bytes/s).
+# Order matters: more specific names first ("h100 nvl" before "h100").
+_GPU_DATASHEETS: tuple[tuple[str, tuple[float, float]], ...] = (
+    ("h200", (DEVICE_PRESETS["h200"].peak_flops, DEVICE_PRESETS["h200"].bandwidth_bytes_s)),
+    ("h100 nvl", (835e12, 3.9e12)),
+    ("h100 pcie", (756e12, 2.0e12)),
+    ("h100", (DEVICE_PRESETS["h100-80g"].peak_flops, DEVICE_PRESETS["h100-80g"].bandwidth_bytes_s)),
+    ("a100-sxm4-40gb", (312e12, 1.555e12)),
+    ("a100-pcie-40gb", (312e12, 1.555e12)),
+    ("a100", (DEVICE_PRESETS["a100-80g"].peak_flops, DEVICE_PRESETS["a100-80g"].bandwidth_bytes_s)),
+)
+
+
+def _best_rate(fn, work: float, budget_s: float, min_reps: int = 3) -> float:
+    """Run ``fn`` repeatedly for about ``budget_s`` (at least ``min_reps`` times); best work/second."""
+    fn()  # warm-up: first-call allocation and thread-pool start-up are not the steady state
+    best = 0.0
+    reps = 0
+    deadline = time.perf_counter() + budget_s
+    while reps < min_reps or time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        if dt > 0:
+            best = max(best, work / dt)
+        reps += 1
+    return best
+
+
+def measure_cpu_peaks(budget_s: float = 0.5) -> tuple[float, float]:
+    """Measured (FLOP/s, bytes/s) of this CPU with torch's current thread count, in about ``budget_s``.
+
+    FLOP/s: an fp32 matmul of 128 rows (a batched decode step's shape; fewer rows run slower here).
+    Bytes/s: a copy between two 64 MiB tensors, counted as bytes read plus bytes written.
+    """
+    m, k, n = 128, 2048, 2048
+    a = torch.randn(m, k)
+    b = torch.randn(k, n)
+    out = torch.empty(m, n)
+    flops = _best_rate(lambda: torch.matmul(a, b, out=out), 2.0 * m * k * n, budget_s * 0.45)
+    del a, b, out
+
+    numel = 16 * 2**20  # 64 MiB of fp32: far beyond any last-level cache
+    src = torch.ones(numel)
+    dst = torch.empty(numel)
+    bandwidth = _best_rate(lambda: dst.copy_(src), 2.0 * numel * 4, budget_s * 0.45, min_reps=2)
+    return flops, bandwidth
+
+
+def measure_cuda_peaks(device: int | str | torch.device = "cuda", budget_s: float = 1.0) -> tuple[float, float]:
+    """Measured (bf16 matmul FLOP/s, device-copy bytes/s) of a CUDA device."""
+    dev = torch.device(device)
+    n = 8192
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+
+    def synced(fn):
+        def run() -> None:
+            fn()
+            torch.cuda.synchronize(dev)
+
+        return run
+
+    flops = _best_rate(synced(lambda: torch.matmul(a, b)), 2.0 * n**3, budget_s / 2)
+    del a, b
+    numel = 256 * 2**20  # 512 MiB of bf16
+    src = torch.ones(numel, device=dev, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    bandwidth = _best_rate(synced(lambda: dst.copy_(src)), 2.0 * numel * 2, budget_s / 2)
+    return flops, bandwidth
+
+
+def gpu_peaks(device_name: str) -> tuple[float, float]:
+    """Datasheet (dense bf16 FLOP/s, bytes/s) for A100/H100/H200 by device name; others are measured."""
+    name = device_name.lower()
+    for key, peaks in _GPU_DATASHEETS:
+        if key in name:
+            return peaks
+    if not torch.cuda.is_available():
+        raise ValueError(f"no datasheet peaks for {device_name!r} and no CUDA device to measure")
+    return measure_cuda_peaks()
+
+
+def device_peaks(device: str | torch.device) -> tuple[float, float]:
+    """(FLOP/s, bytes/s) for the device the engine runs on: measured on CPU, datasheet on known GPUs.
+
+    ``"auto"`` (the CLI default) means CUDA when available, else CPU, as the engine resolves it.
+    """
+    if str(device) == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return gpu_peaks(torch.cuda.get_device_name(dev))
+    return measure_cpu_peaks()
