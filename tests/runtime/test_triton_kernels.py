@@ -1,0 +1,372 @@
+"""The CUDA path's Triton kernels and the Triton backend, run on CPU tensors by Triton's interpreter.
+
+``TRITON_INTERPRET=1`` must be set before triton is first imported (``triton.jit`` reads it when a
+kernel is decorated), so it is set at the top of this module.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import sys
+import types
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+
+from triton.runtime import interpreter as _interpreter  # noqa: E402
+
+from runtime.attention.base import AttentionMetadata  # noqa: E402
+
+# Triton 3.6's interpreter turns scalar tensors (1-element arrays) into Python ints with int(array),
+# which numpy >= 2.4 refuses ("only 0-dimensional arrays can be converted"); a dynamic loop bound
+# (`range(0, kv_end, BLOCK_N)`) needs it. Newer Triton squeezes first; do the same here.
+_orig_patch = _interpreter._patch_lang_tensor
+
+
+def _patch_lang_tensor(tensor, scope):  # type: ignore[no-untyped-def]
+    _orig_patch(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+
+_interpreter._patch_lang_tensor = _patch_lang_tensor
+
+
+def _load(name: str):  # type: ignore[no-untyped-def]
+    mod = importlib.import_module(name)
+    # Imported earlier in this process without the interpreter: re-decorate the kernels under it.
+    if name == "runtime.attention.triton_kernels" and type(mod._store_kv_kernel).__name__ != "InterpretedFunction":
+        mod = importlib.reload(mod)
+    return mod
+
+
+tk = _load("runtime.attention.triton_kernels")
+flash_backend = importlib.import_module("runtime.attention.flash_backend")
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def reference_attention(q, k_cache, v_cache, block_tables, seq_lens, query_lens, scale):  # type: ignore[no-untyped-def]
+    """Per-sequence causal attention over the gathered context, in float64, GQA by repeating heads."""
+    block_size = k_cache.shape[1]
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    outs = []
+    start = 0
+    for s, (seq_len, q_len) in enumerate(zip(seq_lens, query_lens)):
+        pos = torch.arange(seq_len)
+        blocks = block_tables[s][pos // block_size].long()
+        k = k_cache[blocks, pos % block_size].double().repeat_interleave(num_heads // num_kv_heads, 1)
+        v = v_cache[blocks, pos % block_size].double().repeat_interleave(num_heads // num_kv_heads, 1)
+        qs = q[start : start + q_len].double()
+        scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
+        q_pos = seq_len - q_len + torch.arange(q_len)
+        scores = scores.masked_fill(pos[None, :] > q_pos[:, None], float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
+        start += q_len
+    return torch.cat(outs)
+
+
+def scattered_tables(num_blocks, block_size, seq_lens, width, gen):  # type: ignore[no-untyped-def]
+    """Block tables drawing distinct, shuffled pool blocks; unused entries hold garbage ids."""
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    table = torch.randint(0, num_blocks, (len(seq_lens), width), generator=gen, dtype=torch.int32)
+    for s, n in enumerate(seq_lens):
+        need = -(-n // block_size)
+        table[s, :need] = torch.tensor([perm.pop() for _ in range(need)], dtype=torch.int32)
+    return table
+
+
+def attention_inputs(seq_lens, query_lens, *, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = 64
+    width = max(-(-n // block_size) for n in seq_lens) + 1
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    tables = scattered_tables(num_blocks, block_size, seq_lens, width, gen)
+    q = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(dtype)
+    qsl = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.tensor(query_lens), 0)
+    seq = torch.tensor(seq_lens, dtype=torch.int32)
+    ctx = seq - torch.tensor(query_lens, dtype=torch.int32)
+    return q, k_cache, v_cache, tables, seq, qsl, ctx
+
+
+# ----------------------------------------------------------------------------- store
+
+
+def test_store_writes_each_row_at_its_slot_and_skips_minus_one() -> None:
+    gen = torch.Generator().manual_seed(1)
+    num_blocks, block_size, kvh, d = 6, 4, 3, 8
+    # k and v as slices of a fused projection: the token stride is not kvh * d.
+    fused = torch.randn(5, 2 * kvh * d + 7, generator=gen)
+    k = fused[:, : kvh * d].view(5, kvh, d)
+    v = fused[:, kvh * d : 2 * kvh * d].view(5, kvh, d)
+    assert not k.is_contiguous()
+    k_cache = torch.full((num_blocks, block_size, kvh, d), 7.0)
+    v_cache = torch.full((num_blocks, block_size, kvh, d), 7.0)
+    slots = torch.tensor([13, -1, 0, 23, -1], dtype=torch.int64)
+
+    tk.store_kvcache(k, v, k_cache, v_cache, slots)
+
+    want_k = torch.full((num_blocks * block_size, kvh, d), 7.0)
+    want_v = want_k.clone()
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            want_k[s], want_v[s] = k[t], v[t]
+    assert torch.equal(k_cache.view(-1, kvh, d), want_k)
+    assert torch.equal(v_cache.view(-1, kvh, d), want_v)
+
+
+def test_store_into_a_layer_view_of_a_shared_pool() -> None:
+    # KVPool keeps all layers in one tensor; a layer's cache is a view with a storage offset.
+    pool = torch.zeros(2, 3, 4, 2, 2, 8)  # [k/v, layers, blocks, block_size, kvh, d]
+    k = torch.randn(2, 2, 8)
+    v = torch.randn(2, 2, 8)
+    tk.store_kvcache(k, v, pool[0, 1], pool[1, 1], torch.tensor([5, 2]))
+    want = torch.zeros_like(pool)
+    want[0, 1, 2, 1], want[0, 1, 1, 0] = k[0], k[1]
+    want[1, 1, 2, 1], want[1, 1, 1, 0] = v[0], v[1]
+    assert torch.equal(pool, want)  # the right layer, nothing else touched
+
+
+# ----------------------------------------------------------------------------- paged attention
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,block_size",
+    [(6, 2, 16, 4), (8, 2, 24, 16), (4, 4, 32, 8)],  # GQA 3 and 4, head_dim not a power of two, MHA
+)
+def test_decode_matches_reference(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+    seq_lens = [1, 9, 2 * block_size, 3 * block_size + 1]  # a lone token, partial and exactly full last blocks
+    query_lens = [1] * len(seq_lens)
+    q, kc, vc, bt, seq, qsl, ctx = attention_inputs(
+        seq_lens, query_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        block_size=block_size, dtype=torch.float32,
+    )
+    scale = 1 / math.sqrt(head_dim)
+    out = tk.paged_attention(q, kc, vc, bt, seq, qsl, ctx, scale, max_query_len=1)
+    ref = reference_attention(q, kc, vc, bt, seq_lens, query_lens, scale)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,block_size", [(6, 2, 4), (8, 2, 16)])
+def test_prefill_chunks_match_reference(num_heads: int, num_kv_heads: int, block_size: int) -> None:
+    # A fresh prompt, a chunk over a cached context (chunked prefill / prefix hit), and a chunk
+    # longer than the kernel's query tile.
+    seq_lens = [7, 30, 41]
+    query_lens = [7, 11, 40]
+    q, kc, vc, bt, seq, qsl, ctx = attention_inputs(
+        seq_lens, query_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=16,
+        block_size=block_size, dtype=torch.float32, seed=3,
+    )
+    out = tk.paged_attention(q, kc, vc, bt, seq, qsl, ctx, 0.3)  # max_query_len derived
+    ref = reference_attention(q, kc, vc, bt, seq_lens, query_lens, 0.3)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_half_precision_inputs() -> None:
+    # Triton's interpreter mis-computes bfloat16 dots, so the low-precision path is checked in fp16.
+    seq_lens, query_lens = [19, 5], [1, 5]
+    q, kc, vc, bt, seq, qsl, ctx = attention_inputs(
+        seq_lens, query_lens, num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float16
+    )
+    out = tk.paged_attention(q, kc, vc, bt, seq, qsl, ctx, 0.25)
+    assert out.dtype == torch.float16
+    ref = reference_attention(q, kc, vc, bt, seq_lens, query_lens, 0.25)
+    torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=2e-3)
+
+
+# ----------------------------------------------------------------------------- the Triton backend
+
+
+def mixed_step(block_size: int, *, num_heads: int = 6, num_kv_heads: int = 2, head_dim: int = 16):  # type: ignore[no-untyped-def]
+    """Two decodes then two prefill chunks (one over a cached context), as the runner lays them out."""
+    gen = torch.Generator().manual_seed(7)
+    seq_lens = [10, 5, 6, 13]
+    query_lens = [1, 1, 6, 4]
+    num_blocks = 32
+    width = max(-(-n // block_size) for n in seq_lens)
+    tables = scattered_tables(num_blocks, block_size, seq_lens, width, gen)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    T = sum(query_lens)
+    q = torch.randn(T, num_heads, head_dim, generator=gen)
+    k = torch.randn(T, num_kv_heads, head_dim, generator=gen)
+    v = torch.randn(T, num_kv_heads, head_dim, generator=gen)
+    slots = []
+    for s, (n, ql) in enumerate(zip(seq_lens, query_lens)):
+        for p in range(n - ql, n):
+            slots.append(int(tables[s, p // block_size]) * block_size + p % block_size)
+    qsl = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.tensor(query_lens), 0)
+    meta = AttentionMetadata(
+        num_tokens=T,
+        num_decodes=2,
+        num_decode_tokens=2,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=qsl,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        context_lens=torch.tensor([n - ql for n, ql in zip(seq_lens, query_lens)], dtype=torch.int32),
+        block_tables=tables,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_list=query_lens,
+        seq_lens_list=seq_lens,
+    )
+    return q, k, v, k_cache, v_cache, meta
+
+
+def expected_step(q, k, v, k_cache, v_cache, meta, scale):  # type: ignore[no-untyped-def]
+    kc, vc = k_cache.clone(), v_cache.clone()
+    bs = kc.shape[1]
+    for t, s in enumerate(meta.slot_mapping.tolist()):
+        kc[s // bs, s % bs], vc[s // bs, s % bs] = k[t], v[t]
+    out = reference_attention(q, kc, vc, meta.block_tables, meta.seq_lens_list, meta.query_lens_list, scale)
+    return out, kc, vc
+
+
+def test_triton_backend_mixed_step_matches_reference() -> None:
+    q, k, v, kc, vc, meta = mixed_step(block_size=4)
+    want, want_kc, want_vc = expected_step(q, k, v, kc, vc, meta, 0.25)
+    backend = flash_backend.TritonPagedBackend()
+    m = backend.build_metadata(meta)
+    assert m.num_prefills == 2 and m.decode_seq_lens.tolist() == [10, 5]
+    out = backend.forward(q, k, v, kc, vc, m, 0.25)
+    assert torch.equal(kc, want_kc) and torch.equal(vc, want_vc)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_views_follow_the_runner_buffers() -> None:
+    # CUDA graphs replay over fixed buffers: the decode half must be views, not copies.
+    _, _, _, _, _, meta = mixed_step(block_size=4)
+    m = flash_backend.TritonPagedBackend().build_metadata(meta)
+    meta.seq_lens[0] = 99
+    meta.block_tables[1, 0] = 17
+    assert m.decode_seq_lens[0] == 99 and m.decode_block_tables[1, 0] == 17
+
+
+
+# ----------------------------------------------------------------------------- FlashAttentionBackend plumbing
+# flash-attn cannot be installed here (no CUDA); a stand-in implementing its documented semantics
+# (paged KV through block_table, causal mask aligned to the bottom-right corner, int32 metadata,
+# the upstream page-size constraint) checks what the backend passes it.
+
+FAKE_FLASH_ATTN = '''
+import torch
+
+def _attend(q, k_cache, v_cache, table, seqlen_k, scale, causal):
+    page = k_cache.shape[1]
+    pos = torch.arange(seqlen_k)
+    blocks = table[pos // page].long()
+    group = q.shape[1] // k_cache.shape[2]
+    k = k_cache[blocks, pos % page].repeat_interleave(group, 1)
+    v = v_cache[blocks, pos % page].repeat_interleave(group, 1)
+    s = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if causal:
+        shift = seqlen_k - q.shape[0]
+        s = s.masked_fill(pos[None, :] > torch.arange(q.shape[0])[:, None] + shift, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+
+def _check_paged(k_cache, block_table):
+    assert k_cache.shape[1] % 256 == 0, "Paged KV cache block size must be divisible by 256"
+    assert block_table.dtype == torch.int32 and block_table.stride(-1) == 1
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, **kw):
+    assert k is None and v is None and q.dim() == 4
+    _check_paged(k_cache, block_table)
+    assert cache_seqlens.dtype == torch.int32 and cache_seqlens.shape[0] == q.shape[0] == block_table.shape[0]
+    return torch.stack([
+        _attend(q[b], k_cache, v_cache, block_table[b], int(cache_seqlens[b]), softmax_scale, causal)
+        for b in range(q.shape[0])
+    ])
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                           alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None):
+    _check_paged(k, block_table)
+    assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_k.dtype == torch.int32
+    assert int(cu_seqlens_q[0]) == 0 and int(cu_seqlens_q[-1]) == q.shape[0]
+    outs = []
+    for b in range(cu_seqlens_q.shape[0] - 1):
+        qs = q[int(cu_seqlens_q[b]) : int(cu_seqlens_q[b + 1])]
+        seqlen_k = int(cu_seqlens_k[b + 1] - cu_seqlens_k[b])
+        assert qs.shape[0] <= max_seqlen_q and seqlen_k <= max_seqlen_k
+        outs.append(_attend(qs, k, v, block_table[b], seqlen_k, softmax_scale, causal))
+    return torch.cat(outs)
+'''
+
+
+def test_flash_backend_passes_flash_attn_the_documented_arguments(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    fake = types.ModuleType("flash_attn")
+    exec(FAKE_FLASH_ATTN, fake.__dict__)
+    monkeypatch.setitem(sys.modules, "flash_attn", fake)  # removed again after the test
+
+    q, k, v, kc, vc, meta = mixed_step(block_size=256, head_dim=16)
+    want, want_kc, want_vc = expected_step(q, k, v, kc, vc, meta, 0.25)
+    backend = flash_backend.FlashAttentionBackend()
+    m = backend.build_metadata(meta)
+    assert m.prefill_cu_seqlens_q.tolist() == [0, 6, 10]
+    assert m.prefill_cu_seqlens_k.tolist() == [0, 6, 19]
+    assert (m.prefill_max_query_len, m.prefill_max_seq_len) == (6, 13)
+    out = backend.forward(q, k, v, kc, vc, m, 0.25)
+    assert torch.equal(kc, want_kc) and torch.equal(vc, want_vc)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- CUDA-graph padding
+# Capture needs CUDA; what the graph computes does not: run the capture-time forward eagerly over the
+# static buffers, padded to the next captured size, and compare with the unpadded step.
+
+
+def test_padded_static_decode_batch_equals_the_plain_step() -> None:
+    from runtime.cuda_graphs import CudaGraphRunner
+
+    gen = torch.Generator().manual_seed(11)
+    block_size, num_blocks, kvh, heads, d, vocab = 4, 16, 2, 4, 16, 50
+    emb_q = torch.randn(vocab, heads, d, generator=gen)
+    emb_kv = torch.randn(vocab, 2, kvh, d, generator=gen)
+    backend = flash_backend.TritonPagedBackend()
+
+    def make_model(kc, vc):  # type: ignore[no-untyped-def]
+        def model(ids, positions, meta):  # type: ignore[no-untyped-def]
+            kv = emb_kv[ids] + positions[:, None, None, None]
+            return backend.forward(emb_q[ids], kv[:, 0], kv[:, 1], kc, vc, meta, 0.25)
+
+        return model
+
+    seq_lens = [6, 9, 3]
+    tables = scattered_tables(num_blocks, block_size, seq_lens, 3, gen)
+    ids = torch.tensor([3, 14, 27])
+    positions = torch.tensor([n - 1 for n in seq_lens])
+    slots = torch.tensor([int(tables[s, p // block_size]) * block_size + p % block_size for s, p in enumerate(positions)])
+    kc0 = torch.randn(num_blocks, block_size, kvh, d, generator=gen)
+    vc0 = torch.randn(num_blocks, block_size, kvh, d, generator=gen)
+
+    kc, vc = kc0.clone(), vc0.clone()
+    plain_meta = AttentionMetadata(
+        num_tokens=3, num_decodes=3, num_decode_tokens=3, slot_mapping=slots,
+        query_start_loc=torch.arange(4, dtype=torch.int32), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        context_lens=torch.tensor(seq_lens, dtype=torch.int32) - 1, block_tables=tables, max_query_len=1,
+        max_seq_len=max(seq_lens), query_lens_list=[1, 1, 1], seq_lens_list=seq_lens,
+    )
+    want = make_model(kc, vc)(ids, positions, backend.build_metadata(plain_meta))
+
+    gkc, gvc = kc0.clone(), vc0.clone()
+    runner = CudaGraphRunner(make_model(gkc, gvc), backend, max_num_seqs=6, max_blocks_per_seq=5,
+                             block_size=block_size, device=torch.device("cpu"))
+    assert runner.sizes == [1, 2, 4, 6]
+    runner.inputs.block_tables.fill_(9)  # stale ids from an earlier step in the unused columns
+    runner.inputs.fill(ids, positions, slots, torch.tensor(seq_lens, dtype=torch.int32), tables, padded_to=4)
+    b = runner.inputs
+    got = runner.model(b.input_ids[:4], b.positions[:4], runner.static_metadata(4))
+    torch.testing.assert_close(got[:3], want, atol=1e-5, rtol=1e-5)
+    # The padding row wrote nothing: both pools saw exactly the same writes.
+    assert torch.equal(gkc, kc) and torch.equal(gvc, vc)
