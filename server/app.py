@@ -1,0 +1,244 @@
+"""The FastAPI application: routes, the auth/availability gate, metrics wiring, and the lifespan
+that starts the engine thread and drains it on shutdown."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from metrics.observer import Observer, RequestStats, StepStats
+from server.async_engine import AsyncEngine
+from server.errors import APIError, install_error_handlers, model_not_found, unauthorized, unavailable
+from server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+)
+from server.serving_chat import create_chat_completion
+from server.serving_common import ServingContext
+from server.serving_completions import create_completion
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+
+
+def servelm_version() -> str:
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        return version("servelm")
+    except PackageNotFoundError:
+        return "0.1.0"
+
+
+# ------------------------------------------------------------------------------------ metrics wiring
+
+
+class ObserverProxy:
+    """An ``Observer`` whose target is set after the engine exists.
+
+    The Prometheus observer wants the engine's resolved facts (dtype, blocks...) as labels, while
+    the engine wants its observer at construction: the engine gets this proxy, the proxy gets the
+    real observer once both exist. Until then events are dropped (the engine is still loading).
+    """
+
+    def __init__(self, target: Observer | None = None) -> None:
+        self.target = target
+
+    def on_step(self, stats: StepStats) -> None:
+        if self.target is not None:
+            self.target.on_step(stats)
+
+    def on_request_finished(self, stats: RequestStats) -> None:
+        if self.target is not None:
+            self.target.on_request_finished(stats)
+
+    def on_request_rejected(self) -> None:
+        if self.target is not None:
+            self.target.on_request_rejected()
+
+
+def create_prometheus_observer(engine: Any) -> Any | None:
+    """A ``metrics.prometheus.PrometheusObserver`` describing ``engine``, or None if metrics/ lacks it."""
+    try:
+        from metrics.prometheus import PrometheusObserver
+    except ImportError:
+        log.warning("metrics.prometheus is not available: /metrics will only show basic engine gauges")
+        return None
+    cfg = engine.config
+    cap = getattr(engine, "capacity", None)
+    info = {
+        "model": str(getattr(cfg, "model", None) or engine.served_model_name),
+        "dtype": str(cfg.dtype),
+        "device": str(cfg.device),
+        "block_size": str(getattr(cap, "block_size", cfg.block_size)),
+        "num_blocks": str(getattr(cap, "num_blocks", "")),
+        "max_model_len": str(cfg.max_model_len),
+    }
+    try:
+        from metrics.roofline import device_peaks
+
+        peak_flops, peak_bw = device_peaks(str(cfg.device))
+    except Exception as e:  # noqa: BLE001 - utilization gauges are a nicety, serving is not
+        log.warning("could not determine device peaks (%s); utilization gauges will read 0", e)
+        peak_flops, peak_bw = float("inf"), float("inf")
+    return PrometheusObserver(str(engine.served_model_name), info, peak_flops, peak_bw)
+
+
+def _render_metrics(registry: Any, async_engine: AsyncEngine) -> tuple[bytes, str]:
+    if registry is not None:
+        try:
+            from metrics.prometheus import render_metrics
+
+            return render_metrics(registry)
+        except ImportError:
+            pass
+    # Fallback without metrics/prometheus: the bridge's own snapshot, in the text format.
+    s = async_engine.snapshot
+    lines = [
+        "# TYPE servelm_num_requests_running gauge",
+        f"servelm_num_requests_running {s.num_running}",
+        "# TYPE servelm_num_requests_waiting gauge",
+        f"servelm_num_requests_waiting {s.num_waiting}",
+        "# TYPE servelm_kv_cache_used_blocks gauge",
+        f"servelm_kv_cache_used_blocks {s.num_used_blocks}",
+    ]
+    return ("\n".join(lines) + "\n").encode(), "text/plain; version=0.0.4; charset=utf-8"
+
+
+# --------------------------------------------------------------------------------------------- gate
+
+
+class GateMiddleware:
+    """API-key check and availability check for ``/v1/*`` (pure ASGI: no per-chunk overhead).
+
+    ``/health``, ``/version`` and ``/metrics`` stay open (probes and scrapers carry no key), as do
+    the docs. A dead engine or a draining server answers 503 before any body is parsed.
+    """
+
+    def __init__(self, app: ASGIApp, async_engine: AsyncEngine, api_key: str | None) -> None:
+        self.app = app
+        self.async_engine = async_engine
+        self.api_key = api_key.encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            err = self._check(scope)
+            if err is not None:
+                await err.response()(scope, receive, send)
+                return
+            if scope["method"] == "POST":
+                scope = _as_json(scope)
+        await self.app(scope, receive, send)
+
+    def _check(self, scope: Scope) -> APIError | None:
+        if self.api_key is not None:
+            given = b""
+            for name, value in scope.get("headers", ()):
+                if name == b"authorization":
+                    given = value
+                    break
+            scheme, _, token = given.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+                return unauthorized()
+        ae = self.async_engine
+        if not ae.is_alive:
+            reason = ae.dead_reason or "not running"
+            return unavailable(f"The engine is not running ({reason}).", code="engine_dead")
+        if not ae.is_accepting:
+            return unavailable("The server is shutting down and accepts no new requests.", code="shutting_down")
+        return None
+
+
+def _as_json(scope: Scope) -> Scope:
+    """Read every /v1 POST body as JSON: ``curl -d`` sends form-urlencoded, and the API only speaks JSON."""
+    headers = scope.get("headers", [])
+    for name, value in headers:
+        if name == b"content-type" and value.split(b";")[0].strip().lower() == b"application/json":
+            return scope
+    fixed = [(k, v) for k, v in headers if k != b"content-type"] + [(b"content-type", b"application/json")]
+    return {**scope, "headers": fixed}
+
+
+# ---------------------------------------------------------------------------------------------- app
+
+
+def build_app(
+    async_engine: AsyncEngine,
+    *,
+    api_key: str | None = None,
+    metrics_registry: Any = None,
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+) -> FastAPI:
+    """The OpenAI-compatible app over ``async_engine`` (started and drained by the app's lifespan)."""
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        try:
+            yield
+        finally:
+            await async_engine.shutdown(drain_timeout_s)
+
+    version = servelm_version()
+    app = FastAPI(title="servelm", version=version, lifespan=lifespan)
+    ctx = ServingContext.from_engine(async_engine)
+    app.state.serving = ctx
+    install_error_handlers(app)
+    app.add_middleware(GateMiddleware, async_engine=async_engine, api_key=api_key)
+
+    def model_card() -> ModelCard:
+        return ModelCard(
+            id=ctx.served_model_name, created=ctx.created, root=ctx.model_path, max_model_len=ctx.max_model_len
+        )
+
+    @app.post("/v1/completions", response_model=CompletionResponse)
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        return await create_completion(ctx, body, raw)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await create_chat_completion(ctx, body, raw)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def list_models() -> ModelList:
+        return ModelList(data=[model_card()])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard)
+    async def get_model(model_id: str) -> ModelCard:
+        if model_id != ctx.served_model_name:
+            raise model_not_found(model_id)
+        return model_card()
+
+    @app.head("/health", include_in_schema=False)
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.is_alive:
+            return unavailable(f"The engine is not running ({async_engine.dead_reason or 'stopped'}).", "engine_dead").response()
+        if not async_engine.is_accepting:
+            return unavailable("The server is shutting down.", "shutting_down").response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def get_version() -> JSONResponse:
+        return JSONResponse({"version": version})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = _render_metrics(metrics_registry, async_engine)
+        return Response(body, media_type=None, headers={"Content-Type": content_type})
+
+    return app
+
+
+__all__ = ["GateMiddleware", "ObserverProxy", "build_app", "create_prometheus_observer", "servelm_version"]

@@ -1,0 +1,234 @@
+"""``servelm``: the command line (``serve``, plus ``bench`` and ``plan`` from their own modules)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import signal
+import sys
+from typing import Any, Callable
+
+from scheduler.config import EngineConfig
+
+log = logging.getLogger("servelm")
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_size(text: str) -> int:
+    """``"2GiB"``, ``"512MiB"``, ``"1.5GB"``, ``"1048576"`` -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 2GiB, 512MiB, 1.5GB, 1073741824)")
+    value = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
+    return v
+
+
+def _fraction(text: str) -> float:
+    v = float(text)
+    if not 0.0 < v <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1]: {text!r}")
+    return v
+
+
+# ---------------------------------------------------------------------------------------- serve
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "serve",
+        help="run the OpenAI-compatible HTTP server",
+        description="Serve a Llama-family model over an OpenAI-compatible HTTP API "
+        "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).",
+    )
+    d = EngineConfig()
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None, help="Hugging Face model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--served-model-name", default=None, help="model id clients send and /v1/models lists (default: the model folder name)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model folder)")
+    g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"], help="weight and KV dtype (default: auto = float32 on CPU, bfloat16 on CUDA)")
+    g.add_argument("--device", default=d.device, help="auto, cpu or cuda[:N] (default: auto = cuda when available)")
+    g.add_argument("--max-model-len", type=_positive_int, default=None, help="longest prompt + completion in tokens (default: min(model's max positions, 8192))")
+
+    g = p.add_argument_group("memory and batching")
+    g.add_argument("--kv-cache-memory", type=parse_size, default=None, help="KV pool size, e.g. 2GiB, 512MiB or bytes (default: 2 GiB on CPU)")
+    g.add_argument("--gpu-memory-utilization", type=_fraction, default=d.gpu_memory_utilization, help="CUDA: fraction of device memory for weights + KV pool (default: %(default)s)")
+    g.add_argument("--block-size", type=_positive_int, default=None, help="tokens per KV block (default: 16 on CPU; what the attention backend needs on CUDA)")
+    g.add_argument("--max-num-seqs", type=_positive_int, default=d.max_num_seqs, help="most sequences in one engine step (default: %(default)s)")
+    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=None, help="token budget of one engine step; longer prompts are chunked (default: 512 on CPU, 8192 on CUDA)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching, help="reuse KV blocks of identical prompt prefixes (default: on)")
+    g.add_argument("--scheduling-policy", choices=["fcfs", "static"], default=d.scheduling_policy, help="fcfs: continuous batching; static: run each admitted batch to completion, for comparison only (default: %(default)s)")
+    g.add_argument("--max-waiting-requests", type=_positive_int, default=d.max_waiting_requests, help="queue bound in sequences: beyond it requests get 503 with Retry-After (default: %(default)s)")
+    g.add_argument("--enforce-eager", action="store_true", help="CUDA: do not capture CUDA graphs")
+    g.add_argument("--num-threads", type=_positive_int, default=None, help="CPU: torch intra-op threads (default: torch's choice)")
+    g.add_argument("--seed", type=int, default=d.seed, help="sampling seed for requests without one (default: %(default)s)")
+
+    g = p.add_argument_group("HTTP")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for all interfaces (default: %(default)s)")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one and logs it (default: %(default)s)")
+    g.add_argument("--api-key", default=os.environ.get("SERVELM_API_KEY"), help="require 'Authorization: Bearer KEY' on /v1/* (default: $SERVELM_API_KEY; unset = open)")
+    g.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get to finish on SIGTERM/SIGINT (default: %(default)s)")
+    g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True, help="log one line per HTTP request (default: on)")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity (default: %(default)s)")
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        tokenizer=args.tokenizer,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
+        scheduling_policy=args.scheduling_policy,
+        max_waiting_requests=args.max_waiting_requests,
+        enforce_eager=args.enforce_eager,
+        num_threads=args.num_threads,
+        seed=args.seed,
+    )
+
+
+def _make_uvicorn_server(app: Any, args: argparse.Namespace, on_exit: Callable[[], None]) -> Any:
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        """uvicorn's server, telling the engine bridge to refuse new requests as soon as a signal lands."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            on_exit()
+            super().handle_exit(sig, frame)
+
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            for server in self.servers:
+                for sock in server.sockets:
+                    host, port = sock.getsockname()[:2]
+                    log.info("servelm listening on http://%s:%d (OpenAI API under /v1)", host, port)
+
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=args.access_log,
+        timeout_graceful_shutdown=max(1, int(args.drain_timeout)),
+        lifespan="on",
+    )
+    return _Server(config)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from runtime.capacity import CapacityError
+    from runtime.config import UnsupportedModelError
+    from scheduler.engine import Engine
+    from server.app import ObserverProxy, build_app, create_prometheus_observer
+    from server.async_engine import AsyncEngine
+
+    config = engine_config_from_args(args)
+    proxy = ObserverProxy()
+    try:
+        engine = Engine(config, observer=proxy)
+    except (CapacityError, UnsupportedModelError, ValueError) as e:
+        log.error("cannot start: %s", e)
+        return 1
+    observer = create_prometheus_observer(engine)
+    proxy.target = observer
+    log.info("model %s (%s); capacity: %s", engine.served_model_name, engine.config.model or "default", engine.capacity.describe())
+    async_engine = AsyncEngine(engine, observer=proxy, max_waiting_requests=engine.config.max_waiting_requests)
+    app = build_app(
+        async_engine,
+        api_key=args.api_key or None,
+        metrics_registry=getattr(observer, "registry", None),
+        drain_timeout_s=args.drain_timeout,
+    )
+    server = _make_uvicorn_server(app, args, async_engine.stop_accepting)
+    # uvicorn re-raises the signal that stopped it once it has shut down, with the handlers it found
+    # installed; make those no-ops so a graceful SIGTERM/SIGINT ends with exit status 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    if not server.started:
+        return 1
+    log.info("servelm stopped")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------- main
+
+
+def _add_delegated(subparsers: Any, module: str, name: str, help_text: str) -> None:
+    """``bench`` and ``plan`` live in their own modules; a build without them still serves."""
+    try:
+        mod = __import__(module, fromlist=["add_parser", "run"])
+        p = mod.add_parser(subparsers)
+        p.set_defaults(func=mod.run)
+    except ImportError as e:
+        p = subparsers.add_parser(name, help=f"{help_text} (unavailable: {e})")
+        p.set_defaults(func=lambda _a, _e=e: _unavailable(name, _e))
+
+
+def _unavailable(name: str, e: Exception) -> int:
+    print(f"servelm {name} is unavailable in this build: {e}", file=sys.stderr)
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="servelm", description="An OpenAI-compatible LLM serving daemon.")
+    sub = parser.add_subparsers(dest="command", metavar="{serve,bench,plan}")
+    add_serve_parser(sub)
+    _add_delegated(sub, "metrics.bench", "bench", "load-test an OpenAI-compatible server")
+    _add_delegated(sub, "server.plan_cmd", "plan", "plan KV capacity for a model and device")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

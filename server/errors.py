@@ -1,0 +1,181 @@
+"""OpenAI-shaped errors: one exception type, one body shape, handlers for every failure FastAPI can raise.
+
+Every error leaves the server as ``{"error": {"message", "type", "param", "code"}}`` with the status
+OpenAI would use, so SDKs raise their typed exceptions (``BadRequestError``, ``NotFoundError``...).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+# Seconds a client should wait before retrying a request refused because the queue is full.
+RETRY_AFTER_S = 1
+
+
+class APIError(Exception):
+    """An error to return to the client as-is (status + OpenAI error body + optional headers)."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def unsupported(param: str, what: str | None = None) -> APIError:
+    """A field that would change the meaning of the request and that we do not implement."""
+    return APIError(400, what or f"'{param}' is not supported by this server", param=param, code="unsupported_parameter")
+
+
+def model_not_found(model: str) -> APIError:
+    return APIError(
+        404,
+        f"The model `{model}` does not exist or you do not have access to it.",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def unauthorized() -> APIError:
+    return APIError(
+        401,
+        "Incorrect API key provided. Pass it as 'Authorization: Bearer <key>'.",
+        param=None,
+        code="invalid_api_key",
+    )
+
+
+def queue_full(limit: int) -> APIError:
+    return APIError(
+        503,
+        f"The server is overloaded: more than {limit} requests are waiting. Retry later.",
+        type="server_error",
+        code="queue_full",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
+
+
+def unavailable(message: str, code: str = "service_unavailable") -> APIError:
+    return APIError(503, message, type="server_error", code=code)
+
+
+def internal_error(message: str = "The server had an error while processing your request.") -> APIError:
+    return APIError(500, message, type="server_error", code="internal_error")
+
+
+# Pydantic names the branch of a union it tried in the error location ("str", "list[int]",
+# "TextPart"...); those are not fields and must not appear in ``param``.
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
+
+
+def _is_type_tag(p: str) -> bool:
+    return p in _TYPE_TAGS or "[" in p or (p[:1].isupper() and p.isidentifier())
+
+
+def loc_to_param(loc: Sequence[Any]) -> str | None:
+    """``("body", "messages", 0, "content")`` -> ``"messages[0].content"`` (OpenAI names params this way)."""
+    parts = list(loc)
+    if parts and parts[0] in ("body", "query", "path", "header"):
+        parts = parts[1:]
+    out = ""
+    for p in parts:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif isinstance(p, str) and _is_type_tag(p):
+            continue
+        else:
+            out += ("." if out else "") + str(p)
+    return out or None
+
+
+def _validation_message(err: dict[str, Any], param: str | None) -> str:
+    kind = err.get("type", "")
+    if kind == "json_invalid":
+        return "We could not parse the JSON body of your request: " + str(err.get("ctx", {}).get("error", err["msg"]))
+    if kind == "extra_forbidden":
+        return f"Unrecognized request argument supplied: {param}"
+    if kind == "missing":
+        return f"Missing required parameter: '{param}'."
+    msg = str(err.get("msg", "invalid value"))
+    if msg.startswith("Value error, "):  # our own validators: the message is already complete
+        return msg[len("Value error, ") :]
+    return f"Invalid value for '{param}': {msg}" if param else msg
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    errors = list(exc.errors())
+    if not errors:
+        return bad_request("Invalid request.")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return bad_request(_validation_message(first, None), code="invalid_json")
+    param = loc_to_param(first.get("loc", ()))
+    if param is None:  # the body itself: empty, or not an object
+        return bad_request("The request body must be a JSON object.", code="invalid_json")
+    same = [e for e in errors if loc_to_param(e.get("loc", ())) == param]
+    if len(same) > 1 and any(_is_type_tag(str(x)) for x in first.get("loc", ())):
+        # Every branch of a union failed: say so once rather than quoting one branch.
+        return bad_request(f"Invalid type for '{param}': it matches none of the accepted forms.", param=param)
+    return bad_request(_validation_message(first, param), param=param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every failure through the OpenAI error shape (never FastAPI's default 422/``detail`` body)."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            msg = f"Invalid URL ({request.method} {request.url.path})"
+            err = APIError(404, msg, code="not_found")
+        elif exc.status_code == 405:
+            msg = f"Method {request.method} is not allowed for {request.url.path}"
+            err = APIError(405, msg, code="method_not_allowed")
+        else:
+            err = APIError(exc.status_code, str(exc.detail), type="invalid_request_error" if exc.status_code < 500 else "server_error")
+        resp = err.response()
+        for k, v in (getattr(exc, "headers", None) or {}).items():
+            resp.headers[k] = v
+        return resp
+
+    @app.exception_handler(Exception)
+    async def _unhandled(_request: Request, _exc: Exception) -> JSONResponse:
+        # Starlette re-raises after sending this, so uvicorn logs the traceback once.
+        return internal_error().response()

@@ -1,0 +1,225 @@
+"""The OpenAI wire format: request models (validated at the edge) and response models (for the schema).
+
+Requests forbid unknown fields, like OpenAI ("Unrecognized request argument supplied"): a field we
+do not know could change what the client expects, so it is refused rather than ignored. Fields that
+OpenAI defines but we do not implement are declared here and refused by name in the serving code
+(``_refuse_unsupported`` in each serving module); harmless ones (``user``, ``metadata``...) are accepted
+and ignored. Streaming chunks are built as plain dicts in the serving modules (the hot path).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# --------------------------------------------------------------------------------------------- requests
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # we never obfuscate; accepted so SDK defaults pass
+
+
+class SamplingExtensions(BaseModel):
+    """vLLM-style extensions shared by both endpoints (not in OpenAI's API)."""
+
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+
+
+class GenerationRequest(SamplingExtensions):
+    """Fields both generation endpoints share."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None  # None => the served model
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # accepted, ignored
+
+
+Prompt = Union[str, list[str], list[int], list[list[int]]]
+
+
+class CompletionRequest(GenerationRequest):
+    """``POST /v1/completions``."""
+
+    prompt: Prompt
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool | None = False
+    # Declared so they are refused by name (not as "unrecognized"):
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _logprobs_is_int(cls, v: Any) -> Any:
+        if isinstance(v, bool):
+            raise ValueError("'logprobs' must be an integer in [0, 20] for /v1/completions (not a boolean)")
+        return v
+
+
+class TextPart(BaseModel):
+    """One element of a list-valued message ``content``; only ``{"type": "text"}`` is served."""
+
+    model_config = ConfigDict(extra="allow")  # image_url, input_audio...: refused by type, with a clear message
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None  # accepted; the chat template has no place for it
+    # Declared so they are refused by name:
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    function_call: Any | None = None
+    refusal: str | None = None
+    audio: Any | None = None
+
+
+class ChatCompletionRequest(GenerationRequest):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    # Accepted and ignored (harmless):
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    parallel_tool_calls: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    modalities: list[str] | None = None
+    # Declared so they are refused by name when set:
+    tools: list[Any] | None = None
+    tool_choice: Any | None = None
+    functions: list[Any] | None = None
+    function_call: Any | None = None
+    response_format: dict[str, Any] | None = None
+    audio: Any | None = None
+    prediction: Any | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: Any | None = None
+
+
+# -------------------------------------------------------------------------------------------- responses
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions logprobs object (parallel lists, one entry per token)."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "servelm"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def sse(data: str) -> bytes:
+    """One server-sent event."""
+    return f"data: {data}\n\n".encode()
+
+
+SSE_DONE = b"data: [DONE]\n\n"

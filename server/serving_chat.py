@@ -1,0 +1,193 @@
+"""``POST /v1/chat/completions``: messages -> chat template -> one engine request with n choices."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from scheduler.sampling_params import SamplingParams
+from server.async_engine import RequestGroup
+from server.chat import normalize_messages, render_chat_prompt
+from server.errors import bad_request, unsupported
+from server.logprobs import chat_logprobs_content
+from server.protocol import ChatCompletionRequest, sse
+from server.serving_common import (
+    ServingContext,
+    add_requests,
+    check_output_error,
+    common_sampling_params,
+    event_stream,
+    random_id,
+    until_disconnect,
+)
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def _refuse_unsupported(req: ChatCompletionRequest) -> None:
+    """Fields that would change the answer and that we cannot honour: 400 naming the field."""
+    if req.tools:
+        raise unsupported("tools", "'tools' (tool calling) is not supported by this server")
+    if req.tool_choice not in (None, "none"):
+        raise unsupported("tool_choice", "'tool_choice' is not supported by this server (no tool calling)")
+    if req.functions:
+        raise unsupported("functions", "'functions' (function calling) is not supported by this server")
+    if req.function_call not in (None, "none"):
+        raise unsupported("function_call", "'function_call' is not supported by this server")
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        raise unsupported(
+            "response_format", f"response_format type '{req.response_format.get('type')}' is not supported (only 'text')"
+        )
+    if req.modalities is not None and any(m != "text" for m in req.modalities):
+        raise unsupported("modalities", "only the 'text' modality is supported")
+    for name in ("audio", "prediction", "reasoning_effort", "verbosity", "web_search_options"):
+        if getattr(req, name) is not None:
+            raise unsupported(name)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
+
+
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request) -> Response:
+    arrival = time.monotonic()
+    created = int(time.time())
+    ctx.check_model(req.model)
+    _refuse_unsupported(req)
+    messages = normalize_messages(req.messages)
+    max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    try:
+        params = common_sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, vocab_size=ctx.vocab_size)
+    except Exception as e:
+        # SamplingParams knows "max_tokens" and "logprobs"; name what this client actually sent.
+        p = getattr(e, "param", None)
+        if p == "max_tokens":
+            e.param = max_param  # type: ignore[attr-defined]
+        elif p == "logprobs":
+            e.param = "top_logprobs"  # type: ignore[attr-defined]
+        raise
+    prompt_ids = await ctx.async_engine.run_blocking(render_chat_prompt, ctx.tokenizer, messages)
+
+    request_id = random_id("chatcmpl")
+    group = await add_requests(
+        ctx, [(request_id, prompt_ids, params)], arrival, param_map={"max_tokens": max_param, "prompt": "messages"}
+    )
+    job = _ChatCompletion(ctx, req, params, request_id, created, prompt_ids, group)
+    if req.stream:
+        return event_stream(job.stream, group)
+    body = await until_disconnect(raw, job.collect(), group)
+    return JSONResponse(body)
+
+
+class _ChatCompletion:
+    """One chat request in flight: turns engine outputs into OpenAI chat choices / chunks."""
+
+    def __init__(
+        self,
+        ctx: ServingContext,
+        req: ChatCompletionRequest,
+        params: SamplingParams,
+        request_id: str,
+        created: int,
+        prompt_ids: list[int],
+        group: RequestGroup,
+    ) -> None:
+        self.ctx = ctx
+        self.req = req
+        self.n = params.n
+        self.want_logprobs = params.logprobs is not None
+        self.id = request_id
+        self.created = created
+        self.prompt_ids = prompt_ids
+        self.group = group
+        self.num_output_tokens = [0] * self.n
+
+    def _usage(self) -> dict[str, int]:
+        prompt = len(self.prompt_ids)
+        completion = sum(self.num_output_tokens)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    async def collect(self) -> dict[str, Any]:
+        texts: list[list[str]] = [[] for _ in range(self.n)]
+        logprobs: list[list[Any]] = [[] for _ in range(self.n)]
+        finish: list[str | None] = [None] * self.n
+        async for out in self.group:
+            check_output_error(out)
+            for c in out.outputs:
+                texts[c.index].append(c.new_text)
+                if c.new_logprobs:
+                    logprobs[c.index].extend(c.new_logprobs)
+                if c.finish_reason is not None:
+                    finish[c.index] = c.finish_reason
+                self.num_output_tokens[c.index] = c.num_output_tokens
+        choices = []
+        for i in range(self.n):
+            lp = None
+            if self.want_logprobs:
+                lp = {"content": chat_logprobs_content(self.ctx.token_strings, logprobs[i]), "refusal": None}
+            choices.append(
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": "".join(texts[i]), "refusal": None},
+                    "logprobs": lp,
+                    "finish_reason": finish[i],
+                }
+            )
+        return {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.ctx.served_model_name,
+            "choices": choices,
+            "usage": self._usage(),
+            "system_fingerprint": None,
+        }
+
+    def _chunk(self, choice: dict[str, Any] | None, include_usage: bool) -> bytes:
+        chunk: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.ctx.served_model_name,
+            "choices": [choice] if choice is not None else [],
+        }
+        if include_usage:
+            chunk["usage"] = None
+        return sse(_dumps(chunk))
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
+        # The role chunk first, for every choice, as OpenAI does.
+        for i in range(self.n):
+            role = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            yield self._chunk(role, include_usage)
+        async for out in self.group:
+            check_output_error(out)
+            for c in out.outputs:
+                i = c.index
+                self.num_output_tokens[i] = c.num_output_tokens
+                lp = None
+                if self.want_logprobs and c.new_logprobs:
+                    lp = {"content": chat_logprobs_content(self.ctx.token_strings, c.new_logprobs), "refusal": None}
+                if c.new_text or lp is not None:
+                    choice = {"index": i, "delta": {"content": c.new_text}, "logprobs": lp, "finish_reason": None}
+                    yield self._chunk(choice, include_usage)
+                if c.finish_reason is not None:
+                    done = {"index": i, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason}
+                    yield self._chunk(done, include_usage)
+        if include_usage:
+            chunk = {
+                "id": self.id,
+                "object": "chat.completion.chunk",
+                "created": self.created,
+                "model": self.ctx.served_model_name,
+                "choices": [],
+                "usage": self._usage(),
+            }
+            yield sse(_dumps(chunk))

@@ -1,0 +1,251 @@
+"""What both OpenAI endpoints share: the serving context, request -> SamplingParams, engine errors
+-> HTTP errors, and running a request until it finishes or its client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from scheduler.sampling_params import InvalidParameterError, SamplingParams
+from server.async_engine import AsyncEngine, EngineDeadError, EngineStoppedError, QueueFullError, RequestGroup
+from server.errors import APIError, bad_request, internal_error, model_not_found, queue_full, unavailable
+from server.logprobs import TokenStrings
+from server.protocol import SSE_DONE, GenerationRequest, sse
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Proxies must pass events through as they come (nginx buffers unless told not to).
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass
+class ServingContext:
+    """Everything a handler needs about the served model, built once at start-up."""
+
+    async_engine: AsyncEngine
+    served_model_name: str
+    max_model_len: int
+    vocab_size: int
+    tokenizer: Any  # the server's own copy (the engine thread detokenizes with the engine's)
+    created: int = field(default_factory=lambda: int(time.time()))
+    model_path: str | None = None
+
+    def __post_init__(self) -> None:
+        self.token_strings = TokenStrings(self.tokenizer)
+
+    @classmethod
+    def from_engine(cls, async_engine: AsyncEngine) -> "ServingContext":
+        engine: Any = async_engine.engine
+        # A private tokenizer: the Rust tokenizer object must not be used from two threads at once.
+        tok = copy.deepcopy(engine.tokenizer)
+        mc = getattr(engine, "model_config", None)
+        return cls(
+            async_engine=async_engine,
+            served_model_name=str(engine.served_model_name),
+            max_model_len=int(engine.config.max_model_len),
+            vocab_size=int(getattr(mc, "vocab_size", 0) or len(tok)),
+            tokenizer=tok,
+            model_path=str(getattr(engine.config, "model", None) or "") or None,
+        )
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise model_not_found(model)
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _opt(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def common_sampling_params(
+    req: GenerationRequest, *, max_tokens: int | None, logprobs: int | None, vocab_size: int
+) -> SamplingParams:
+    """The SamplingParams both endpoints build from their shared fields (400 naming the param if bad)."""
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("'stream_options' is only allowed when 'stream' is true.", param="stream_options")
+    bias: dict[int, float] | None = None
+    if req.logit_bias:
+        bias = {}
+        for k, v in req.logit_bias.items():
+            try:
+                bias[int(k)] = float(v)
+            except ValueError:
+                raise bad_request(f"Invalid key in 'logit_bias': {k!r} is not a token id.", param="logit_bias") from None
+    stop = req.stop if req.stop is not None else []
+    try:
+        params = SamplingParams(
+            n=_opt(req.n, 1),
+            max_tokens=max_tokens,
+            temperature=_opt(req.temperature, 1.0),
+            top_p=_opt(req.top_p, 1.0),
+            top_k=_opt(req.top_k, 0),
+            min_p=_opt(req.min_p, 0.0),
+            seed=req.seed,
+            stop=[stop] if isinstance(stop, str) else list(stop),
+            stop_token_ids=list(req.stop_token_ids or []),
+            presence_penalty=_opt(req.presence_penalty, 0.0),
+            frequency_penalty=_opt(req.frequency_penalty, 0.0),
+            repetition_penalty=_opt(req.repetition_penalty, 1.0),
+            logit_bias=bias,
+            min_tokens=_opt(req.min_tokens, 0),
+            logprobs=logprobs,
+            ignore_eos=bool(req.ignore_eos),
+            skip_special_tokens=_opt(req.skip_special_tokens, True),
+            include_stop_str_in_output=bool(req.include_stop_str_in_output),
+        )
+        params.validate(vocab_size=vocab_size)
+    except InvalidParameterError as e:
+        raise bad_request(str(e), param=e.param) from None
+    return params
+
+
+def check_token_ids(prompts: list[list[int]], vocab_size: int, param: str = "prompt") -> None:
+    for ids in prompts:
+        for t in ids:
+            if not 0 <= t < vocab_size:
+                raise bad_request(f"Token id {t} in '{param}' is outside the vocabulary (size {vocab_size}).", param=param)
+
+
+def engine_error(exc: BaseException, param_map: dict[str, str] | None = None) -> APIError:
+    """The HTTP error for an exception from ``AsyncEngine.add`` or a running request."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidParameterError):
+        param = (param_map or {}).get(exc.param, exc.param)
+        return bad_request(str(exc), param=param)
+    if isinstance(exc, QueueFullError):
+        return queue_full(exc.limit)
+    if isinstance(exc, EngineStoppedError):
+        return unavailable(f"The server is not accepting requests: {exc}", code="shutting_down")
+    if isinstance(exc, EngineDeadError):
+        return unavailable(f"The engine is not running: {exc}", code="engine_dead")
+    log.error("request failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
+    return internal_error()
+
+
+class RequestFailed(Exception):
+    """The engine finished a request with ``finish_reason == "error"``."""
+
+
+def check_output_error(out: Any) -> None:
+    if out.error is not None:
+        raise RequestFailed(out.error)
+    for c in out.outputs:
+        if c.finish_reason == "error":
+            raise RequestFailed("the request failed inside the engine")
+        if c.finish_reason == "abort":
+            # Only the server aborts requests (client gone, shutdown): reaching a reader means shutdown.
+            raise EngineStoppedError("the request was aborted")
+
+
+def output_error(exc: BaseException) -> APIError:
+    if isinstance(exc, RequestFailed):
+        return internal_error(f"The request failed inside the engine: {exc}")
+    return engine_error(exc)
+
+
+async def add_requests(
+    ctx: ServingContext,
+    requests: list[tuple[str, list[int], SamplingParams]],
+    arrival_time: float,
+    param_map: dict[str, str] | None = None,
+) -> RequestGroup:
+    try:
+        return await ctx.async_engine.add(requests, arrival_time)
+    except Exception as exc:  # noqa: BLE001 - mapped to the right HTTP error
+        raise engine_error(exc, param_map) from None
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnect(request: Request, work: Awaitable[T], group: RequestGroup) -> T:
+    """Await ``work`` (a non-streaming request); if the client disconnects first, abort the group."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            group.close()
+        watcher.cancel()
+    if task.cancelled():
+        # The client is gone: nobody reads this (nginx's "client closed request" status).
+        raise APIError(499, "The client closed the connection before the response was ready.", code="client_closed")
+    try:
+        return task.result()
+    except APIError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - engine death, a failed request...: the right status
+        raise output_error(exc) from None
+
+
+class EventStreamResponse(StreamingResponse):
+    """An SSE response that releases its request group however it ends.
+
+    The body generator's own ``finally`` covers disconnects mid-iteration; this covers the case
+    where the client vanished before the first chunk was even produced (the generator never ran).
+    """
+
+    def __init__(self, body: AsyncIterator[bytes], group: RequestGroup) -> None:
+        super().__init__(body, media_type="text/event-stream", headers=SSE_HEADERS)
+        self._group = group
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._group.close()
+
+
+def event_stream(gen: Callable[[], AsyncIterator[bytes]], group: RequestGroup) -> EventStreamResponse:
+    """SSE response: the chunks, an error event if something fails mid-stream, ``[DONE]`` last."""
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in gen():
+                yield chunk
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported to the client in-band
+            yield sse(json.dumps(output_error(exc).body(), ensure_ascii=False))
+        finally:
+            group.close()
+        yield SSE_DONE
+
+    return EventStreamResponse(body(), group)
+
+
+__all__ = [
+    "SSE_HEADERS",
+    "ServingContext",
+    "add_requests",
+    "check_output_error",
+    "check_token_ids",
+    "common_sampling_params",
+    "engine_error",
+    "output_error",
+    "random_id",
+    "event_stream",
+    "until_disconnect",
+]

@@ -1,0 +1,209 @@
+"""``POST /v1/completions``: prompts (text or token ids, one or many) -> choices, streamed or not."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from scheduler.sampling_params import SamplingParams
+from server.async_engine import RequestGroup
+from server.errors import bad_request, unsupported
+from server.logprobs import completion_logprobs
+from server.protocol import CompletionRequest, sse
+from server.serving_common import (
+    ServingContext,
+    add_requests,
+    check_output_error,
+    check_token_ids,
+    common_sampling_params,
+    event_stream,
+    random_id,
+    until_disconnect,
+)
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def _split_prompt(prompt: Any) -> tuple[list[str | None], list[list[int] | None]]:
+    """OpenAI's four prompt forms -> per prompt either its text or its token ids."""
+    if isinstance(prompt, str):
+        return [prompt], [None]
+    if not prompt:
+        raise bad_request("'prompt' must not be empty.", param="prompt")
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        return [None], [list(prompt)]
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt), [None] * len(prompt)
+    if all(isinstance(p, list) for p in prompt):
+        return [None] * len(prompt), [list(p) for p in prompt]
+    raise bad_request("'prompt' must be a string, a list of strings, a list of token ids or a list of those.", param="prompt")
+
+
+def _prepare_prompts(tokenizer: Any, texts: list[str | None], ids: list[list[int] | None], echo: bool) -> tuple[list[list[int]], list[str]]:
+    """Tokenize text prompts; decode token prompts when they must be echoed (tokenizer thread)."""
+    out_ids: list[list[int]] = []
+    echo_texts: list[str] = []
+    for text, tids in zip(texts, ids):
+        if tids is None:
+            assert text is not None
+            tids = list(tokenizer.encode(text))
+        out_ids.append(tids)
+        if echo:
+            echo_texts.append(text if text is not None else tokenizer.decode(tids))
+    return out_ids, echo_texts
+
+
+def _refuse_unsupported(req: CompletionRequest, n: int) -> None:
+    if req.suffix:
+        raise unsupported("suffix", "'suffix' (insertion) is not supported by this server")
+    if req.best_of is not None and req.best_of != n:
+        raise unsupported("best_of", f"'best_of' must equal 'n' ({n}) or be omitted: best-of-n selection is not supported")
+    if req.echo and req.logprobs is not None:
+        raise unsupported("logprobs", "'logprobs' together with 'echo' (prompt logprobs) is not supported")
+
+
+async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request) -> Response:
+    arrival = time.monotonic()
+    created = int(time.time())
+    ctx.check_model(req.model)
+    n = req.n if req.n is not None else 1
+    _refuse_unsupported(req, n)
+    params = common_sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs, vocab_size=ctx.vocab_size)
+    texts, given_ids = _split_prompt(req.prompt)
+    check_token_ids([t for t in given_ids if t is not None], ctx.vocab_size)
+    prompt_ids, echo_texts = await ctx.async_engine.run_blocking(
+        _prepare_prompts, ctx.tokenizer, texts, given_ids, bool(req.echo)
+    )
+    for i, ids in enumerate(prompt_ids):
+        if not ids:
+            raise bad_request(f"Prompt {i} is empty (0 tokens).", param="prompt")
+
+    request_id = random_id("cmpl")
+    sub_ids = [f"{request_id}-{i}" for i in range(len(prompt_ids))]
+    group = await add_requests(ctx, [(sid, ids, params) for sid, ids in zip(sub_ids, prompt_ids)], arrival)
+    job = _Completion(ctx, req, params, request_id, created, sub_ids, prompt_ids, echo_texts, group)
+    if req.stream:
+        return event_stream(job.stream, group)
+    body = await until_disconnect(raw, job.collect(), group)
+    return JSONResponse(body)
+
+
+class _Completion:
+    """One completions request in flight: turns engine outputs into OpenAI choices."""
+
+    def __init__(
+        self,
+        ctx: ServingContext,
+        req: CompletionRequest,
+        params: SamplingParams,
+        request_id: str,
+        created: int,
+        sub_ids: list[str],
+        prompt_ids: list[list[int]],
+        echo_texts: list[str],
+        group: RequestGroup,
+    ) -> None:
+        self.ctx = ctx
+        self.req = req
+        self.params = params
+        self.n = params.n
+        self.id = request_id
+        self.created = created
+        self.prompt_index = {sid: i for i, sid in enumerate(sub_ids)}
+        self.prompt_ids = prompt_ids
+        self.echo_texts = echo_texts
+        self.group = group
+        self.want_logprobs = params.logprobs is not None
+        num_choices = len(prompt_ids) * self.n
+        self.num_output_tokens = [0] * num_choices
+        # Where the next token's text starts in the choice's text (logprobs.text_offset).
+        self.offsets = [len(echo_texts[i // self.n]) if echo_texts else 0 for i in range(num_choices)]
+
+    def _usage(self) -> dict[str, int]:
+        prompt = sum(len(ids) for ids in self.prompt_ids)
+        completion = sum(self.num_output_tokens)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    async def collect(self) -> dict[str, Any]:
+        num_choices = len(self.num_output_tokens)
+        texts: list[list[str]] = [[] for _ in range(num_choices)]
+        logprobs: list[list[Any]] = [[] for _ in range(num_choices)]
+        finish: list[str | None] = [None] * num_choices
+        async for out in self.group:
+            check_output_error(out)
+            base = self.prompt_index[out.request_id] * self.n
+            for c in out.outputs:
+                i = base + c.index
+                texts[i].append(c.new_text)
+                if c.new_logprobs:
+                    logprobs[i].extend(c.new_logprobs)
+                if c.finish_reason is not None:
+                    finish[i] = c.finish_reason
+                self.num_output_tokens[i] = c.num_output_tokens
+        choices = []
+        for i in range(num_choices):
+            text = "".join(texts[i])
+            if self.echo_texts:
+                text = self.echo_texts[i // self.n] + text
+            lp = None
+            if self.want_logprobs:
+                lp, _ = completion_logprobs(self.ctx.token_strings, logprobs[i], self.offsets[i])
+            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": finish[i]})
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.ctx.served_model_name,
+            "choices": choices,
+            "usage": self._usage(),
+            "system_fingerprint": None,
+        }
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
+        echo_pending = [bool(self.echo_texts)] * len(self.num_output_tokens)
+        model = self.ctx.served_model_name
+        async for out in self.group:
+            check_output_error(out)
+            base = self.prompt_index[out.request_id] * self.n
+            for c in out.outputs:
+                i = base + c.index
+                self.num_output_tokens[i] = c.num_output_tokens
+                text = c.new_text
+                if echo_pending[i]:
+                    text = self.echo_texts[i // self.n] + text
+                    echo_pending[i] = False
+                lp = None
+                if self.want_logprobs and c.new_logprobs:
+                    lp, self.offsets[i] = completion_logprobs(self.ctx.token_strings, c.new_logprobs, self.offsets[i])
+                if not text and lp is None and c.finish_reason is None:
+                    continue  # text held back (a possible stop string): nothing to say yet
+                chunk: dict[str, Any] = {
+                    "id": self.id,
+                    "object": "text_completion",
+                    "created": self.created,
+                    "model": model,
+                    "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}],
+                }
+                if include_usage:
+                    chunk["usage"] = None
+                yield sse(_dumps(chunk))
+        if include_usage:
+            yield sse(
+                _dumps(
+                    {
+                        "id": self.id,
+                        "object": "text_completion",
+                        "created": self.created,
+                        "model": model,
+                        "choices": [],
+                        "usage": self._usage(),
+                    }
+                )
+            )

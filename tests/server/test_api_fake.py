@@ -1,0 +1,468 @@
+"""The HTTP surface over a scripted engine: shapes, SSE framing, every error path, aborts, liveness.
+
+A real uvicorn server runs in a thread; the engine is ``FakeEngine`` (deterministic tokens), so these
+tests are fast and can provoke failures (engine crash, per-request errors, a full queue) at will.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from srv_harness import parse_sse
+
+# One client for the module: keep-alive connections, no per-call client set-up.
+http = httpx.Client(timeout=30)
+
+
+def _wait(cond: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.01)
+
+
+def assert_error(resp: httpx.Response, status: int, param: str | None = "__any__", code: str | None = None) -> dict:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"]
+    assert err["type"] == ("invalid_request_error" if status < 500 else "server_error")
+    if param != "__any__":
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+# ----------------------------------------------------------------------------------------- shapes
+
+
+def test_completion_shape_and_text(fake_server: Any) -> None:
+    srv, eng, _ = fake_server()
+    r = http.post(f"{srv.url}/v1/completions", json={"model": "fake-model", "prompt": "Hello", "max_tokens": 5})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["id"].startswith("cmpl-") and len(body["id"]) > 10
+    assert body["object"] == "text_completion"
+    assert isinstance(body["created"], int) and abs(body["created"] - time.time()) < 60
+    assert body["model"] == "fake-model"
+    assert body["choices"] == [{"index": 0, "text": eng.expected_text(5), "logprobs": None, "finish_reason": "length"}]
+    n_prompt = len(eng.tokenizer.encode("Hello"))
+    assert body["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 5, "total_tokens": n_prompt + 5}
+
+
+def test_completion_default_max_tokens_is_16_and_model_optional(fake_server: Any) -> None:
+    srv, eng, _ = fake_server()
+    r = http.post(f"{srv.url}/v1/completions", json={"prompt": [1, 2, 3]})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 16
+    assert r.json()["choices"][0]["text"] == eng.expected_text(16)
+
+
+def test_completion_many_prompts_times_n(fake_server: Any) -> None:
+    srv, eng, _ = fake_server()
+    r = http.post(
+        f"{srv.url}/v1/completions",
+        json={"model": "fake-model", "prompt": [[5, 6], [7, 8, 9], [10]], "n": 2, "max_tokens": 3},
+    )
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == list(range(6))
+    for c in choices:
+        # index = prompt_idx * n + i: choice i of every prompt walks the script from offset i
+        assert c["text"] == eng.expected_text(3, index=c["index"] % 2)
+    assert r.json()["usage"] == {"prompt_tokens": 6, "completion_tokens": 18, "total_tokens": 24}
+    assert len(eng.added) == 3
+
+
+def test_completion_echo_and_logprobs(fake_server: Any) -> None:
+    srv, eng, _ = fake_server()
+    r = http.post(f"{srv.url}/v1/completions", json={"prompt": "Say", "max_tokens": 2, "echo": True})
+    assert r.json()["choices"][0]["text"] == "Say" + eng.expected_text(2)
+    r = http.post(f"{srv.url}/v1/completions", json={"prompt": "Say", "max_tokens": 3, "logprobs": 1})
+    lp = r.json()["choices"][0]["logprobs"]
+    toks = [eng.tokenizer.decode([t]) for t in eng.script[:3]]
+    assert lp["tokens"] == toks
+    assert lp["token_logprobs"] == [-0.25] * 3
+    assert lp["text_offset"] == [0, len(toks[0]), len(toks[0]) + len(toks[1])]
+    assert [list(d.values()) for d in lp["top_logprobs"]] == [[-0.25]] * 3
+    assert [list(d) for d in lp["top_logprobs"]] == [[t] for t in toks]
+
+
+def test_chat_shape_and_logprobs(fake_server: Any) -> None:
+    srv, eng, _ = fake_server()
+    r = http.post(
+        f"{srv.url}/v1/chat/completions",
+        json={
+            "model": "fake-model",
+            "messages": [
+                {"role": "developer", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]},
+            ],
+            "max_completion_tokens": 4,
+            "logprobs": True,
+            "top_logprobs": 2,
+            "user": "u1",
+            "metadata": {"a": "b"},
+        },
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["id"].startswith("chatcmpl-")
+    assert body["object"] == "chat.completion"
+    ch = body["choices"][0]
+    assert ch["message"]["role"] == "assistant" and ch["message"]["content"] == eng.expected_text(4)
+    assert ch["finish_reason"] == "length"
+    content = ch["logprobs"]["content"]
+    assert len(content) == 4
+    first = content[0]
+    assert first["token"] == eng.tokenizer.decode([eng.script[0]])
+    assert first["bytes"] == list(first["token"].encode())
+    assert [t["logprob"] for t in first["top_logprobs"]] == [-0.25, -1.75]
+    # The developer message became the system turn and the text parts were joined.
+    expected_prompt = eng.tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi\nthere"}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    assert eng.prompts[-1] == eng.tokenizer.encode(expected_prompt, add_special_tokens=False)
+    assert body["usage"]["prompt_tokens"] == len(eng.prompts[-1])
+
+
+def test_models_health_version(fake_server: Any) -> None:
+    srv, _, _ = fake_server()
+    models = http.get(f"{srv.url}/v1/models").json()
+    assert models["object"] == "list"
+    (card,) = models["data"]
+    assert card["id"] == "fake-model" and card["object"] == "model" and card["owned_by"] == "servelm"
+    assert card["max_model_len"] == 256 and isinstance(card["created"], int)
+    assert http.get(f"{srv.url}/v1/models/fake-model").json()["id"] == "fake-model"
+    assert_error(http.get(f"{srv.url}/v1/models/nope"), 404, code="model_not_found")
+    assert http.get(f"{srv.url}/health").status_code == 200
+    assert http.get(f"{srv.url}/version").json()["version"]
+    m = http.get(f"{srv.url}/metrics")
+    assert m.status_code == 200 and m.headers["content-type"].startswith("text/plain")
+
+
+# ------------------------------------------------------------------------------------------- SSE
+
+
+def test_completion_stream_framing(fake_server: Any) -> None:
+    srv, eng, _ = fake_server()
+    with http.stream(
+        "POST",
+        f"{srv.url}/v1/completions",
+        json={"prompt": "Hi", "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}},
+    ) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read()
+    events = parse_sse(raw)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    *content, usage = chunks
+    assert len(content) == 4
+    assert all(c["object"] == "text_completion" and c["usage"] is None for c in content)
+    assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("cmpl-")
+    assert "".join(c["choices"][0]["text"] for c in content) == eng.expected_text(4)
+    assert [c["choices"][0]["finish_reason"] for c in content] == [None, None, None, "length"]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 4
+
+
+def test_chat_stream_framing_n2(fake_server: Any) -> None:
+    srv, eng, _ = fake_server()
+    with http.stream(
+        "POST",
+        f"{srv.url}/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 3,
+            "n": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ) as r:
+        raw = r.read()
+    events = parse_sse(raw)
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    # The role chunks come first, one per choice.
+    assert [c["choices"][0]["delta"] for c in chunks[:2]] == [{"role": "assistant", "content": ""}] * 2
+    assert sorted(c["choices"][0]["index"] for c in chunks[:2]) == [0, 1]
+    usage = chunks[-1]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 6
+    for i in range(2):
+        mine = [c["choices"][0] for c in chunks[2:-1] if c["choices"][0]["index"] == i]
+        assert "".join(ch["delta"].get("content", "") for ch in mine) == eng.expected_text(3, index=i)
+        # the last one per choice: empty delta + finish_reason
+        assert mine[-1] == {"index": i, "delta": {}, "logprobs": None, "finish_reason": "length"}
+        assert all(ch["finish_reason"] is None for ch in mine[:-1])
+    assert all(c["usage"] is None for c in chunks[:-1])
+
+
+def test_stream_without_usage_has_no_usage_key(fake_server: Any) -> None:
+    srv, _, _ = fake_server()
+    r = http.post(
+        f"{srv.url}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stream": True},
+    )
+    events = parse_sse(r.content)
+    assert events[-1] == "[DONE]"
+    assert all("usage" not in json.loads(e) for e in events[:-1])
+
+
+# ----------------------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature"),
+        ("/v1/completions", {"prompt": "x", "temperature": 5}, "temperature"),
+        ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
+        ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+        ("/v1/completions", {"prompt": "x", "logprobs": True}, "logprobs"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 500}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "frobnicate": 1}, "frobnicate"),
+        ("/v1/completions", {"prompt": "x", "suffix": "end"}, "suffix"),
+        ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
+        ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, "logprobs"),
+        ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+        ("/v1/completions", {"prompt": [1, 999999]}, "prompt"),
+        ("/v1/completions", {"prompt": []}, "prompt"),
+        ("/v1/completions", {}, "prompt"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]},
+            "messages[0].content[0].type",
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "tool_choice"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}, "functions"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "audio": {"voice": "x"}}, "audio"),
+    ],
+)
+def test_bad_requests_are_400_naming_the_param(shared_fake_server: Any, path: str, body: dict, param: str) -> None:
+    srv, eng, _ = shared_fake_server
+    before = len(eng.added)
+    assert_error(http.post(srv.url + path, json=body), 400, param=param)
+    assert len(eng.added) == before  # nothing reached the engine
+
+
+def test_malformed_json_and_non_object(fake_server: Any) -> None:
+    srv, _, _ = fake_server()
+    r = http.post(f"{srv.url}/v1/completions", content=b'{"prompt": "x",', headers={"content-type": "application/json"})
+    assert_error(r, 400)
+    r = http.post(f"{srv.url}/v1/chat/completions", content=b"[1, 2]", headers={"content-type": "application/json"})
+    assert_error(r, 400)
+
+
+def test_prompt_too_long_names_both_numbers(fake_server: Any) -> None:
+    srv, _, _ = fake_server(max_model_len=64)
+    r = http.post(f"{srv.url}/v1/completions", json={"prompt": list(range(10, 40)), "max_tokens": 40})
+    err = assert_error(r, 400, param="max_tokens")
+    assert "64" in err["message"] and "70" in err["message"]
+    r = http.post(
+        f"{srv.url}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 60},
+    )
+    err = assert_error(r, 400, param="max_completion_tokens")
+    assert "64" in err["message"]
+
+
+def test_unknown_model_404(fake_server: Any) -> None:
+    srv, _, _ = fake_server()
+    assert_error(http.post(f"{srv.url}/v1/completions", json={"model": "gpt-9", "prompt": "x"}), 404, code="model_not_found")
+    r = http.post(f"{srv.url}/v1/chat/completions", json={"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]})
+    assert_error(r, 404, code="model_not_found")
+
+
+def test_unknown_route_and_method(fake_server: Any) -> None:
+    srv, _, _ = fake_server()
+    assert_error(http.get(f"{srv.url}/v1/nothing"), 404)
+    assert_error(http.get(f"{srv.url}/v1/completions"), 405)
+
+
+def test_api_key(fake_server: Any) -> None:
+    srv, _, _ = fake_server(api_key="sekret")
+    body = {"prompt": "x", "max_tokens": 1}
+    assert_error(http.post(f"{srv.url}/v1/completions", json=body), 401, code="invalid_api_key")
+    bad = {"Authorization": "Bearer wrong"}
+    assert_error(http.post(f"{srv.url}/v1/completions", json=body, headers=bad), 401)
+    assert_error(http.get(f"{srv.url}/v1/models", headers=bad), 401)
+    # malformed JSON without a key is still a 401 (the key is checked first)
+    assert_error(http.post(f"{srv.url}/v1/completions", content=b"{", headers={"content-type": "application/json"}), 401)
+    good = {"Authorization": "Bearer sekret"}
+    assert http.post(f"{srv.url}/v1/completions", json=body, headers=good).status_code == 200
+    assert http.get(f"{srv.url}/v1/models", headers=good).status_code == 200
+    for open_path in ("/health", "/version", "/metrics"):
+        assert http.get(srv.url + open_path).status_code == 200
+
+
+def test_request_error_is_500_for_that_request_only(fake_server: Any) -> None:
+    srv, eng, _ = fake_server()
+    assert_error(http.post(f"{srv.url}/v1/completions", json={"prompt": "FAIL_ME now"}), 500)
+    r = http.post(
+        f"{srv.url}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "FAIL_ME"}], "stream": True},
+    )
+    assert r.status_code == 200
+    events = parse_sse(r.content)
+    assert events[-1] == "[DONE]"
+    err = json.loads(events[-2])
+    assert set(err) == {"error"} and err["error"]["type"] == "server_error"
+    # the server is fine afterwards
+    ok = http.post(f"{srv.url}/v1/completions", json={"prompt": "fine", "max_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == eng.expected_text(2)
+    assert http.get(f"{srv.url}/health").status_code == 200
+
+
+def test_queue_full_503_with_retry_after(fake_server: Any) -> None:
+    srv, eng, ae = fake_server(max_num_seqs=1, max_waiting_requests=2, step_time=0.02)
+    results: list[httpx.Response] = []
+
+    def call() -> None:
+        results.append(http.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 30}, timeout=30))
+
+    threads = [threading.Thread(target=call) for _ in range(3)]  # 1 running + 2 waiting
+    for t in threads:
+        t.start()
+    _wait(lambda: len(eng.added) == 3)
+    r = http.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    err = assert_error(r, 503, code="queue_full")
+    assert r.headers["retry-after"] == "1"
+    assert "2" in err["message"]
+    assert ae.test_observer.rejected == 1
+    for t in threads:
+        t.join()
+    assert [x.status_code for x in results] == [200, 200, 200]
+
+
+# ----------------------------------------------------------------------------- aborts and liveness
+
+
+def test_stream_disconnect_aborts_and_frees(fake_server: Any) -> None:
+    srv, eng, _ = fake_server(step_time=0.01)
+    with http.stream("POST", f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 200, "stream": True}) as r:
+        it = r.iter_raw()
+        next(it)
+        next(it)
+    _wait(lambda: len(eng.aborted) == 1)
+    _wait(lambda: eng.block_manager.num_used_blocks == 0 and not eng.has_unfinished_requests())
+    assert http.get(f"{srv.url}/health").status_code == 200
+
+
+def test_non_stream_disconnect_aborts(fake_server: Any) -> None:
+    srv, eng, _ = fake_server(step_time=0.01)
+    # A raw socket we can close mid-request, like a client that gives up.
+    body = json.dumps({"prompt": "x", "max_tokens": 200}).encode()
+    s = socket.create_connection(("127.0.0.1", srv.port))
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    _wait(lambda: len(eng.added) == 1 and eng.steps > 2)
+    s.close()
+    _wait(lambda: len(eng.aborted) == 1)
+    _wait(lambda: eng.block_manager.num_used_blocks == 0)
+
+
+def test_engine_death(fake_server: Any) -> None:
+    srv, eng, ae = fake_server(step_time=0.01)
+    got: dict[str, Any] = {}
+
+    def stream() -> None:
+        got["raw"] = http.post(
+            f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 200, "stream": True}, timeout=30
+        ).content
+
+    def plain() -> None:
+        got["plain"] = http.post(f"{srv.url}/v1/completions", json={"prompt": "y", "max_tokens": 200}, timeout=30)
+
+    threads = [threading.Thread(target=stream), threading.Thread(target=plain)]
+    for t in threads:
+        t.start()
+    _wait(lambda: len(eng.added) == 2 and eng.steps > 2)
+    eng.crash = True
+    for t in threads:
+        t.join(10)
+    events = parse_sse(got["raw"])
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "engine_dead"
+    assert_error(got["plain"], 503, code="engine_dead")
+    assert not ae.is_alive
+    assert_error(http.get(f"{srv.url}/health"), 503)
+    assert_error(http.post(f"{srv.url}/v1/completions", json={"prompt": "x"}), 503, code="engine_dead")
+    assert_error(http.get(f"{srv.url}/v1/models"), 503)
+
+
+def test_graceful_shutdown_finishes_running_stream(fake_server: Any) -> None:
+    srv, eng, ae = fake_server(step_time=0.01)
+    got: dict[str, Any] = {}
+
+    def stream() -> None:
+        got["raw"] = http.post(
+            f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 60, "stream": True}, timeout=30
+        ).content
+
+    t = threading.Thread(target=stream)
+    t.start()
+    _wait(lambda: eng.steps > 3)
+    ae.stop_accepting()  # what the SIGTERM handler does first
+    assert_error(http.post(f"{srv.url}/v1/completions", json={"prompt": "x"}), 503, code="shutting_down")
+    srv.stop()
+    t.join(10)
+    events = parse_sse(got["raw"])
+    assert events[-1] == "[DONE]"
+    text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+    assert text == eng.expected_text(60)
+    assert not srv.thread.is_alive()
+    assert ae._thread is not None and not ae._thread.is_alive()
+
+
+def test_stream_disconnect_while_queued_aborts_before_it_runs(fake_server: Any) -> None:
+    srv, eng, _ = fake_server(max_num_seqs=1, step_time=0.01)
+    done: list[httpx.Response] = []
+    blocker = threading.Thread(
+        target=lambda: done.append(http.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 100}))
+    )
+    blocker.start()
+    _wait(lambda: len(eng.added) == 1)
+    with http.stream("POST", f"{srv.url}/v1/completions", json={"prompt": "y", "max_tokens": 5, "stream": True}) as r:
+        assert r.status_code == 200
+        _wait(lambda: len(eng.added) == 2)
+    # It never produced a token (the blocker holds the only slot), yet it is gone from the engine.
+    _wait(lambda: eng.aborted == [eng.added[1]])
+    assert eng.num_waiting == 0
+    blocker.join()
+    assert done[0].status_code == 200

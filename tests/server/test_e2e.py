@@ -1,0 +1,325 @@
+"""End to end on the default model: the official ``openai`` SDK and raw httpx against a live server.
+
+One engine (SmolLM2-135M-Instruct, float32, CPU) serves the whole module through a real uvicorn
+server on a loopback port. Offline greedy references come from the same engine's ``generate``
+before the server starts, so "the server returns the engine's text" is checked token-exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import httpx
+import openai
+import pytest
+
+from scheduler.config import EngineConfig
+from scheduler.sampling_params import SamplingParams
+from server.app import ObserverProxy, build_app, create_prometheus_observer
+from server.async_engine import AsyncEngine
+from srv_harness import ServerThread, parse_sse
+
+pytestmark = pytest.mark.slow
+
+CHAT_Q = "What is the capital of France?"
+COMPLETION_PROMPT = "The three primary colors are"
+# Prompts for the concurrency test: distinct lengths and contents, each shared by several clients.
+CONCURRENT_PROMPTS = [
+    "Once upon a time",
+    "def fibonacci(n):",
+    "The weather today is",
+    "List three fruits:",
+    "In 1969, astronauts",
+    "The best way to learn a language is",
+    "SELECT name FROM",
+    "My favourite book is",
+]
+CONCURRENT_MAX_TOKENS = 24
+
+
+@dataclass
+class Live:
+    srv: ServerThread
+    engine: Any
+    ae: AsyncEngine
+    model: str
+    chat_ids: list[int]
+    chat_text: str  # offline greedy answer to CHAT_Q (chat template)
+    completion_text: str  # offline greedy, 12 tokens, ignore_eos
+    concurrent_texts: dict[str, str]
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.srv.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def live() -> Iterator[Live]:
+    from scheduler.engine import Engine
+
+    proxy = ObserverProxy()
+    engine = Engine(EngineConfig(kv_cache_memory=256 * 2**20, max_model_len=2048, max_num_seqs=64), observer=proxy)
+    tok = engine.tokenizer
+    chat_ids = tok.encode(
+        tok.apply_chat_template([{"role": "user", "content": CHAT_Q}], add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    )
+    greedy = SamplingParams(max_tokens=40, temperature=0.0)
+    (chat,) = engine.generate([chat_ids], greedy)
+    (compl,) = engine.generate([tok.encode(COMPLETION_PROMPT)], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    conc = engine.generate(
+        [tok.encode(p) for p in CONCURRENT_PROMPTS],
+        SamplingParams(max_tokens=CONCURRENT_MAX_TOKENS, temperature=0.0, ignore_eos=True),
+    )
+    assert engine.block_manager.num_used_blocks == 0
+    observer = create_prometheus_observer(engine)
+    proxy.target = observer
+    ae = AsyncEngine(engine, observer=proxy)
+    app = build_app(ae, metrics_registry=getattr(observer, "registry", None))
+    srv = ServerThread(app).start()
+    try:
+        yield Live(
+            srv,
+            engine,
+            ae,
+            engine.served_model_name,
+            chat_ids,
+            chat.outputs[0].text,
+            compl.outputs[0].text,
+            {p: r.outputs[0].text for p, r in zip(CONCURRENT_PROMPTS, conc)},
+        )
+    finally:
+        srv.stop()
+
+
+def _idle_and_free(live: Live, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        s = live.ae.snapshot
+        if s.num_running == 0 and s.num_waiting == 0 and s.num_used_blocks == 0 and not live.ae._groups:
+            break
+        assert time.monotonic() < deadline, f"engine not idle: {s}"
+        time.sleep(0.05)
+    # The engine thread is idle now, so reading the block manager from here is safe.
+    assert live.engine.block_manager.num_used_blocks == 0
+
+
+def test_reference_is_sane(live: Live) -> None:
+    assert live.chat_text == "The capital of France is Paris."
+
+
+# ------------------------------------------------------------------------------------- openai SDK
+
+
+def test_sdk_chat_greedy_equals_offline(live: Live) -> None:
+    c = live.client()
+    r = c.chat.completions.create(
+        model=live.model, messages=[{"role": "user", "content": CHAT_Q}], temperature=0, max_tokens=40
+    )
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert r.choices[0].message.content == live.chat_text
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.prompt_tokens == len(live.chat_ids)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_sdk_chat_stream_with_usage(live: Live) -> None:
+    c = live.client()
+    stream = c.chat.completions.create(
+        model=live.model,
+        messages=[{"role": "user", "content": CHAT_Q}],
+        temperature=0,
+        max_tokens=40,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == live.chat_text
+    finals = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finals == ["stop"]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.prompt_tokens == len(live.chat_ids)
+    assert all(ch.usage is None for ch in chunks[:-1])
+
+
+def test_sdk_completion_greedy_and_stream(live: Live) -> None:
+    c = live.client()
+    r = c.completions.create(
+        model=live.model, prompt=COMPLETION_PROMPT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    assert r.choices[0].text == live.completion_text
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 12
+    parts = list(
+        c.completions.create(
+            model=live.model,
+            prompt=COMPLETION_PROMPT,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert "".join(p.choices[0].text for p in parts) == live.completion_text
+    assert parts[-1].choices[0].finish_reason == "length"
+
+
+def test_sdk_n2_seeded_is_reproducible(live: Live) -> None:
+    c = live.client()
+
+    def run() -> list[str]:
+        r = c.completions.create(
+            model=live.model, prompt="Write a word:", n=2, max_tokens=10, temperature=1.0, seed=1234,
+            extra_body={"ignore_eos": True},
+        )
+        assert [ch.index for ch in r.choices] == [0, 1]
+        assert r.usage.completion_tokens == 20
+        return [ch.text for ch in r.choices]
+
+    first = run()
+    assert first == run()
+    assert first[0] != first[1]
+    chat = c.chat.completions.create(
+        model=live.model, messages=[{"role": "user", "content": "Say hi"}], n=2, max_tokens=8, seed=7
+    )
+    assert [ch.index for ch in chat.choices] == [0, 1]
+
+
+def test_sdk_logprobs(live: Live) -> None:
+    c = live.client()
+    r = c.completions.create(
+        model=live.model, prompt=COMPLETION_PROMPT, max_tokens=6, temperature=0, logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset[0] == 0 and lp.text_offset[-1] == len(r.choices[0].text) - len(lp.tokens[-1])
+    for tok, tlp, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert tlp <= 0 and 3 <= len(top) <= 4
+        assert top[tok] == tlp and tlp == max(top.values())  # greedy picks the most likely token
+
+    chat = c.chat.completions.create(
+        model=live.model, messages=[{"role": "user", "content": CHAT_Q}], temperature=0, max_tokens=40,
+        logprobs=True, top_logprobs=2,
+    )
+    content = chat.choices[0].logprobs.content
+    assert chat.choices[0].message.content == live.chat_text
+    # Stopped on EOS, whose text is not returned: the other tokens' bytes spell the answer exactly.
+    assert bytes(b for e in content[:-1] for b in e.bytes).decode() == live.chat_text
+    for e in content:
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob == pytest.approx(e.logprob)
+
+
+def test_sdk_stop_strings(live: Live) -> None:
+    c = live.client()
+    r = c.chat.completions.create(
+        model=live.model, messages=[{"role": "user", "content": CHAT_Q}], temperature=0, max_tokens=40, stop=[" Paris"]
+    )
+    assert r.choices[0].message.content == live.chat_text.split(" Paris")[0]
+    assert r.choices[0].finish_reason == "stop"
+    parts = list(
+        c.chat.completions.create(
+            model=live.model, messages=[{"role": "user", "content": CHAT_Q}], temperature=0, max_tokens=40,
+            stop=" Paris", stream=True,
+        )
+    )
+    assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == live.chat_text.split(" Paris")[0]
+
+
+def test_sdk_models_and_errors(live: Live) -> None:
+    c = live.client()
+    models = c.models.list()
+    assert [m.id for m in models.data] == [live.model]
+    assert models.data[0].owned_by == "servelm"
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="nope", prompt="x", max_tokens=1)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=live.model, prompt="x", max_tokens=5000)
+    assert e.value.body["param"] == "max_tokens" and "2048" in e.value.body["message"] and "5000" in e.value.body["message"]
+
+
+# ------------------------------------------------------------------------------------ raw framing
+
+
+def test_raw_sse_bytes(live: Live) -> None:
+    body = {
+        "model": live.model,
+        "messages": [{"role": "user", "content": CHAT_Q}],
+        "temperature": 0,
+        "max_tokens": 40,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with httpx.stream("POST", f"{live.srv.url}/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read()
+    assert raw.endswith(b"\n\ndata: [DONE]\n\n") and raw.startswith(b"data: {")
+    events = parse_sse(raw)
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[-2]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1]) == live.chat_text
+
+
+# ---------------------------------------------------------------------------------- concurrency
+
+
+async def _client(http: httpx.AsyncClient, url: str, model: str, prompt: str, drop_after: int | None) -> str | None:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": CONCURRENT_MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    text = ""
+    async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        seen = 0
+        async for line in r.aiter_lines():
+            if not line:
+                continue
+            assert line.startswith("data: ")
+            data = line[len("data: ") :]
+            if data == "[DONE]":
+                return text
+            chunk = json.loads(data)
+            assert "error" not in chunk, chunk
+            text += chunk["choices"][0]["text"]
+            seen += 1
+            if drop_after is not None and seen >= drop_after:
+                return None  # leaving the block closes the connection mid-stream
+    raise AssertionError("stream ended without [DONE]")
+
+
+def test_64_concurrent_streams_with_disconnects(live: Live) -> None:
+    rng = random.Random(0)
+    jobs = []
+    for i in range(64):
+        prompt = CONCURRENT_PROMPTS[i % len(CONCURRENT_PROMPTS)]
+        drop = rng.randint(1, 6) if i % 4 == 3 else None  # a quarter disconnect mid-stream
+        jobs.append((prompt, drop))
+
+    async def main() -> list[str | None]:
+        limits = httpx.Limits(max_connections=100, max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=300, limits=limits) as http:
+            return await asyncio.gather(*(_client(http, live.srv.url, live.model, p, d) for p, d in jobs))
+
+    results = asyncio.run(main())
+    for (prompt, drop), text in zip(jobs, results):
+        if drop is None:
+            assert text == live.concurrent_texts[prompt], prompt
+    _idle_and_free(live)
+    assert httpx.get(f"{live.srv.url}/health").status_code == 200
+    metrics = httpx.get(f"{live.srv.url}/metrics").text
+    usage = [ln for ln in metrics.splitlines() if ln.startswith("servelm_kv_cache_usage_perc")]
+    assert usage and float(usage[0].split()[-1]) == 0.0
