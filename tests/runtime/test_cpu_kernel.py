@@ -1,0 +1,308 @@
+"""The CPU paged decode-attention kernel against its torch reference, and the reference against SDPA."""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+import threading
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from runtime.attention import cpu_kernel
+from runtime.attention.cpu_kernel import paged_decode_attention_reference as reference
+
+POOL_TOKENS = 16000  # a pool of 1000 blocks of 16 (500 of 32)
+
+
+class Case:
+    """A decode batch whose sequences' K/V are known contiguously and also scattered into a pool.
+
+    Pool slots no sequence owns (other blocks, the tail of each last block) hold NaN and the
+    block-table columns past each sequence's last block hold wild values, so an implementation
+    that reads anything it should not produces NaN or crashes.
+    """
+
+    def __init__(self, gen, lens, group, kv_heads, head_dim, block_size, dtype=torch.float32,
+                 num_blocks=None):
+        num_blocks = num_blocks or POOL_TOKENS // block_size
+        self.lens = list(lens)
+        batch = len(self.lens)
+        heads = group * kv_heads
+        need = [math.ceil(n / block_size) for n in self.lens]
+        assert sum(need) <= num_blocks
+        width = max(need) + 2
+        self.k_seqs = [torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype) for n in self.lens]
+        self.v_seqs = [torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype) for n in self.lens]
+        self.q = torch.randn(batch, heads, head_dim, generator=gen).to(dtype)
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        self.k_cache = torch.full(shape, float("nan"), dtype=dtype)
+        self.v_cache = torch.full(shape, float("nan"), dtype=dtype)
+        self.block_tables = torch.randint(-(2**30), 2**30, (batch, width), generator=gen, dtype=torch.int32)
+        perm = torch.randperm(num_blocks, generator=gen)
+        start = 0
+        for b, n in enumerate(self.lens):
+            blocks = perm[start : start + need[b]]
+            start += need[b]
+            self.block_tables[b, : need[b]] = blocks.to(torch.int32)
+            for cache, seq in ((self.k_cache, self.k_seqs[b]), (self.v_cache, self.v_seqs[b])):
+                padded = torch.full((need[b] * block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
+                padded[:n] = seq
+                cache[blocks] = padded.view(need[b], block_size, kv_heads, head_dim)
+        self.seq_lens = torch.tensor(self.lens, dtype=torch.int32)
+        self.scale = head_dim**-0.5
+
+    def args(self):
+        return self.q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens, self.scale
+
+    def naive(self) -> torch.Tensor:
+        """Per-request SDPA over contiguous K/V with the KV heads repeated: independent of paging."""
+        outs = []
+        group = self.q.shape[1] // self.k_seqs[0].shape[1]
+        for b in range(len(self.lens)):
+            k = self.k_seqs[b].float().transpose(0, 1).repeat_interleave(group, dim=0)  # [H, n, D]
+            v = self.v_seqs[b].float().transpose(0, 1).repeat_interleave(group, dim=0)
+            q = self.q[b].float()[:, None, :]  # [H, 1, D]
+            outs.append(F.scaled_dot_product_attention(q, k, v, scale=self.scale)[:, 0, :])
+        return torch.stack(outs)
+
+
+def draw_lens(gen, batch: int, must: list[int] | None = None) -> list[int]:
+    """Context lengths uniform in 1..300, the first ones replaced by ``must``."""
+    lens = torch.randint(1, 301, (batch,), generator=gen).tolist()
+    for i, n in enumerate((must or [])[:batch]):
+        lens[i] = n
+    return lens
+
+
+def edge_lens(block_size: int) -> list[int]:
+    # one token, exact multiples of the block size, a partly-filled last block, the maximum
+    return [1, block_size, block_size + 1, 2 * block_size, 2 * block_size - 1, 300, 7 * block_size]
+
+
+def random_cases(seed: int, head_dim: int, block_size: int, group: int, draws: int = 3, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    cases = []
+    for d in range(draws):
+        batch = [33, 1, int(torch.randint(2, 33, (1,), generator=gen))][d % 3]
+        kv_heads = int(torch.randint(1, 4, (1,), generator=gen))
+        lens = draw_lens(gen, batch, must=edge_lens(block_size) if d == 0 else None)
+        cases.append(Case(gen, lens, group, kv_heads, head_dim, block_size, dtype=dtype))
+    return cases
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    fn = cpu_kernel.load_kernel()
+    if fn is None:
+        pytest.skip("the CPU kernel did not build or load here (see the warning logged by load_kernel)")
+    return fn
+
+
+@pytest.fixture(scope="module")
+def portable(kernel):
+    return cpu_kernel.load_portable_kernel()
+
+
+def test_kernel_builds_where_a_compiler_exists():
+    # Otherwise a compile error in the .cpp would only show up as skipped tests.
+    if shutil.which("c++") is None or shutil.which("ninja") is None:
+        pytest.skip("no C++ compiler or ninja on this machine")
+    if cpu_kernel._disabled():
+        pytest.skip(f"{cpu_kernel.DISABLE_ENV} is set")
+    assert cpu_kernel.load_kernel() is not None, "the kernel failed to build; see the logged warning"
+    module = cpu_kernel._loader.get()
+    if "avx512f" in (cpu_kernel._cpu_flags() or set()):
+        assert module.has_avx512, "built without the AVX-512 path on an AVX-512 CPU"
+
+
+SHAPES = [
+    pytest.param(head_dim, block_size, group, id=f"d{head_dim}-bs{block_size}-gqa{group}")
+    for head_dim in (64, 128)
+    for block_size in (16, 32)
+    for group in (1, 3, 4)
+]
+
+
+@pytest.mark.parametrize("head_dim,block_size,group", SHAPES)
+def test_reference_matches_per_request_sdpa(head_dim, block_size, group):
+    for case in random_cases(1, head_dim, block_size, group, draws=2):
+        got = reference(*case.args())
+        assert not got.isnan().any()
+        torch.testing.assert_close(got, case.naive(), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("head_dim,block_size,group", SHAPES)
+def test_kernel_matches_reference(kernel, portable, head_dim, block_size, group):
+    for case in random_cases(2, head_dim, block_size, group):
+        want = reference(*case.args())
+        for fn in (kernel, portable):
+            got = fn(*case.args())
+            assert got.shape == case.q.shape and got.dtype == torch.float32
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("impl", ["kernel", "portable"])
+@pytest.mark.parametrize("head_dim", [16, 40, 96, 256])
+def test_other_head_dims(request, impl, head_dim):
+    # 96 and 256 take the AVX-512 path with a run-time chunk count, 40 the portable loop.
+    fn = request.getfixturevalue(impl)
+    gen = torch.Generator().manual_seed(head_dim)
+    case = Case(gen, [1, 16, 17, 100, 250], group=2, kv_heads=2, head_dim=head_dim, block_size=16, num_blocks=64)
+    torch.testing.assert_close(fn(*case.args()), reference(*case.args()), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 64])
+def test_unusual_block_sizes(kernel, block_size):
+    # Tiles of 16 tokens span several blocks (1, 5) or part of one (64).
+    gen = torch.Generator().manual_seed(block_size)
+    case = Case(gen, [1, 5, 16, 33, 129, 200], group=3, kv_heads=3, head_dim=64, block_size=block_size,
+                num_blocks=max(300, 6 * (200 // block_size + 1)))
+    torch.testing.assert_close(kernel(*case.args()), reference(*case.args()), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("impl", ["kernel", "portable"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bfloat16(request, impl, head_dim):
+    fn = request.getfixturevalue(impl)
+    for case in random_cases(3, head_dim, 16, 3, draws=2, dtype=torch.bfloat16):
+        got = fn(*case.args())
+        assert got.dtype == torch.bfloat16
+        q, k, v, tables, lens, scale = case.args()
+        exact = reference(q.float(), k.float(), v.float(), tables, lens, scale)
+        # Only the final rounding to bfloat16 may differ: half an ulp is 2^-9 relative.
+        torch.testing.assert_close(got.float(), exact, atol=1e-5, rtol=2**-8)
+        torch.testing.assert_close(reference(*case.args()).float(), exact, atol=1e-5, rtol=2**-8)
+
+
+def test_writes_into_out(kernel):
+    case = random_cases(4, 64, 16, 3, draws=1)[0]
+    want = reference(*case.args())
+    out = torch.full_like(case.q, float("nan"))
+    assert kernel(*case.args(), out=out) is out
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
+    # A non-contiguous destination is filled too.
+    batch, heads, head_dim = case.q.shape
+    strided = torch.full((heads, batch, head_dim), float("nan")).transpose(0, 1)
+    assert kernel(*case.args(), strided) is strided
+    torch.testing.assert_close(strided, want, atol=1e-5, rtol=0)
+    ref_out = torch.empty_like(case.q)
+    assert reference(*case.args(), out=ref_out) is ref_out
+    torch.testing.assert_close(ref_out, want, atol=0, rtol=0)
+
+
+def test_query_split_from_a_fused_projection(kernel):
+    # q as the runner produces it: a strided view into a fused qkv tensor.
+    case = random_cases(9, 64, 16, 3, draws=1)[0]
+    batch, heads, head_dim = case.q.shape
+    kv = case.k_cache.shape[2] * head_dim
+    qkv = torch.randn(batch, heads * head_dim + 2 * kv)
+    qkv[:, : heads * head_dim] = case.q.reshape(batch, -1)
+    q = qkv[:, : heads * head_dim].view(batch, heads, head_dim)
+    assert not q.is_contiguous()
+    args = (q,) + case.args()[1:]
+    torch.testing.assert_close(kernel(*args), reference(*case.args()), atol=1e-5, rtol=0)
+
+
+def test_same_result_on_one_and_two_threads(kernel):
+    # Each (sequence, KV head) is computed by one thread start to end: the result is bitwise stable.
+    case = random_cases(5, 64, 16, 3, draws=1)[0]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel(*case.args())
+        torch.set_num_threads(2)
+        two = kernel(*case.args())
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_empty_batch(kernel):
+    q = torch.empty(0, 9, 64)
+    cache = torch.zeros(4, 16, 3, 64)
+    got = kernel(q, cache, cache, torch.empty(0, 3, dtype=torch.int32), torch.empty(0, dtype=torch.int32), 0.125)
+    assert got.shape == (0, 9, 64)
+
+
+def _small_case():
+    gen = torch.Generator().manual_seed(6)
+    return Case(gen, [20, 3], group=3, kv_heads=3, head_dim=64, block_size=16, num_blocks=8)
+
+
+@pytest.mark.parametrize(
+    "mutate,message",
+    [
+        (lambda a: a.update(block_tables=a["block_tables"].clone().index_put_((torch.tensor(0), torch.tensor(1)), torch.tensor(8, dtype=torch.int32))), "outside the pool"),
+        (lambda a: a.update(block_tables=a["block_tables"].clone().index_put_((torch.tensor(1), torch.tensor(0)), torch.tensor(-1, dtype=torch.int32))), "outside the pool"),
+        (lambda a: a.update(seq_lens=torch.tensor([0, 3], dtype=torch.int32)), "at least one token"),
+        (lambda a: a.update(seq_lens=torch.tensor([20, 16 * 4 + 1], dtype=torch.int32)), "columns"),
+        (lambda a: a.update(block_tables=a["block_tables"].long()), "int32"),
+        (lambda a: a.update(q=torch.randn(2, 8, 64)), "multiple"),
+        (lambda a: a.update(q=a["q"].double()), "float32 or bfloat16"),
+        (lambda a: a.update(v_cache=a["v_cache"][:, :8].contiguous()), "differs"),
+        (lambda a: a.update(k_cache=a["k_cache"].transpose(1, 2).contiguous().transpose(1, 2)), "contiguous"),
+    ],
+)
+def test_rejects_bad_input(kernel, mutate, message):
+    case = _small_case()
+    args = dict(zip(["q", "k_cache", "v_cache", "block_tables", "seq_lens", "scale"], case.args()))
+    mutate(args)
+    with pytest.raises(RuntimeError, match=message):
+        kernel(**args)
+
+
+def test_releases_the_gil(kernel):
+    # While one thread is inside the kernel, another Python thread must keep running.
+    gen = torch.Generator().manual_seed(7)
+    batch, length, block_size, pool = 64, 8000, 16, 256
+    k_cache = torch.randn(pool, block_size, 3, 64, generator=gen)
+    v_cache = torch.randn(pool, block_size, 3, 64, generator=gen)
+    tables = torch.randint(0, pool, (batch, length // block_size), generator=gen, dtype=torch.int32)
+    args = (torch.randn(batch, 9, 64, generator=gen), k_cache, v_cache, tables,
+            torch.full((batch,), length, dtype=torch.int32), 0.125)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        t0 = time.perf_counter()
+        kernel(*args)
+        duration = time.perf_counter() - t0
+        worker = threading.Thread(target=lambda: [kernel(*args) for _ in range(3)])
+        stamps = [time.perf_counter()]
+        worker.start()
+        while worker.is_alive():
+            stamps.append(time.perf_counter())
+        worker.join()
+    finally:
+        torch.set_num_threads(before)
+    longest_gap = max(b - a for a, b in zip(stamps, stamps[1:]))
+    assert duration > 0.02, "case too small to tell"
+    assert longest_gap < 0.6 * duration, (longest_gap, duration)
+
+
+def test_env_var_disables_the_kernel(monkeypatch):
+    monkeypatch.setenv(cpu_kernel.DISABLE_ENV, "1")
+    assert cpu_kernel.load_kernel() is None
+    case = _small_case()
+    assert torch.equal(cpu_kernel.paged_decode_attention(*case.args()), reference(*case.args()))
+
+
+def test_dispatcher_uses_the_kernel(kernel):
+    case = random_cases(8, 64, 16, 3, draws=1)[0]
+    torch.testing.assert_close(cpu_kernel.paged_decode_attention(*case.args()), kernel(*case.args()), atol=0, rtol=0)
+
+
+def test_build_failure_returns_none_with_a_warning(monkeypatch, tmp_path, caplog):
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(cpu_kernel, "SOURCE", broken)
+    monkeypatch.setenv("SERVELM_CACHE", str(tmp_path / "cache"))
+    loader = cpu_kernel._KernelLoader()
+    with caplog.at_level(logging.WARNING, logger=cpu_kernel.__name__):
+        assert loader.get() is None
+        assert loader.get() is None  # remembered: no second build, no second warning
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "unavailable" in warnings[0].getMessage()
