@@ -29,3 +29,25 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)  # only choices that changed
     finished: bool = False  # every choice has finished
     error: str | None = None  # set when the request failed inside the engine (finish_reason "error")
+
+
+@dataclass
+class GeneratedChoice:
+    """One finished choice of an offline ``Engine.generate`` call."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None
+
+
+@dataclass
+class GenerationResult:
+    """Everything ``Engine.generate`` produced for one prompt (its ``n`` choices, in index order)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[GeneratedChoice] = field(default_factory=list)

@@ -1,0 +1,256 @@
+"""Paged attention in plain torch: the CPU backend, and the reference the other backends are tested against.
+
+Decode tokens read their context straight from the pool with the C++ kernel when it loads
+(``runtime.attention.cpu_kernel``), else through one ``index_select`` gather per layer followed by a
+batched masked attention. Prefill tokens gather their sequences' whole context (cached + new) and run
+one ``scaled_dot_product_attention`` under a block-diagonal causal mask. Every index and mask is
+built once per step in ``build_metadata``; a layer does no Python work per request.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, fields
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from runtime.attention.base import AttentionBackend, AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+try:  # written in parallel by another helper; absent or unbuildable => torch fallback
+    from runtime.attention import cpu_kernel as _cpu_kernel
+except ImportError:  # pragma: no cover - depends on the checkout
+    _cpu_kernel = None  # type: ignore[assignment]
+
+DecodeKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
+]
+
+
+@dataclass
+class TorchAttentionMetadata(AttentionMetadata):
+    """``AttentionMetadata`` plus the gather indices and masks this backend derives once per step."""
+
+    # K/V store: rows of this step's k/v and their slots (both None when no slot is -1).
+    write_rows: torch.Tensor | None = None
+    write_slots: torch.Tensor | None = None
+    # Decode sequences: their block tables trimmed to the longest decode context (the kernel's input) ...
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, blocks] int32
+    decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int32
+    # ... or, for the torch fallback, every slot of those blocks and an additive mask over them.
+    decode_slots: torch.Tensor | None = None  # [num_decodes * decode_span] int64
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, decode_span], 0 or -inf
+    decode_span: int = 0
+    # Prefill sequences (see ``_build_prefill``). Both None: one fresh sequence, plain causal attention
+    # over this step's own k/v. Flat layout: the slots of all their keys, concatenated, and a
+    # [num_prefill_tokens, num_keys] block-diagonal causal mask. Padded layout (``prefill_batch`` set):
+    # [n * max_k] slots, a [n, 1, max_q, max_k] mask, and the row indices into and out of the padded queries.
+    prefill_slots: torch.Tensor | None = None  # int64
+    prefill_mask: torch.Tensor | None = None  # bool, True = may attend
+    prefill_batch: tuple[int, int, int] | None = None  # (sequences, max_q, max_k) when padded
+    prefill_q_index: torch.Tensor | None = None  # [n * max_q] rows of the prefill queries (padding -> 0)
+    prefill_out_index: torch.Tensor | None = None  # [num_prefill_tokens] rows of the padded output to keep
+    # Tokens that belong to a sequence; rows past it are padding (slot -1).
+    num_real_tokens: int = 0
+
+
+def _load_decode_kernel() -> DecodeKernel | None:
+    if _cpu_kernel is None:
+        return None
+    try:
+        # The compiled function itself: calling it directly skips the module wrapper's per-call lookup.
+        return _cpu_kernel.load_kernel()
+    except Exception as e:  # a broken build must not stop the server: the torch path is exact too
+        log.warning("CPU paged-attention kernel failed to load (%s); using the torch fallback", e)
+        return None
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """CPU paged attention (see the module docstring). ``use_kernel=False`` forces the torch decode path."""
+
+    def __init__(self, block_size: int, *, use_kernel: bool = True) -> None:
+        self.block_size = block_size
+        self.decode_kernel: DecodeKernel | None = _load_decode_kernel() if use_kernel else None
+        self.name = "torch+cpu_kernel" if self.decode_kernel is not None else "torch"
+
+    # ---- once per step -------------------------------------------------------------------------
+    def build_metadata(self, meta: AttentionMetadata) -> TorchAttentionMetadata:
+        m = TorchAttentionMetadata(**{f.name: getattr(meta, f.name) for f in fields(AttentionMetadata)})
+        dev = m.slot_mapping.device
+        bs = self.block_size
+        nd = m.num_decodes
+        m.num_real_tokens = sum(m.query_lens_list)
+
+        if m.num_tokens and bool((m.slot_mapping < 0).any()):
+            rows = torch.nonzero(m.slot_mapping >= 0).flatten()
+            m.write_rows = rows
+            m.write_slots = m.slot_mapping.index_select(0, rows)
+
+        if nd:
+            span_blocks = -(-max(m.seq_lens_list[:nd]) // bs)
+            m.decode_seq_lens = m.seq_lens[:nd]
+            m.decode_block_tables = m.block_tables[:nd, :span_blocks].contiguous()
+            if self.decode_kernel is None:
+                span = span_blocks * bs
+                offs = torch.arange(bs, device=dev)
+                slots = m.decode_block_tables.long().unsqueeze(-1) * bs + offs  # [nd, blocks, bs]
+                m.decode_slots = slots.reshape(-1)
+                valid = torch.arange(span, device=dev).unsqueeze(0) < m.decode_seq_lens.unsqueeze(1)
+                mask = torch.zeros(valid.shape, dtype=torch.float32, device=dev).masked_fill_(~valid, float("-inf"))
+                m.decode_mask = mask.view(nd, 1, 1, span)
+                m.decode_span = span
+
+        if m.num_seqs > nd:
+            self._build_prefill(m)
+        return m
+
+    def _build_prefill(self, m: TorchAttentionMetadata) -> None:
+        """Choose the cheaper of two layouts for the prefill sequences' attention and index it.
+
+        *flat*: all prefill queries against all their keys in one matrix under a block-diagonal causal
+        mask (cost sum(q) x sum(k)); *padded*: one batch row per sequence, padded to the longest query
+        and context (cost n x max(q) x max(k)). Many similar prompts favour padded, one long sequence
+        next to short ones favours flat. One fresh sequence needs neither: plain causal attention.
+        """
+        bs = self.block_size
+        nd = m.num_decodes
+        dev = m.slot_mapping.device
+        q_list = m.query_lens_list[nd:]
+        s_list = m.seq_lens_list[nd:]
+        n = len(q_list)
+        if n == 1 and q_list[0] == s_list[0]:
+            return  # prefill_mask None and no slots: is_causal over this step's own k/v
+        q_max, k_max, q_sum, k_sum = max(q_list), max(s_list), sum(q_list), sum(s_list)
+        q_lens = torch.tensor(q_list, device=dev)
+        s_lens = torch.tensor(s_list, device=dev)
+        ctx = s_lens - q_lens
+        span_blocks = -(-k_max // bs)
+        offs = torch.arange(bs, device=dev)
+        # [n, span]: the slot of every position of every prefill sequence (padded table entries -> block 0,
+        # a harmless read of memory that is masked out).
+        slots = (m.block_tables[nd:, :span_blocks].long().unsqueeze(-1) * bs + offs).reshape(n, span_blocks * bs)
+        if n > 1 and n * q_max * k_max < q_sum * k_sum:
+            j = torch.arange(q_max, device=dev).unsqueeze(0)  # [1, q_max]
+            q_start = torch.cumsum(q_lens, 0) - q_lens
+            q_valid = j < q_lens.unsqueeze(1)  # [n, q_max]
+            # Padding query rows read row 0 and attend to key 0 only: finite, then dropped.
+            m.prefill_q_index = torch.where(q_valid, q_start.unsqueeze(1) + j, 0).reshape(-1)
+            m.prefill_out_index = torch.nonzero(q_valid.reshape(-1)).flatten()
+            m.prefill_slots = slots[:, :k_max].reshape(-1)
+            q_pos = torch.where(q_valid, ctx.unsqueeze(1) + j, 0)  # [n, q_max]
+            k_pos = torch.arange(k_max, device=dev)
+            m.prefill_mask = (k_pos.view(1, 1, k_max) <= q_pos.unsqueeze(-1)).unsqueeze(1)  # [n, 1, q_max, k_max]
+            m.prefill_batch = (n, q_max, k_max)
+            return
+        seq_ids = torch.arange(n, device=dev)
+        q_seq = torch.repeat_interleave(seq_ids, q_lens)
+        q_start = torch.cumsum(q_lens, 0) - q_lens
+        q_pos = torch.arange(q_sum, device=dev) - q_start[q_seq] + ctx[q_seq]
+        span = slots.shape[1]
+        pos = torch.arange(span, device=dev).unsqueeze(0).expand(n, span)
+        valid = pos < s_lens.unsqueeze(1)
+        m.prefill_slots = slots[valid]  # row-major: sequence by sequence, position order
+        k_seq = seq_ids.unsqueeze(1).expand(n, span)[valid]
+        k_pos = pos[valid]
+        causal = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
+        m.prefill_mask = causal if n == 1 else causal & (k_seq.unsqueeze(0) == q_seq.unsqueeze(1))
+
+    # ---- once per layer ------------------------------------------------------------------------
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        assert isinstance(meta, TorchAttentionMetadata), "metadata must come from build_metadata()"
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+        if meta.write_rows is None:
+            k_flat.index_copy_(0, meta.slot_mapping, k)
+            v_flat.index_copy_(0, meta.slot_mapping, v)
+        else:
+            assert meta.write_slots is not None
+            k_flat.index_copy_(0, meta.write_slots, k.index_select(0, meta.write_rows))
+            v_flat.index_copy_(0, meta.write_slots, v.index_select(0, meta.write_rows))
+
+        nd = meta.num_decode_tokens
+        real = meta.num_real_tokens
+        outs = []
+        if nd:
+            outs.append(self._decode(q[:nd], k_cache, v_cache, k_flat, v_flat, meta, scale))
+        if nd < real:
+            outs.append(self._prefill(q[nd:real], k[nd:real], v[nd:real], k_flat, v_flat, meta, scale))
+        if real < meta.num_tokens:  # padding rows (slot -1) at the tail attend to nothing
+            outs.append(q.new_zeros((meta.num_tokens - real, *q.shape[1:])))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        k_flat: torch.Tensor,
+        v_flat: torch.Tensor,
+        meta: TorchAttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
+        if self.decode_kernel is not None:
+            return self.decode_kernel(
+                q.contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale
+            )
+        assert meta.decode_slots is not None and meta.decode_mask is not None
+        b, num_heads, head_dim = q.shape
+        num_kv_heads = k_flat.shape[1]
+        span = meta.decode_span
+        # GQA by grouping query heads under their KV head: no repeated K/V.
+        qg = q.reshape(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        keys = k_flat.index_select(0, meta.decode_slots).view(b, span, num_kv_heads, head_dim)
+        vals = v_flat.index_select(0, meta.decode_slots).view(b, span, num_kv_heads, head_dim)
+        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)) * scale  # [b, kvh, group, span]
+        probs = torch.softmax(scores + meta.decode_mask.to(scores.dtype), dim=-1)
+        out = torch.matmul(probs, vals.transpose(1, 2))  # [b, kvh, group, head_dim]
+        return out.reshape(b, num_heads, head_dim)
+
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_flat: torch.Tensor,
+        v_flat: torch.Tensor,
+        meta: TorchAttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        if meta.prefill_batch is not None:
+            assert meta.prefill_slots is not None and meta.prefill_q_index is not None
+            assert meta.prefill_out_index is not None
+            n, q_max, k_max = meta.prefill_batch
+            num_heads, head_dim = q.shape[1], q.shape[2]
+            qb = q.index_select(0, meta.prefill_q_index).view(n, q_max, num_heads, head_dim).transpose(1, 2)
+            kb = k_flat.index_select(0, meta.prefill_slots).view(n, k_max, -1, head_dim).transpose(1, 2)
+            vb = v_flat.index_select(0, meta.prefill_slots).view(n, k_max, -1, head_dim).transpose(1, 2)
+            out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=meta.prefill_mask, scale=scale, enable_gqa=True)
+            return out.transpose(1, 2).reshape(n * q_max, num_heads, head_dim).index_select(0, meta.prefill_out_index)
+        if meta.prefill_slots is not None:
+            k = k_flat.index_select(0, meta.prefill_slots)
+            v = v_flat.index_select(0, meta.prefill_slots)
+        # SDPA wants [batch, heads, tokens, head_dim]; the whole prefill is one "batch" row.
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            attn_mask=meta.prefill_mask,
+            is_causal=meta.prefill_mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out[0].transpose(0, 1)

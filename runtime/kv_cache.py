@@ -1,0 +1,60 @@
+"""The paged KV pool: per-layer key and value tensors in flash-attn's paged layout."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    """Fixed-size blocks of K/V for every layer: ``[num_blocks, block_size, num_kv_heads, head_dim]`` each.
+
+    One allocation backs all layers; ``k_cache[l]`` and ``v_cache[l]`` are views into it. The pool is
+    zero-filled on purpose: attention reads whole blocks (a partly filled last block, padded block-table
+    entries) and masks the extra positions, and masked garbage would still poison the result if it
+    were NaN (0 * NaN = NaN).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"KV pool needs at least one block of at least one token, got {num_blocks} x {block_size}")
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self._storage = torch.zeros(
+            (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=self.device
+        )
+        self.k_cache: list[torch.Tensor] = list(self._storage[0].unbind(0))
+        self.v_cache: list[torch.Tensor] = list(self._storage[1].unbind(0))
+
+    @property
+    def bytes_per_token(self) -> int:
+        """2 (K and V) x layers x kv_heads x head_dim x dtype bytes."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self._storage.element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self._storage.numel() * self._storage.element_size()
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def __repr__(self) -> str:
+        return (
+            f"KVPool(layers={self.num_layers}, blocks={self.num_blocks}x{self.block_size}, "
+            f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}, "
+            f"{self.nbytes / 2**20:.1f} MiB)"
+        )

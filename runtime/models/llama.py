@@ -1,0 +1,344 @@
+"""Our Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM) over a flat token batch.
+
+The model sees one step as a flat list of tokens (decodes first, then prefill chunks; no batch
+dimension, no padding). Every attention layer hands its q/k/v to the attention backend together with
+its own slice of the KV pool and the step's ``AttentionMetadata``; the model never branches on device.
+
+Parameters are fused where the checkpoint is not (q/k/v into ``qkv_proj``, gate/up into
+``gate_up_proj``). Each fused parameter carries ``shard_slices`` (checkpoint shard name -> rows it
+fills), which is what the weight loader (``runtime.weights``) uses to map checkpoint tensors onto it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.attention.base import AttentionBackend, AttentionMetadata
+from runtime.config import ModelConfig, UnsupportedModelError
+
+
+# Small-batch matmul shapes that CPU BLAS handles badly (measured with scripts/bench_runner.py's setup;
+# see also shared/FACTS.md): on CPU the fused gate/up projection is faster as two matmuls at a few rows
+# (up to 25% at 4-8 rows), and the vocabulary projection of a few rows is faster as W @ h^T than as
+# h @ W^T (up to 45% at 4 rows). Fixed when the model is built, so forward() never asks the device.
+CPU_SPLIT_GATE_UP_MAX_ROWS = 16
+CPU_TALL_SKINNY_HEAD_MAX_ROWS = 8
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    # Uninitialised on purpose: every parameter is overwritten by the loader, and touching the
+    # memory twice would double start-up cost and peak resident memory.
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    """RMS normalisation, computed in float32 as Hugging Face's Llama does (matters for bf16)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = _param((size,), dtype, device)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # One fused op instead of six; the same arithmetic as HF's (x * rsqrt(mean(x^2) + eps)) * w.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+
+
+class Linear(nn.Module):
+    """``y = x W^T (+ b)``, optionally the concatenation of several checkpoint projections.
+
+    ``shards`` lists (checkpoint shard name, output rows) in fused order; the parameter then carries
+    ``shard_slices`` so the loader can copy each checkpoint tensor into its rows.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        shards: list[tuple[str, int]] | int,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        if isinstance(shards, int):
+            shards = [("", shards)]
+        self.out_features = sum(n for _, n in shards)
+        self.weight = _param((self.out_features, in_features), dtype, device)
+        self.bias = _param((self.out_features,), dtype, device) if bias else None
+        if len(shards) > 1:
+            slices: dict[str, slice] = {}
+            start = 0
+            for name, n in shards:
+                slices[name] = slice(start, start + n)
+                start += n
+            self.weight.shard_slices = slices  # type: ignore[attr-defined]
+            if self.bias is not None:
+                self.bias.shard_slices = slices  # type: ignore[attr-defined]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies for RoPE (float32), with the ``linear`` and ``llama3`` scalings."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        # Llama 3.1: keep high frequencies, divide low ones by ``factor``, interpolate in between.
+        factor = float(scaling["factor"])
+        low_ff = float(scaling["low_freq_factor"])
+        high_ff = float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_wavelen = old_len / low_ff
+        high_wavelen = old_len / high_ff
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low_ff) / (high_ff - low_ff)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise UnsupportedModelError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style RoPE (rotate_half, as HF Llama) from cos/sin tables indexed by position.
+
+    The tables hold half the head dim (HF's full-width tables repeat the halves), so the rotation
+    ``[x1 cos - x2 sin, x2 cos + x1 sin]`` is the same arithmetic as ``x cos + rotate_half(x) sin``.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(cfg)
+        pos = torch.arange(cfg.max_position_embeddings, dtype=torch.int64).float()
+        freqs = pos[:, None] * inv_freq[None, :]  # float32, as HF computes it
+        self.register_buffer("cos", freqs.cos().to(device=device, dtype=dtype), persistent=False)
+        self.register_buffer("sin", freqs.sin().to(device=device, dtype=dtype), persistent=False)
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin rows for ``positions``, ``[T, 1, D/2]`` each: looked up once per step, used by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate ``x`` ``[T, heads, head_dim]`` by the step's cos/sin rows -> a contiguous copy."""
+    cos, sin = cos_sin
+    half = cos.shape[-1]
+    x1 = x[..., :half]
+    x2 = x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    """Self-attention with fused q/k/v, optional q/k RMSNorm (Qwen3) and q/k/v bias (Qwen2)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        self.qkv_proj = Linear(
+            cfg.hidden_size,
+            [("q", self.q_size), ("k", self.kv_size), ("v", self.kv_size)],
+            cfg.attention_bias,
+            dtype,
+            device,
+        )
+        # Llama's ``attention_bias`` also puts a bias on o_proj; Qwen2's q/k/v bias does not.
+        o_bias = cfg.attention_bias and cfg.architecture != "Qwen2ForCausalLM"
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, o_bias, dtype, device)
+        if cfg.qk_norm:
+            self.q_norm: RMSNorm | None = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
+            self.k_norm: RMSNorm | None = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
+        else:
+            self.q_norm = self.k_norm = None
+        self.backend = backend
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
+        # One rotation over q and k together: half the element-wise ops of rotating them apart.
+        qk = apply_rope(qk, cos_sin)
+        q = qk[:, : self.num_heads]
+        k = qk[:, self.num_heads :]
+        if self.k_cache is None or self.v_cache is None:
+            raise RuntimeError("KV cache not bound: call CausalLM.bind_kv_cache() first")
+        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    """SiLU-gated MLP with a fused gate/up projection."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = Linear(
+            cfg.hidden_size, [("gate", cfg.intermediate_size), ("up", cfg.intermediate_size)], False, dtype, device
+        )
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, device)
+        self.split_max_rows = CPU_SPLIT_GATE_UP_MAX_ROWS if device.type == "cpu" else 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.gate_up_proj.weight
+        if x.shape[0] <= self.split_max_rows:
+            gate = F.linear(x, w[: self.intermediate])
+            up = F.linear(x, w[self.intermediate :])
+        else:
+            gate_up = F.linear(x, w)
+            gate = gate_up[:, : self.intermediate]
+            up = gate_up[:, self.intermediate :]
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(cfg, backend, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mlp = MLP(cfg, dtype, device)
+
+    def forward(self, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos_sin, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderStack(nn.Module):
+    """Embeddings, layers and final norm: HF's ``model.*`` namespace."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Module()
+        self.embed_tokens.weight = _param((cfg.vocab_size, cfg.hidden_size), dtype, device)
+        self.rotary_emb = RotaryEmbedding(cfg, dtype, device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, dtype, device) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+
+class CausalLM(nn.Module):
+    """A Llama-family causal LM: ``forward`` over a flat token batch, ``compute_logits`` on chosen rows.
+
+    Parameter names follow Hugging Face's checkpoints except for the fused projections
+    (``self_attn.qkv_proj``, ``mlp.gate_up_proj``); ``CHECKPOINT_SHARDS`` says which checkpoint
+    tensors fill them.
+    """
+
+    # checkpoint module name -> (our fused module name, shard)
+    CHECKPOINT_SHARDS: dict[str, tuple[str, str]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
+    }
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        backend: AttentionBackend,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        device = torch.device(device)
+        self.config = cfg
+        self.model = DecoderStack(cfg, backend, dtype, device)
+        self.tall_skinny_head_max_rows = CPU_TALL_SKINNY_HEAD_MAX_ROWS if device.type == "cpu" else 0
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Module()
+            self.lm_head.weight = _param((cfg.vocab_size, cfg.hidden_size), dtype, device)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        # A property, not an attribute: assigning the tied Parameter would register it a second time.
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens.weight
+        return self.lm_head.weight
+
+    def bind_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
+        """Give each attention layer its slice of the KV pool."""
+        if len(k_caches) != len(self.model.layers) or len(v_caches) != len(self.model.layers):
+            raise ValueError(f"KV pool has {len(k_caches)} layers, model has {len(self.model.layers)}")
+        for layer, k, v in zip(self.model.layers, k_caches, v_caches):
+            layer.self_attn.k_cache = k
+            layer.self_attn.v_cache = v
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """``input_ids``, ``positions``: ``[T]`` -> final-normed hidden states ``[T, hidden]``."""
+        h = F.embedding(input_ids, self.model.embed_tokens.weight)
+        cos_sin = self.model.rotary_emb.tables(positions)
+        for layer in self.model.layers:
+            h = layer(h, cos_sin, meta)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[R, hidden]`` -> ``[R, vocab]``; the runner passes only the rows it samples."""
+        if 1 < hidden.shape[0] <= self.tall_skinny_head_max_rows:
+            return torch.mm(self.lm_head_weight, hidden.t()).t().contiguous()
+        return F.linear(hidden, self.lm_head_weight)
+
+    def checkpoint_target(self, name: str) -> tuple[str, str | None] | None:
+        """Map a checkpoint tensor name to (our parameter name, shard) or None if we have no use for it."""
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2] in self.CHECKPOINT_SHARDS:
+            fused, shard = self.CHECKPOINT_SHARDS[parts[-2]]
+            return ".".join(parts[:-2] + [fused, parts[-1]]), shard
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return None  # tied: the embedding is the head (HF ignores a stored copy too)
+        if name.endswith("rotary_emb.inv_freq"):
+            return None  # old checkpoints store the RoPE buffer; we derive it from the config
+        return name, None
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return f"{c.architecture}: {c.num_layers} layers, hidden {c.hidden_size}, heads {c.num_heads}/{c.num_kv_heads}"
+
+
+def build_model(
+    cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, device: torch.device | str
+) -> CausalLM:
+    """An unloaded model (parameters uninitialised); fill it with ``runtime.weights.load_weights``."""
+    return CausalLM(cfg, backend, dtype, device)
+
+
+def param_shards(param: nn.Parameter) -> list[str | None]:
+    """The checkpoint shards a parameter expects (``[None]`` when it is not fused)."""
+    slices: dict[str, Any] | None = getattr(param, "shard_slices", None)
+    return list(slices) if slices else [None]

@@ -1,0 +1,237 @@
+"""The paged KV cache's bookkeeping: which pool blocks each sequence owns, and the prefix cache.
+
+Pure Python, no tensors: the runner owns the pool, this owns the block ids.
+
+Prefix caching: a FULL block (``block_size`` computed tokens) is registered under the hash of
+``(parent block's hash, its token ids)``, so a block's hash stands for its whole prefix. A new or
+recomputed sequence adopts the longest chain of registered blocks matching its tokens. Blocks whose
+last user left keep their hash and wait in an LRU "evictable" list: they still count as free, and
+are handed out again (dropping their hash) only after every never-cached free block is used.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+
+class BlockSequence(Protocol):
+    """What the block manager reads and writes of a sequence (``scheduler.Request`` satisfies it)."""
+
+    seq_id: int
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_table: list[int]
+    block_hashes: list[int]
+
+
+@dataclass
+class PrefixMatch:
+    """Cached blocks found for a sequence (not yet acquired) and how many tokens were looked up."""
+
+    blocks: list[int] = field(default_factory=list)
+    num_query_tokens: int = 0
+    block_size: int = 0
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return len(self.blocks) * self.block_size
+
+
+def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+    """Hash of a full block given its parent's hash (None for the first block)."""
+    return hash((parent_hash, tuple(token_ids)))
+
+
+class BlockManager:
+    """A free list of fixed-size KV blocks with ref counts and a hash-chained prefix cache."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts: list[int] = [0] * num_blocks
+        # Never-cached free blocks, popped from the end (low ids first, for readable tests).
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        # Free blocks that still hold a registered prefix, least recently freed first.
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._block_hash: list[int | None] = [None] * num_blocks
+        self._cached: dict[int, int] = {}  # hash -> block id
+        self._num_registered: dict[int, int] = {}  # seq_id -> how many of its blocks were looked at
+        # Cumulative prefix-cache counters, in tokens.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # -- sizes ---------------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks currently registered in the prefix cache (in use or evictable)."""
+        return len(self._cached)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix cache --------------------------------------------------------------------------------
+    def _extend_hashes(self, seq: BlockSequence, num_full_blocks: int) -> list[int]:
+        hashes = seq.block_hashes
+        bs = self.block_size
+        toks = seq.token_ids
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), num_full_blocks):
+            parent = hash_block(parent, toks[i * bs : (i + 1) * bs])
+            hashes.append(parent)
+        return hashes
+
+    def lookup(self, seq: BlockSequence) -> PrefixMatch:
+        """The longest cached prefix of ``seq.token_ids`` in full blocks, leaving the last token to compute.
+
+        Nothing is acquired (``allocate_slots`` does that); counters move only on a successful allocation.
+        """
+        if not self.enable_prefix_caching:
+            return PrefixMatch(block_size=self.block_size)
+        # Cap at full blocks covering <= len-1 tokens: the last token's logits must be computed.
+        max_blocks = (len(seq.token_ids) - 1) // self.block_size
+        hashes = self._extend_hashes(seq, max_blocks)
+        blocks: list[int] = []
+        for h in hashes[:max_blocks]:
+            b = self._cached.get(h)
+            if b is None:
+                break
+            blocks.append(b)
+        return PrefixMatch(blocks, len(seq.token_ids), self.block_size)
+
+    def cache_full_blocks(self, seq: BlockSequence) -> None:
+        """Register the blocks ``seq`` has filled with computed tokens (prompt and generated alike)."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        start = self._num_registered.get(seq.seq_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._extend_hashes(seq, num_full)
+        table = seq.block_table
+        for i in range(start, num_full):
+            b, h = table[i], hashes[i]
+            # A block already hashed (adopted from the cache or forked) stays as is; a duplicate of a
+            # block another sequence registered first stays private and is simply not shared.
+            if self._block_hash[b] is None and h not in self._cached:
+                self._block_hash[b] = h
+                self._cached[h] = b
+        self._num_registered[seq.seq_id] = num_full
+
+    def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_cache_queries += num_query_tokens
+        self.prefix_cache_hits += num_hit_tokens
+
+    # -- allocation ----------------------------------------------------------------------------------
+    def _pop_free(self) -> int:
+        if self._free:
+            return self._free.pop()
+        # Reuse the least recently freed cached block; its content is about to be overwritten.
+        b, _ = self._evictable.popitem(last=False)
+        h = self._block_hash[b]
+        if h is not None and self._cached.get(h) == b:
+            del self._cached[h]
+        self._block_hash[b] = None
+        return b
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= self.num_free_blocks
+
+    def allocate_slots(self, seq: BlockSequence, num_new_tokens: int, prefix: PrefixMatch | None = None) -> bool:
+        """Make room for the K/V of ``num_new_tokens`` tokens after ``seq``'s computed tokens.
+
+        With ``prefix`` (admission of a sequence that owns no blocks yet) the cached blocks are adopted
+        first and ``seq.num_computed_tokens`` advances over them. Returns False, changing nothing, when
+        the free blocks do not suffice.
+        """
+        cached = prefix.blocks if prefix is not None else []
+        if cached and (seq.block_table or seq.num_computed_tokens):
+            raise ValueError("a prefix can only be adopted by a sequence that owns no blocks")
+        num_tokens = seq.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        need = self.blocks_needed(num_tokens) - len(seq.block_table) - len(cached)
+        # Adopting an evictable cached block takes it off the free list too.
+        reviving = sum(1 for b in cached if self.ref_counts[b] == 0)
+        if max(need, 0) + reviving > self.num_free_blocks:
+            return False
+        for b in cached:
+            if self.ref_counts[b] == 0:
+                del self._evictable[b]
+            self.ref_counts[b] += 1
+        if cached:
+            seq.block_table.extend(cached)
+            seq.num_computed_tokens += len(cached) * self.block_size
+            # Adopted blocks are registered already.
+            self._num_registered[seq.seq_id] = len(cached)
+        for _ in range(need):
+            b = self._pop_free()
+            self.ref_counts[b] = 1
+            seq.block_table.append(b)
+        if prefix is not None:
+            self.record_prefix_query(prefix.num_query_tokens, prefix.num_cached_tokens)
+        return True
+
+    def fork(self, src_block_table: Sequence[int], num_tokens: int) -> list[int]:
+        """Share the full blocks of ``src_block_table`` covering ``num_tokens`` tokens (ref counts + 1)."""
+        shared = list(src_block_table[: num_tokens // self.block_size])
+        for b in shared:
+            if self.ref_counts[b] <= 0:
+                raise ValueError(f"cannot fork block {b}: it is not in use")
+            self.ref_counts[b] += 1
+        return shared
+
+    def free(self, seq: BlockSequence) -> None:
+        """Release every block of ``seq`` (its table is emptied; ``num_computed_tokens`` is left alone)."""
+        # Tail blocks first, so that the LRU evicts a chain's most specific blocks before its parents.
+        for b in reversed(seq.block_table):
+            rc = self.ref_counts[b] - 1
+            if rc < 0:
+                raise RuntimeError(f"block {b} freed more often than allocated")
+            self.ref_counts[b] = rc
+            if rc == 0:
+                if self._block_hash[b] is not None:
+                    self._evictable[b] = None
+                else:
+                    self._free.append(b)
+        seq.block_table.clear()
+        self._num_registered.pop(seq.seq_id, None)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks in use keep their content, they just stop being shared)."""
+        for b in self._evictable:
+            self._free.append(b)
+        self._evictable.clear()
+        self._cached.clear()
+        self._block_hash = [None] * self.num_blocks
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent (tests and debugging)."""
+        free = set(self._free)
+        evictable = set(self._evictable)
+        assert len(free) == len(self._free), "a block is twice in the free list"
+        assert not free & evictable, "a block is both free and evictable"
+        for b, rc in enumerate(self.ref_counts):
+            assert rc >= 0, f"block {b} has a negative ref count"
+            assert (rc == 0) == (b in free or b in evictable), f"block {b}: ref count {rc} vs free lists"
+        for b in free:
+            assert self._block_hash[b] is None, f"uncached free block {b} has a hash"
+        for b in evictable:
+            assert self._block_hash[b] is not None, f"evictable block {b} has no hash"
+        for h, b in self._cached.items():
+            assert self._block_hash[b] == h, f"hash map and block {b} disagree"
+        assert self.num_free_blocks + self.num_used_blocks == self.num_blocks

@@ -1,0 +1,550 @@
+"""The engine loop: schedule -> execute -> update requests -> emit outputs -> observe metrics.
+
+Synchronous and single-threaded: the server's ``AsyncEngine`` owns one in a thread, offline users
+call ``generate``. Every latency metric comes from the requests' ``time.monotonic()`` timestamps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, Sequence
+
+import torch
+
+from metrics.observer import NullObserver, Observer, RequestStats, StepStats
+from runtime.batch import BatchItem, RunnerOutput, TokenLogprobs
+from runtime.capacity import Capacity, CapacityError, dtype_bytes, flops_per_token, kv_bytes_per_token, plan_capacity
+from runtime.capacity import weight_bytes as model_weight_bytes
+from runtime.config import ModelConfig
+from runtime.model_files import resolve_model_path
+from runtime.runner import ModelRunner
+from runtime.tokenizer import load_tokenizer
+from scheduler.block_manager import BlockManager
+from scheduler.config import EngineConfig
+from scheduler.detokenizer import IncrementalDetokenizer
+from scheduler.outputs import CompletionOutput, GeneratedChoice, GenerationResult, RequestOutput
+from scheduler.request import Request, RequestStatus
+from scheduler.sampling_params import InvalidParameterError, SamplingParams
+from scheduler.scheduler import Scheduler, SchedulerOutput
+from scheduler.stop import StopChecker, check_model_len, check_token_stop
+
+log = logging.getLogger(__name__)
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+CPU_DEFAULT_KV_MEMORY = 2 * 2**30
+CPU_DEFAULT_BLOCK_SIZE = 16
+DEFAULT_MAX_MODEL_LEN_CAP = 8192
+
+
+class PromptTooLongError(InvalidParameterError):
+    """Prompt tokens + max_tokens exceed the model's context length."""
+
+
+class RunnerLike(Protocol):
+    """What the engine needs of ``runtime.runner.ModelRunner`` (tests pass fakes)."""
+
+    def execute(self, items: list[BatchItem]) -> RunnerOutput: ...
+
+
+@dataclass
+class _Group:
+    """The ``n`` choices of one client request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    choices: list[Request]
+    num_finished: int = 0
+    pending: dict[int, CompletionOutput] = field(default_factory=dict)  # outputs made between steps (abort)
+
+    @property
+    def finished(self) -> bool:
+        return self.num_finished == len(self.choices)
+
+
+def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return _DTYPES[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; expected auto, float32, bfloat16 or float16") from None
+
+
+def _eos_ids(model_dir: Path, model_config: ModelConfig, tokenizer: Any) -> tuple[int, ...]:
+    """EOS ids from config.json, generation_config.json (Llama 3 lists several) and the tokenizer."""
+    ids: list[int] = list(model_config.eos_token_ids)
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        try:
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+        except (OSError, ValueError):
+            eos = None
+        if isinstance(eos, int):
+            ids.append(eos)
+        elif isinstance(eos, list):
+            ids.extend(int(e) for e in eos)
+    tok_eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(tok_eos, int):
+        ids.append(tok_eos)
+    return tuple(dict.fromkeys(ids))
+
+
+class Engine:
+    """Owns the tokenizer, the scheduler, the block manager and the model runner; ``step`` runs one iteration.
+
+    ``Engine(EngineConfig(model=str(folder), kv_cache_memory=..., max_model_len=...))`` is all a test
+    needs. ``runner`` (keyword) replaces the real ``ModelRunner`` with anything that has ``execute``.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        observer: Observer | None = None,
+        *,
+        runner: RunnerLike | None = None,
+    ) -> None:
+        self.observer: Observer = observer if observer is not None else NullObserver()
+        model_dir = resolve_model_path(config.model)
+        self.model_dir = model_dir
+        self.model_config = ModelConfig.from_dir(model_dir)
+        mc = self.model_config
+
+        device = torch.device(config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        dtype = _resolve_dtype(config.dtype, device)
+        self.device, self.dtype = device, dtype
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+
+        max_model_len = config.max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
+        if max_model_len > mc.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's {mc.max_position_embeddings} positions"
+            )
+        max_batched = config.max_num_batched_tokens or (8192 if device.type == "cuda" else 512)
+
+        block_size = config.block_size
+        if block_size is None:
+            block_size = CPU_DEFAULT_BLOCK_SIZE
+            if device.type == "cuda":
+                # FlashAttention's paged KV wants large pages; the attention code knows which.
+                from runtime.attention.flash_backend import default_cuda_block_size
+
+                block_size = default_cuda_block_size(dtype, mc.head_dim)
+
+        kv_memory = config.kv_cache_memory
+        if kv_memory is None:
+            kv_memory = (
+                self._cuda_kv_budget(mc, device, dtype, max_batched, config)
+                if device.type == "cuda"
+                else CPU_DEFAULT_KV_MEMORY
+            )
+        self.capacity: Capacity = plan_capacity(mc, dtype, kv_memory, block_size, max_model_len)
+        log.info("KV capacity: %s", self.capacity.describe())
+
+        self.config = dataclasses.replace(
+            config,
+            device=str(device),
+            dtype=_DTYPE_NAMES.get(dtype, str(dtype)),
+            block_size=block_size,
+            kv_cache_memory=kv_memory,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max_batched,
+        )
+        gguf = Path(config.model).suffix == ".gguf" if config.model else False
+        self.served_model_name = config.served_model_name or (
+            Path(config.model).stem if gguf else model_dir.name  # type: ignore[arg-type]
+        )
+
+        self.tokenizer = load_tokenizer(config.tokenizer or model_dir)
+        self.eos_token_ids = _eos_ids(model_dir, mc, self.tokenizer)
+
+        self.block_manager = BlockManager(self.capacity.num_blocks, block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=max_batched,
+            policy=config.scheduling_policy,
+        )
+        if runner is None:
+            runner = ModelRunner(
+                model_dir,
+                mc,
+                device=device,
+                dtype=dtype,
+                block_size=block_size,
+                num_blocks=self.capacity.num_blocks,
+                max_num_batched_tokens=max_batched,
+                max_num_seqs=config.max_num_seqs,
+            )
+        self.runner = runner
+
+        # Cost model of one step (see ``_step_cost``): FLOPs and bytes from token counts only.
+        self._head_flops = 2.0 * mc.vocab_size * mc.hidden_size
+        self._body_flops = flops_per_token(mc, 0) - self._head_flops
+        self._attn_flops = 4.0 * mc.num_layers * mc.num_heads * mc.head_dim
+        self._weight_bytes = float(model_weight_bytes(mc, dtype))
+        self._kv_token_bytes = float(kv_bytes_per_token(mc, dtype))
+
+        self._groups: dict[str, _Group] = {}
+        self._seq_ids = itertools.count()
+        self._generate_ids = itertools.count()
+        self._pending_groups: dict[str, _Group] = {}  # groups with outputs made outside step()
+
+    @staticmethod
+    def _cuda_kv_budget(
+        mc: ModelConfig, device: torch.device, dtype: torch.dtype, max_batched: int, config: EngineConfig
+    ) -> int:
+        """What ``gpu_memory_utilization`` leaves for the KV pool after weights and activations."""
+        free, total = torch.cuda.mem_get_info(device)
+        weights = model_weight_bytes(mc, dtype)
+        per_token = (4 * mc.hidden_size + 3 * mc.intermediate_size + (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim)
+        activations = 4 * max_batched * per_token * dtype_bytes(dtype)
+        logits = 3 * config.max_num_seqs * mc.vocab_size * 4
+        budget = int(total * config.gpu_memory_utilization) - (total - free) - weights - activations - logits - 2**28
+        if budget <= 0:
+            raise CapacityError(
+                f"no GPU memory left for the KV cache: {total / 2**30:.1f} GiB x {config.gpu_memory_utilization} "
+                f"minus {(total - free) / 2**30:.1f} GiB in use and {weights / 2**30:.2f} GiB of weights"
+            )
+        return budget
+
+    # -- state ---------------------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def max_model_len(self) -> int:
+        return self.capacity.max_model_len
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending_groups)
+
+    # -- requests ------------------------------------------------------------------------------------
+    def _validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
+        """Check a request against this model; return its resolved max_tokens."""
+        vocab = self.model_config.vocab_size
+        params.validate(vocab_size=vocab)
+        if not prompt_token_ids:
+            raise InvalidParameterError("prompt", "the prompt is empty; it must contain at least one token")
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidParameterError("prompt", f"prompt token id {bad} is outside the vocabulary (size {vocab})")
+        limit = self.max_model_len
+        n_prompt = len(prompt_token_ids)
+        if params.max_tokens is None:
+            if n_prompt >= limit:
+                raise PromptTooLongError(
+                    "prompt",
+                    f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                    f"{n_prompt} tokens, which leaves no room for the completion. Please shorten the prompt.",
+                )
+            return limit - n_prompt
+        total = n_prompt + params.max_tokens
+        if total > limit:
+            raise PromptTooLongError(
+                "prompt" if n_prompt >= limit else "max_tokens",
+                f"This model's maximum context length is {limit} tokens. However, you requested {total} tokens "
+                f"({n_prompt} in the prompt, {params.max_tokens} for the completion). Please reduce the length "
+                "of the prompt or the completion.",
+            )
+        return params.max_tokens
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request (its ``params.n`` choices); raises ``InvalidParameterError`` when it cannot be served."""
+        if request_id in self._groups:
+            raise InvalidParameterError("request_id", f"request id {request_id!r} is already in use")
+        max_tokens = self._validate(prompt_token_ids, params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        choices: list[Request] = []
+        for i in range(params.n):
+            req = Request(
+                next(self._seq_ids),
+                request_id,
+                prompt_token_ids,
+                params,
+                index=i,
+                max_tokens=max_tokens,
+                arrival_time=arrival,
+                eos_token_ids=self.eos_token_ids,
+                device=self.device,
+                parent=choices[0] if choices else None,
+            )
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+            req.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
+            choices.append(req)
+        self._groups[request_id] = _Group(request_id, list(prompt_token_ids), choices)
+        for req in choices:
+            self.scheduler.add(req)
+
+    def abort(self, request_id: str) -> None:
+        """Finish every unfinished choice of ``request_id`` with "abort" and free its blocks now."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return
+        now = time.monotonic()
+        for req in group.choices:
+            if not req.is_finished:
+                self._finish(req, RequestStatus.FINISHED_ABORTED, now)
+                group.pending[req.index] = self._completion(req, "")
+        self._pending_groups[request_id] = group
+
+    # -- the loop ------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One iteration; returns the news of every request that changed (grouped by request id)."""
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        cost = self._step_cost(sched.items)  # before the counts below move on
+        result = self.runner.execute(sched.items) if sched.items else None
+        now = time.monotonic()
+
+        changed: dict[str, _Group] = self._pending_groups
+        self._pending_groups = {}
+        ttfts: list[float] = []
+        itls: list[float] = []
+        num_sampled = 0
+        for req in sched.errored:
+            self._on_finished(req)
+            group = self._groups[req.request_id]
+            group.num_finished += 1
+            group.pending[req.index] = self._completion(req, "")
+            changed[req.request_id] = group
+
+        if result is not None:
+            for item, token, lps in zip(sched.items, result.sampled_token_ids, result.logprobs):
+                req: Request = item.seq  # type: ignore[assignment]
+                if req.is_finished:  # aborted by a callback mid-step (defensive)
+                    continue
+                try:
+                    req.num_computed_tokens += item.num_new_tokens
+                    self.block_manager.cache_full_blocks(req)
+                    if token is None:
+                        continue
+                    num_sampled += 1
+                    if req.first_token_time is None:
+                        req.first_token_time = now
+                        ttfts.append(now - req.arrival_time)
+                    else:
+                        itls.append(now - req.last_token_time)  # type: ignore[operator]
+                    req.last_token_time = now
+                    text = self._process_token(req, token, lps, now)
+                except Exception as e:  # one bad request must not take the batch down
+                    log.exception("request %s choice %d failed while processing its output", req.request_id, req.index)
+                    req.error = f"internal error while processing the output: {type(e).__name__}: {e}"
+                    if not req.is_finished:
+                        self._finish(req, RequestStatus.FINISHED_ERROR, now)
+                    text = ""
+                group = self._groups[req.request_id]
+                group.pending[req.index] = self._completion(req, text)
+                changed[req.request_id] = group
+
+        outputs = [self._request_output(g) for g in changed.values()]
+        if sched.items or changed:
+            self._observe_step(sched, time.perf_counter() - t0, num_sampled, ttfts, itls, cost)
+        return outputs
+
+    def _process_token(self, req: Request, token: int, lps: TokenLogprobs | None, now: float) -> str:
+        """Append a sampled token, detokenize it, check every stop condition; return the text to emit."""
+        req.append_token(token, lps)
+        status = check_token_stop(req, token) or check_model_len(req, self.max_model_len)
+        stopped_by_token = status == RequestStatus.FINISHED_STOPPED
+        detok, checker = req.detokenizer, req.stop_checker
+        if detok is None or checker is None:  # no text state (scheduler-level use)
+            if status is not None:
+                self._finish(req, status, now)
+            return ""
+        honour = req.num_output_tokens >= req.params.min_tokens
+        out: list[str] = []
+        matched_string = False
+        # A stop token's own text is not returned (unless asked to include the stop in the output).
+        if not stopped_by_token or req.params.include_stop_str_in_output:
+            res = checker.feed(detok.step((token,)), honour)
+            out.append(res.text)
+            if res.stop is not None:
+                status, req.stop_reason, matched_string = RequestStatus.FINISHED_STOPPED, res.stop, True
+        if status is not None and not matched_string:
+            # Finishing for another reason: release text held back for incomplete characters/stops.
+            res = checker.feed(detok.flush(), honour)
+            out.append(res.text)
+            if res.stop is not None:
+                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, res.stop
+            else:
+                out.append(checker.flush())
+        text = "".join(out)
+        if text:
+            req.text_parts.append(text)
+        if status is not None:
+            self._finish(req, status, now)
+        return text
+
+    def _finish(self, req: Request, status: RequestStatus, now: float) -> None:
+        self.scheduler.finish(req, status, now)
+        self._on_finished(req)
+        group = self._groups.get(req.request_id)
+        if group is not None:
+            group.num_finished += 1
+
+    def _on_finished(self, req: Request) -> None:
+        self.observer.on_request_finished(
+            RequestStats(
+                finish_reason=req.finish_reason or "error",
+                arrival_time=req.arrival_time,
+                first_scheduled_time=req.first_scheduled_time,
+                first_token_time=req.first_token_time,
+                last_token_time=req.last_token_time,
+                finished_time=req.finished_time if req.finished_time is not None else time.monotonic(),
+                num_prompt_tokens=req.num_prompt_tokens,
+                num_generation_tokens=req.num_output_tokens,
+            )
+        )
+
+    # -- outputs -------------------------------------------------------------------------------------
+    def _completion(self, req: Request, text: str) -> CompletionOutput:
+        start = req.num_reported_tokens
+        n_out = req.num_output_tokens
+        new_ids = req.token_ids[req.num_prompt_tokens + start :] if n_out > start else []
+        new_lps = req.output_logprobs[start:] if req.output_logprobs is not None else None
+        req.num_reported_tokens = n_out
+        return CompletionOutput(
+            index=req.index,
+            new_token_ids=new_ids,
+            new_text=text,
+            new_logprobs=new_lps,
+            num_output_tokens=n_out,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+        )
+
+    def _request_output(self, group: _Group) -> RequestOutput:
+        outs = [group.pending[i] for i in sorted(group.pending)]
+        group.pending = {}
+        error = next((r.error for r in group.choices if r.error), None)
+        finished = group.finished
+        if finished:
+            self._groups.pop(group.request_id, None)
+        return RequestOutput(group.request_id, group.prompt_token_ids, outs, finished, error)
+
+    # -- metrics -------------------------------------------------------------------------------------
+    def _step_cost(self, items: list[BatchItem]) -> tuple[float, float]:
+        """Counted FLOPs and bytes moved: matmuls per token, the LM head per sampled row, attention per
+        (query, context) pair; all weights once plus the KV read (whole contexts) and written (new tokens)."""
+        if not items:
+            return 0.0, 0.0
+        tokens = sampled = 0
+        pairs = 0.0
+        kv_read = 0
+        for it in items:
+            n, c = it.num_new_tokens, it.seq.num_computed_tokens
+            tokens += n
+            sampled += it.sample
+            pairs += n * c + n * (n + 1) / 2
+            kv_read += c + n
+        flops = self._body_flops * tokens + self._head_flops * sampled + self._attn_flops * pairs
+        moved = self._weight_bytes + self._kv_token_bytes * (kv_read + tokens)
+        return flops, moved
+
+    def _observe_step(
+        self,
+        sched: SchedulerOutput,
+        duration: float,
+        num_sampled: int,
+        ttfts: list[float],
+        itls: list[float],
+        cost: tuple[float, float],
+    ) -> None:
+        flops, moved = cost
+        self.observer.on_step(
+            StepStats(
+                duration_s=duration,
+                num_running=self.scheduler.num_running,
+                num_waiting=self.scheduler.num_waiting,
+                kv_cache_usage=self.block_manager.usage,
+                num_prompt_tokens=sched.num_prompt_tokens,
+                num_generation_tokens=num_sampled,
+                num_preemptions=sched.num_preemptions,
+                prefix_cache_queries=sched.prefix_cache_queries,
+                prefix_cache_hits=sched.prefix_cache_hits,
+                flops=flops,
+                bytes_moved=moved,
+                time_to_first_tokens=ttfts,
+                inter_token_latencies=itls,
+            )
+        )
+
+    # -- offline -------------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams],
+    ) -> list[GenerationResult]:
+        """Run prompts (texts or token ids) to completion; results in prompt order."""
+        if isinstance(params, SamplingParams):
+            plist = [params] * len(prompts)
+        else:
+            plist = list(params)
+            if len(plist) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+        groups: list[_Group] = []
+        try:
+            for prompt, p in zip(prompts, plist):
+                ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
+                rid = f"generate-{next(self._generate_ids)}"
+                self.add_request(rid, ids, p)
+                groups.append(self._groups[rid])
+        except Exception:
+            for g in groups:
+                self.abort(g.request_id)
+            raise
+        while any(not g.finished for g in groups):
+            self.step()
+        for g in groups:  # drop their pending abort/error news: the caller gets the results below
+            self._pending_groups.pop(g.request_id, None)
+            self._groups.pop(g.request_id, None)
+        return [
+            GenerationResult(
+                g.request_id,
+                g.prompt_token_ids,
+                [
+                    GeneratedChoice(
+                        index=r.index,
+                        text="".join(r.text_parts),
+                        token_ids=r.output_token_ids,
+                        finish_reason=r.finish_reason,
+                        stop_reason=r.stop_reason,
+                        logprobs=r.output_logprobs,
+                        error=r.error,
+                    )
+                    for r in g.choices
+                ],
+            )
+            for g in groups
+        ]

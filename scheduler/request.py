@@ -1,0 +1,160 @@
+"""One sequence being generated: a client request's choice ``index`` of ``n``."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from runtime.batch import TokenLogprobs
+from scheduler.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # runtime-free imports only for type checkers
+    from scheduler.detokenizer import IncrementalDetokenizer
+    from scheduler.stop import StopChecker
+
+_SEED_MASK = (1 << 64) - 1
+
+
+class RequestStatus(enum.Enum):
+    """WAITING -> RUNNING -> FINISHED_*; RUNNING -> PREEMPTED -> WAITING (front of the queue)."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's ``finish_reason`` ("stop", "length", "abort", "error"), None while unfinished."""
+        return self.value if self in _FINISHED else None
+
+
+_FINISHED = frozenset(
+    {
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_ERROR,
+    }
+)
+
+
+class Request:
+    """A sequence the scheduler moves through its queues; satisfies ``runtime.batch.SequenceView``.
+
+    ``token_ids`` is prompt + output; ``num_computed_tokens`` counts the positions whose K/V are in
+    the pool and catches up with ``len(token_ids)`` one chunk at a time (prefill, decode, recompute
+    and prefix-cache hits are all the same operation). ``max_tokens`` is already resolved (never None).
+    """
+
+    def __init__(
+        self,
+        seq_id: int,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        index: int = 0,
+        max_tokens: int | None = None,
+        arrival_time: float | None = None,
+        eos_token_ids: Sequence[int] = (),
+        device: str | torch.device = "cpu",
+        parent: Request | None = None,
+    ) -> None:
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.index = index
+        self.params = params
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        # Hash chain of this sequence's full blocks (a function of token ids only, so it survives
+        # preemption); extended lazily by the block manager.
+        self.block_hashes: list[int] = []
+        self.max_tokens = max_tokens if max_tokens is not None else (params.max_tokens or 1)
+        # Choice 0 of the same client request: choices 1..n-1 share its prompt blocks (fork).
+        self.parent = parent
+
+        self.eos_token_ids: tuple[int, ...] = () if params.ignore_eos else tuple(eos_token_ids)
+        self.stop_token_ids: frozenset[int] = frozenset(params.stop_token_ids)
+        # The sampler suppresses these while fewer than min_tokens were generated.
+        self.stop_token_ids_for_min_tokens: tuple[int, ...] = tuple(
+            dict.fromkeys([*self.eos_token_ids, *params.stop_token_ids])
+        )
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed((params.seed + index) & _SEED_MASK)
+
+        self.status = RequestStatus.WAITING
+        self.stop_reason: str | int | None = None
+        self.error: str | None = None
+        self.output_logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        self.num_preemptions = 0
+
+        # Timestamps (time.monotonic()) from which every latency metric is derived.
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.finished_time: float | None = None
+
+        # Text state, set by the engine (None in scheduler-only tests).
+        self.detokenizer: IncrementalDetokenizer | None = None
+        self.stop_checker: StopChecker | None = None
+        self.text_parts: list[str] = []  # emitted text deltas (joined once at the end, offline)
+        # Engine bookkeeping for outputs: what was already reported to the client.
+        self.num_reported_tokens = 0
+        self.pending_text = ""
+
+    # -- views -------------------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """A copy (O(length)): for final results, not for the per-step path."""
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.finish_reason
+
+    @property
+    def is_decoding(self) -> bool:
+        """True when the next computed token is a generated one (one new token per step)."""
+        return self.num_output_tokens > 0 and self.num_computed_tokens == len(self.token_ids) - 1
+
+    # -- mutation ----------------------------------------------------------------------------------
+    def append_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
+        self.token_ids.append(token_id)
+        if self.output_logprobs is not None and logprobs is not None:
+            self.output_logprobs.append(logprobs)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request(seq_id={self.seq_id}, request_id={self.request_id!r}, index={self.index}, "
+            f"status={self.status.name}, tokens={len(self.token_ids)}, computed={self.num_computed_tokens}, "
+            f"blocks={len(self.block_table)})"
+        )

@@ -1,0 +1,226 @@
+"""Iteration-level scheduling: which sequences compute how many tokens in the next model step.
+
+One primitive: every request has ``num_computed_tokens`` catching up with ``len(token_ids)``.
+A prefill, a prefill chunk, a decode step, a recompute after preemption and a prefix-cache hit are
+all "compute the next k tokens of this request" under the step's token budget.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from runtime.batch import BatchItem
+from scheduler.block_manager import BlockManager, PrefixMatch
+from scheduler.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan: what to run, and what the scheduler did to make it fit."""
+
+    items: list[BatchItem] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)  # sent back to waiting this step
+    errored: list[Request] = field(default_factory=list)  # finished with an error (can never fit)
+    num_prompt_tokens: int = 0  # prefill / chunk / recompute tokens scheduled
+    num_decode_tokens: int = 0  # single generated tokens scheduled
+    prefix_cache_queries: int = 0  # tokens looked up on admission this step
+    prefix_cache_hits: int = 0  # of which were cached
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_decode_tokens
+
+    @property
+    def num_preemptions(self) -> int:
+        return len(self.preempted)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.items
+
+
+class Scheduler:
+    """Continuous batching (``fcfs``) or run-to-completion batches (``static``) over a ``BlockManager``.
+
+    Each step: RUNNING requests first (a decode is 1 token, an unfinished prefill continues with a
+    chunk), then WAITING requests in arrival order, chunking prompts to the remaining token budget.
+    When a running request cannot get a block, the most recently admitted running request is
+    preempted by recompute (its blocks are freed and it goes back to the front of the queue).
+    """
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        policy: str = "fcfs",
+    ) -> None:
+        if policy not in ("fcfs", "static"):
+            raise ValueError(f"unknown scheduling policy {policy!r} (fcfs or static)")
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last one is preempted first
+        # static policy: the admitted batch's members that are not running yet.
+        self._batch: deque[Request] = deque()
+        self.num_preemptions_total = 0
+
+    # -- queues --------------------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self._batch)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting or self._batch)
+
+    def add(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def finish(self, req: Request, status: RequestStatus, now: float | None = None) -> None:
+        """Take ``req`` out of every queue, free its blocks, and mark it finished (idempotent)."""
+        if req.is_finished:
+            return
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            for q in (self.waiting, self._batch):
+                try:
+                    q.remove(req)
+                    break
+                except ValueError:
+                    pass
+        self.bm.free(req)
+        req.status = status
+        req.finished_time = time.monotonic() if now is None else now
+
+    # -- one step ------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+
+        # 1. Running requests, in admission order.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(len(req.token_ids) - req.num_computed_tokens, budget)
+            if num_new <= 0:  # nothing to compute (cannot happen between engine steps)
+                i += 1
+                continue
+            while not self.bm.allocate_slots(req, num_new):
+                victim = self.running[-1]
+                if victim is req and i == 0:
+                    # Alone (everyone before it was preempted or there is no one): it can never fit.
+                    self._fail_too_large(req, out)
+                    break
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            else:
+                self._schedule(req, num_new, out)
+                budget -= num_new
+                i += 1
+                continue
+            # ``req`` left ``running`` (preempted or failed): the next one slid into index i.
+
+        # 2. Admit waiting requests (not in a step that had to preempt: memory is short).
+        if not out.preempted:
+            if self.policy == "static":
+                if not self.running and not self._batch:
+                    while self.waiting and len(self._batch) < self.max_num_seqs:
+                        self._batch.append(self.waiting.popleft())
+                queue = self._batch
+            else:
+                queue = self.waiting
+            budget = self._admit(queue, budget, out)
+        return out
+
+    def _admit(self, queue: deque[Request], budget: int, out: SchedulerOutput) -> int:
+        held: list[Request] = []  # n>1 siblings waiting for choice 0's prompt; keep their places
+        while queue and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = queue.popleft()
+            parent = req.parent
+            fork_from: Request | None = None
+            if parent is not None and not parent.is_finished:
+                if parent.status != RequestStatus.RUNNING or parent.num_computed_tokens < parent.num_prompt_tokens - 1:
+                    held.append(req)
+                    continue
+                fork_from = parent
+
+            if self._never_fits(req):
+                self._fail_too_large(req, out)
+                continue
+
+            prefix: PrefixMatch | None = None
+            if req.num_computed_tokens == 0:
+                if fork_from is not None:
+                    # Share choice 0's full prompt blocks (all but the last prompt token): no copies.
+                    req.block_table = self.bm.fork(fork_from.block_table, req.num_prompt_tokens - 1)
+                    req.num_computed_tokens = len(req.block_table) * self.bm.block_size
+                else:
+                    prefix = self.bm.lookup(req)
+            num_cached = prefix.num_cached_tokens if prefix is not None else 0
+            num_new = min(len(req.token_ids) - req.num_computed_tokens - num_cached, budget)
+            if not self.bm.allocate_slots(req, num_new, prefix):
+                if fork_from is not None:
+                    self.bm.free(req)
+                    req.num_computed_tokens = 0
+                queue.appendleft(req)
+                break
+            if prefix is not None:
+                out.prefix_cache_queries += prefix.num_query_tokens
+                out.prefix_cache_hits += prefix.num_cached_tokens
+            req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            self.running.append(req)
+            self._schedule(req, num_new, out)
+            budget -= num_new
+        for r in reversed(held):
+            queue.appendleft(r)
+        return budget
+
+    def _schedule(self, req: Request, num_new: int, out: SchedulerOutput) -> None:
+        sample = req.num_computed_tokens + num_new == len(req.token_ids)
+        out.items.append(BatchItem(req, num_new, sample))
+        if req.is_decoding:
+            out.num_decode_tokens += num_new
+        else:
+            out.num_prompt_tokens += num_new
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Recompute preemption: drop the KV, start over later from the front of the queue."""
+        self.running.remove(req)
+        self.bm.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions_total += 1
+        # Victims go latest-admitted first, so pushing each to the front keeps admission order.
+        (self._batch if self.policy == "static" else self.waiting).appendleft(req)
+        out.preempted.append(req)
+
+    def _never_fits(self, req: Request) -> bool:
+        longest = req.num_prompt_tokens + req.max_tokens
+        return self.bm.blocks_needed(longest) > self.bm.num_blocks
+
+    def _fail_too_large(self, req: Request, out: SchedulerOutput) -> None:
+        longest = req.num_prompt_tokens + req.max_tokens
+        req.error = (
+            f"request needs up to {longest} tokens of KV cache ({req.num_prompt_tokens} prompt + "
+            f"{req.max_tokens} max_tokens) but the whole pool holds {self.bm.num_blocks * self.bm.block_size} "
+            f"tokens; lower max_tokens or give the KV cache more memory"
+        )
+        self.finish(req, RequestStatus.FINISHED_ERROR)
+        out.errored.append(req)

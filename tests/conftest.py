@@ -1,0 +1,225 @@
+"""Shared fixtures: tiny random Llama-family models on disk, the default model, and a runner builder.
+
+The tiny models use the default model's vocabulary size so its tokenizer files can sit beside them
+(the folder is then a complete servable model). Seeds are fixed: the same weights every run.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from runtime.config import ModelConfig
+from runtime.model_files import ensure_default_model
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+# Shapes shared by every tiny variant: big enough for GQA (4 heads over 2 KV heads) and several layers.
+TINY_SHAPES: dict[str, Any] = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    # Larger than HF's 0.02 so attention is far from uniform and the logits spread: a comparison
+    # against HF then actually exercises positions, masking and the cache.
+    initializer_range=0.1,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+)
+
+TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", dict(tie_word_embeddings=True)),
+    "llama_untied": ("LlamaConfig", dict(tie_word_embeddings=False)),
+    "llama3_rope": (
+        "LlamaConfig",
+        dict(
+            tie_word_embeddings=True,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                # Small, so the wavelengths of a 16-wide head land in all three llama3 bands.
+                original_max_position_embeddings=64,
+            ),
+        ),
+    ),
+    "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=None)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(tie_word_embeddings=True)),
+}
+
+
+def hf_model_class(config_cls_name: str) -> type:
+    import transformers
+
+    return getattr(transformers, config_cls_name.replace("Config", "ForCausalLM"))
+
+
+def save_tiny_model(variant: str, out: Path, *, max_shard_size: str | None = None) -> Path:
+    """Build a random HF model of ``variant`` (fixed seed), save it (float32) with the default tokenizer."""
+    import transformers
+
+    cfg_name, extra = TINY_VARIANTS[variant]
+    cfg = getattr(transformers, cfg_name)(**{**TINY_SHAPES, **extra})
+    torch.manual_seed(1234)
+    model = hf_model_class(cfg_name)(cfg).to(torch.float32).eval()
+    # HF initialises norms to 1 and biases to 0; perturb them so the norm and bias paths are tested.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    out.mkdir(parents=True, exist_ok=True)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(out), **kwargs)
+    src = ensure_default_model()
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy(src / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The embedded SmolLM2-135M-Instruct as a float32 HF folder."""
+    return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``tiny_model_dir(variant)`` -> folder of a tiny random model (one of ``TINY_VARIANTS``), built once."""
+    built: dict[str, Path] = {}
+
+    def get(variant: str) -> Path:
+        if variant not in built:
+            built[variant] = save_tiny_model(variant, tmp_path_factory.mktemp(f"tiny-{variant}"))
+        return built[variant]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_model_dir: Callable[[str], Path]) -> Path:
+    """A tiny random Llama (tied embeddings) with the default model's tokenizer beside it."""
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_untied_dir(tiny_model_dir: Callable[[str], Path]) -> Path:
+    return tiny_model_dir("llama_untied")
+
+
+# ---- driving a ModelRunner without the scheduler ---------------------------------------------------
+
+
+@dataclass
+class GreedySpec:
+    """A ``runtime.batch.SamplingSpec`` for greedy decoding with nothing else switched on."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    logprobs: int | None = None
+
+
+@dataclass
+class FakeSeq:
+    """A ``runtime.batch.SequenceView`` the tests advance by hand."""
+
+    seq_id: int
+    token_ids: list[int]
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    params: GreedySpec = field(default_factory=GreedySpec)
+    generator: torch.Generator | None = None
+    stop_token_ids_for_min_tokens: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.num_prompt_tokens:
+            self.num_prompt_tokens = len(self.token_ids)
+
+
+class ScatteredBlocks:
+    """Hands out pool blocks in a shuffled order, so block tables are never contiguous."""
+
+    def __init__(self, num_blocks: int, block_size: int, seed: int = 0) -> None:
+        self.block_size = block_size
+        self.free_ids = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free_ids)
+
+    def grow(self, seq: FakeSeq, num_tokens: int) -> None:
+        """Make ``seq``'s block table hold at least ``num_tokens`` tokens."""
+        while len(seq.block_table) * self.block_size < num_tokens:
+            seq.block_table.append(self.free_ids.pop())
+
+    def release(self, seq: FakeSeq) -> None:
+        self.free_ids.extend(seq.block_table)
+        seq.block_table = []
+
+
+def step_logits(runner: Any, items: list[Any]) -> list[torch.Tensor]:
+    """Run one step of ``runner`` over ``items`` (``BatchItem``s) and return, per item in item order,
+    the float32 logits of every new token; then advance each item's ``num_computed_tokens``."""
+    with torch.inference_mode():
+        inputs = runner.prepare(items)
+        logits = runner.model.compute_logits(runner.forward(inputs)).float()
+    out: list[torch.Tensor] = [torch.empty(0)] * len(items)
+    row = 0
+    for idx in inputs.order:
+        n = items[idx].num_new_tokens
+        out[idx] = logits[row : row + n]
+        row += n
+    for it in items:
+        it.seq.num_computed_tokens += it.num_new_tokens
+    return out
+
+
+@pytest.fixture
+def rt() -> SimpleNamespace:
+    """Helpers to feed a ModelRunner by hand: ``FakeSeq``, ``GreedySpec``, ``ScatteredBlocks``, ``step_logits``."""
+    return SimpleNamespace(
+        FakeSeq=FakeSeq, GreedySpec=GreedySpec, ScatteredBlocks=ScatteredBlocks, step_logits=step_logits
+    )
+
+
+@pytest.fixture(scope="session")
+def build_runner() -> Callable[..., Any]:
+    """``build_runner(model_dir, **overrides)`` -> a CPU float32 ``ModelRunner`` with a small pool."""
+    from runtime.runner import ModelRunner
+
+    def build(model_dir: Path, **overrides: Any) -> ModelRunner:
+        kwargs: dict[str, Any] = dict(
+            device=torch.device("cpu"),
+            dtype=torch.float32,
+            block_size=16,
+            num_blocks=256,
+            max_num_batched_tokens=2048,
+            max_num_seqs=64,
+        )
+        kwargs.update(overrides)
+        return ModelRunner(Path(model_dir), ModelConfig.from_dir(model_dir), **kwargs)
+
+    return build

@@ -1,0 +1,137 @@
+"""The torch attention backend against a naive per-sequence reference, both decode paths included."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from runtime.attention.base import AttentionMetadata
+from runtime.attention.torch_backend import TorchAttentionBackend
+
+BS = 16
+H, KVH, D = 6, 2, 16
+
+
+def make_meta(ctx: list[int], new: list[int], tables: list[list[int]], pad_slots: int = 0) -> AttentionMetadata:
+    """Metadata as the runner lays it out: sequences with ``new == 1 and ctx > 0`` must come first."""
+    slots: list[int] = []
+    for c, n, t in zip(ctx, new, tables):
+        slots += [t[p // BS] * BS + p % BS for p in range(c, c + n)]
+    slots += [-1] * pad_slots
+    seq_lens = [c + n for c, n in zip(ctx, new)]
+    width = max(len(t) for t in tables)
+    qsl = [0]
+    for n in new:
+        qsl.append(qsl[-1] + n)
+    nd = sum(1 for c, n in zip(ctx, new) if n == 1 and c > 0)
+    return AttentionMetadata(
+        num_tokens=len(slots),
+        num_decodes=nd,
+        num_decode_tokens=nd,
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        context_lens=torch.tensor(ctx, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        max_query_len=max(new),
+        max_seq_len=max(seq_lens),
+        query_lens_list=list(new),
+        seq_lens_list=seq_lens,
+    )
+
+
+def reference(q: torch.Tensor, keys: list[torch.Tensor], vals: list[torch.Tensor], ctx: list[int], new: list[int], scale: float) -> torch.Tensor:
+    outs, row = [], 0
+    for kk, vv, c, n in zip(keys, vals, ctx, new):
+        qq = q[row : row + n]
+        row += n
+        kr = kk.repeat_interleave(H // KVH, dim=1)  # [L, H, D]
+        vr = vv.repeat_interleave(H // KVH, dim=1)
+        s = torch.einsum("qhd,khd->hqk", qq, kr) * scale
+        qpos = torch.arange(c, c + n)[:, None]
+        s = s.masked_fill(torch.arange(c + n)[None, :] > qpos, float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), vr))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel_if_built", "torch_fallback"])
+@pytest.mark.parametrize("seed", range(10))  # covers every layout: causal, flat (1 and n), padded
+def test_matches_reference_on_random_batches(use_kernel: bool, seed: int) -> None:
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    num_blocks = 64
+    k_cache = torch.zeros(num_blocks, BS, KVH, D)
+    v_cache = torch.zeros(num_blocks, BS, KVH, D)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    # decodes first, then prefills (some with cached context, some fresh)
+    n_dec, n_pre = rng.randint(0, 4), rng.randint(0 if seed else 1, 3)
+    ctx = [rng.randint(1, 70) for _ in range(n_dec)] + [rng.choice([0, rng.randint(1, 40)]) for _ in range(n_pre)]
+    new = [1] * n_dec + [rng.randint(2, 30) for _ in range(n_pre)]
+    if not ctx:
+        ctx, new = [0], [5]
+    tables, keys, vals = [], [], []
+    for c, n in zip(ctx, new):
+        t = [free.pop() for _ in range(-(-(c + n) // BS))]
+        tables.append(t)
+        k_all, v_all = torch.randn(c + n, KVH, D), torch.randn(c + n, KVH, D)
+        for p in range(c):  # the cached context, already in the pool
+            k_cache[t[p // BS], p % BS] = k_all[p]
+            v_cache[t[p // BS], p % BS] = v_all[p]
+        keys.append(k_all)
+        vals.append(v_all)
+    pad = 2 if seed % 2 else 0  # padded rows (slot -1) must write nothing
+    meta = make_meta(ctx, new, tables, pad_slots=pad)
+    k_new = torch.cat([kk[c:] for kk, c in zip(keys, ctx)] + [torch.full((pad, KVH, D), float("nan"))])
+    v_new = torch.cat([vv[c:] for vv, c in zip(vals, ctx)] + [torch.full((pad, KVH, D), float("nan"))])
+    q = torch.randn(meta.num_tokens, H, D)
+    backend = TorchAttentionBackend(BS, use_kernel=use_kernel)
+    scale = D**-0.5
+    out = backend.forward(q, k_new, v_new, k_cache, v_cache, backend.build_metadata(meta), scale)
+    real = meta.num_tokens - pad
+    torch.testing.assert_close(out[:real], reference(q[:real], keys, vals, ctx, new, scale), atol=1e-5, rtol=1e-5)
+    assert not torch.isnan(k_cache).any() and not torch.isnan(v_cache).any()
+    for kk, vv, t in zip(keys, vals, tables):  # every token's K/V now sits at its slot
+        for p in range(kk.shape[0]):
+            assert torch.equal(k_cache[t[p // BS], p % BS], kk[p])
+            assert torch.equal(v_cache[t[p // BS], p % BS], vv[p])
+
+
+def test_fresh_single_prefill_needs_no_gather_or_mask() -> None:
+    backend = TorchAttentionBackend(BS, use_kernel=False)
+    m = backend.build_metadata(make_meta([0], [20], [[3, 9]]))
+    assert m.prefill_slots is None and m.prefill_mask is None and m.write_rows is None
+    # Two unequal prompts: the flat layout (24 x 24 < 2 x 20 x 20), block-diagonal.
+    m2 = backend.build_metadata(make_meta([0, 0], [20, 4], [[3, 9], [4]]))
+    assert m2.prefill_batch is None and m2.prefill_mask is not None and m2.prefill_mask.shape == (24, 24)
+    assert not m2.prefill_mask[20:, :20].any() and not m2.prefill_mask[:20, 20:].any()
+    assert m2.prefill_mask[19, :20].all() and not m2.prefill_mask[0, 1:].any()
+
+
+@pytest.mark.parametrize("ctx", [[0, 0, 0, 0], [16, 0, 5, 30]], ids=["fresh", "with_context"])
+def test_padded_prefill_layout_matches_reference(ctx: list[int]) -> None:
+    """Several similar prompts take the padded layout (n x max_q x max_k < sum_q x sum_k) and stay exact."""
+    torch.manual_seed(7)
+    new = [12, 9, 12, 10]
+    k_cache = torch.zeros(32, BS, KVH, D)
+    v_cache = torch.zeros(32, BS, KVH, D)
+    free = list(range(31, -1, -1))
+    tables, keys, vals = [], [], []
+    for c, n in zip(ctx, new):
+        t = [free.pop(0) for _ in range(-(-(c + n) // BS))]
+        tables.append(t)
+        keys.append(torch.randn(c + n, KVH, D))
+        vals.append(torch.randn(c + n, KVH, D))
+        for p in range(c):
+            k_cache[t[p // BS], p % BS] = keys[-1][p]
+            v_cache[t[p // BS], p % BS] = vals[-1][p]
+    backend = TorchAttentionBackend(BS, use_kernel=False)
+    meta = backend.build_metadata(make_meta(ctx, new, tables))
+    assert meta.prefill_batch == (4, 12, max(c + n for c, n in zip(ctx, new)))
+    q = torch.randn(meta.num_tokens, H, D)
+    k_new = torch.cat([kk[c:] for kk, c in zip(keys, ctx)])
+    v_new = torch.cat([vv[c:] for vv, c in zip(vals, ctx)])
+    out = backend.forward(q, k_new, v_new, k_cache, v_cache, meta, 0.25)
+    torch.testing.assert_close(out, reference(q, keys, vals, ctx, new, 0.25), atol=1e-5, rtol=1e-5)
