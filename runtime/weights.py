@@ -72,7 +72,9 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> int:
                     unexpected.append(ckpt_name)
                     continue
                 tensor = f.get_tensor(ckpt_name)
-                dst = param.data if shard is None else param.data[param.shard_slices[shard]]  # type: ignore[attr-defined]
+                dst = param.data
+                if shard is not None:
+                    dst = dst[param.shard_slices[shard]]  # type: ignore[attr-defined]
                 if dst.shape != tensor.shape:
                     raise WeightLoadError(
                         f"{path.name}: tensor {ckpt_name} has shape {tuple(tensor.shape)}, "
@@ -83,7 +85,9 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> int:
                 loaded.add((name, shard))
                 del tensor
     if unexpected:
-        raise WeightLoadError(f"{model_dir}: checkpoint tensors the model has no place for: {_abbrev(sorted(unexpected))}")
+        raise WeightLoadError(
+            f"{model_dir}: checkpoint tensors the model has no place for: {_abbrev(sorted(unexpected))}"
+        )
     missing = sorted(f"{n} [{s}]" if s else n for n, s in expected - loaded)
     if missing:
         raise WeightLoadError(f"{model_dir}: tensors missing from the checkpoint: {_abbrev(missing)}")

@@ -2,9 +2,11 @@
 
 Decode tokens read their context straight from the pool with the C++ kernel when it loads
 (``runtime.attention.cpu_kernel``), else through one ``index_select`` gather per layer followed by a
-batched masked attention. Prefill tokens gather their sequences' whole context (cached + new) and run
-one ``scaled_dot_product_attention`` under a block-diagonal causal mask. Every index and mask is
-built once per step in ``build_metadata``; a layer does no Python work per request.
+batched masked attention (GQA by grouping query heads, never repeating K/V). Prefill tokens gather
+their sequences' whole context (cached + new) and run one ``scaled_dot_product_attention`` per layer,
+either flat under a block-diagonal causal mask or padded to one batch row per sequence, whichever
+computes fewer scores this step. Every index and mask is built once per step in ``build_metadata``;
+a layer does no Python work per request.
 """
 
 from __future__ import annotations

@@ -115,6 +115,9 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     raise UnsupportedModelError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
 
 
+CosSin = tuple[torch.Tensor, torch.Tensor]  # the step's RoPE rows, [T, 1, head_dim / 2] each
+
+
 class RotaryEmbedding(nn.Module):
     """Neox-style RoPE (rotate_half, as HF Llama) from cos/sin tables indexed by position.
 
@@ -130,12 +133,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos().to(device=device, dtype=dtype), persistent=False)
         self.register_buffer("sin", freqs.sin().to(device=device, dtype=dtype), persistent=False)
 
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(self, positions: torch.Tensor) -> CosSin:
         """cos and sin rows for ``positions``, ``[T, 1, D/2]`` each: looked up once per step, used by every layer."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def apply_rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos_sin: CosSin) -> torch.Tensor:
     """Rotate ``x`` ``[T, heads, head_dim]`` by the step's cos/sin rows -> a contiguous copy."""
     cos, sin = cos_sin
     half = cos.shape[-1]
@@ -180,7 +183,7 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos_sin: CosSin, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -235,7 +238,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = MLP(cfg, dtype, device)
 
-    def forward(self, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, cos_sin: CosSin, meta: AttentionMetadata) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos_sin, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 

@@ -42,7 +42,10 @@ def make_meta(ctx: list[int], new: list[int], tables: list[list[int]], pad_slots
     )
 
 
-def reference(q: torch.Tensor, keys: list[torch.Tensor], vals: list[torch.Tensor], ctx: list[int], new: list[int], scale: float) -> torch.Tensor:
+def reference(
+    q: torch.Tensor, keys: list[torch.Tensor], vals: list[torch.Tensor], ctx: list[int], new: list[int], scale: float
+) -> torch.Tensor:
+    """Per-sequence attention with repeated KV heads and an explicit causal-offset mask."""
     outs, row = [], 0
     for kk, vv, c, n in zip(keys, vals, ctx, new):
         qq = q[row : row + n]
