@@ -126,7 +126,8 @@ class Engine:
         self.model_config = ModelConfig.from_dir(model_dir)
         mc = self.model_config
 
-        device = torch.device(config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+        auto_device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(auto_device if config.device == "auto" else config.device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         dtype = _resolve_dtype(config.dtype, device)
@@ -177,7 +178,18 @@ class Engine:
         self.tokenizer = load_tokenizer(config.tokenizer or model_dir)
         self.eos_token_ids = _eos_ids(model_dir, mc, self.tokenizer)
 
-        self.block_manager = BlockManager(self.capacity.num_blocks, block_size, config.enable_prefix_caching)
+        num_blocks = self.capacity.num_blocks
+        if runner is not None:
+            # A runner built elsewhere (tests, device checks) must match the blocks handed out here.
+            pool = getattr(runner, "kv_pool", None)
+            runner_bs = getattr(runner, "block_size", block_size)
+            if runner_bs != block_size:
+                raise ValueError(f"the runner's KV pool uses block_size {runner_bs}, the engine {block_size}")
+            if pool is not None and pool.num_blocks < num_blocks:
+                raise ValueError(
+                    f"the runner's KV pool has {pool.num_blocks} blocks, the KV budget asks for {num_blocks}"
+                )
+        self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
@@ -516,7 +528,8 @@ class Engine:
         groups: list[_Group] = []
         try:
             for prompt, p in zip(prompts, plist):
-                ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
+                # Text is tokenized as the tokenizer does by default (BOS where the model expects one).
+                ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
                 rid = f"generate-{next(self._generate_ids)}"
                 self.add_request(rid, ids, p)
                 groups.append(self._groups[rid])

@@ -19,7 +19,7 @@ _SEED_MASK = (1 << 64) - 1
 
 
 class RequestStatus(enum.Enum):
-    """WAITING -> RUNNING -> FINISHED_*; RUNNING -> PREEMPTED -> WAITING (front of the queue)."""
+    """WAITING -> RUNNING -> FINISHED_*; RUNNING -> PREEMPTED (waiting again, at the front) -> RUNNING."""
 
     WAITING = "waiting"
     RUNNING = "running"

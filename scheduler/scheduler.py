@@ -204,7 +204,7 @@ class Scheduler:
         self.running.remove(req)
         self.bm.free(req)
         req.num_computed_tokens = 0
-        req.status = RequestStatus.WAITING
+        req.status = RequestStatus.PREEMPTED  # waiting again, at the front; RUNNING once re-admitted
         req.num_preemptions += 1
         self.num_preemptions_total += 1
         # Victims go latest-admitted first, so pushing each to the front keeps admission order.

@@ -217,7 +217,8 @@ def show(label: str, r: dict[str, float]) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", nargs="+", choices=["fixed", "varied", "single"], default=["fixed", "varied", "single"])
+    names = ["fixed", "varied", "single"]
+    ap.add_argument("--workload", nargs="+", choices=names, default=names)
     ap.add_argument("--hf", action="store_true", help="also run the HF transformers generate baseline")
     ap.add_argument("--quick", action="store_true", help="tiny workloads: check the plumbing only")
     ap.add_argument("--seed", type=int, default=0)

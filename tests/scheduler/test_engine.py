@@ -185,6 +185,7 @@ def test_include_stop_str_in_output(tiny_llama_dir: Path, tok) -> None:
     e = scripted_engine(tiny_llama_dir, {3: ids})
     p = SamplingParams(max_tokens=30, stop=["\n\n"], include_stop_str_in_output=True, temperature=0)
     assert e.generate([[3]], p)[0].outputs[0].text == "x = 1\n\n"
+    assert e.block_manager.num_used_blocks == 0
 
 
 def test_eos_stop_tokens_min_tokens_and_ignore_eos(tiny_llama_dir: Path, tok) -> None:
@@ -224,6 +225,7 @@ def test_incomplete_utf8_is_held_then_flushed(tiny_llama_dir: Path, tok) -> None
     e.add_request("s", [3], SamplingParams(max_tokens=len(emoji) - 1, temperature=0))
     chunks = by_choice(drain(e), "s")[0]
     assert "".join(c.new_text for c in chunks) == tok.decode(emoji[:-1]) and chunks[-1].finish_reason == "length"
+    assert e.block_manager.num_used_blocks == 0
 
 
 def test_logprobs_are_aligned_with_tokens(tiny_llama_dir: Path) -> None:
@@ -232,6 +234,7 @@ def test_logprobs_are_aligned_with_tokens(tiny_llama_dir: Path) -> None:
     chunks = by_choice(drain(e), "r")[0]
     for c in chunks:
         assert c.new_logprobs is not None and [lp.token_id for lp in c.new_logprobs] == c.new_token_ids
+    assert e.block_manager.num_used_blocks == 0
 
 
 def test_failure_while_processing_one_request_spares_the_others(tiny_llama_dir: Path) -> None:
@@ -281,6 +284,7 @@ def test_n_choices_are_grouped_per_request(tiny_llama_dir: Path) -> None:
     assert sorted(chunks) == [0, 1, 2]
     for cs in chunks.values():
         assert [t for c in cs for t in c.new_token_ids] == [10, 11, 12]
+    assert e.block_manager.num_used_blocks == 0
 
 
 def test_step_and_request_metrics(tiny_llama_dir: Path) -> None:
@@ -301,7 +305,9 @@ def test_step_and_request_metrics(tiny_llama_dir: Path) -> None:
     assert max(s.kv_cache_usage for s in steps) > 0 and steps[-1].num_running == 0
     assert sorted((r.finish_reason, r.num_generation_tokens) for r in obs.finished) == [("length", 3), ("length", 5)]
     for r in obs.finished:
-        assert r.arrival_time <= r.first_scheduled_time <= r.first_token_time <= r.last_token_time <= r.finished_time  # type: ignore[operator]
+        times = [r.arrival_time, r.first_scheduled_time, r.first_token_time, r.last_token_time, r.finished_time]
+        assert times == sorted(times)  # type: ignore[type-var]
+    assert e.block_manager.num_used_blocks == 0
 
 
 def test_flops_and_bytes_follow_the_counts(tiny_llama_dir: Path) -> None:
@@ -320,6 +326,7 @@ def test_flops_and_bytes_follow_the_counts(tiny_llama_dir: Path) -> None:
     assert decode.flops == pytest.approx(flops_per_token(mc, 11) - 0)
     kv = kv_bytes_per_token(mc, torch.float32)
     assert decode.bytes_moved == pytest.approx(weight_bytes(mc, torch.float32) + kv * (11 + 1))
+    assert e.block_manager.num_used_blocks == 0
 
 
 # -- the real model runner on a tiny random Llama ----------------------------------------------------------

@@ -158,7 +158,7 @@ def test_preemption_evicts_the_latest_admitted_and_it_resumes_exactly() -> None:
         out = h.step()
         preempted = out.preempted
     assert preempted[0] is reqs[2]  # latest admitted goes first
-    assert reqs[2].status == RequestStatus.WAITING and reqs[2].num_computed_tokens == 0
+    assert reqs[2].status == RequestStatus.PREEMPTED and reqs[2].num_computed_tokens == 0
     assert reqs[2].block_table == [] and h.sched.waiting[0] is reqs[2]
     assert out.num_preemptions >= 1 and h.sched.num_preemptions_total >= 1
     h.run()
