@@ -9,6 +9,7 @@ cards are measured.
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -102,7 +103,17 @@ def device_peaks(device: str | torch.device) -> tuple[float, float]:
     """(FLOP/s, bytes/s) for the device the engine runs on: measured on CPU, datasheet on known GPUs.
 
     ``"auto"`` (the CLI default) means CUDA when available, else CPU, as the engine resolves it.
+    ``SERVELM_PEAK_FLOPS`` / ``SERVELM_PEAK_BANDWIDTH`` (numbers, e.g. ``2e11``) override either value:
+    a measurement taken while the host is busy under-reads the peak and over-reads MFU/MBU.
     """
+    flops_env, bw_env = os.environ.get("SERVELM_PEAK_FLOPS"), os.environ.get("SERVELM_PEAK_BANDWIDTH")
+    if flops_env and bw_env:
+        return float(flops_env), float(bw_env)
+    flops, bandwidth = _device_peaks(device)
+    return float(flops_env or flops), float(bw_env or bandwidth)
+
+
+def _device_peaks(device: str | torch.device) -> tuple[float, float]:
     if str(device) == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)

@@ -206,6 +206,7 @@ class Engine:
                 num_blocks=self.capacity.num_blocks,
                 max_num_batched_tokens=max_batched,
                 max_num_seqs=config.max_num_seqs,
+                seed=config.seed,
             )
         self.runner = runner
 

@@ -45,3 +45,11 @@ def test_unknown_gpu_without_cuda_is_an_error() -> None:
 def test_auto_device_on_cpu_measures_the_cpu() -> None:
     flops, bw = device_peaks("auto")
     assert flops > 1e9 and bw > 1e9
+
+
+def test_environment_overrides_the_measured_peaks(monkeypatch):
+    from metrics.roofline import device_peaks
+
+    monkeypatch.setenv("SERVELM_PEAK_FLOPS", "2e11")
+    monkeypatch.setenv("SERVELM_PEAK_BANDWIDTH", "2.6e10")
+    assert device_peaks("cpu") == (2e11, 2.6e10)
