@@ -28,6 +28,25 @@ class SamplingSpec(Protocol):
     logprobs: int | None  # None => none; k => the chosen token's logprob plus the top-k alternatives
 
 
+@dataclass
+class SamplingOptions:
+    """A plain ``SamplingSpec`` with neutral defaults, for tests, benchmarks and offline tools.
+
+    The engine itself is fed ``scheduler.SamplingParams``, which also validates.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    logprobs: int | None = None
+
+
 class SequenceView(Protocol):
     """What the runner reads of one sequence (a ``scheduler.Request``)."""
 

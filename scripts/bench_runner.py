@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from runtime.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from runtime.batch import BatchItem  # noqa: E402
+from runtime.batch import BatchItem, SamplingOptions  # noqa: E402
 from runtime.config import ModelConfig  # noqa: E402
 from runtime.model_files import ensure_default_model  # noqa: E402
 from runtime.runner import ModelRunner  # noqa: E402
@@ -35,17 +35,8 @@ clock = time.perf_counter
 
 
 @dataclass
-class Greedy:
+class Greedy(SamplingOptions):
     temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] | None = None
-    min_tokens: int = 0
-    logprobs: int | None = None
 
 
 @dataclass

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from runtime.batch import SamplingOptions
 from runtime.config import ModelConfig
 from runtime.model_files import ensure_default_model
 
@@ -129,19 +130,10 @@ def tiny_llama_untied_dir(tiny_model_dir: Callable[[str], Path]) -> Path:
 
 
 @dataclass
-class GreedySpec:
+class GreedySpec(SamplingOptions):
     """A ``runtime.batch.SamplingSpec`` for greedy decoding with nothing else switched on."""
 
     temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] | None = None
-    min_tokens: int = 0
-    logprobs: int | None = None
 
 
 @dataclass

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 import pytest
 import torch
 
+from runtime.batch import SamplingOptions
 from runtime.sampler import (
     TOP_P_FIRST_CANDIDATES,
     Sampler,
@@ -21,20 +22,7 @@ from runtime.sampler import (
 )
 
 
-@dataclass
-class Spec:
-    """A ``runtime.batch.SamplingSpec``."""
-
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] | None = None
-    min_tokens: int = 0
-    logprobs: int | None = None
+Spec = SamplingOptions  # temperature 1.0, everything else off
 
 
 @dataclass
