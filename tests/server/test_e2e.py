@@ -323,3 +323,28 @@ def test_64_concurrent_streams_with_disconnects(live: Live) -> None:
     metrics = httpx.get(f"{live.srv.url}/metrics").text
     usage = [ln for ln in metrics.splitlines() if ln.startswith("servelm_kv_cache_usage_perc")]
     assert usage and float(usage[0].split()[-1]) == 0.0
+
+
+def test_servelm_bench_against_live_server(live: Live, tmp_path, capsys) -> None:
+    """``servelm bench`` against the real engine: exact token counts with ignore_eos, plausible latencies."""
+    import json
+
+    from metrics.bench import main as bench_main
+
+    out = tmp_path / "bench.json"
+    rc = bench_main(
+        ["--base-url", live.srv.url, "--num-prompts", "6", "--input-len", "24", "--output-len", "8",
+         "--range-ratio", "0.5", "--max-concurrency", "3", "--ignore-eos", "--seed", "3",
+         "--disable-tqdm", "--result-json", str(out)]  # fmt: skip
+    )
+    assert rc == 0
+    assert "Output token throughput (tok/s):" in capsys.readouterr().out
+    r = json.loads(out.read_text())
+    assert r["completed"] == 6 and r["failed"] == 0 and r["model"] == live.model
+    for q in r["requests"]:
+        assert q["success"] and q["usage_reported"] and q["ttft"] > 0
+        assert q["latency"] > q["ttft"]
+    # With ignore_eos every request generates exactly the max_tokens it was sent.
+    assert r["total_output_tokens"] == sum(q["output_len"] for q in r["requests"])
+    assert all(4 <= q["output_len"] <= 12 for q in r["requests"])
+    _idle_and_free(live)
