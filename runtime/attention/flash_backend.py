@@ -149,7 +149,9 @@ class FlashAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        m = meta if isinstance(meta, CudaAttentionMetadata) else split_metadata(meta, cu_seqlens=True)
+        # Built once per step by build_metadata (the runner and the graph runner both call it), never per layer.
+        assert isinstance(meta, CudaAttentionMetadata), "metadata must come from build_metadata()"
+        m = meta
         self._store(k, v, k_cache, v_cache, m.slot_mapping)
         out = torch.empty_like(q)
         nd = m.num_decode_tokens
@@ -220,7 +222,9 @@ class TritonPagedBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        m = meta if isinstance(meta, CudaAttentionMetadata) else split_metadata(meta, cu_seqlens=False)
+        # Built once per step by build_metadata (the runner and the graph runner both call it), never per layer.
+        assert isinstance(meta, CudaAttentionMetadata), "metadata must come from build_metadata()"
+        m = meta
         kern = self._kernels
         kern.store_kvcache(k, v, k_cache, v_cache, m.slot_mapping)
         out = torch.empty_like(q)
