@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from runtime import cpu_linear
 from runtime.attention.base import AttentionBackend, AttentionMetadata
 from runtime.attention.selector import select_backend
 from runtime.batch import BatchItem, RunnerOutput, SequenceView, TokenLogprobs
@@ -79,6 +80,9 @@ class ModelRunner:
             raise ValueError(f"attention backend expects block_size {backend_bs}, the pool uses {block_size}")
         self.model = load_model(model_dir, model_config, self.backend, dtype=dtype, device=self.device)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.packed_linears = self.device.type == "cpu" and cpu_linear.onednn_linear_available(dtype)
+        if self.packed_linears:
+            self.model.pack_cpu_weights()
         self.kv_pool = KVPool(
             model_config.num_layers,
             num_blocks,
@@ -92,7 +96,13 @@ class ModelRunner:
         self.sampler = Sampler(seed) if Sampler is not None else None
         if self.sampler is None:
             log.warning("runtime.sampler is unavailable: sampling greedily (argmax)")
-        log.info("model runner ready: %s; %r; backend %s", model_config.architecture, self.kv_pool, self.backend.name)
+        log.info(
+            "model runner ready: %s; %r; backend %s; matmuls %s",
+            model_config.architecture,
+            self.kv_pool,
+            self.backend.name,
+            "oneDNN (packed weights)" if self.packed_linears else "torch",
+        )
 
     # ---- one step ------------------------------------------------------------------------------
     @torch.inference_mode()

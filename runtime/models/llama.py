@@ -18,14 +18,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime import cpu_linear
 from runtime.attention.base import AttentionBackend, AttentionMetadata
 from runtime.config import ModelConfig, UnsupportedModelError
 
 
-# Small-batch matmul shapes that CPU BLAS handles badly (measured with scripts/bench_runner.py's setup;
-# see also shared/FACTS.md): on CPU the fused gate/up projection is faster as two matmuls at a few rows
-# (up to 25% at 4-8 rows), and the vocabulary projection of a few rows is faster as W @ h^T than as
-# h @ W^T (up to 45% at 4 rows). Fixed when the model is built, so forward() never asks the device.
+# Small-batch matmul shapes that MKL's sgemm handles badly (measured with scripts/bench_runner.py's
+# setup; see also shared/FACTS.md): on CPU the fused gate/up projection is faster as two matmuls at a
+# few rows (up to 25% at 4-8 rows), and the vocabulary projection of a few rows is faster as W @ h^T
+# than as h @ W^T (up to 45% at 4 rows). Fixed when the model is built, so forward() never asks the
+# device. Only used when the weights are not packed for oneDNN (``CausalLM.pack_cpu_weights``), which
+# is faster than either at every batch size.
 CPU_SPLIT_GATE_UP_MAX_ROWS = 16
 CPU_TALL_SKINNY_HEAD_MAX_ROWS = 8
 
@@ -70,7 +73,9 @@ class Linear(nn.Module):
         if isinstance(shards, int):
             shards = [("", shards)]
         self.out_features = sum(n for _, n in shards)
-        self.weight = _param((self.out_features, in_features), dtype, device)
+        self.in_features = in_features
+        self.weight: nn.Parameter | None = _param((self.out_features, in_features), dtype, device)
+        self.packed: torch.Tensor | None = None  # the oneDNN copy of ``weight`` once packed
         self.bias = _param((self.out_features,), dtype, device) if bias else None
         if len(shards) > 1:
             slices: dict[str, slice] = {}
@@ -82,7 +87,15 @@ class Linear(nn.Module):
             if self.bias is not None:
                 self.bias.shard_slices = slices  # type: ignore[attr-defined]
 
+    def pack_for_cpu(self) -> None:
+        """Replace the dense weight by its oneDNN-packed copy (``runtime.cpu_linear``); irreversible."""
+        assert self.weight is not None, "already packed"
+        self.packed = cpu_linear.pack(self.weight)
+        self.weight = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return cpu_linear.linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -214,11 +227,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.gate_up_proj.weight
-        if x.shape[0] <= self.split_max_rows:
+        if w is not None and x.shape[0] <= self.split_max_rows:
             gate = F.linear(x, w[: self.intermediate])
             up = F.linear(x, w[self.intermediate :])
         else:
-            gate_up = F.linear(x, w)
+            gate_up = self.gate_up_proj(x)
             gate = gate_up[:, : self.intermediate]
             up = gate_up[:, self.intermediate :]
         return self.down_proj(F.silu(gate) * up)
@@ -284,6 +297,7 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.model = DecoderStack(cfg, backend, dtype, device)
         self.tall_skinny_head_max_rows = CPU_TALL_SKINNY_HEAD_MAX_ROWS if device.type == "cpu" else 0
+        self.lm_head_packed: torch.Tensor | None = None
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Module()
             self.lm_head.weight = _param((cfg.vocab_size, cfg.hidden_size), dtype, device)
@@ -311,8 +325,21 @@ class CausalLM(nn.Module):
             h = layer(h, cos_sin, meta)
         return self.model.norm(h)
 
+    def pack_cpu_weights(self) -> None:
+        """Pack every projection and the vocabulary head for oneDNN (``runtime.cpu_linear``), once,
+        after loading. The dense projection weights are dropped; the tied embedding stays dense (the
+        token lookup reads it), so a tied head costs one extra vocab x hidden copy."""
+        for module in self.modules():
+            if isinstance(module, Linear) and module.packed is None:
+                module.pack_for_cpu()
+        self.lm_head_packed = cpu_linear.pack(self.lm_head_weight)
+        if not self.config.tie_word_embeddings:
+            self.lm_head.weight = None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[R, hidden]`` -> ``[R, vocab]``; the runner passes only the rows it samples."""
+        if self.lm_head_packed is not None:
+            return cpu_linear.linear(hidden, self.lm_head_packed, None)
         if 1 < hidden.shape[0] <= self.tall_skinny_head_max_rows:
             return torch.mm(self.lm_head_weight, hidden.t()).t().contiguous()
         return F.linear(hidden, self.lm_head_weight)

@@ -116,5 +116,7 @@ def test_default_model_matches_hf(
     ids, ref = default_prompt_and_ref
     assert len(ids) > 40
     ours = feed(default_runner, rt, ids, MODES[mode], seed=5)
-    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+    # 30 layers of float32 sums in another order (oneDNN's blocked matmuls, not MKL's as in HF) move
+    # logits of magnitude ~20 by up to ~1.5e-4 (measured); HF's own batched-vs-single shift is ~1e-4.
+    torch.testing.assert_close(ours, ref, atol=2e-4, rtol=0)
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
