@@ -81,8 +81,11 @@ class ModelRunner:
         self.model = load_model(model_dir, model_config, self.backend, dtype=dtype, device=self.device)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.packed_linears = self.device.type == "cpu" and cpu_linear.onednn_linear_available(dtype)
+        self.small_m_linear = None
         if self.packed_linears:
-            self.model.pack_cpu_weights()
+            if dtype == torch.float32:
+                self.small_m_linear = cpu_linear.small_m_kernel()
+            self.model.pack_cpu_weights(self.small_m_linear)
         self.kv_pool = KVPool(
             model_config.num_layers,
             num_blocks,
@@ -101,7 +104,8 @@ class ModelRunner:
             model_config.architecture,
             self.kv_pool,
             self.backend.name,
-            "oneDNN (packed weights)" if self.packed_linears else "torch",
+            ("oneDNN (packed weights)" if self.packed_linears else "torch")
+            + (f" + few-row kernel (<= {self.small_m_linear[1]} rows)" if self.small_m_linear else ""),
         )
 
     # ---- one step ------------------------------------------------------------------------------

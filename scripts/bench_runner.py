@@ -274,17 +274,18 @@ def main() -> None:
             line += f"; contiguous plain torch: median {statistics.median(bts) * 1e3:.1f} ms"
         print(line)
 
-    seqs = make_seqs(args.prefill_prompts, args.prefill_len, first_id=7)
-    t = clock()
-    steps = run_chunked(runner, blocks, seqs, args.chunk)
-    total = clock() - t
-    n_tok = args.prefill_prompts * args.prefill_len
-    print(
-        f"prefill {args.prefill_prompts}x{args.prefill_len} in {len(steps)} steps of <= {args.chunk}: {total:.2f} s "
-        f"-> {n_tok / total:.0f} tok/s (median step {statistics.median(steps) * 1e3:.0f} ms)"
-    )
-    for s in seqs:
-        blocks.release(s)
+    if args.prefill_prompts > 0:
+        seqs = make_seqs(args.prefill_prompts, args.prefill_len, first_id=7)
+        t = clock()
+        steps = run_chunked(runner, blocks, seqs, args.chunk)
+        total = clock() - t
+        n_tok = args.prefill_prompts * args.prefill_len
+        print(
+            f"prefill {args.prefill_prompts}x{args.prefill_len} in {len(steps)} steps of <= {args.chunk}: "
+            f"{total:.2f} s -> {n_tok / total:.0f} tok/s (median step {statistics.median(steps) * 1e3:.0f} ms)"
+        )
+        for s in seqs:
+            blocks.release(s)
 
     if args.profile:
         from torch.profiler import profile

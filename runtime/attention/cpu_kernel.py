@@ -18,25 +18,20 @@ Query head h uses KV head h // (H // KVH) (GQA; K/V are never repeated).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import platform
-import threading
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-from runtime.model_files import cache_dir
+from runtime.cpu_extension import CompiledExtension, cpu_flags as _cpu_flags  # noqa: F401 (tests use it)
 
 log = logging.getLogger(__name__)
 
 DISABLE_ENV = "SERVELM_DISABLE_CPU_KERNEL"
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
-LDFLAGS = ["-fopenmp"]
 
 # (q, k_cache, v_cache, block_tables, seq_lens, scale, out=None) -> Tensor
 PagedDecodeAttention = Callable[..., torch.Tensor]
@@ -98,28 +93,6 @@ def paged_decode_attention_reference(
     return out.copy_(result)
 
 
-def _cpu_flags() -> set[str] | None:
-    """The running CPU's feature flags (Linux), or None where they cannot be read."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return None
-
-
-def _build_name(source: bytes) -> str:
-    """Extension name keyed on everything that changes the binary: source, flags, torch, CPU."""
-    h = hashlib.sha256(source)
-    flags = _cpu_flags()
-    for part in (CFLAGS, LDFLAGS, [torch.__version__, platform.machine(), platform.python_version()],
-                 sorted(flags or [])):
-        h.update("\0".join(part).encode())
-    return f"servelm_paged_attention_{h.hexdigest()[:16]}"
-
-
 def _self_check(fn: PagedDecodeAttention) -> str | None:
     """Compare the compiled kernel against the reference on a small case; a reason if it differs."""
     gen = torch.Generator().manual_seed(0)
@@ -136,58 +109,18 @@ def _self_check(fn: PagedDecodeAttention) -> str | None:
     return None
 
 
-def _one_line(exc: Exception) -> str:
-    """The telling line of a build failure: the compiler's first error, else the message's first line."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    errors = [line for line in lines if "error:" in line]
-    return errors[0] if errors else (lines[0] if lines else type(exc).__name__)
-
-
-class _KernelLoader:
+class _KernelLoader(CompiledExtension):
     """Builds the extension at most once per process and remembers the outcome (module or None)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._tried = False
-        self._module = None
-
-    def get(self, verbose: bool = False):
-        with self._lock:
-            if not self._tried:
-                self._module = self._build(verbose)
-                self._tried = True
-            return self._module
-
-    @staticmethod
-    def _build(verbose: bool):
-        """Build (or reuse the cached build of) the extension; None, with one warning, if impossible."""
-        try:
-            from torch.utils import cpp_extension
-
-            name = _build_name(SOURCE.read_bytes())
-            build_dir = cache_dir() / "torch_extensions" / name
-            build_dir.mkdir(parents=True, exist_ok=True)
-            module = cpp_extension.load(
-                name=name,
-                sources=[str(SOURCE)],
-                extra_cflags=CFLAGS,
-                extra_ldflags=LDFLAGS,
-                build_directory=str(build_dir),
-                verbose=verbose,
-            )
-            flags = _cpu_flags()
-            missing = sorted(set(module.compiled_isa()) - flags) if flags is not None else []
-            if missing:
-                log.warning("CPU paged-attention kernel disabled: this CPU lacks %s", ", ".join(missing))
-                return None
-            problem = _self_check(module.paged_decode_attention)
-            if problem:
-                log.warning("CPU paged-attention kernel disabled: %s", problem)
-                return None
-            return module
-        except Exception as exc:  # a missing compiler, ninja or header must only cost speed
-            log.warning("CPU paged-attention kernel unavailable, using the torch path: %s", _one_line(exc))
-            return None
+        # SOURCE is read at build time so that tests can point it at another file.
+        super().__init__(
+            "CPU paged-attention kernel",
+            "servelm_paged_attention",
+            lambda: SOURCE,
+            lambda module: _self_check(module.paged_decode_attention),
+            log,
+        )
 
 
 _loader = _KernelLoader()

@@ -76,6 +76,8 @@ class Linear(nn.Module):
         self.in_features = in_features
         self.weight: nn.Parameter | None = _param((self.out_features, in_features), dtype, device)
         self.packed: torch.Tensor | None = None  # the oneDNN copy of ``weight`` once packed
+        self.small_m: cpu_linear.SmallMLinear | None = None  # few-row kernel over the dense weight
+        self.small_m_rows = 0
         self.bias = _param((self.out_features,), dtype, device) if bias else None
         if len(shards) > 1:
             slices: dict[str, slice] = {}
@@ -87,14 +89,23 @@ class Linear(nn.Module):
             if self.bias is not None:
                 self.bias.shard_slices = slices  # type: ignore[attr-defined]
 
-    def pack_for_cpu(self) -> None:
-        """Replace the dense weight by its oneDNN-packed copy (``runtime.cpu_linear``); irreversible."""
-        assert self.weight is not None, "already packed"
+    def pack_for_cpu(self, small_m: tuple[cpu_linear.SmallMLinear, int] | None = None) -> None:
+        """Add the oneDNN-packed copy of the weight (``runtime.cpu_linear``); irreversible.
+
+        With ``small_m`` (the few-row kernel and its row limit) the dense weight stays for steps of
+        that many rows or fewer; without it the dense weight is dropped.
+        """
+        assert self.weight is not None and self.packed is None, "already packed"
         self.packed = cpu_linear.pack(self.weight)
-        self.weight = None
+        if small_m is None:
+            self.weight = None
+        else:
+            self.small_m, self.small_m_rows = small_m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
+            if x.shape[0] <= self.small_m_rows:
+                return self.small_m(x.contiguous(), self.weight, self.bias)  # type: ignore[misc]
             return cpu_linear.linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
@@ -227,7 +238,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.gate_up_proj.weight
-        if w is not None and x.shape[0] <= self.split_max_rows:
+        if self.gate_up_proj.packed is None and x.shape[0] <= self.split_max_rows:
             gate = F.linear(x, w[: self.intermediate])
             up = F.linear(x, w[self.intermediate :])
         else:
@@ -298,6 +309,8 @@ class CausalLM(nn.Module):
         self.model = DecoderStack(cfg, backend, dtype, device)
         self.tall_skinny_head_max_rows = CPU_TALL_SKINNY_HEAD_MAX_ROWS if device.type == "cpu" else 0
         self.lm_head_packed: torch.Tensor | None = None
+        self.lm_head_small_m: cpu_linear.SmallMLinear | None = None
+        self.lm_head_small_m_rows = 0
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Module()
             self.lm_head.weight = _param((cfg.vocab_size, cfg.hidden_size), dtype, device)
@@ -325,20 +338,25 @@ class CausalLM(nn.Module):
             h = layer(h, cos_sin, meta)
         return self.model.norm(h)
 
-    def pack_cpu_weights(self) -> None:
+    def pack_cpu_weights(self, small_m: tuple[cpu_linear.SmallMLinear, int] | None = None) -> None:
         """Pack every projection and the vocabulary head for oneDNN (``runtime.cpu_linear``), once,
-        after loading. The dense projection weights are dropped; the tied embedding stays dense (the
-        token lookup reads it), so a tied head costs one extra vocab x hidden copy."""
+        after loading. Without ``small_m`` the dense projection weights are dropped; with it they stay
+        for few-row steps. The tied embedding stays dense either way (the token lookup reads it), so a
+        tied head costs one extra vocab x hidden copy."""
         for module in self.modules():
             if isinstance(module, Linear) and module.packed is None:
-                module.pack_for_cpu()
+                module.pack_for_cpu(small_m)
         self.lm_head_packed = cpu_linear.pack(self.lm_head_weight)
-        if not self.config.tie_word_embeddings:
+        if small_m is not None:
+            self.lm_head_small_m, self.lm_head_small_m_rows = small_m
+        elif not self.config.tie_word_embeddings:
             self.lm_head.weight = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[R, hidden]`` -> ``[R, vocab]``; the runner passes only the rows it samples."""
         if self.lm_head_packed is not None:
+            if hidden.shape[0] <= self.lm_head_small_m_rows:
+                return self.lm_head_small_m(hidden.contiguous(), self.lm_head_weight, None)  # type: ignore[misc]
             return cpu_linear.linear(hidden, self.lm_head_packed, None)
         if 1 < hidden.shape[0] <= self.tall_skinny_head_max_rows:
             return torch.mm(self.lm_head_weight, hidden.t()).t().contiguous()

@@ -75,13 +75,90 @@ def test_runner_packs_by_default_and_env_switches_it_off(
     packed = build_runner(model_dir, num_blocks=16)
     assert packed.packed_linears
     assert packed.model.lm_head_packed is not None
-    layer = packed.model.model.layers[0]
-    assert layer.self_attn.qkv_proj.weight is None and layer.mlp.down_proj.packed is not None
+    assert packed.model.model.layers[0].mlp.down_proj.packed is not None
     assert packed.weight_bytes > 0  # counted before packing
+
+    monkeypatch.setenv("SERVELM_CPU_LINEAR", "onednn")  # packed only: dense weights dropped
+    onednn = build_runner(model_dir, num_blocks=16)
+    assert onednn.small_m_linear is None
+    assert onednn.model.model.layers[0].self_attn.qkv_proj.weight is None
+    assert onednn.model.lm_head.weight is None
 
     monkeypatch.setenv("SERVELM_CPU_LINEAR", "torch")
     dense = build_runner(model_dir, num_blocks=16)
     assert not dense.packed_linears and dense.model.lm_head_packed is None
     assert dense.model.model.layers[0].self_attn.qkv_proj.weight is not None
     assert dense.weight_bytes == packed.weight_bytes
-    torch.testing.assert_close(_logits(packed, rt, ids), _logits(dense, rt, ids), atol=1e-4, rtol=0)
+    want = _logits(dense, rt, ids)
+    torch.testing.assert_close(_logits(packed, rt, ids), want, atol=1e-4, rtol=0)
+    torch.testing.assert_close(_logits(onednn, rt, ids), want, atol=1e-4, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def small_m() -> tuple[cpu_linear.SmallMLinear, int]:
+    kernel = cpu_linear.small_m_kernel()
+    if kernel is None:
+        pytest.skip("the few-row kernel did not build here (no compiler or no AVX-512; see the logged warning)")
+    return kernel
+
+
+def test_small_m_kernel_builds_on_avx512() -> None:
+    # Otherwise a compile error in the .cpp would only show up as skipped tests.
+    import shutil
+
+    from runtime.cpu_extension import cpu_flags
+
+    if shutil.which("c++") is None or shutil.which("ninja") is None or "avx512f" not in (cpu_flags() or set()):
+        pytest.skip("no compiler, ninja or AVX-512 here")
+    assert cpu_linear.small_m_kernel() is not None, "the few-row kernel failed to build; see the logged warning"
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("n,k", [(960, 576), (37, 40), (8, 16), (3, 1536), (1001, 33)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_small_m_kernel_equals_f_linear(
+    small_m: tuple[cpu_linear.SmallMLinear, int], rows: int, n: int, k: int, bias: bool
+) -> None:
+    fn, max_rows = small_m
+    assert max_rows == 4
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(rows, k, generator=g)
+    torch.testing.assert_close(fn(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+
+
+def test_small_m_kernel_refuses_what_it_cannot_do(small_m: tuple[cpu_linear.SmallMLinear, int]) -> None:
+    fn, _ = small_m
+    w = torch.randn(8, 16)
+    with pytest.raises(RuntimeError, match="rows"):
+        fn(torch.randn(5, 16), w, None)
+    with pytest.raises(RuntimeError, match="columns"):
+        fn(torch.randn(1, 15), w, None)
+    with pytest.raises(RuntimeError, match="float32"):
+        fn(torch.randn(1, 16).bfloat16(), w.bfloat16(), None)
+
+
+def test_runner_uses_small_m_kernel_for_few_rows(
+    tiny_model_dir: Callable[[str], Path], build_runner: Callable[..., Any], rt: SimpleNamespace,
+    small_m: tuple[cpu_linear.SmallMLinear, int], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    runner = build_runner(tiny_model_dir("qwen2"), num_blocks=16)  # q/k/v bias too
+    assert runner.small_m_linear is not None
+    qkv = runner.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight is not None and qkv.packed is not None and qkv.small_m_rows == 4
+    calls: list[int] = []
+    inner = qkv.small_m
+
+    def spy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return inner(x, w, b)
+
+    monkeypatch.setattr(qkv, "small_m", spy)
+    few = _logits(runner, rt, list(range(5, 9)))  # 4 rows: the kernel
+    many = _logits(runner, rt, list(range(5, 15)))  # 10 rows: oneDNN
+    assert calls == [4]
+    monkeypatch.setenv("SERVELM_CPU_LINEAR", "torch")
+    dense = build_runner(tiny_model_dir("qwen2"), num_blocks=16)
+    torch.testing.assert_close(few, _logits(dense, rt, list(range(5, 9))), atol=1e-4, rtol=0)
+    torch.testing.assert_close(many, _logits(dense, rt, list(range(5, 15))), atol=1e-4, rtol=0)
