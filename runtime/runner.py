@@ -18,6 +18,7 @@ from runtime.attention.base import AttentionBackend, AttentionMetadata
 from runtime.attention.selector import select_backend
 from runtime.batch import BatchItem, RunnerOutput, SequenceView, TokenLogprobs
 from runtime.config import ModelConfig
+from runtime.cuda_graphs import CudaGraphRunner
 from runtime.kv_cache import KVPool
 from runtime.weights import load_model
 
@@ -39,6 +40,7 @@ class StepInputs:
     order: list[int]  # order[i] = index in the caller's item list of the i-th computed sequence
     sample_rows: torch.Tensor  # [R] int64: the hidden rows to sample (last token of each sampling item)
     sample_items: list[int]  # caller's item index of each sampled row
+    graph: bool = False  # replay a captured CUDA graph (``meta`` is then the raw, unbuilt metadata)
 
 
 def is_decode(item: BatchItem) -> bool:
@@ -57,13 +59,23 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         block_size: int,
-        num_blocks: int,
+        num_blocks: int | None,
         max_num_batched_tokens: int,
         max_num_seqs: int,
         backend: AttentionBackend | None = None,
         seed: int | None = None,
+        max_model_len: int | None = None,
+        enforce_eager: bool = False,
     ) -> None:
-        """``seed`` seeds the sampler's generator for requests without their own seed (None: from the OS)."""
+        """``seed`` seeds the sampler's generator for requests without their own seed (None: from the OS).
+
+        On CUDA, unless ``enforce_eager``, decode-only steps of up to ``max_num_seqs`` sequences replay
+        CUDA graphs captured at start-up (``runtime.cuda_graphs``) for block tables up to
+        ``max_model_len`` tokens (default: the model's max positions).
+
+        ``num_blocks=None`` loads the weights only: measure what is left with ``measure_kv_budget``,
+        then call ``allocate_kv_pool`` before the first ``execute``.
+        """
         self.model_config = model_config
         self.device = torch.device(device)
         self.dtype = dtype
@@ -86,27 +98,102 @@ class ModelRunner:
             if dtype == torch.float32:
                 self.small_m_linear = cpu_linear.small_m_kernel()
             self.model.pack_cpu_weights(self.small_m_linear)
-        self.kv_pool = KVPool(
-            model_config.num_layers,
-            num_blocks,
-            block_size,
-            model_config.num_kv_heads,
-            model_config.head_dim,
-            dtype,
-            self.device,
-        )
-        self.model.bind_kv_cache(self.kv_pool.k_cache, self.kv_pool.v_cache)
+        self.max_model_len = max_model_len or model_config.max_position_embeddings
+        self.enforce_eager = enforce_eager
+        self.kv_pool: KVPool = None  # type: ignore[assignment]  # set by allocate_kv_pool
+        self.graph_runner: CudaGraphRunner | None = None
+        if num_blocks is not None:
+            self.allocate_kv_pool(num_blocks)
         self.sampler = Sampler(seed) if Sampler is not None else None
         if self.sampler is None:
             log.warning("runtime.sampler is unavailable: sampling greedily (argmax)")
         log.info(
-            "model runner ready: %s; %r; backend %s; matmuls %s",
+            "model runner ready: %s; backend %s; matmuls %s",
             model_config.architecture,
-            self.kv_pool,
             self.backend.name,
             ("oneDNN (packed weights)" if self.packed_linears else "torch")
             + (f" + few-row kernel (<= {self.small_m_linear[1]} rows)" if self.small_m_linear else ""),
         )
+
+    # ---- the KV pool -----------------------------------------------------------------------------
+    def _new_pool(self, num_blocks: int) -> KVPool:
+        mc = self.model_config
+        return KVPool(mc.num_layers, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
+
+    def allocate_kv_pool(self, num_blocks: int) -> None:
+        """Allocate the pool, bind it to the layers, and (CUDA, not eager) capture the decode graphs."""
+        if self.kv_pool is not None:
+            raise RuntimeError("the KV pool is already allocated")
+        self.kv_pool = self._new_pool(num_blocks)
+        self.model.bind_kv_cache(self.kv_pool.k_cache, self.kv_pool.v_cache)
+        if self.device.type == "cuda" and not self.enforce_eager:
+            self.graph_runner = CudaGraphRunner(
+                self.model,
+                self.backend,
+                self.max_num_seqs,
+                -(-self.max_model_len // self.block_size),
+                self.block_size,
+                self.device,
+            )
+            self.graph_runner.capture()  # after the pool exists: the graphs read its addresses
+        log.info("KV pool: %r", self.kv_pool)
+
+    @torch.inference_mode()
+    def warm_up(self) -> int:
+        """The largest step the scheduler can build, on a scratch pool: a prefill of
+        ``max_num_batched_tokens`` tokens and logits (plus a softmax, as sampling does) for
+        ``max_num_seqs`` rows. Returns the scratch pool's bytes; the pool is released afterwards.
+
+        Run under ``runtime.gpu_memory.profile_memory`` it shows the activation peak. Must be called
+        before ``allocate_kv_pool``.
+        """
+        if self.kv_pool is not None:
+            raise RuntimeError("warm_up runs before the KV pool is allocated")
+        n = self.max_num_batched_tokens
+        blocks = -(-n // self.block_size)
+        scratch = self._new_pool(blocks)
+        self.model.bind_kv_cache(scratch.k_cache, scratch.v_cache)
+        try:
+            dev = self.device
+            meta = AttentionMetadata(
+                num_tokens=n,
+                num_decodes=0,
+                num_decode_tokens=0,
+                slot_mapping=torch.arange(n, dtype=torch.int64, device=dev),
+                query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+                seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+                context_lens=torch.zeros(1, dtype=torch.int32, device=dev),
+                block_tables=torch.arange(blocks, dtype=torch.int32, device=dev)[None],
+                max_query_len=n,
+                max_seq_len=n,
+                query_lens_list=[n],
+                seq_lens_list=[n],
+            )
+            ids = torch.zeros(n, dtype=torch.int64, device=dev)
+            hidden = self.model(ids, torch.arange(n, dtype=torch.int64, device=dev), self.backend.build_metadata(meta))
+            rows = torch.arange(min(self.max_num_seqs, n), device=dev)
+            torch.softmax(self.model.compute_logits(hidden.index_select(0, rows)).float(), dim=-1)
+            return scratch.nbytes
+        finally:
+            self.model.bind_kv_cache([None] * len(scratch.k_cache), [None] * len(scratch.v_cache))  # type: ignore[list-item]
+            del scratch
+
+    def measure_kv_budget(self, gpu_memory_utilization: float, reserve_bytes: int = 0) -> int:
+        """CUDA: bytes the KV pool may take, measured around ``warm_up`` (``runtime.gpu_memory``)."""
+        from runtime.gpu_memory import kv_budget_bytes
+
+        return kv_budget_bytes(
+            gpu_memory_utilization,
+            self.warm_up,
+            device=self.device,
+            scratch_bytes=self._pool_bytes(-(-self.max_num_batched_tokens // self.block_size)),
+            reserve_bytes=reserve_bytes,
+        )
+
+    def _pool_bytes(self, num_blocks: int) -> int:
+        mc = self.model_config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * mc.num_layers * num_blocks * self.block_size * mc.num_kv_heads * mc.head_dim * elem
 
     # ---- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -128,7 +215,11 @@ class ModelRunner:
         return RunnerOutput(tokens, logprobs)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """The model over the step's tokens: final hidden states ``[T, hidden]`` (a hook for CUDA graphs)."""
+        """The model over the step's tokens: final hidden states ``[T, hidden]``."""
+        if inputs.graph:
+            assert self.graph_runner is not None
+            m = inputs.meta
+            return self.graph_runner.run(inputs.input_ids, inputs.positions, m.slot_mapping, m.seq_lens, m.block_tables)
         return self.model(inputs.input_ids, inputs.positions, inputs.meta)
 
     def _sample(
@@ -208,10 +299,14 @@ class ModelRunner:
             query_lens_list=query_lens,
             seq_lens_list=seq_lens,
         )
+        # A decode-only step that fits the captured shapes replays a graph, whose metadata was built
+        # at capture: the backend's per-step derivation is skipped.
+        graph = self.graph_runner is not None and self.graph_runner.can_run(len(decodes), num_tokens, width)
         return StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
             positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            meta=self.backend.build_metadata(meta),
+            meta=meta if graph else self.backend.build_metadata(meta),
+            graph=graph,
             order=order,
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
             sample_items=sample_items,

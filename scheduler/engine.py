@@ -19,7 +19,7 @@ import torch
 
 from metrics.observer import NullObserver, Observer, RequestStats, StepStats
 from runtime.batch import BatchItem, RunnerOutput, TokenLogprobs
-from runtime.capacity import Capacity, CapacityError, dtype_bytes, flops_per_token, kv_bytes_per_token, plan_capacity
+from runtime.capacity import Capacity, flops_per_token, kv_bytes_per_token, plan_capacity
 from runtime.capacity import weight_bytes as model_weight_bytes
 from runtime.config import ModelConfig
 from runtime.model_files import resolve_model_path
@@ -49,6 +49,9 @@ _DTYPES: dict[str, torch.dtype] = {
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 CPU_DEFAULT_KV_MEMORY = 2 * 2**30
+# CUDA: memory kept out of the KV budget for the decode graphs' private pool (outputs and
+# intermediates of the largest captured batch, shared by all sizes).
+CUDA_GRAPH_RESERVE_BYTES = 2**28
 CPU_DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
 
@@ -152,12 +155,19 @@ class Engine:
                 block_size = default_cuda_block_size(dtype, mc.head_dim)
 
         kv_memory = config.kv_cache_memory
+        unpooled: ModelRunner | None = None  # CUDA: weights loaded first, the pool sized from what is left
         if kv_memory is None:
-            kv_memory = (
-                self._cuda_kv_budget(mc, device, dtype, max_batched, config)
-                if device.type == "cuda"
-                else CPU_DEFAULT_KV_MEMORY
-            )
+            if device.type != "cuda":
+                kv_memory = CPU_DEFAULT_KV_MEMORY
+            elif runner is not None:
+                kv_memory = getattr(getattr(runner, "kv_pool", None), "nbytes", None)
+                if kv_memory is None:
+                    raise ValueError("an injected runner on CUDA needs kv_cache_memory or a kv_pool")
+            else:
+                unpooled = self._new_runner(model_dir, mc, device, dtype, block_size, None, max_batched, max_model_len, config)
+                kv_memory = unpooled.measure_kv_budget(
+                    config.gpu_memory_utilization, 0 if config.enforce_eager else CUDA_GRAPH_RESERVE_BYTES
+                )
         self.capacity: Capacity = plan_capacity(mc, dtype, kv_memory, block_size, max_model_len)
         log.info("KV capacity: %s", self.capacity.describe())
 
@@ -196,17 +206,12 @@ class Engine:
             max_num_batched_tokens=max_batched,
             policy=config.scheduling_policy,
         )
-        if runner is None:
-            runner = ModelRunner(
-                model_dir,
-                mc,
-                device=device,
-                dtype=dtype,
-                block_size=block_size,
-                num_blocks=self.capacity.num_blocks,
-                max_num_batched_tokens=max_batched,
-                max_num_seqs=config.max_num_seqs,
-                seed=config.seed,
+        if unpooled is not None:
+            unpooled.allocate_kv_pool(num_blocks)
+            runner = unpooled
+        elif runner is None:
+            runner = self._new_runner(
+                model_dir, mc, device, dtype, block_size, num_blocks, max_batched, max_model_len, config
             )
         self.runner = runner
 
@@ -223,22 +228,30 @@ class Engine:
         self._pending_groups: dict[str, _Group] = {}  # groups with outputs made outside step()
 
     @staticmethod
-    def _cuda_kv_budget(
-        mc: ModelConfig, device: torch.device, dtype: torch.dtype, max_batched: int, config: EngineConfig
-    ) -> int:
-        """What ``gpu_memory_utilization`` leaves for the KV pool after weights and activations."""
-        free, total = torch.cuda.mem_get_info(device)
-        weights = model_weight_bytes(mc, dtype)
-        per_token = (4 * mc.hidden_size + 3 * mc.intermediate_size + (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim)
-        activations = 4 * max_batched * per_token * dtype_bytes(dtype)
-        logits = 3 * config.max_num_seqs * mc.vocab_size * 4
-        budget = int(total * config.gpu_memory_utilization) - (total - free) - weights - activations - logits - 2**28
-        if budget <= 0:
-            raise CapacityError(
-                f"no GPU memory left for the KV cache: {total / 2**30:.1f} GiB x {config.gpu_memory_utilization} "
-                f"minus {(total - free) / 2**30:.1f} GiB in use and {weights / 2**30:.2f} GiB of weights"
-            )
-        return budget
+    def _new_runner(
+        model_dir: Path,
+        mc: ModelConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        block_size: int,
+        num_blocks: int | None,
+        max_batched: int,
+        max_model_len: int,
+        config: EngineConfig,
+    ) -> ModelRunner:
+        return ModelRunner(
+            model_dir,
+            mc,
+            device=device,
+            dtype=dtype,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            max_num_batched_tokens=max_batched,
+            max_num_seqs=config.max_num_seqs,
+            seed=config.seed,
+            max_model_len=max_model_len,
+            enforce_eager=config.enforce_eager,
+        )
 
     # -- state ---------------------------------------------------------------------------------------
     @property

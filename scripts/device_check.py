@@ -525,6 +525,49 @@ def check_cuda_graphs(runner: Any, plan: Plan, vocab: int, tol: float, report: R
         )
 
 
+def check_measured_budget(
+    model_dir: Path, plan: Plan, dtype_name: str, vocab: int, device: torch.device, report: Report
+) -> None:
+    """Engine start-up as `servelm serve` does it on CUDA: weights, warm-up, measured pool, graphs."""
+    from scheduler.config import EngineConfig
+    from scheduler.engine import Engine
+
+    util = 0.5
+    total = torch.cuda.get_device_properties(device).total_memory
+    t0 = time.perf_counter()
+    eng = Engine(
+        EngineConfig(
+            model=str(model_dir),
+            device=str(device),
+            dtype=dtype_name,
+            max_model_len=plan.max_model_len,
+            max_num_seqs=plan.max_num_seqs,
+            max_num_batched_tokens=plan.max_num_batched_tokens,
+            gpu_memory_utilization=util,
+        )
+    )
+    start_s = time.perf_counter() - t0
+    used = torch.cuda.memory_reserved(device)
+    r = eng.runner
+    report.row("Engine start-up, measured KV budget + graph capture", start_s, "s", eng.capacity.describe())
+    report.check(
+        f"measured KV pool fits gpu_memory_utilization={util}",
+        eng.capacity.num_blocks > 0 and used <= util * total,
+        f"{r.kv_pool!r}; torch reserved {used / GiB:.1f} of {util * total / GiB:.1f} GiB allowed",
+    )
+    graphs = r.graph_runner
+    report.check("the runner captured its decode graphs", graphs is not None and graphs.captured, f"{graphs and graphs.sizes}")
+    gen = torch.Generator().manual_seed(5)
+    prompts = random_prompts(4, 32, vocab, gen)
+    res = eng.generate(prompts, greedy_params(8))
+    report.check(
+        "generate on the measured pool",
+        all(len(x.outputs[0].token_ids) == 8 for x in res) and eng.block_manager.num_used_blocks == 0,
+        f"{[len(x.outputs[0].token_ids) for x in res]} tokens, {eng.block_manager.num_used_blocks} blocks in use after",
+    )
+    del eng, r, graphs
+
+
 def run_requests(engine: Any, prompts: list[list[int]], max_tokens: int) -> float:
     """Add every request at once and step until all finish; returns wall seconds."""
     params = greedy_params(max_tokens, logprobs=None)  # type: ignore[arg-type]
@@ -629,7 +672,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--skip",
         action="append",
         default=[],
-        choices=["logits", "greedy", "paging", "graphs", "throughput"],
+        choices=["logits", "greedy", "paging", "graphs", "throughput", "budget"],
         help="skip a section (repeatable)",
     )
     return p.parse_args(argv)
@@ -766,6 +809,15 @@ def main(argv: list[str] | None = None) -> int:
                 "throughput",
                 report,
                 lambda: measure_throughput(runner, model_dir, plan, dtype_name, vocab, device, report),
+            )
+        if "budget" not in args.skip and device.type == "cuda":
+            del runner, engine
+            engine = runner = None
+            free_memory(device)
+            section(
+                "KV pool sized from GPU memory (kv_cache_memory unset) + the runner's own graphs",
+                report,
+                lambda: check_measured_budget(model_dir, plan, dtype_name, vocab, device, report),
             )
         return finish(report, args, started)
     finally:

@@ -182,3 +182,69 @@ def test_runner_reports_sizes(tiny_llama_dir: Path, build_runner: Callable[..., 
             max_num_seqs=4,
             backend=TorchAttentionBackend(32),
         )
+
+
+class _EagerGraphStandIn:
+    """Plays ``CudaGraphRunner`` on CPU: same ``can_run``/``run`` contract, eager forward inside.
+
+    Proves the runner's dispatch (which steps replay, with which tensors); the capture itself needs a GPU.
+    """
+
+    def __init__(self, runner: ModelRunner, max_bs: int, max_blocks: int) -> None:
+        self.runner, self.max_bs, self.max_blocks = runner, max_bs, max_blocks
+        self.replayed: list[int] = []
+
+    def can_run(self, num_decodes: int, num_tokens: int, block_table_width: int) -> bool:
+        return num_tokens == num_decodes and 0 < num_decodes <= self.max_bs and block_table_width <= self.max_blocks
+
+    def run(self, input_ids, positions, slot_mapping, seq_lens, block_tables):  # noqa: ANN001, ANN201
+        from runtime.attention.base import AttentionMetadata
+
+        n = input_ids.shape[0]
+        self.replayed.append(n)
+        lens = seq_lens.tolist()
+        meta = AttentionMetadata(
+            num_tokens=n, num_decodes=n, num_decode_tokens=n, slot_mapping=slot_mapping,
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32), seq_lens=seq_lens, context_lens=seq_lens - 1,
+            block_tables=block_tables, max_query_len=1, max_seq_len=max(lens), query_lens_list=[1] * n,
+            seq_lens_list=lens,
+        )
+        return self.runner.model(input_ids, positions, self.runner.backend.build_metadata(meta))
+
+
+def test_decode_only_steps_replay_graphs_others_run_eager(tiny_runner: ModelRunner, rt: SimpleNamespace) -> None:
+    prompts = [random_ids(n, seed=40 + n) for n in (9, 23, 17)]
+    run = dict(max_new_tokens=6, token_budget=64, eos_ids=())
+    eager = greedy_loop(tiny_runner, rt, prompts, **run)
+    fits = _EagerGraphStandIn(tiny_runner, max_bs=4, max_blocks=8)
+    too_small = _EagerGraphStandIn(tiny_runner, max_bs=2, max_blocks=8)
+    try:
+        tiny_runner.graph_runner = fits  # type: ignore[assignment]
+        graphed = greedy_loop(tiny_runner, rt, prompts, **run)
+        tiny_runner.graph_runner = too_small  # type: ignore[assignment]
+        unfit = greedy_loop(tiny_runner, rt, prompts, **run)
+    finally:
+        tiny_runner.graph_runner = None
+    assert graphed == eager and unfit == eager
+    # One prefill step (all 49 prompt tokens fit the budget: eager), then 5 decode-only steps of 3.
+    assert fits.replayed == [3] * 5
+    assert too_small.replayed == []  # 3 decodes > the largest "captured" batch: eager
+
+
+def test_weights_first_then_pool(tiny_llama_dir: Path, build_runner: Callable[..., ModelRunner], rt: Any) -> None:
+    """``num_blocks=None`` loads weights only; ``warm_up`` runs the largest step on a scratch pool and
+    leaves nothing bound; the pool allocated afterwards serves steps like a runner built in one go."""
+    late = build_runner(tiny_llama_dir, num_blocks=None, max_num_batched_tokens=96, max_num_seqs=8)
+    assert late.kv_pool is None
+    scratch = late.warm_up()
+    assert scratch == late._pool_bytes(6)  # 96 tokens / 16 per block
+    assert all(layer.self_attn.k_cache is None for layer in late.model.model.layers)
+    late.allocate_kv_pool(32)
+    with pytest.raises(RuntimeError, match="already"):
+        late.allocate_kv_pool(32)
+    with pytest.raises(RuntimeError, match="before"):
+        late.warm_up()
+    eager = build_runner(tiny_llama_dir, num_blocks=32, max_num_batched_tokens=96, max_num_seqs=8)
+    prompts = [random_ids(n, seed=70 + n) for n in (12, 30)]
+    run = dict(max_new_tokens=5, token_budget=96, eos_ids=())
+    assert greedy_loop(late, rt, prompts, **run) == greedy_loop(eager, rt, prompts, **run)
