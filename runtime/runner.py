@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from runtime import cpu_linear
+from runtime import cpu_linear, cpu_ops
 from runtime.attention.base import AttentionBackend, AttentionMetadata
 from runtime.attention.selector import select_backend
 from runtime.batch import BatchItem, RunnerOutput, SequenceView, TokenLogprobs
@@ -98,6 +98,9 @@ class ModelRunner:
             if dtype == torch.float32:
                 self.small_m_linear = cpu_linear.small_m_kernel()
             self.model.pack_cpu_weights(self.small_m_linear)
+        rms_norm = cpu_ops.rms_norm_kernel() if self.device.type == "cpu" and dtype == torch.float32 else None
+        if rms_norm is not None:
+            self.model.use_cpu_rms_norm(rms_norm)
         self.max_model_len = max_model_len or model_config.max_position_embeddings
         self.enforce_eager = enforce_eager
         self.kv_pool: KVPool = None  # type: ignore[assignment]  # set by allocate_kv_pool

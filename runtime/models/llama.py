@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime import cpu_linear
+from runtime import cpu_linear, cpu_ops
 from runtime.attention.base import AttentionBackend, AttentionMetadata
 from runtime.config import ModelConfig, UnsupportedModelError
 
@@ -46,8 +46,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = _param((size,), dtype, device)
         self.eps = eps
+        self.kernel: cpu_ops.RmsNorm | None = None  # the compiled float32 CPU op, when the runner sets it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and x.is_contiguous():
+            return self.kernel(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             # One fused op instead of six; the same arithmetic as HF's (x * rsqrt(mean(x^2) + eps)) * w.
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -351,6 +354,12 @@ class CausalLM(nn.Module):
             self.lm_head_small_m, self.lm_head_small_m_rows = small_m
         elif not self.config.tie_word_embeddings:
             self.lm_head.weight = None
+
+    def use_cpu_rms_norm(self, kernel: cpu_ops.RmsNorm) -> None:
+        """Route every float32 RMSNorm through the compiled op (``runtime.cpu_ops``)."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.kernel = kernel
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[R, hidden]`` -> ``[R, vocab]``; the runner passes only the rows it samples."""

@@ -1,5 +1,8 @@
-// y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for a few rows (M <= 4), float32: the decode-latency matmul.
+// Small CPU ops of the decode step, float32, AVX-512:
+//   * linear_small_m: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for a few rows (M <= 4);
+//   * rms_norm: y = x * rsqrt(mean(x^2) + eps) * w over the last dimension.
 //
+// linear_small_m is the decode-latency matmul.
 // With one to four rows a projection is a pass over the weight: it is memory-bound, and what matters
 // is streaming W at the machine's read bandwidth. BLAS libraries tune for larger M; here MKL's sgemm
 // reads W at ~12 GB/s and oneDNN at ~20, while this loop reaches ~30 GB/s of the ~32 a plain AVX-512
@@ -12,10 +15,12 @@
 // Narrow headers on purpose: <torch/extension.h> doubles the one-off compile time.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #if defined(__AVX512F__)
@@ -112,13 +117,60 @@ at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight, const c
   return y;
 }
 
+#if SERVELM_HAVE_AVX512
+void rms_norm_row(const float* x, const float* w, float* y, int64_t H, float eps) {
+  const int64_t h_main = H - H % 16;
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < h_main; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  const __mmask16 tail = static_cast<__mmask16>((1u << (H - h_main)) - 1u);
+  if (h_main < H) {
+    const __m512 v = _mm512_maskz_loadu_ps(tail, x + h_main);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  // Same arithmetic as Hugging Face's LlamaRMSNorm in float32: (x * rsqrt(mean(x^2) + eps)) * w.
+  const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(H) + eps);
+  const __m512 s = _mm512_set1_ps(inv);
+  for (int64_t i = 0; i < h_main; i += 16)
+    _mm512_storeu_ps(y + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), s), _mm512_loadu_ps(w + i)));
+  if (h_main < H)
+    _mm512_mask_storeu_ps(y + h_main, tail, _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(tail, x + h_main), s),
+                                                            _mm512_maskz_loadu_ps(tail, w + h_main)));
+}
+#endif
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(SERVELM_HAVE_AVX512, "rms_norm was built without AVX-512");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "float32 only");
+  TORCH_CHECK(x.dim() >= 1 && x.is_contiguous() && weight.is_contiguous(), "contiguous x and weight expected");
+  const int64_t H = x.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == H, "weight must be [", H, "]");
+  const int64_t rows = H ? x.numel() / H : 0;
+  at::Tensor y = at::empty_like(x);
+#if SERVELM_HAVE_AVX512
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  // A decode step has a handful of rows: threads would cost more than they save below ~64.
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) rms_norm_row(xp + r * H, wp, yp + r * H, H, e);
+  });
+#endif
+  return y;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
-  m.doc() = "servelm float32 projections of a few rows (memory-bound decode) for CPU";
+  m.doc() = "servelm small float32 CPU ops of the decode step";
   m.def("linear_small_m", &linear_small_m, "x [M<=4, K] @ W[N, K]^T (+ bias), float32", py::arg("x"),
         py::arg("weight"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, "x * rsqrt(mean(x^2, -1) + eps) * weight, float32", py::arg("x"),
+        py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
   m.attr("max_rows") = kMaxM;
   m.attr("has_avx512") = py::bool_(SERVELM_HAVE_AVX512 != 0);
 }

@@ -1,0 +1,81 @@
+"""The compiled float32 CPU ops (``runtime.cpu_ops``): RMSNorm equals torch's, and the model uses it."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from runtime import cpu_ops
+from runtime.batch import BatchItem
+from runtime.cpu_extension import cpu_flags
+from runtime.models.llama import RMSNorm
+
+
+@pytest.fixture(scope="module")
+def rms_norm() -> cpu_ops.RmsNorm:
+    kernel = cpu_ops.rms_norm_kernel()
+    if kernel is None:
+        pytest.skip("runtime.cpu_ops did not build here (no compiler or no AVX-512; see the logged warning)")
+    return kernel
+
+
+def test_builds_where_it_can() -> None:
+    if shutil.which("c++") is None or shutil.which("ninja") is None or "avx512f" not in (cpu_flags() or set()):
+        pytest.skip("no compiler, ninja or AVX-512 here")
+    assert cpu_ops.load() is not None, "runtime/csrc/cpu_ops.cpp failed to build; see the logged warning"
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (3, 64), (70, 576), (5, 40), (2, 7, 16), (1, 17)])
+def test_rms_norm_equals_torch(rms_norm: cpu_ops.RmsNorm, shape: tuple[int, ...]) -> None:
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(*shape, generator=g) * 3
+    w = torch.randn(shape[-1], generator=g)
+    torch.testing.assert_close(rms_norm(x, w, 1e-5), F.rms_norm(x, (shape[-1],), w, 1e-5), atol=1e-5, rtol=1e-5)
+
+
+def test_rms_norm_refuses_what_it_cannot_do(rms_norm: cpu_ops.RmsNorm) -> None:
+    with pytest.raises(RuntimeError, match="float32"):
+        rms_norm(torch.randn(2, 8).bfloat16(), torch.randn(8).bfloat16(), 1e-5)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        rms_norm(torch.randn(8, 4).t(), torch.randn(8), 1e-5)
+    with pytest.raises(RuntimeError, match="weight"):
+        rms_norm(torch.randn(2, 8), torch.randn(9), 1e-5)
+
+
+def test_module_uses_the_kernel_only_on_contiguous_input(rms_norm: cpu_ops.RmsNorm) -> None:
+    norm = RMSNorm(16, 1e-6, torch.float32, torch.device("cpu"))
+    torch.nn.init.normal_(norm.weight)
+    calls: list[tuple[int, ...]] = []
+    norm.kernel = lambda x, w, eps: calls.append(tuple(x.shape)) or rms_norm(x, w, eps)  # type: ignore[func-returns-value]
+    x = torch.randn(4, 2, 16)
+    want = F.rms_norm(x, (16,), norm.weight, 1e-6)
+    torch.testing.assert_close(norm(x), want, atol=1e-5, rtol=1e-5)
+    strided = x.transpose(0, 1)  # Qwen3's q/k norms see views like this
+    torch.testing.assert_close(norm(strided), want.transpose(0, 1), atol=1e-5, rtol=1e-5)
+    assert calls == [(4, 2, 16)]
+
+
+def test_runner_routes_rms_norm_and_env_switches_it_off(
+    tiny_model_dir: Callable[[str], Path], build_runner: Callable[..., Any], rt: SimpleNamespace,
+    rms_norm: cpu_ops.RmsNorm, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def logits(runner: Any) -> torch.Tensor:
+        blocks = rt.ScatteredBlocks(runner.kv_pool.num_blocks, runner.block_size, seed=2)
+        seq = rt.FakeSeq(seq_id=0, token_ids=list(range(9, 40)))
+        blocks.grow(seq, len(seq.token_ids))
+        return rt.step_logits(runner, [BatchItem(seq, len(seq.token_ids), sample=False)])[0]
+
+    with_ops = build_runner(tiny_model_dir("qwen3"), num_blocks=16)  # q/k norms too
+    norms = [m for m in with_ops.model.modules() if isinstance(m, RMSNorm)]
+    assert norms and all(m.kernel is rms_norm for m in norms)
+    monkeypatch.setenv(cpu_ops.DISABLE_ENV, "1")
+    without = build_runner(tiny_model_dir("qwen3"), num_blocks=16)
+    assert all(m.kernel is None for m in without.model.modules() if isinstance(m, RMSNorm))
+    assert without.small_m_linear is None  # the same extension
+    torch.testing.assert_close(logits(with_ops), logits(without), atol=1e-4, rtol=0)
