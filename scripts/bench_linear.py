@@ -1,4 +1,5 @@
-"""All of one forward's projections on the default model's shapes: ``F.linear`` vs oneDNN-packed weights.
+"""All of one forward's projections on the default model's shapes: ``F.linear`` vs oneDNN-packed weights
+(and, for 1-4 rows, the few-row AVX-512 kernel of ``runtime.cpu_ops`` on the dense weights).
 
     .venv/bin/python scripts/bench_linear.py [--rows 1 8 32 128 512] [--threads 2] [--bf16]
 
@@ -38,7 +39,7 @@ def median_ms(fn: Callable[[], object], reps: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128, 512])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 32, 128, 512])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--bf16", action="store_true", help="also time bfloat16 weights")
@@ -85,6 +86,21 @@ def main() -> None:
                     f" | oneDNN: layers {p_layers:7.2f} ms ({layer_bytes / p_layers / 1e6:5.1f} GB/s, "
                     f"{flops / p_layers / 1e6:4.0f} GFLOP/s) head {p_head:6.2f} ms "
                     f"({head_bytes / p_head / 1e6:5.1f} GB/s) | speed-up {(t_layers + t_head) / (p_layers + p_head):.2f}x"
+                )
+            small = cpu_linear.small_m_kernel() if dtype == torch.float32 else None
+            if small is not None and rows <= small[1]:
+                fn = small[0]
+
+                def small_layers() -> None:
+                    for ws in dense:
+                        for w, x in zip(ws, xs):
+                            fn(x, w, None)
+
+                s_layers = median_ms(small_layers, args.reps)
+                s_head = median_ms(lambda: fn(h, head, None), args.reps)
+                line += (
+                    f" | few-row kernel: layers {s_layers:7.2f} ms ({layer_bytes / s_layers / 1e6:5.1f} GB/s) "
+                    f"head {s_head:6.2f} ms ({head_bytes / s_head / 1e6:5.1f} GB/s)"
                 )
             print(line, flush=True)
 
