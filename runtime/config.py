@@ -20,6 +20,18 @@ class UnsupportedModelError(ValueError):
     """The model folder or file exists but is not something we can serve."""
 
 
+def _sliding_window(arch: str, d: dict[str, Any]) -> int | None:
+    """The attention window the checkpoint's attention uses, as transformers reads it: Mistral applies
+    ``sliding_window`` whenever it is set (v0.1: 4096; later versions: null); Qwen2/Qwen3 only with
+    ``use_sliding_window`` (and then on some layers)."""
+    window = d.get("sliding_window")
+    if window is None:
+        return None
+    if arch == "MistralForCausalLM" or d.get("use_sliding_window", False):
+        return int(window)
+    return None
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shapes and options of a Llama-family decoder."""
@@ -82,7 +94,7 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", arch == "Qwen2ForCausalLM")),
             qk_norm=arch == "Qwen3ForCausalLM",
-            sliding_window=d.get("sliding_window") if d.get("use_sliding_window", False) else None,
+            sliding_window=_sliding_window(arch, d),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )

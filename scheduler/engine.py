@@ -143,6 +143,16 @@ class Engine:
             raise ValueError(
                 f"max_model_len={max_model_len} exceeds the model's {mc.max_position_embeddings} positions"
             )
+        window = mc.sliding_window
+        if window is not None and max_model_len > window:
+            # Sliding-window attention is not implemented; within the window it equals full attention.
+            if config.max_model_len is not None:
+                raise ValueError(
+                    f"max_model_len={max_model_len} exceeds the model's sliding window of {window} tokens; "
+                    f"sliding-window attention is not supported: use --max-model-len {window} or less"
+                )
+            log.warning("max_model_len capped at the model's sliding window: %d tokens", window)
+            max_model_len = window
         max_batched = config.max_num_batched_tokens or (8192 if device.type == "cuda" else 512)
 
         block_size = config.block_size

@@ -115,6 +115,40 @@ def test_max_model_len_must_fit_the_pool(tiny_llama_dir: Path) -> None:
         Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=64 * 1024, max_model_len=512))
 
 
+@pytest.mark.parametrize(
+    "arch,extra,window",
+    [
+        ("MistralForCausalLM", {"sliding_window": 64}, 64),  # Mistral v0.1 style: always applied
+        ("MistralForCausalLM", {"sliding_window": None}, None),  # v0.2+
+        ("Qwen2ForCausalLM", {"sliding_window": 64, "use_sliding_window": False}, None),
+        ("Qwen2ForCausalLM", {"sliding_window": 64, "use_sliding_window": True}, 64),
+    ],
+)
+def test_sliding_window_caps_max_model_len(
+    tiny_model_dir: Any, tmp_path: Path, arch: str, extra: dict[str, Any], window: int | None
+) -> None:
+    """Sliding-window attention is not implemented: within the window it is exact, so the engine caps
+    max_model_len there (and refuses an explicit larger one) instead of silently diverging past it."""
+    import json
+    import shutil
+
+    src = tiny_model_dir("mistral" if arch.startswith("Mistral") else "qwen2")
+    model = tmp_path / "m"
+    shutil.copytree(src, model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg.update(extra)
+    (model / "config.json").write_text(json.dumps(cfg))
+    e = Engine(EngineConfig(model=str(model), kv_cache_memory=8 * MiB))
+    assert e.model_config.sliding_window == window
+    assert e.max_model_len == (window or e.model_config.max_position_embeddings)
+    if window is not None:
+        with pytest.raises(ValueError, match=f"sliding window of {window} tokens"):
+            Engine(EngineConfig(model=str(model), kv_cache_memory=8 * MiB, max_model_len=window + 1))
+        res = e.generate([[5] * 60], SamplingParams(max_tokens=None, ignore_eos=True, temperature=0.0))
+        assert len(res[0].outputs[0].token_ids) == 4  # runs to max_model_len: 60 + 4 = the 64-token window
+        assert e.block_manager.num_used_blocks == 0
+
+
 # -- validation -------------------------------------------------------------------------------------------
 
 
