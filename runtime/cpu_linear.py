@@ -61,15 +61,15 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> 
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [None], "")
 
 
-def small_m_kernel() -> tuple[SmallMLinear, int] | None:
-    """The compiled few-row float32 projection and the most rows it takes, or None. Never raises.
+def small_m_kernel(dtype: torch.dtype = torch.float32) -> tuple[SmallMLinear, int] | None:
+    """The compiled few-row projection for ``dtype`` weights and the most rows it takes, or None.
 
-    None where ``runtime.cpu_ops`` cannot be built or the CPU lacks AVX-512, or when
-    ``SERVELM_CPU_LINEAR`` is ``onednn`` or ``torch``.
+    float32 needs AVX-512, bfloat16 AVX512-BF16. None where ``runtime.cpu_ops`` cannot be built or
+    the CPU lacks those, or when ``SERVELM_CPU_LINEAR`` is ``onednn`` or ``torch``. Never raises.
     """
-    if _mode() != "auto":
+    if _mode() != "auto" or dtype not in (torch.float32, torch.bfloat16):
         return None
     module = cpu_ops.load()
-    if module is None:
+    if module is None or (dtype == torch.bfloat16 and not module.has_avx512_bf16):
         return None
     return module.linear_small_m, int(module.max_rows)

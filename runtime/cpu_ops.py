@@ -30,7 +30,7 @@ DISABLE_ENV = "SERVELM_DISABLE_CPU_OPS"
 
 # (x [M, K] float32 contiguous, weight [N, K] float32 contiguous, bias [N] | None) -> [M, N]
 SmallMLinear = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
-# (x [..., H] float32 contiguous, weight [H] float32, eps) -> [..., H]
+# (x [..., H] contiguous, weight [H], eps) -> [..., H]; float32, or bfloat16 as HF rounds it
 RmsNorm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
@@ -44,11 +44,22 @@ def _self_check(module: ModuleType) -> str | None:
         b = torch.randn(37, generator=gen) if bias else None
         if not torch.allclose(module.linear_small_m(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-5):
             return f"linear_small_m self-check failed (rows {rows}, K {k}, bias {bias})"
+    if module.has_avx512_bf16:
+        for rows, k in ((1, 64), (4, 70)):
+            w = torch.randn(37, k, generator=gen).bfloat16()
+            x = torch.randn(rows, k, generator=gen).bfloat16()
+            want = F.linear(x.float(), w.float())
+            if not torch.allclose(module.linear_small_m(x, w, None).float(), want, atol=0.05, rtol=0.02):
+                return f"bfloat16 linear_small_m self-check failed (rows {rows}, K {k})"
     for rows, h in ((1, 64), (5, 40), (70, 576)):
         x = torch.randn(rows, h, generator=gen)
         w = torch.randn(h, generator=gen)
         if not torch.allclose(module.rms_norm(x, w, 1e-5), F.rms_norm(x, (h,), w, 1e-5), atol=1e-5, rtol=1e-5):
             return f"rms_norm self-check failed (rows {rows}, H {h})"
+        xb, wb = x.bfloat16(), w.bfloat16()
+        want = wb * F.rms_norm(xb.float(), (h,), None, 1e-5).bfloat16()
+        if not torch.allclose(module.rms_norm(xb, wb, 1e-5).float(), want.float(), atol=2e-2, rtol=1e-2):
+            return f"bfloat16 rms_norm self-check failed (rows {rows}, H {h})"
     return None
 
 

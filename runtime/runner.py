@@ -95,10 +95,10 @@ class ModelRunner:
         self.packed_linears = self.device.type == "cpu" and cpu_linear.onednn_linear_available(dtype)
         self.small_m_linear = None
         if self.packed_linears:
-            if dtype == torch.float32:
-                self.small_m_linear = cpu_linear.small_m_kernel()
+            self.small_m_linear = cpu_linear.small_m_kernel(dtype)
             self.model.pack_cpu_weights(self.small_m_linear)
-        rms_norm = cpu_ops.rms_norm_kernel() if self.device.type == "cpu" and dtype == torch.float32 else None
+        cpu_norm = self.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+        rms_norm = cpu_ops.rms_norm_kernel() if cpu_norm else None
         if rms_norm is not None:
             self.model.use_cpu_rms_norm(rms_norm)
         self.max_model_len = max_model_len or model_config.max_position_embeddings

@@ -1,6 +1,8 @@
 // Small CPU ops of the decode step, float32, AVX-512:
-//   * linear_small_m: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for a few rows (M <= 4);
-//   * rms_norm: y = x * rsqrt(mean(x^2) + eps) * w over the last dimension.
+//   * linear_small_m: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for a few rows (M <= 4); float32, or
+//     bfloat16 with float32 accumulation where the CPU has AVX512-BF16;
+//   * rms_norm: y = x * rsqrt(mean(x^2) + eps) * w over the last dimension (float32, or bfloat16 with
+//     Hugging Face's roundings).
 //
 // linear_small_m is the decode-latency matmul.
 // With one to four rows a projection is a pass over the weight: it is memory-bound, and what matters
@@ -17,6 +19,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
@@ -28,6 +31,11 @@
 #define SERVELM_HAVE_AVX512 1
 #else
 #define SERVELM_HAVE_AVX512 0
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define SERVELM_HAVE_AVX512_BF16 1
+#else
+#define SERVELM_HAVE_AVX512_BF16 0
 #endif
 
 namespace {
@@ -89,14 +97,81 @@ void run(const float* x, const float* w, float* y, const float* bias, int64_t N,
 }
 #endif
 
+#if SERVELM_HAVE_AVX512_BF16
+// bfloat16 weights and inputs, float32 accumulation: vdpbf16ps multiplies 32 bf16 pairs per step.
+template <int M>
+void block_dot_bf16(const uint16_t* x, const uint16_t* w, c10::BFloat16* y, const c10::BFloat16* bias, int64_t n0,
+                    int nn, int64_t N, int64_t K) {
+  __m512 acc[kRows][M];
+  for (int r = 0; r < kRows; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  const int64_t k_main = K - K % 32;
+  for (int64_t k = 0; k < k_main; k += 32) {
+    __m512bh xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+    for (int r = 0; r < nn; ++r) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (n0 + r) * K + k);
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv, xv[m]);
+    }
+  }
+  if (k_main < K) {
+    const __mmask32 mask = static_cast<__mmask32>((1ull << (K - k_main)) - 1ull);
+    for (int r = 0; r < nn; ++r) {
+      const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + (n0 + r) * K + k_main);
+      for (int m = 0; m < M; ++m)
+        acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv, (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k_main));
+    }
+  }
+  for (int r = 0; r < nn; ++r) {
+    const float b = bias ? static_cast<float>(bias[n0 + r]) : 0.0f;
+    for (int m = 0; m < M; ++m) y[m * N + n0 + r] = c10::BFloat16(_mm512_reduce_add_ps(acc[r][m]) + b);
+  }
+}
+
+template <int M>
+void run_bf16(const uint16_t* x, const uint16_t* w, c10::BFloat16* y, const c10::BFloat16* bias, int64_t N, int64_t K) {
+  const int64_t blocks = (N + kRows - 1) / kRows;
+  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * kRows;
+      block_dot_bf16<M>(x, w, y, bias, n0, static_cast<int>(std::min<int64_t>(kRows, N - n0)), N, K);
+    }
+  });
+}
+#endif
+
+at::Tensor linear_small_m_bf16(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(SERVELM_HAVE_AVX512_BF16, "linear_small_m was built without AVX512-BF16");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const c10::BFloat16* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == N, "bias [N] bfloat16");
+    b = bias->data_ptr<c10::BFloat16>();
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+#if SERVELM_HAVE_AVX512_BF16
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<c10::BFloat16>());
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  switch (M) {
+    case 1: run_bf16<1>(xp, wp, yp, b, N, K); break;
+    case 2: run_bf16<2>(xp, wp, yp, b, N, K); break;
+    case 3: run_bf16<3>(xp, wp, yp, b, N, K); break;
+    default: run_bf16<4>(xp, wp, yp, b, N, K); break;
+  }
+#endif
+  return y;
+}
+
 at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(SERVELM_HAVE_AVX512, "linear_small_m was built without AVX-512");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "x [M, K] and weight [N, K] expected");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "float32 only");
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "contiguous x and weight expected");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(weight.size(1) == K, "x has ", K, " columns, weight ", weight.size(1));
   TORCH_CHECK(M >= 1 && M <= kMaxM, "1..", kMaxM, " rows expected, got ", M);
+  if (x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16) return linear_small_m_bf16(x, weight, bias);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "float32 or bfloat16 x and weight");
   const float* b = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias [N] float32");
@@ -141,14 +216,39 @@ void rms_norm_row(const float* x, const float* w, float* y, int64_t H, float eps
 }
 #endif
 
+// bfloat16 as Hugging Face's LlamaRMSNorm computes it: normalise in float32, round to bfloat16, then
+// multiply by the bfloat16 weight (one more rounding).
+void rms_norm_row_bf16(const c10::BFloat16* x, const c10::BFloat16* w, c10::BFloat16* y, int64_t H, float eps) {
+  float ss = 0.0f;
+  for (int64_t i = 0; i < H; ++i) {
+    const float v = static_cast<float>(x[i]);
+    ss += v * v;
+  }
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
+  for (int64_t i = 0; i < H; ++i) {
+    const c10::BFloat16 normed(static_cast<float>(x[i]) * inv);
+    y[i] = c10::BFloat16(static_cast<float>(w[i]) * static_cast<float>(normed));
+  }
+}
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(SERVELM_HAVE_AVX512, "rms_norm was built without AVX-512");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "float32 only");
   TORCH_CHECK(x.dim() >= 1 && x.is_contiguous() && weight.is_contiguous(), "contiguous x and weight expected");
   const int64_t H = x.size(-1);
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == H, "weight must be [", H, "]");
   const int64_t rows = H ? x.numel() / H : 0;
   at::Tensor y = at::empty_like(x);
+  if (x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16) {
+    const auto* xp = x.data_ptr<c10::BFloat16>();
+    const auto* wp = weight.data_ptr<c10::BFloat16>();
+    auto* yp = y.data_ptr<c10::BFloat16>();
+    const float e = static_cast<float>(eps);
+    at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) rms_norm_row_bf16(xp + r * H, wp, yp + r * H, H, e);
+    });
+    return y;
+  }
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "float32 or bfloat16 x and weight");
 #if SERVELM_HAVE_AVX512
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
@@ -167,10 +267,11 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.doc() = "servelm small float32 CPU ops of the decode step";
-  m.def("linear_small_m", &linear_small_m, "x [M<=4, K] @ W[N, K]^T (+ bias), float32", py::arg("x"),
+  m.def("linear_small_m", &linear_small_m, "x [M<=4, K] @ W[N, K]^T (+ bias), float32 or bfloat16", py::arg("x"),
         py::arg("weight"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
-  m.def("rms_norm", &rms_norm, "x * rsqrt(mean(x^2, -1) + eps) * weight, float32", py::arg("x"),
+  m.def("rms_norm", &rms_norm, "x * rsqrt(mean(x^2, -1) + eps) * weight, float32 or bfloat16", py::arg("x"),
         py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
   m.attr("max_rows") = kMaxM;
   m.attr("has_avx512") = py::bool_(SERVELM_HAVE_AVX512 != 0);
+  m.attr("has_avx512_bf16") = py::bool_(SERVELM_HAVE_AVX512_BF16 != 0);
 }

@@ -46,7 +46,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = _param((size,), dtype, device)
         self.eps = eps
-        self.kernel: cpu_ops.RmsNorm | None = None  # the compiled float32 CPU op, when the runner sets it
+        self.kernel: cpu_ops.RmsNorm | None = None  # the compiled CPU op, when the runner sets it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None and x.is_contiguous():
@@ -356,7 +356,7 @@ class CausalLM(nn.Module):
             self.lm_head.weight = None
 
     def use_cpu_rms_norm(self, kernel: cpu_ops.RmsNorm) -> None:
-        """Route every float32 RMSNorm through the compiled op (``runtime.cpu_ops``)."""
+        """Route every RMSNorm through the compiled CPU op (``runtime.cpu_ops``; float32 or bfloat16)."""
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.kernel = kernel

@@ -135,8 +135,10 @@ def test_small_m_kernel_refuses_what_it_cannot_do(small_m: tuple[cpu_linear.Smal
         fn(torch.randn(5, 16), w, None)
     with pytest.raises(RuntimeError, match="columns"):
         fn(torch.randn(1, 15), w, None)
-    with pytest.raises(RuntimeError, match="float32"):
-        fn(torch.randn(1, 16).bfloat16(), w.bfloat16(), None)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        fn(torch.randn(1, 16).half(), w.half(), None)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        fn(torch.randn(1, 16).bfloat16(), w, None)  # mixed
 
 
 def test_runner_uses_small_m_kernel_for_few_rows(
@@ -162,3 +164,37 @@ def test_runner_uses_small_m_kernel_for_few_rows(
     dense = build_runner(tiny_model_dir("qwen2"), num_blocks=16)
     torch.testing.assert_close(few, _logits(dense, rt, list(range(5, 9))), atol=1e-4, rtol=0)
     torch.testing.assert_close(many, _logits(dense, rt, list(range(5, 15))), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("n,k", [(960, 576), (37, 40), (5, 70)])
+def test_small_m_kernel_bfloat16(rows: int, n: int, k: int) -> None:
+    kernel = cpu_linear.small_m_kernel(torch.bfloat16)
+    if kernel is None:
+        pytest.skip("no AVX512-BF16 few-row kernel here")
+    fn, _ = kernel
+    g = torch.Generator().manual_seed(rows + n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    got = fn(x, w, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    # float32 accumulation of exact bf16 products, one rounding at the end: within one bf16 ulp of
+    # the float32 result.
+    want = F.linear(x.float(), w.float(), b.float())
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=2 ** -7)
+
+
+def test_bfloat16_runner_uses_the_kernels_and_tracks_float32(
+    tiny_model_dir: Callable[[str], Path], build_runner: Callable[..., Any], rt: SimpleNamespace
+) -> None:
+    if cpu_linear.small_m_kernel(torch.bfloat16) is None:
+        pytest.skip("no AVX512-BF16 few-row kernel here")
+    model_dir = tiny_model_dir("llama")
+    bf16 = build_runner(model_dir, num_blocks=16, dtype=torch.bfloat16)
+    assert bf16.small_m_linear is not None and bf16.packed_linears
+    fp32 = build_runner(model_dir, num_blocks=16)
+    ids = list(range(5, 9))  # 4 rows: the few-row kernel
+    a, b = _logits(bf16, rt, ids), _logits(fp32, rt, ids)
+    assert (a - b).abs().max() < 0.1 * b.abs().max()  # bf16-level agreement
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.75

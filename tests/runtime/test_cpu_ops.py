@@ -40,8 +40,8 @@ def test_rms_norm_equals_torch(rms_norm: cpu_ops.RmsNorm, shape: tuple[int, ...]
 
 
 def test_rms_norm_refuses_what_it_cannot_do(rms_norm: cpu_ops.RmsNorm) -> None:
-    with pytest.raises(RuntimeError, match="float32"):
-        rms_norm(torch.randn(2, 8).bfloat16(), torch.randn(8).bfloat16(), 1e-5)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        rms_norm(torch.randn(2, 8).half(), torch.randn(8).half(), 1e-5)
     with pytest.raises(RuntimeError, match="contiguous"):
         rms_norm(torch.randn(8, 4).t(), torch.randn(8), 1e-5)
     with pytest.raises(RuntimeError, match="weight"):
@@ -79,3 +79,17 @@ def test_runner_routes_rms_norm_and_env_switches_it_off(
     assert all(m.kernel is None for m in without.model.modules() if isinstance(m, RMSNorm))
     assert without.small_m_linear is None  # the same extension
     torch.testing.assert_close(logits(with_ops), logits(without), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (3, 64), (70, 576), (2, 7, 17)])
+def test_rms_norm_bfloat16_rounds_like_hugging_face(rms_norm: cpu_ops.RmsNorm, shape: tuple[int, ...]) -> None:
+    g = torch.Generator().manual_seed(sum(shape) + 1)
+    x = (torch.randn(*shape, generator=g) * 3).bfloat16()
+    w = torch.randn(shape[-1], generator=g).bfloat16()
+    # LlamaRMSNorm in bf16: normalise in float32, round to bf16, multiply by the bf16 weight.
+    want = w * F.rms_norm(x.float(), (shape[-1],), None, 1e-5).bfloat16()
+    got = rms_norm(x, w, 1e-5)
+    assert got.dtype == torch.bfloat16
+    # The sum of squares runs in another order: at most a one-ulp difference on a few elements.
+    torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2 ** -7)
+    assert (got != want).float().mean() < 0.02
