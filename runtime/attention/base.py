@@ -53,6 +53,23 @@ class AttentionBackend(ABC):
         """Add backend-specific fields once per step (default: nothing to add)."""
         return meta
 
+    def decode_from_qkv(
+        self,
+        qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim], the fused projection
+        cos_sin: tuple[torch.Tensor, torch.Tensor],  # the step's RoPE rows, [num_tokens, 1, head_dim / 2] each
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        num_heads: int,
+    ) -> torch.Tensor | None:
+        """Optional fast path for a decode-only step: RoPE, K/V store and attention in one go.
+
+        Returns ``[num_tokens, num_heads, head_dim]`` like ``forward`` after the model's own RoPE, or
+        None where this backend has no such path for this step (the model then does it the usual way).
+        """
+        return None
+
     @abstractmethod
     def forward(
         self,

@@ -142,6 +142,14 @@ def load_kernel(verbose: bool = False) -> PagedDecodeAttention | None:
     return None if module is None else module.paged_decode_attention
 
 
+def load_rope_decode() -> Callable[..., torch.Tensor] | None:
+    """The compiled fused decode step (RoPE + K/V store + attention, float32), or None. Never raises."""
+    if _disabled():
+        return None
+    module = _loader.get()
+    return None if module is None else module.rope_write_decode
+
+
 def load_portable_kernel() -> PagedDecodeAttention | None:
     """The compiled plain-loop implementation (no intrinsics), for tests and benchmarks."""
     if _disabled():

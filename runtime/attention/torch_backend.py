@@ -76,6 +76,8 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self, block_size: int, *, use_kernel: bool = True) -> None:
         self.block_size = block_size
         self.decode_kernel: DecodeKernel | None = _load_decode_kernel() if use_kernel else None
+        # RoPE + K/V store + decode attention in one compiled call (decode-only float32 steps).
+        self.rope_decode = _cpu_kernel.load_rope_decode() if self.decode_kernel is not None and _cpu_kernel else None
         self.name = "torch+cpu_kernel" if self.decode_kernel is not None else "torch"
 
     # ---- once per step -------------------------------------------------------------------------
@@ -161,6 +163,31 @@ class TorchAttentionBackend(AttentionBackend):
         m.prefill_mask = causal if n == 1 else causal & (k_seq.unsqueeze(0) == q_seq.unsqueeze(1))
 
     # ---- once per layer ------------------------------------------------------------------------
+    def decode_from_qkv(
+        self,
+        qkv: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        num_heads: int,
+    ) -> torch.Tensor | None:
+        if (
+            self.rope_decode is None
+            or qkv.dtype != torch.float32
+            or meta.num_decode_tokens != meta.num_tokens
+            or not isinstance(meta, TorchAttentionMetadata)
+            or meta.write_rows is not None
+        ):
+            return None
+        assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
+        cos, sin = cos_sin
+        return self.rope_decode(
+            qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens,
+            num_heads, scale,
+        )
+
     def forward(
         self,
         q: torch.Tensor,

@@ -213,6 +213,13 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos_sin: CosSin, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
+        if self.q_norm is None and self.k_cache is not None and self.v_cache is not None:
+            # A backend may do RoPE, the K/V store and attention of a decode-only step in one call.
+            fused = self.backend.decode_from_qkv(
+                qkv, cos_sin, self.k_cache, self.v_cache, meta, self.scale, self.num_heads
+            )
+            if fused is not None:
+                return self.o_proj(fused.reshape(t, self.q_size))
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:

@@ -306,3 +306,40 @@ def test_build_failure_returns_none_with_a_warning(monkeypatch, tmp_path, caplog
         assert loader.get() is None  # remembered: no second build, no second warning
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "unavailable" in warnings[0].getMessage()
+
+
+def test_rope_write_decode_equals_the_unfused_ops(kernel):
+    """RoPE + K/V store + attention in one call == the model's apply_rope, index_copy_ and the
+    reference attention; the cache rows it writes are bit-identical (no fused multiply-add)."""
+    from runtime.models.llama import apply_rope
+
+    fused = cpu_kernel.load_rope_decode()
+    assert fused is not None
+    g = torch.Generator().manual_seed(3)
+    heads, kv_heads, d, bs, nblocks = 6, 2, 64, 16, 40
+    batch = 5
+    k_cache = torch.randn(nblocks, bs, kv_heads, d, generator=g)
+    v_cache = torch.randn(nblocks, bs, kv_heads, d, generator=g)
+    lens = torch.tensor([1, 17, 33, 64, 5], dtype=torch.int32)
+    perm = torch.randperm(nblocks, generator=g).to(torch.int32)
+    tables = perm[: batch * 4].view(batch, 4).contiguous()
+    slots = torch.tensor([int(tables[b, (n - 1) // bs]) * bs + (n - 1) % bs for b, n in enumerate(lens.tolist())])
+    slots[4] = -1  # a padding row: nothing written
+    qkv = torch.randn(batch, (heads + 2 * kv_heads) * d, generator=g)
+    cos = torch.randn(batch, 1, d // 2, generator=g)
+    sin = torch.randn(batch, 1, d // 2, generator=g)
+
+    kc, vc = k_cache.clone(), v_cache.clone()
+    out = fused(qkv, cos, sin, kc, vc, slots, tables, lens, heads, 0.125)
+
+    qk = apply_rope(qkv[:, : (heads + kv_heads) * d].view(batch, heads + kv_heads, d), (cos, sin))
+    v = qkv[:, (heads + kv_heads) * d :].view(batch, kv_heads, d)
+    rk, rv = k_cache.clone(), v_cache.clone()
+    keep = slots >= 0
+    rk.view(-1, kv_heads, d).index_copy_(0, slots[keep], qk[keep, heads:])
+    rv.view(-1, kv_heads, d).index_copy_(0, slots[keep], v[keep])
+    want = reference(qk[:, :heads], rk, rv, tables, lens, 0.125)
+    assert torch.equal(kc, rk) and torch.equal(vc, rv)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        fused(qkv, cos, sin, kc, vc, slots + nblocks * bs, tables, lens, heads, 0.125)

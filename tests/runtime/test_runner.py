@@ -248,3 +248,24 @@ def test_weights_first_then_pool(tiny_llama_dir: Path, build_runner: Callable[..
     prompts = [random_ids(n, seed=70 + n) for n in (12, 30)]
     run = dict(max_new_tokens=5, token_budget=96, eos_ids=())
     assert greedy_loop(late, rt, prompts, **run) == greedy_loop(eager, rt, prompts, **run)
+
+
+def test_fused_decode_path_is_taken_for_decode_only_steps(
+    tiny_llama_dir: Path, build_runner: Callable[..., ModelRunner], rt: SimpleNamespace
+) -> None:
+    """Decode-only float32 steps go through the backend's one-call RoPE + store + attention; prefill
+    and mixed steps do not; the tokens are the same either way."""
+    fused_runner = build_runner(tiny_llama_dir, num_blocks=32)
+    backend = fused_runner.backend
+    if getattr(backend, "rope_decode", None) is None:
+        pytest.skip("the CPU kernel did not build here")
+    calls: list[int] = []
+    inner = backend.rope_decode
+    backend.rope_decode = lambda qkv, *a: calls.append(qkv.shape[0]) or inner(qkv, *a)
+    plain_runner = build_runner(tiny_llama_dir, num_blocks=32)
+    plain_runner.backend.rope_decode = None
+    prompts = [random_ids(n, seed=90 + n) for n in (7, 19)]
+    run = dict(max_new_tokens=4, token_budget=64, eos_ids=())
+    assert greedy_loop(fused_runner, rt, prompts, **run) == greedy_loop(plain_runner, rt, prompts, **run)
+    layers = fused_runner.model_config.num_layers
+    assert calls == [2] * (3 * layers)  # 1 prefill step (not fused), then 3 decode steps of 2

@@ -15,6 +15,7 @@
 
 // Narrow headers on purpose: <torch/extension.h> doubles the one-off compile time.
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -488,6 +489,71 @@ at::Tensor paged_decode_attention_portable(const at::Tensor& q, const at::Tensor
   return run(q, k_cache, v_cache, block_tables, seq_lens, scale, out, /*allow_simd=*/false);
 }
 
+// One rotation of a head: [x1 c - x2 s, x2 c + x1 s] over the two halves, written to dst. Products and
+// sums are rounded one by one (no fused multiply-add), which is exactly what torch's element-wise
+// ops compute for the unfused path, so both give the same bits.
+__attribute__((optimize("fp-contract=off"))) void rotate_head(const float* x, const float* c, const float* s,
+                                                               float* dst, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = x[i], x2 = x[half + i];
+    const float a = x1 * c[i], b = x2 * s[i], d = x2 * c[i], e = x1 * s[i];
+    dst[i] = a - b;
+    dst[half + i] = d + e;
+  }
+}
+
+// A decode-only step of one layer in one call: rotate q and k of every token (fused qkv rows
+// [q heads | k heads | v heads]), write k and v at their slots (slot < 0: not written), then decode
+// attention over the pool. Replaces ~15 small torch ops per layer. float32 only.
+at::Tensor rope_write_decode(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
+                             const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping_in,
+                             const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads,
+                             double scale) {
+  const at::Tensor qkv = qkv_in.contiguous();
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat,
+              "rope_write_decode: float32 only");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(),
+              "rope_write_decode: contiguous [num_blocks, block_size, num_kv_heads, head_dim] caches expected");
+  const int64_t B = qkv.size(0), KVH = k_cache.size(2), D = k_cache.size(3), half = D / 2;
+  const int64_t slots = k_cache.size(0) * k_cache.size(1);
+  TORCH_CHECK(D % 2 == 0 && qkv.dim() == 2 && qkv.size(1) == (num_heads + 2 * KVH) * D,
+              "rope_write_decode: qkv must be [batch, (num_heads + 2 * num_kv_heads) * head_dim], got ", qkv.sizes());
+  const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.numel() == B * half &&
+                  sin.numel() == B * half,
+              "rope_write_decode: cos and sin must hold [batch, head_dim / 2] float32");
+  const at::Tensor slot_mapping = slot_mapping_in.contiguous();
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == B,
+              "rope_write_decode: slot_mapping must be int64 [batch]");
+  at::Tensor q = at::empty({B, num_heads, D}, qkv.options());
+  const float* src = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  float* qp = q.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const int64_t row = (num_heads + 2 * KVH) * D;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(slot[b] < slots, "slot_mapping[", b, "] = ", slot[b], " is outside the pool of ", slots, " slots");
+  }
+  // Tiny work per token (a few hundred floats): one thread; the attention below is parallel.
+  for (int64_t b = 0; b < B; ++b) {
+    const float* x = src + b * row;
+    const float* c = cp + b * half;
+    const float* s = sp + b * half;
+    for (int64_t h = 0; h < num_heads; ++h) rotate_head(x + h * D, c, s, qp + (b * num_heads + h) * D, half);
+    if (slot[b] < 0) continue;
+    float* kd = kc + slot[b] * KVH * D;
+    float* vd = vc + slot[b] * KVH * D;
+    for (int64_t h = 0; h < KVH; ++h) rotate_head(x + (num_heads + h) * D, c, s, kd + h * D, half);
+    std::memcpy(vd, x + (num_heads + KVH) * D, sizeof(float) * KVH * D);
+  }
+  return run(q, k_cache, v_cache, block_tables, seq_lens, scale, c10::nullopt, /*allow_simd=*/true);
+}
+
 // Instruction-set extensions this build was compiled for, named as in /proc/cpuinfo, so the
 // loader can refuse a binary the running CPU cannot execute.
 std::vector<std::string> compiled_isa() {
@@ -541,6 +607,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "The same, always through the plain-loop implementation", py::arg("q"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
         py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("rope_write_decode", &rope_write_decode,
+        "Decode-only layer step: RoPE on q/k from fused qkv rows, k/v written at their slots, paged attention",
+        py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("slot_mapping"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("num_heads"),
+        py::arg("scale"), py::call_guard<py::gil_scoped_release>());
   m.def("compiled_isa", &compiled_isa);
   m.attr("has_avx512") = py::bool_(SERVELM_HAVE_AVX512 != 0);
 }
