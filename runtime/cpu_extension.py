@@ -94,6 +94,8 @@ class CompiledExtension:
             name = build_name(self.prefix, source.read_bytes())
             build_dir = cache_dir() / "torch_extensions" / name
             build_dir.mkdir(parents=True, exist_ok=True)
+            if not any(build_dir.glob("*.so")):
+                self.log.info("building the %s (one-time, ~30 s; cached in %s)", self.what, build_dir)
             module = cpp_extension.load(
                 name=name,
                 sources=[str(source)],
