@@ -385,7 +385,6 @@ def check_paging_variants(
 ) -> None:
     """Prefix-cached, chunked and preempted runs must reproduce the baseline engine's tokens."""
     from runtime.capacity import kv_bytes_per_token
-    from scheduler.config import EngineConfig
     from scheduler.engine import Engine
 
     bs = runner.block_size
@@ -401,20 +400,9 @@ def check_paging_variants(
     max_len = -(-seq_len // bs) * bs
 
     def engine(**over: Any) -> tuple[Any, CountingObserver]:
-        cfg = dict(
-            model=str(model_dir),
-            device=str(runner.device),
-            dtype=dtype_name,
-            block_size=bs,
-            max_model_len=max_len,
-            max_num_seqs=plan.max_num_seqs,
-            max_num_batched_tokens=plan.max_num_batched_tokens,
-            kv_cache_memory=plan.kv_bytes,
-            enable_prefix_caching=False,
-        )
-        cfg.update(over)
+        cfg = engine_config(model_dir, runner.device, dtype_name, plan, **{"block_size": bs, "max_model_len": max_len, **over})
         obs = CountingObserver()
-        return Engine(EngineConfig(**cfg), obs, runner=runner), obs
+        return Engine(cfg, obs, runner=runner), obs
 
     # Prefix caching: the second pass must hit the shared prefix and still give the same tokens.
     eng, obs = engine(enable_prefix_caching=True)
@@ -525,27 +513,35 @@ def check_cuda_graphs(runner: Any, plan: Plan, vocab: int, tol: float, report: R
         )
 
 
+def engine_config(model_dir: Path, device: torch.device, dtype_name: str, plan: Plan, **over: Any) -> Any:
+    """The check's engine settings (the plan's lengths and batch limits, its KV bytes, no prefix
+    caching); ``over`` replaces any of them."""
+    from scheduler.config import EngineConfig
+
+    cfg: dict[str, Any] = dict(
+        model=str(model_dir),
+        device=str(device),
+        dtype=dtype_name,
+        max_model_len=plan.max_model_len,
+        max_num_seqs=plan.max_num_seqs,
+        max_num_batched_tokens=plan.max_num_batched_tokens,
+        kv_cache_memory=plan.kv_bytes,
+        enable_prefix_caching=False,
+    )
+    cfg.update(over)
+    return EngineConfig(**cfg)
+
+
 def check_measured_budget(
     model_dir: Path, plan: Plan, dtype_name: str, vocab: int, device: torch.device, report: Report
 ) -> None:
     """Engine start-up as `servelm serve` does it on CUDA: weights, warm-up, measured pool, graphs."""
-    from scheduler.config import EngineConfig
     from scheduler.engine import Engine
 
     util = 0.5
     total = torch.cuda.get_device_properties(device).total_memory
     t0 = time.perf_counter()
-    eng = Engine(
-        EngineConfig(
-            model=str(model_dir),
-            device=str(device),
-            dtype=dtype_name,
-            max_model_len=plan.max_model_len,
-            max_num_seqs=plan.max_num_seqs,
-            max_num_batched_tokens=plan.max_num_batched_tokens,
-            gpu_memory_utilization=util,
-        )
-    )
+    eng = Engine(engine_config(model_dir, device, dtype_name, plan, kv_cache_memory=None, gpu_memory_utilization=util))
     start_s = time.perf_counter() - t0
     used = torch.cuda.memory_reserved(device)
     r = eng.runner
@@ -583,22 +579,11 @@ def measure_throughput(
     runner: Any, model_dir: Path, plan: Plan, dtype_name: str, vocab: int, device: torch.device, report: Report
 ) -> None:
     from runtime.capacity import flops_per_token
-    from scheduler.config import EngineConfig
     from scheduler.engine import Engine
 
     obs = CountingObserver()
     engine = Engine(
-        EngineConfig(
-            model=str(model_dir),
-            device=str(device),
-            dtype=dtype_name,
-            block_size=runner.block_size,
-            max_model_len=plan.max_model_len,
-            max_num_seqs=plan.max_num_seqs,
-            max_num_batched_tokens=plan.max_num_batched_tokens,
-            kv_cache_memory=plan.kv_bytes,
-            enable_prefix_caching=False,
-        ),
+        engine_config(model_dir, device, dtype_name, plan, block_size=runner.block_size),
         obs,
         runner=runner,
     )
@@ -747,20 +732,10 @@ def main(argv: list[str] | None = None) -> int:
             return finish(report, args, started)
 
         def load() -> Any:
-            from scheduler.config import EngineConfig
             from scheduler.engine import Engine
 
             eng = Engine(
-                EngineConfig(
-                    model=str(model_dir),
-                    device=str(device),
-                    dtype=dtype_name,
-                    max_model_len=plan.max_model_len,
-                    max_num_seqs=plan.max_num_seqs,
-                    max_num_batched_tokens=plan.max_num_batched_tokens,
-                    kv_cache_memory=plan.kv_bytes,
-                    enable_prefix_caching=False,
-                )
+                engine_config(model_dir, device, dtype_name, plan)
             )
             mc = eng.model_config
             assert (mc.num_layers, mc.hidden_size, mc.num_kv_heads, mc.rope_theta) == (
