@@ -17,6 +17,7 @@ from runtime import cpu_linear, cpu_ops
 from runtime.attention.base import AttentionBackend, AttentionMetadata
 from runtime.attention.selector import select_backend
 from runtime.batch import BatchItem, RunnerOutput, SequenceView, TokenLogprobs
+from runtime.capacity import kv_bytes_per_token
 from runtime.config import ModelConfig
 from runtime.cuda_graphs import CudaGraphRunner
 from runtime.kv_cache import KVPool
@@ -189,14 +190,11 @@ class ModelRunner:
             gpu_memory_utilization,
             self.warm_up,
             device=self.device,
-            scratch_bytes=self._pool_bytes(-(-self.max_num_batched_tokens // self.block_size)),
+            scratch_bytes=kv_bytes_per_token(self.model_config, self.dtype)
+            * self.block_size
+            * -(-self.max_num_batched_tokens // self.block_size),
             reserve_bytes=reserve_bytes,
         )
-
-    def _pool_bytes(self, num_blocks: int) -> int:
-        mc = self.model_config
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * mc.num_layers * num_blocks * self.block_size * mc.num_kv_heads * mc.head_dim * elem
 
     # ---- one step ------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -237,7 +237,9 @@ def test_weights_first_then_pool(tiny_llama_dir: Path, build_runner: Callable[..
     late = build_runner(tiny_llama_dir, num_blocks=None, max_num_batched_tokens=96, max_num_seqs=8)
     assert late.kv_pool is None
     scratch = late.warm_up()
-    assert scratch == late._pool_bytes(6)  # 96 tokens / 16 per block
+    from runtime.capacity import kv_bytes_per_token
+
+    assert scratch == kv_bytes_per_token(late.model_config, torch.float32) * 6 * 16  # 96 tokens in 16-token blocks
     assert all(layer.self_attn.k_cache is None for layer in late.model.model.layers)
     late.allocate_kv_pool(32)
     with pytest.raises(RuntimeError, match="already"):
