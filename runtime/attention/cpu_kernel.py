@@ -130,32 +130,31 @@ def _disabled() -> bool:
     return os.environ.get(DISABLE_ENV, "").strip() not in ("", "0")
 
 
+def _compiled(name: str, verbose: bool = False) -> Callable[..., torch.Tensor] | None:
+    """Function ``name`` of the built extension, or None (disabled, or no build). Never raises."""
+    if _disabled():
+        return None
+    module = _loader.get(verbose)
+    return None if module is None else getattr(module, name)
+
+
 def load_kernel(verbose: bool = False) -> PagedDecodeAttention | None:
     """The compiled ``paged_decode_attention``, or None where it cannot be used. Never raises.
 
     Builds once per process (cached on disk under ``$SERVELM_CACHE/torch_extensions``; the first
     build takes tens of seconds). ``SERVELM_DISABLE_CPU_KERNEL=1`` forces None.
     """
-    if _disabled():
-        return None
-    module = _loader.get(verbose)
-    return None if module is None else module.paged_decode_attention
+    return _compiled("paged_decode_attention", verbose)
 
 
 def load_rope_decode() -> Callable[..., torch.Tensor] | None:
     """The compiled fused decode step (RoPE + K/V store + attention, float32), or None. Never raises."""
-    if _disabled():
-        return None
-    module = _loader.get()
-    return None if module is None else module.rope_write_decode
+    return _compiled("rope_write_decode")
 
 
 def load_portable_kernel() -> PagedDecodeAttention | None:
     """The compiled plain-loop implementation (no intrinsics), for tests and benchmarks."""
-    if _disabled():
-        return None
-    module = _loader.get()
-    return None if module is None else module.paged_decode_attention_portable
+    return _compiled("paged_decode_attention_portable")
 
 
 def paged_decode_attention(
