@@ -13,8 +13,14 @@ out_dir="${OUT:-/tmp}"
 mkdir -p "$out_dir"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/servelm-triton-cache}"
-# The scratch model (16 GB for the 8B shape) goes to local disk, removed at the end.
-workdir="$(mktemp -d "${TMPDIR:-/tmp}/servelm-device-check.XXXXXX")"
+# The scratch model (16 GB for the 8B shape) goes to RAM (/dev/shm) when it has room, else to local
+# disk; removed at the end.
+scratch="${TMPDIR:-/tmp}"
+if [ -z "${TMPDIR:-}" ] && [ "$(df --output=avail -B1G /dev/shm 2>/dev/null | tail -1 | tr -d ' ')" -ge 40 ] 2>/dev/null; then
+    scratch=/dev/shm
+fi
+workdir="$(mktemp -d "$scratch/servelm-device-check.XXXXXX")"
+echo "scratch model folder: $workdir"
 trap 'rm -rf "$workdir"' EXIT
 
 "$PY" - <<'PYEOF'
@@ -27,6 +33,6 @@ if torch.cuda.is_available():
 PYEOF
 
 # A hard stop inside the 8-minute budget (SIGINT first so Python prints where it was).
-timeout --signal=INT --kill-after=20 460 \
+timeout --signal=INT --kill-after=20 "${DEVICE_CHECK_TIMEOUT:-460}" \
     "$PY" scripts/device_check.py --workdir "$workdir" --json "$out_dir/device_check.json" "$@" \
     2>&1 | tee "$out_dir/device_check.log"
