@@ -53,7 +53,7 @@ class AttentionBackend(ABC):
         """Add backend-specific fields once per step (default: nothing to add)."""
         return meta
 
-    def decode_from_qkv(
+    def forward_from_qkv(
         self,
         qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim], the fused projection
         cos_sin: tuple[torch.Tensor, torch.Tensor],  # the step's RoPE rows, [num_tokens, 1, head_dim / 2] each
@@ -63,10 +63,11 @@ class AttentionBackend(ABC):
         scale: float,
         num_heads: int,
     ) -> torch.Tensor | None:
-        """Optional fast path for a decode-only step: RoPE, K/V store and attention in one go.
+        """Optional fused path: RoPE, the K/V store and attention straight from the fused projection.
 
         Returns ``[num_tokens, num_heads, head_dim]`` like ``forward`` after the model's own RoPE, or
-        None where this backend has no such path for this step (the model then does it the usual way).
+        None where this backend has no such path for this step (the model then does it the usual way;
+        the CPU backend has one for decode-only float32 steps, the CUDA backends for every step).
         """
         return None
 

@@ -12,6 +12,7 @@ the runner writes into those buffers before each replay.
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -85,6 +86,12 @@ def split_metadata(meta: AttentionMetadata, *, cu_seqlens: bool) -> CudaAttentio
     )
 
 
+def fused_ops_enabled() -> bool:
+    """Whether the CUDA path uses the fused Triton ops of ``runtime.triton_ops`` (RoPE + K/V store,
+    residual add + RMSNorm, SiLU x up); ``SERVELM_DISABLE_FUSED_OPS=1`` falls back to plain torch ops."""
+    return os.environ.get("SERVELM_DISABLE_FUSED_OPS", "").lower() not in ("1", "true", "yes")
+
+
 def flash_attn_importable() -> bool:
     """True when the ``flash_attn`` package is installed (checked without importing it)."""
     return importlib.util.find_spec("flash_attn") is not None
@@ -107,7 +114,7 @@ class FlashAttentionBackend(AttentionBackend):
     name = "flash-attn"
     required_block_size: int = FLASH_PAGED_BLOCK_SIZE
 
-    def __init__(self, block_size: int = FLASH_PAGED_BLOCK_SIZE) -> None:
+    def __init__(self, block_size: int = FLASH_PAGED_BLOCK_SIZE, fused_rope: bool | None = None) -> None:
         if block_size % self.required_block_size:
             raise ValueError(
                 f"flash-attn's paged KV needs a block size divisible by {self.required_block_size}, got {block_size}"
@@ -120,6 +127,7 @@ class FlashAttentionBackend(AttentionBackend):
         self._varlen = flash_attn_varlen_func
         self._with_kvcache = flash_attn_with_kvcache
         self._store = store_kvcache
+        self.fused_rope = fused_ops_enabled() if fused_rope is None else fused_rope
 
     @classmethod
     def supports(cls, dtype: torch.dtype, head_dim: int, block_size: int | None = None) -> str | None:
@@ -149,10 +157,28 @@ class FlashAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        self._store(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self._attend(q, k_cache, v_cache, meta, scale)
+
+    def forward_from_qkv(
+        self,
+        qkv: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        num_heads: int,
+    ) -> torch.Tensor | None:
+        return _rope_store_then(self, qkv, cos_sin, k_cache, v_cache, meta, scale, num_heads)
+
+    def _attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """Attention of the step's queries over the pool (their own K/V already stored)."""
         # Built once per step by build_metadata (the runner and the graph runner both call it), never per layer.
         assert isinstance(meta, CudaAttentionMetadata), "metadata must come from build_metadata()"
         m = meta
-        self._store(k, v, k_cache, v_cache, m.slot_mapping)
         out = torch.empty_like(q)
         nd = m.num_decode_tokens
         if nd:
@@ -195,11 +221,12 @@ class TritonPagedBackend(AttentionBackend):
     required_block_size: int = 1
     preferred_block_size: int = TRITON_BLOCK_SIZE
 
-    def __init__(self, block_size: int = TRITON_BLOCK_SIZE) -> None:
+    def __init__(self, block_size: int = TRITON_BLOCK_SIZE, fused_rope: bool | None = None) -> None:
         self.block_size = block_size
         from runtime.attention import triton_kernels
 
         self._kernels: Any = triton_kernels
+        self.fused_rope = fused_ops_enabled() if fused_rope is None else fused_rope
 
     @classmethod
     def supports(cls, dtype: torch.dtype, head_dim: int, block_size: int | None = None) -> str | None:
@@ -222,11 +249,29 @@ class TritonPagedBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        self._kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self._attend(q, k_cache, v_cache, meta, scale)
+
+    def forward_from_qkv(
+        self,
+        qkv: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        num_heads: int,
+    ) -> torch.Tensor | None:
+        return _rope_store_then(self, qkv, cos_sin, k_cache, v_cache, meta, scale, num_heads)
+
+    def _attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """Attention of the step's queries over the pool (their own K/V already stored)."""
         # Built once per step by build_metadata (the runner and the graph runner both call it), never per layer.
         assert isinstance(meta, CudaAttentionMetadata), "metadata must come from build_metadata()"
         m = meta
         kern = self._kernels
-        kern.store_kvcache(k, v, k_cache, v_cache, m.slot_mapping)
         out = torch.empty_like(q)
         if m.num_decodes:
             kern.paged_attention(
@@ -256,6 +301,27 @@ class TritonPagedBackend(AttentionBackend):
                 out=out,
             )
         return out
+
+
+def _rope_store_then(
+    backend: "FlashAttentionBackend | TritonPagedBackend",
+    qkv: torch.Tensor,
+    cos_sin: tuple[torch.Tensor, torch.Tensor],
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    num_heads: int,
+) -> torch.Tensor | None:
+    """Both CUDA backends: one Triton kernel rotates q and k and stores k and v (``runtime.triton_ops``),
+    then the backend's attention reads the pool."""
+    if not backend.fused_rope:
+        return None
+    from runtime import triton_ops
+
+    cos, sin = cos_sin  # [T, 1, D / 2] rows of the step
+    q = triton_ops.rope_store(qkv, cos[:, 0], sin[:, 0], k_cache, v_cache, meta.slot_mapping, num_heads)
+    return backend._attend(q, k_cache, v_cache, meta, scale)
 
 
 def default_cuda_block_size(dtype: torch.dtype, head_dim: int) -> int:

@@ -163,7 +163,7 @@ class TorchAttentionBackend(AttentionBackend):
         m.prefill_mask = causal if n == 1 else causal & (k_seq.unsqueeze(0) == q_seq.unsqueeze(1))
 
     # ---- once per layer ------------------------------------------------------------------------
-    def decode_from_qkv(
+    def forward_from_qkv(
         self,
         qkv: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],

@@ -184,6 +184,122 @@ def _paged_attention_kernel(
     )
 
 
+@triton.jit
+def _paged_decode_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    part_acc_ptr,  # [S, H, NUM_SPLITS, HEAD_DIM_PAD] float32, unnormalised
+    part_m_ptr,  # [S, H, NUM_SPLITS] float32: running max (base-2 logits)
+    part_l_ptr,  # [S, H, NUM_SPLITS] float32: running sum of exp2
+    block_tables_ptr,
+    seq_lens_ptr,
+    softmax_scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_bt,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # GROUP padded to a tile tl.dot accepts
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    PAGE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # Split-KV decode ("flash-decoding"): one program = one sequence x one KV head x one slice of its
+    # context, so a small batch still fills the GPU. The slice length follows the sequence's own
+    # length (read on the device), so one launch shape serves every context inside a CUDA graph.
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    k_start = split * chunk
+    k_end = tl.minimum(seq_len, k_start + chunk)
+
+    g = tl.arange(0, BLOCK_M)
+    row_ok = g < GROUP
+    head = kv_head * GROUP + g
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = d < HEAD_DIM
+    q_rows = seq.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
+    q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    n_offs = tl.arange(0, BLOCK_N)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for start in range(k_start, k_end, BLOCK_N):
+        n = start + n_offs
+        n_ok = n < k_end
+        block = tl.load(bt_row + n // PAGE, mask=n_ok, other=0).to(tl.int64)
+        kv_rows = block * stride_cache_block + (n % PAGE) * stride_cache_slot + kv_head * stride_cache_head
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * softmax_scale_log2
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_shift)
+        p = tl.exp2(s - m_shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # An empty slice (a context shorter than the split count asks for) leaves m = -inf, l = 0.
+    part = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + split
+    tl.store(part_m_ptr + part, m_i, mask=row_ok)
+    tl.store(part_l_ptr + part, l_i, mask=row_ok)
+    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + d[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _paged_decode_reduce_kernel(
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    base = (seq * NUM_HEADS + head) * NUM_SPLITS
+    sp = tl.arange(0, NUM_SPLITS)
+    m = tl.load(part_m_ptr + base + sp)
+    l_part = tl.load(part_l_ptr + base + sp)
+    m_max = tl.max(m, 0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))
+    total = tl.sum(l_part * w, 0)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    acc = tl.load(part_acc_ptr + (base + sp)[:, None] * HEAD_DIM_PAD + d[None, :])
+    out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """How many context slices a decode launch uses: enough programs for ~2 per SM, at most 32; 1 when
+    the batch alone fills the GPU (or off CUDA)."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    programs = num_seqs * num_kv_heads
+    if programs >= sms:
+        return 1
+    return min(32, triton.next_power_of_2(triton.cdiv(2 * sms, programs)))
+
+
 _LOG2E = 1.4426950408889634
 
 
@@ -199,6 +315,7 @@ def paged_attention(
     *,
     max_query_len: int | None = None,  # pass it to avoid a device sync (and inside CUDA graphs)
     out: torch.Tensor | None = None,
+    num_splits: int | None = None,  # decode only: context slices per sequence (None: by occupancy)
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context (K/V already stored).
 
@@ -227,6 +344,11 @@ def paged_attention(
     group_pad = triton.next_power_of_2(group)
     head_dim_pad = max(triton.next_power_of_2(head_dim), _MIN_DOT)
     if max_query_len <= 1:
+        if num_splits is None:
+            num_splits = decode_splits(num_seqs, num_kv_heads, q.device)
+        if num_splits > 1:
+            _split_decode(q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale, num_splits)
+            return out
         # Decode: one token; pad the rows up to the smallest tile tl.dot supports.
         block_q = max(1, _MIN_DOT // group_pad)
         block_n, num_warps = 64, 4
@@ -265,3 +387,70 @@ def paged_attention(
         num_warps=num_warps,
     )
     return out
+
+
+def _split_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    num_splits: int,
+) -> None:
+    """Decode attention in ``num_splits`` context slices per sequence, then one merge per head."""
+    num_seqs = seq_lens.shape[0]
+    _, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    head_dim_pad = max(triton.next_power_of_2(head_dim), _MIN_DOT)
+    if num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    # Decode tokens are rows 0..num_seqs-1 (query_start_loc is 0, 1, 2, ...): q and out are indexed by sequence.
+    del query_start_loc
+    f32 = dict(dtype=torch.float32, device=q.device)
+    part_acc = torch.empty(num_seqs, num_heads, num_splits, head_dim_pad, **f32)
+    part_m = torch.empty(num_seqs, num_heads, num_splits, **f32)
+    part_l = torch.empty(num_seqs, num_heads, num_splits, **f32)
+    _paged_decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        part_acc,
+        part_m,
+        part_l,
+        block_tables,
+        seq_lens,
+        scale * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        NUM_HEADS=num_heads,
+        GROUP=group,
+        BLOCK_M=max(triton.next_power_of_2(group), _MIN_DOT),
+        BLOCK_N=64,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        PAGE=k_cache.shape[1],
+        NUM_SPLITS=num_splits,
+        DOT_PRECISION="ieee",
+        num_warps=4,
+    )
+    _paged_decode_reduce_kernel[(num_seqs, num_heads)](
+        part_acc,
+        part_m,
+        part_l,
+        out,
+        out.stride(0),
+        out.stride(1),
+        NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        NUM_SPLITS=num_splits,
+        num_warps=4,
+    )

@@ -12,7 +12,7 @@ fills), which is what the weight loader (``runtime.weights``) uses to map checkp
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,10 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
+# (x, residual | None, weight, eps) -> (norm(x [+ residual]) * weight, x + residual written into residual | None)
+FusedRmsNorm = Callable[[torch.Tensor, "torch.Tensor | None", torch.Tensor, float], "tuple[torch.Tensor, torch.Tensor | None]"]
+
+
 class RMSNorm(nn.Module):
     """RMS normalisation, computed in float32 as Hugging Face's Llama does (matters for bf16)."""
 
@@ -47,14 +51,25 @@ class RMSNorm(nn.Module):
         self.weight = _param((size,), dtype, device)
         self.eps = eps
         self.kernel: cpu_ops.RmsNorm | None = None  # the compiled CPU op, when the runner sets it
+        self.fused: FusedRmsNorm | None = None  # residual add + norm in one kernel (runtime.triton_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused(x, None, self.weight, self.eps)[0]
         if self.kernel is not None and x.is_contiguous():
             return self.kernel(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             # One fused op instead of six; the same arithmetic as HF's (x * rsqrt(mean(x^2) + eps)) * w.
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``: the residual add that precedes every norm but the first."""
+        if self.fused is not None:
+            out, r = self.fused(x, residual, self.weight, self.eps)
+            return out, r  # type: ignore[return-value]
+        r = x + residual
+        return self(r), r
 
 
 class Linear(nn.Module):
@@ -214,8 +229,8 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         if self.q_norm is None and self.k_cache is not None and self.v_cache is not None:
-            # A backend may do RoPE, the K/V store and attention of a decode-only step in one call.
-            fused = self.backend.decode_from_qkv(
+            # A backend may do RoPE, the K/V store and attention straight from the fused projection.
+            fused = self.backend.forward_from_qkv(
                 qkv, cos_sin, self.k_cache, self.v_cache, meta, self.scale, self.num_heads
             )
             if fused is not None:
@@ -245,8 +260,11 @@ class MLP(nn.Module):
         )
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, device)
         self.split_max_rows = CPU_SPLIT_GATE_UP_MAX_ROWS if device.type == "cpu" else 0
+        self.act_mul: Callable[[torch.Tensor], torch.Tensor] | None = None  # silu(gate) * up in one kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act_mul is not None:
+            return self.down_proj(self.act_mul(self.gate_up_proj(x)))
         w = self.gate_up_proj.weight
         if self.gate_up_proj.packed is None and x.shape[0] <= self.split_max_rows:
             gate = F.linear(x, w[: self.intermediate])
@@ -273,9 +291,21 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = MLP(cfg, dtype, device)
 
-    def forward(self, h: torch.Tensor, cos_sin: CosSin, meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos_sin, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: CosSin, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x``: the previous layer's MLP output (the embeddings for the first layer, with no
+        residual yet); returns this layer's MLP output and the residual stream before it. The residual
+        adds happen inside the norms, so a fused norm does each add and its norm in one pass; the sums
+        are the same as ``h = h + attn(norm(h)); h = h + mlp(norm(h))``."""
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm.forward_add(x, residual)
+        x = self.self_attn(x, cos_sin, meta)
+        x, residual = self.post_attention_layernorm.forward_add(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderStack(nn.Module):
@@ -345,9 +375,12 @@ class CausalLM(nn.Module):
         """``input_ids``, ``positions``: ``[T]`` -> final-normed hidden states ``[T, hidden]``."""
         h = F.embedding(input_ids, self.model.embed_tokens.weight)
         cos_sin = self.model.rotary_emb.tables(positions)
+        residual: torch.Tensor | None = None
         for layer in self.model.layers:
-            h = layer(h, cos_sin, meta)
-        return self.model.norm(h)
+            h, residual = layer(h, residual, cos_sin, meta)
+        if residual is None:
+            return self.model.norm(h)
+        return self.model.norm.forward_add(h, residual)[0]
 
     def pack_cpu_weights(self, small_m: tuple[cpu_linear.SmallMLinear, int] | None = None) -> None:
         """Pack every projection and the vocabulary head for oneDNN (``runtime.cpu_linear``), once,
@@ -368,6 +401,16 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.kernel = kernel
+
+    def use_fused_ops(self, rms_norm: FusedRmsNorm, silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Route every RMSNorm (with the residual add before it) and the MLP activation through fused
+        kernels (``runtime.triton_ops`` on CUDA)."""
+        # The hidden-size norms only: Qwen3's per-head q/k norms see [tokens, heads, head_dim] views.
+        for layer in self.model.layers:
+            layer.input_layernorm.fused = rms_norm
+            layer.post_attention_layernorm.fused = rms_norm
+            layer.mlp.act_mul = silu_mul
+        self.model.norm.fused = rms_norm
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[R, hidden]`` -> ``[R, vocab]``; the runner passes only the rows it samples."""

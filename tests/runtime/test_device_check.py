@@ -8,15 +8,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_dry_run_on_cpu_passes_every_check(tmp_path: Path) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dry_run_on_cpu_passes_every_check(tmp_path: Path, dtype: str) -> None:
     report = tmp_path / "report.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
         [sys.executable, "scripts/device_check.py", "--dry-run", "--device", "cpu", "--tiny", "--json", str(report),
-         "--workdir", str(tmp_path / "work")],
+         "--workdir", str(tmp_path / "work"), "--dtype", dtype],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -28,7 +31,7 @@ def test_dry_run_on_cpu_passes_every_check(tmp_path: Path) -> None:
     assert got["ok"]
     names = {c["name"] for c in got["checks"]}
     for expected in (
-        "prefill logits vs HF",
+        "float32 prefill logits vs HF float32",
         "chosen-token logprobs vs HF (teacher-forced)",
         "prefix cache hits on the second pass",
         "preemption happened",
@@ -36,5 +39,9 @@ def test_dry_run_on_cpu_passes_every_check(tmp_path: Path) -> None:
     ):
         assert expected in names
     assert any(n.startswith("greedy ") for n in names) and any(n.startswith("chunked prefill") for n in names)
-    assert len(got["throughput"]) == 3  # batch-1 latency, concurrent throughput, long prefill
+    if dtype == "bfloat16":  # judged by its distance from HF float32, next to HF bfloat16's own
+        assert "torch.bfloat16 prefill logits: distance from HF float32 vs HF torch.bfloat16's own" in names
+    rows = {r["name"] for r in got["throughput"]}
+    assert "batch 1: ms per output token" in rows  # and the concurrent throughput and the long prefill:
+    assert any(r.endswith("output tok/s") for r in rows) and any(r.startswith("prefill of one") for r in rows)
     assert not (tmp_path / "work" / "model").exists()  # the scratch model is removed

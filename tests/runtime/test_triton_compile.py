@@ -58,6 +58,32 @@ COMPILE = textwrap.dedent(
     store = {"k_ptr": "*bf16", "v_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "slot_ptr": "*i64",
              "stride_kt": "i32", "stride_vt": "i32", "stride_cache_block": "i32", "stride_cache_slot": "i32"}
     compile_kernel(tk._store_kv_kernel, store, dict(PAGE=16, ROW=1024, ROW_PAD=1024), 90)
+
+    split = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "part_acc_ptr": "*fp32",
+             "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
+             "softmax_scale_log2": "fp32", "stride_qt": "i32", "stride_qh": "i32", "stride_cache_block": "i32",
+             "stride_cache_slot": "i32", "stride_cache_head": "i32", "stride_bt": "i32"}
+    compile_kernel(tk._paged_decode_split_kernel, split, dict(NUM_HEADS=32, GROUP=4, BLOCK_M=16, BLOCK_N=64,
+                   HEAD_DIM=128, HEAD_DIM_PAD=128, PAGE=16, NUM_SPLITS=32, DOT_PRECISION="ieee"), 90)
+    reduce = {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "out_ptr": "*bf16",
+              "stride_ot": "i32", "stride_oh": "i32"}
+    compile_kernel(tk._paged_decode_reduce_kernel, reduce, dict(NUM_HEADS=32, HEAD_DIM=128, HEAD_DIM_PAD=128,
+                   NUM_SPLITS=32), 90)
+
+    # runtime.triton_ops at the Llama-3-8B shape (hidden 4096, intermediate 14336, 32/8 heads of 128).
+    from runtime import triton_ops as ops
+    for dt in ("bf16", "fp32"):
+        norm = {"x_ptr": "*" + dt, "res_ptr": "*" + dt, "w_ptr": "*" + dt, "out_ptr": "*" + dt,
+                "stride_x": "i32", "stride_res": "i32", "stride_out": "i32", "n_cols": "i32", "eps": "fp32"}
+        for has_res in (True, False):
+            compile_kernel(ops._rms_norm_kernel, norm, dict(HAS_RESIDUAL=has_res, BLOCK=4096), 90, num_warps=16)
+        silu = {"gu_ptr": "*" + dt, "out_ptr": "*" + dt, "stride_gu": "i32", "stride_out": "i32", "n_cols": "i32"}
+        compile_kernel(ops._silu_mul_kernel, silu, dict(BLOCK=1024), 90)
+        rope = {"qkv_ptr": "*" + dt, "cos_ptr": "*" + dt, "sin_ptr": "*" + dt, "q_out_ptr": "*" + dt,
+                "k_cache_ptr": "*" + dt, "v_cache_ptr": "*" + dt, "slot_ptr": "*i64", "stride_qkv": "i32",
+                "stride_cos": "i32", "stride_qo_t": "i32", "stride_cache_block": "i32", "stride_cache_slot": "i32"}
+        compile_kernel(ops._rope_store_kernel, rope, dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF=64,
+                       HEADS_PAD=64, KV_PAD=8, HALF_PAD=64, DIM_PAD=128, PAGE=16), 90)
     print("compiled")
     """
 )

@@ -40,12 +40,14 @@ _interpreter._patch_lang_tensor = _patch_lang_tensor
 def _load(name: str):  # type: ignore[no-untyped-def]
     mod = importlib.import_module(name)
     # Imported earlier in this process without the interpreter: re-decorate the kernels under it.
-    if name == "runtime.attention.triton_kernels" and type(mod._store_kv_kernel).__name__ != "InterpretedFunction":
+    first_kernel = {"runtime.attention.triton_kernels": "_store_kv_kernel", "runtime.triton_ops": "_rms_norm_kernel"}
+    if type(getattr(mod, first_kernel[name])).__name__ != "InterpretedFunction":
         mod = importlib.reload(mod)
     return mod
 
 
 tk = _load("runtime.attention.triton_kernels")
+ops = _load("runtime.triton_ops")
 flash_backend = importlib.import_module("runtime.attention.flash_backend")
 
 
@@ -153,6 +155,24 @@ def test_decode_matches_reference(num_heads: int, num_kv_heads: int, head_dim: i
     out = tk.paged_attention(q, kc, vc, bt, seq, qsl, ctx, scale, max_query_len=1)
     ref = reference_attention(q, kc, vc, bt, seq_lens, query_lens, scale)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_splits", [2, 4, 8])
+def test_split_kv_decode_matches_reference(num_splits: int) -> None:
+    # Contexts longer than the 64-key tile, so several slices are busy and merged; a 1-token context
+    # leaves all but one slice empty.
+    seq_lens = [1, 70, 200, 129]
+    query_lens = [1] * len(seq_lens)
+    q, kc, vc, bt, seq, qsl, ctx = attention_inputs(
+        seq_lens, query_lens, num_heads=8, num_kv_heads=2, head_dim=24, block_size=16, dtype=torch.float32, seed=9
+    )
+    out = tk.paged_attention(q, kc, vc, bt, seq, qsl, ctx, 0.2, max_query_len=1, num_splits=num_splits)
+    ref = reference_attention(q, kc, vc, bt, seq_lens, query_lens, 0.2)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_splits_by_occupancy() -> None:
+    assert tk.decode_splits(1, 8, torch.device("cpu")) == 1  # off CUDA: the one-pass kernel
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,block_size", [(6, 2, 4), (8, 2, 16)])
@@ -370,3 +390,110 @@ def test_padded_static_decode_batch_equals_the_plain_step() -> None:
     torch.testing.assert_close(got[:3], want, atol=1e-5, rtol=1e-5)
     # The padding row wrote nothing: both pools saw exactly the same writes.
     assert torch.equal(gkc, kc) and torch.equal(gvc, vc)
+
+
+# ----------------------------------------------------------------------------- fused ops (runtime.triton_ops)
+
+
+def torch_rms_norm(x, w, eps):  # type: ignore[no-untyped-def]
+    """The eager model's RMSNorm (``runtime.models.llama.RMSNorm`` without kernels)."""
+    from runtime.models.llama import RMSNorm
+
+    norm = RMSNorm(x.shape[-1], eps, x.dtype, torch.device("cpu"))
+    norm.weight.data.copy_(w)
+    return norm(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rms_norm_with_and_without_the_residual_add(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    # 96 columns: not a power of two (masked tail); x a strided view, as projections' slices are.
+    x = (torch.randn(5, 100, generator=gen) * 3)[:, :96].to(dtype)
+    res = torch.randn(5, 96, generator=gen).to(dtype)
+    w = (torch.rand(96, generator=gen) + 0.5).to(dtype)
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
+
+    out, none = ops.rms_norm(x, None, w, 1e-5)
+    assert none is None
+    torch.testing.assert_close(out, torch_rms_norm(x, w, 1e-5), **tol)
+
+    want_sum = x + res  # rounded to dtype, as the eager add is
+    r = res.clone()
+    out, r_back = ops.rms_norm(x, r, w, 1e-5)
+    assert r_back is r and torch.equal(r, want_sum)  # the sum landed in the residual, in place
+    torch.testing.assert_close(out, torch_rms_norm(want_sum, w, 1e-5), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_silu_mul_of_the_fused_gate_up_projection(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(4)
+    inter = 1500  # more than one column tile, with a masked tail
+    gu = (torch.randn(3, 2 * inter, generator=gen) * 4).to(dtype)
+    want = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+    got = ops.silu_mul(gu)
+    assert got.shape == (3, inter) and got.dtype == dtype
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rope_store_equals_rotation_then_store(dtype: torch.dtype) -> None:
+    from runtime.models.llama import apply_rope
+
+    gen = torch.Generator().manual_seed(5)
+    heads, kvh, d, page, blocks = 6, 2, 16, 4, 8
+    positions = torch.tensor([0, 7, 3, 12, 5])
+    slots = torch.tensor([9, -1, 0, 30, 17])  # -1: a padding token writes nothing
+    qkv = torch.randn(5, (heads + 2 * kvh) * d + 8, generator=gen)[:, : (heads + 2 * kvh) * d].to(dtype)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.arange(16).float()[:, None] * inv[None, :]
+    cos_t, sin_t = freqs.cos().to(dtype), freqs.sin().to(dtype)
+    cos_sin = (cos_t[positions].unsqueeze(1), sin_t[positions].unsqueeze(1))
+    k_cache = torch.full((blocks, page, kvh, d), 5.0, dtype=dtype)
+    v_cache = torch.full((blocks, page, kvh, d), 5.0, dtype=dtype)
+
+    q = ops.rope_store(qkv, cos_sin[0][:, 0], cos_sin[1][:, 0], k_cache, v_cache, slots, heads)
+
+    qk = apply_rope(qkv[:, : (heads + kvh) * d].reshape(5, heads + kvh, d), cos_sin)
+    v = qkv[:, (heads + kvh) * d :].reshape(5, kvh, d)
+    want_k = torch.full((blocks * page, kvh, d), 5.0, dtype=dtype)
+    want_v = want_k.clone()
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            want_k[s], want_v[s] = qk[t, heads:], v[t]
+    # The same roundings as apply_rope: equal, not just close.
+    assert torch.equal(q, qk[:, :heads])
+    assert torch.equal(k_cache.view(-1, kvh, d), want_k)
+    assert torch.equal(v_cache.view(-1, kvh, d), want_v)
+
+
+def test_model_with_fused_ops_equals_the_eager_model(tiny_llama_dir, build_runner, rt, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The whole CUDA-path model structure on CPU tensors: Triton backend + fused norms, activation and
+    RoPE/store against the plain torch path, prefill then decode steps."""
+    from runtime.attention.torch_backend import TorchAttentionBackend
+    from runtime.batch import BatchItem
+
+    fused = build_runner(tiny_llama_dir, backend=flash_backend.TritonPagedBackend(16, fused_rope=True))
+    calls = {"rope_store": 0, "rms_norm": 0}
+    for name in calls:
+        def counted(*a, _f=getattr(ops, name), _n=name):  # type: ignore[no-untyped-def]
+            calls[_n] += 1
+            return _f(*a)
+        monkeypatch.setattr(ops, name, counted)
+    fused.model.use_fused_ops(ops.rms_norm, ops.silu_mul)
+    plain = build_runner(tiny_llama_dir, backend=TorchAttentionBackend(16, use_kernel=False))
+    ids = [5, 900, 17, 4000, 33, 2, 77, 1200, 8, 64, 19]
+    outs = []
+    for runner in (fused, plain):
+        blocks = rt.ScatteredBlocks(runner.kv_pool.num_blocks, runner.block_size, seed=2)
+        seqs = [rt.FakeSeq(seq_id=i, token_ids=list(ids[: 7 + i])) for i in range(2)]
+        for seq in seqs:
+            blocks.grow(seq, len(ids))
+        # Both prompts but the last token as one prefill step, then a decode step for each.
+        logits = rt.step_logits(runner, [BatchItem(s, len(s.token_ids) - 1, sample=False) for s in seqs])
+        logits += rt.step_logits(runner, [BatchItem(s, 1, sample=True) for s in seqs])
+        outs.append(torch.cat(logits))
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=1e-5)
+    layers = len(fused.model.model.layers)
+    # Two steps: one RoPE/store per layer each; two norms per layer plus the final one each.
+    assert calls == {"rope_store": 2 * layers, "rms_norm": 2 * (2 * layers + 1)}
