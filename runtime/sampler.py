@@ -64,8 +64,8 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """
     n, v = x.shape
     b = _block_size(v)
-    if b < 16 or v <= _BLOCK:
-        return x.argmax(-1)
+    if b < 16 or v <= _BLOCK or x.device.type != "cpu":
+        return x.argmax(-1)  # (on a GPU argmax is one fast kernel)
     blocks = x.view(n, v // b, b)
     best_block = blocks.amax(-1).argmax(-1)  # [n]
     inner = blocks[torch.arange(n, device=x.device), best_block]  # [n, b]
@@ -306,8 +306,8 @@ class Sampler:
 
         device = logits.device
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        lp_idx = torch.tensor(lp_rows, device=device)
-        logprobs = logits.index_select(0, lp_idx).log_softmax(-1) if lp_rows else None
+        lp_idx = torch.tensor(lp_rows, device=device) if lp_rows else None
+        logprobs = logits.index_select(0, lp_idx).log_softmax(-1) if lp_idx is not None else None
 
         greedy = [i for i, p in enumerate(params) if p.temperature < GREEDY_TEMPERATURE]
         if len(greedy) == n_rows:
@@ -325,7 +325,7 @@ class Sampler:
 
         token_list: list[int] = tokens.tolist()
         out: list[TokenLogprobs | None] = [None] * n_rows
-        if logprobs is not None:
+        if logprobs is not None and lp_idx is not None:
             chosen = tokens.index_select(0, lp_idx)
             for i, tl in zip(lp_rows, self._token_logprobs(logprobs, chosen, [params[i] for i in lp_rows])):
                 out[i] = tl
