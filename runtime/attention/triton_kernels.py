@@ -90,7 +90,13 @@ def store_kvcache(
     )
 
 
-@triton.jit
+# Per-step metadata must not pick the kernel variant: Triton specialises integer arguments on
+# "== 1" / "divisible by 16" and pointers on 16-byte alignment, so a block-table width or a prefill
+# half that starts at an odd decode count would each compile a new variant in the middle of serving.
+_STEP_META_PTRS = ["block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr", "context_lens_ptr"]
+
+
+@triton.jit(do_not_specialize=["stride_bt"], do_not_specialize_on_alignment=_STEP_META_PTRS)
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -184,7 +190,7 @@ def _paged_attention_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"], do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr"])
 def _paged_decode_split_kernel(
     q_ptr,
     k_cache_ptr,
