@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
+from typing import Sequence
 
+import numpy as np
 import torch
 
 from runtime import cpu_linear, cpu_ops
@@ -102,6 +105,15 @@ class ModelRunner:
         rms_norm = cpu_ops.rms_norm_kernel() if cpu_norm else None
         if rms_norm is not None:
             self.model.use_cpu_rms_norm(rms_norm)
+        self.fused_ops = False
+        if self.device.type == "cuda":
+            from runtime.attention.flash_backend import fused_ops_enabled
+
+            if fused_ops_enabled():
+                from runtime import triton_ops
+
+                self.model.use_fused_ops(triton_ops.rms_norm, triton_ops.silu_mul)
+                self.fused_ops = True
         self.max_model_len = max_model_len or model_config.max_position_embeddings
         self.enforce_eager = enforce_eager
         self.kv_pool: KVPool = None  # type: ignore[assignment]  # set by allocate_kv_pool
@@ -116,7 +128,8 @@ class ModelRunner:
             model_config.architecture,
             self.backend.name,
             ("oneDNN (packed weights)" if self.packed_linears else "torch")
-            + (f" + few-row kernel (<= {self.small_m_linear[1]} rows)" if self.small_m_linear else ""),
+            + (f" + few-row kernel (<= {self.small_m_linear[1]} rows)" if self.small_m_linear else "")
+            + ("; fused Triton norms/activation/RoPE" if self.fused_ops else ""),
         )
 
     # ---- the KV pool -----------------------------------------------------------------------------
@@ -233,8 +246,10 @@ class ModelRunner:
     def prepare(self, items: list[BatchItem]) -> StepInputs:
         """Lay the step out (decodes first) and build its tensors and attention metadata, once."""
         bs = self.block_size
-        decodes = [i for i, it in enumerate(items) if is_decode(it)]
-        prefills = [i for i, it in enumerate(items) if not is_decode(it)]
+        decodes: list[int] = []
+        prefills: list[int] = []
+        for i, it in enumerate(items):
+            (decodes if is_decode(it) else prefills).append(i)
         order = decodes + prefills
         if len(order) > self.max_num_seqs:
             raise ValueError(f"step has {len(order)} sequences, max_num_seqs is {self.max_num_seqs}")
@@ -244,7 +259,9 @@ class ModelRunner:
         slots: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
-        tables: list[list[int]] = []
+        context_lens: list[int] = []
+        tables: list[list[int]] = []  # whole block tables; each is cut to its used_blocks entry
+        used_blocks: list[int] = []
         sample_rows: list[int] = []
         sample_items: list[int] = []
         for idx in order:
@@ -253,19 +270,28 @@ class ModelRunner:
             start = seq.num_computed_tokens
             n = item.num_new_tokens
             end = start + n
+            token_ids = seq.token_ids
             table = seq.block_table
-            if n < 1 or end > len(seq.token_ids):
+            if n < 1 or end > len(token_ids):
                 raise ValueError(
-                    f"seq {seq.seq_id}: cannot compute tokens {start}..{end - 1} of {len(seq.token_ids)}"
+                    f"seq {seq.seq_id}: cannot compute tokens {start}..{end - 1} of {len(token_ids)}"
                 )
-            if len(table) * bs < end:
+            used = -(-end // bs)
+            if len(table) < used:
                 raise ValueError(f"seq {seq.seq_id}: {len(table)} blocks cannot hold {end} tokens")
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if n == 1:  # a decode (or a one-token chunk): no ranges to build
+                input_ids.append(token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(token_ids[start:end])
+                positions.extend(range(start, end))
+                _extend_slots(slots, table, start, end, bs)
             query_lens.append(n)
             seq_lens.append(end)
-            tables.append(table[: -(-end // bs)])
+            context_lens.append(start)
+            tables.append(table)
+            used_blocks.append(used)
             if item.sample:
                 sample_rows.append(len(input_ids) - 1)
                 sample_items.append(idx)
@@ -279,22 +305,29 @@ class ModelRunner:
                 f"sequence of {max_seq_len} tokens exceeds the model's "
                 f"{self.model_config.max_position_embeddings} positions"
             )
-        width = max(len(t) for t in tables)
+        width = max(used_blocks)
+        flat_tables: list[int] = []  # [num_seqs, width] row by row, padded with block 0
+        for table, used in zip(tables, used_blocks):
+            flat_tables += table[:used]
+            if used < width:
+                flat_tables += [0] * (width - used)
+
         dev = self.device
-        query_start = [0]
-        for n in query_lens:
-            query_start.append(query_start[-1] + n)
-        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
-        query_lens_t = torch.tensor(query_lens, dtype=torch.int32, device=dev)
+        ids_t, positions_t, slots_t, sample_rows_t = _to_device(
+            (input_ids, positions, slots, sample_rows), torch.int64, dev
+        )
+        query_start_t, seq_lens_t, context_lens_t, tables_t = _to_device(
+            (list(accumulate(query_lens, initial=0)), seq_lens, context_lens, flat_tables), torch.int32, dev
+        )
         meta = AttentionMetadata(
             num_tokens=num_tokens,
             num_decodes=len(decodes),
             num_decode_tokens=len(decodes),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            slot_mapping=slots_t,
+            query_start_loc=query_start_t,
             seq_lens=seq_lens_t,
-            context_lens=seq_lens_t - query_lens_t,
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
+            context_lens=context_lens_t,
+            block_tables=tables_t.view(len(order), width),
             max_query_len=max(query_lens),
             max_seq_len=max_seq_len,
             query_lens_list=query_lens,
@@ -304,11 +337,51 @@ class ModelRunner:
         # at capture: the backend's per-step derivation is skipped.
         graph = self.graph_runner is not None and self.graph_runner.can_run(len(decodes), num_tokens, width)
         return StepInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            input_ids=ids_t,
+            positions=positions_t,
             meta=meta if graph else self.backend.build_metadata(meta),
             graph=graph,
             order=order,
-            sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
+            sample_rows=sample_rows_t,
             sample_items=sample_items,
         )
+
+
+# Where each segment starts inside a packed buffer, in bytes: as aligned as a tensor of its own would
+# be for what reads it (vectorised loads; Triton specialises kernels on 16-byte pointer alignment).
+_SEGMENT_ALIGN_BYTES = 64
+_NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32}
+
+
+def _extend_slots(slots: list[int], table: list[int], start: int, end: int, block_size: int) -> None:
+    """Append the pool slots of positions ``start..end-1``: one range per block, not a division per token."""
+    p = start
+    while p < end:
+        block, offset = divmod(p, block_size)
+        k = min(block_size - offset, end - p)
+        first = table[block] * block_size + offset
+        slots.extend(range(first, first + k))
+        p += k
+
+
+def _to_device(segments: Sequence[list[int]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """The integer lists as 1-D tensors on ``device``: views of one buffer filled by one copy.
+
+    Per-list ``torch.tensor(..., device=cuda)`` calls would each be a synchronous copy from pageable
+    memory; here one host array is built (through NumPy: several times faster than ``torch.tensor`` on
+    a list), pinned on CUDA, and copied without blocking the host. The caching host allocator keeps
+    the pinned block from being reused until that copy has run.
+    """
+    align = _SEGMENT_ALIGN_BYTES // dtype.itemsize
+    flat: list[int] = []
+    bounds: list[tuple[int, int]] = []
+    for seg in segments:
+        flat += [0] * (-len(flat) % align)
+        bounds.append((len(flat), len(flat) + len(seg)))
+        flat += seg
+    buf = torch.from_numpy(np.array(flat, dtype=_NUMPY_DTYPES[dtype]))
+    if device.type == "cuda":
+        buf = buf.pin_memory().to(device, non_blocking=True)
+    elif device.type != "cpu":
+        buf = buf.to(device)
+    return [buf[a:b] for a, b in bounds]
