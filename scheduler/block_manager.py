@@ -160,6 +160,11 @@ class BlockManager:
         first and ``seq.num_computed_tokens`` advances over them. Returns False, changing nothing, when
         the free blocks do not suffice.
         """
+        if prefix is None:
+            # The common case, a running sequence growing: done when its last block has room.
+            need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+            if need <= 0:
+                return True
         cached = prefix.blocks if prefix is not None else []
         if cached and (seq.block_table or seq.num_computed_tokens):
             raise ValueError("a prefix can only be adopted by a sequence that owns no blocks")

@@ -27,7 +27,7 @@ from runtime.runner import ModelRunner
 from runtime.tokenizer import load_tokenizer
 from scheduler.block_manager import BlockManager
 from scheduler.config import EngineConfig
-from scheduler.detokenizer import IncrementalDetokenizer
+from scheduler.detokenizer import IncrementalDetokenizer, TextDecoder
 from scheduler.outputs import CompletionOutput, GeneratedChoice, GenerationResult, RequestOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import InvalidParameterError, SamplingParams
@@ -197,6 +197,8 @@ class Engine:
 
         self.tokenizer = load_tokenizer(config.tokenizer or model_dir)
         self.eos_token_ids = _eos_ids(model_dir, mc, self.tokenizer)
+        # Shared by every request's detokenizer (by skip_special_tokens): they memoise single tokens.
+        self._text_decoders = {skip: TextDecoder(self.tokenizer, skip) for skip in (True, False)}
 
         num_blocks = self.capacity.num_blocks
         if runner is not None:
@@ -335,7 +337,8 @@ class Engine:
                 device=self.device,
                 parent=choices[0] if choices else None,
             )
-            req.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+            skip = params.skip_special_tokens
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, skip, decoder=self._text_decoders[skip])
             req.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
             choices.append(req)
         self._groups[request_id] = _Group(request_id, list(prompt_token_ids), choices)
@@ -418,6 +421,12 @@ class Engine:
             if status is not None:
                 self._finish(req, status, now)
             return ""
+        if status is None and not checker.stops:
+            # The common case, short-cut: no stop string to match, nothing held back to release.
+            text = detok.step((token,))
+            if text:
+                req.text_parts.append(text)
+            return text
         honour = req.num_output_tokens >= req.params.min_tokens
         out: list[str] = []
         matched_string = False
@@ -481,9 +490,14 @@ class Engine:
         )
 
     def _request_output(self, group: _Group) -> RequestOutput:
-        outs = [group.pending[i] for i in sorted(group.pending)]
+        pending = group.pending
+        outs = list(pending.values()) if len(pending) == 1 else [pending[i] for i in sorted(pending)]
         group.pending = {}
-        error = next((r.error for r in group.choices if r.error), None)
+        error = None
+        for r in group.choices:
+            if r.error:
+                error = r.error
+                break
         finished = group.finished
         if finished:
             self._groups.pop(group.request_id, None)

@@ -29,23 +29,27 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"
 
+    # Both are asked for every request every step: they test the plain ``_value_`` string, whose hash
+    # is cached (an Enum member's hash is computed in Python each time).
     @property
     def is_finished(self) -> bool:
-        return self in _FINISHED
+        return self._value_ in _FINISHED_VALUES
 
     @property
     def finish_reason(self) -> str | None:
         """OpenAI's ``finish_reason`` ("stop", "length", "abort", "error"), None while unfinished."""
-        return self.value if self in _FINISHED else None
+        value = self._value_
+        return value if value in _FINISHED_VALUES else None
 
 
-_FINISHED = frozenset(
-    {
+_FINISHED_VALUES = frozenset(
+    s.value
+    for s in (
         RequestStatus.FINISHED_STOPPED,
         RequestStatus.FINISHED_LENGTH,
         RequestStatus.FINISHED_ABORTED,
         RequestStatus.FINISHED_ERROR,
-    }
+    )
 )
 
 
