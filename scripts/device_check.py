@@ -265,14 +265,14 @@ def build_hf_model(shape: dict[str, Any], dtype: torch.dtype, device: torch.devi
 
     cfg = LlamaConfig(**shape, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa")
     torch.manual_seed(seed)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(previous)
-    return model.to(dtype).eval()
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg)
+    # Parameters only: ``model.to(bf16)`` would also round the RoPE inverse frequencies (a float32
+    # buffer), which ``from_pretrained(dtype=bf16)`` keeps in float32; at position ~100 that rounding
+    # moves the rotation angles by ~0.1 rad and the reference would no longer be Llama.
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    return model.eval()
 
 
 # ----------------------------------------------------------------------------- the checks
@@ -451,7 +451,9 @@ def check_paging_variants(
     max_len = -(-seq_len // bs) * bs
 
     def engine(**over: Any) -> tuple[Any, CountingObserver]:
-        cfg = engine_config(model_dir, runner.device, dtype_name, plan, **{"block_size": bs, "max_model_len": max_len, **over})
+        # The runner's whole pool unless a smaller budget is asked for (the preemption run).
+        base = {"block_size": bs, "max_model_len": max_len, "kv_cache_memory": runner.kv_pool.nbytes}
+        cfg = engine_config(model_dir, runner.device, dtype_name, plan, **{**base, **over})
         obs = CountingObserver()
         return Engine(cfg, obs, runner=runner), obs
 
@@ -565,6 +567,26 @@ def check_cuda_graphs(runner: Any, plan: Plan, vocab: int, tol: float, report: R
         )
 
 
+class unfused:
+    """Within the block, ``runner``'s model runs without the fused Triton ops."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+
+    def __enter__(self) -> None:
+        from runtime.models.llama import MLP, RMSNorm
+
+        self.saved = [(m, "fused", m.fused) for m in self.runner.model.modules() if isinstance(m, RMSNorm)]
+        self.saved += [(m, "act_mul", m.act_mul) for m in self.runner.model.modules() if isinstance(m, MLP)]
+        self.saved.append((self.runner.backend, "fused_rope", getattr(self.runner.backend, "fused_rope", False)))
+        for obj, name, _ in self.saved:
+            setattr(obj, name, False if name == "fused_rope" else None)
+
+    def __exit__(self, *exc: Any) -> None:
+        for obj, name, value in self.saved:
+            setattr(obj, name, value)
+
+
 def profile_decode(runner: Any, plan: Plan, vocab: int, report: Report) -> None:
     """Where a decode step's time goes: kernels per forward and the costliest ones (eager), and the
     host-side phases of a runner step (prepare, forward, LM head, sampling), for batch 1 and a full batch."""
@@ -592,6 +614,19 @@ def profile_decode(runner: Any, plan: Plan, vocab: int, report: Report) -> None:
                 continue
             print(f"    {t / 1e3:8.3f} ms  x{e.count:<5} {e.key[:110]}")
         report.row(f"eager decode forward, batch {batch}: GPU kernels", float(len(kernels)), "kernels", f"{total_us / 1e3:.2f} ms kernel time")
+        if batch == 1 and getattr(runner, "fused_ops", False):
+            # The same eager forward without the fused Triton ops (plain torch norms, SiLU, RoPE, store).
+            with torch.inference_mode():
+                t_fused = timed(lambda: runner.model(inputs.input_ids, inputs.positions, meta), dev, plan.timing_iters)
+                with unfused(runner):
+                    t_plain = timed(lambda: runner.model(inputs.input_ids, inputs.positions, meta), dev, plan.timing_iters)
+            report.row(
+                "eager decode forward, batch 1: fused Triton ops vs plain torch",
+                t_fused * 1e3,
+                "ms fused",
+                f"plain {t_plain * 1e3:.2f} ms, x{t_plain / t_fused:.2f}",
+                plain_ms=t_plain * 1e3,
+            )
 
         # Phases of runner.execute for the same step (each synchronised, medians).
         seqs = []
@@ -721,7 +756,24 @@ def measure_throughput(
     decode_steps = [s.duration_s for s in obs.steps if s.num_prompt_tokens == 0 and s.num_generation_tokens > 0]
     ms_tok = statistics.median(decode_steps) * 1e3
     floor = runner.weight_bytes / H200_BANDWIDTH * 1e3
-    report.row("batch 1: ms per output token", ms_tok, "ms", f"floor {floor:.2f} ms = weights / 4.8 TB/s; x{ms_tok / floor:.1f}", floor_ms=floor)
+    # The bandwidth this card really gives a plain copy (bytes read + written), for a second floor.
+    n_copy = (1 << 30) if device.type == "cuda" else (1 << 20)
+    src = torch.empty(n_copy, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    t_copy = timed(lambda: dst.copy_(src), device, plan.timing_iters)
+    copy_bw = 2 * src.numel() * src.element_size() / t_copy
+    del src, dst
+    floor_measured = runner.weight_bytes / copy_bw * 1e3
+    report.row("device copy bandwidth (read + write)", copy_bw / 1e12, "TB/s", f"{2 * n_copy * 2 / 1e9:.1f} GB per copy")
+    report.row(
+        "batch 1: ms per output token",
+        ms_tok,
+        "ms",
+        f"floor {floor:.2f} ms = weights / 4.8 TB/s; x{ms_tok / floor:.2f}; "
+        f"x{ms_tok / floor_measured:.2f} of weights / measured copy bandwidth ({floor_measured:.2f} ms)",
+        floor_ms=floor,
+        floor_measured_ms=floor_measured,
+    )
 
     # Concurrency: N requests of P -> T at once.
     obs.reset()
@@ -730,6 +782,15 @@ def measure_throughput(
     out_tokens = plan.concurrent * plan.concurrent_tokens
     full = [s.duration_s for s in obs.steps if s.num_prompt_tokens == 0 and s.num_generation_tokens == plan.concurrent]
     full_ms = statistics.median(full) * 1e3 if full else float("nan")
+    kinds: dict[str, list[float]] = {"with prompt tokens": [], "decode only": []}
+    for st in obs.steps:
+        kinds["with prompt tokens" if st.num_prompt_tokens else "decode only"].append(st.duration_s)
+    stepped = sum(sum(v) for v in kinds.values())
+    print(
+        "  steps: "
+        + "; ".join(f"{k}: {len(v)} steps, {sum(v):.2f} s" for k, v in kinds.items())
+        + f"; outside steps {wall - stepped:.2f} s"
+    )
     report.row(
         f"{plan.concurrent} concurrent {plan.concurrent_prompt} -> {plan.concurrent_tokens}: output tok/s",
         out_tokens / wall,
