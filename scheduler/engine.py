@@ -166,18 +166,25 @@ class Engine:
 
         kv_memory = config.kv_cache_memory
         unpooled: ModelRunner | None = None  # CUDA: weights loaded first, the pool sized from what is left
-        if kv_memory is None:
-            if device.type != "cuda":
-                kv_memory = CPU_DEFAULT_KV_MEMORY
-            elif runner is not None:
-                kv_memory = getattr(getattr(runner, "kv_pool", None), "nbytes", None)
-                if kv_memory is None:
-                    raise ValueError("an injected runner on CUDA needs kv_cache_memory or a kv_pool")
-            else:
-                unpooled = self._new_runner(model_dir, mc, device, dtype, block_size, None, max_batched, max_model_len, config)
+        if device.type == "cuda" and runner is None:
+            # Weights first, then the largest step the scheduler can build, once, on a scratch pool:
+            # it measures the activation peak when the pool is sized from GPU memory, and it compiles
+            # the step's Triton kernels at start-up rather than in the first request.
+            unpooled = self._new_runner(model_dir, mc, device, dtype, block_size, None, max_batched, max_model_len, config)
+            if kv_memory is None:
                 kv_memory = unpooled.measure_kv_budget(
                     config.gpu_memory_utilization, 0 if config.enforce_eager else CUDA_GRAPH_RESERVE_BYTES
                 )
+            else:
+                unpooled.warm_up()
+                torch.cuda.empty_cache()
+        if kv_memory is None:
+            if device.type != "cuda":
+                kv_memory = CPU_DEFAULT_KV_MEMORY
+            else:  # an injected runner
+                kv_memory = getattr(getattr(runner, "kv_pool", None), "nbytes", None)
+                if kv_memory is None:
+                    raise ValueError("an injected runner on CUDA needs kv_cache_memory or a kv_pool")
         self.capacity: Capacity = plan_capacity(mc, dtype, kv_memory, block_size, max_model_len)
         log.info("KV capacity: %s", self.capacity.describe())
 
