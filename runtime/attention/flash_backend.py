@@ -101,51 +101,17 @@ def triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-class FlashAttentionBackend(AttentionBackend):
-    """FlashAttention 2 reading K/V straight from the paged pool through the block table.
+class PagedCudaBackend(AttentionBackend):
+    """What both CUDA backends share: new K/V go into the pool through the Triton store kernel (or,
+    on the fused path, through one RoPE + store kernel), then ``_attend`` reads the pool."""
 
-    Decodes go through ``flash_attn_with_kvcache`` (split-KV kernels tuned for one query token);
-    prefill chunks through ``flash_attn_varlen_func(..., block_table=...)`` so a chunk attends to its
-    cached context (earlier chunks, prefix-cache hits) in place. New K/V are written first by the
-    Triton store kernel. Requires fp16/bf16, head_dim % 8 == 0 and <= 256, and a pool block size
-    that is a multiple of ``required_block_size``.
-    """
+    fused_rope: bool = True
 
-    name = "flash-attn"
-    required_block_size: int = FLASH_PAGED_BLOCK_SIZE
-
-    def __init__(self, block_size: int = FLASH_PAGED_BLOCK_SIZE, fused_rope: bool | None = None) -> None:
-        if block_size % self.required_block_size:
-            raise ValueError(
-                f"flash-attn's paged KV needs a block size divisible by {self.required_block_size}, got {block_size}"
-            )
-        self.block_size = block_size  # the pool's block size this backend was built for (the engine reads it)
-        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
-
+    def __init__(self, fused_rope: bool | None) -> None:
         from runtime.attention.triton_kernels import store_kvcache
 
-        self._varlen = flash_attn_varlen_func
-        self._with_kvcache = flash_attn_with_kvcache
         self._store = store_kvcache
         self.fused_rope = fused_ops_enabled() if fused_rope is None else fused_rope
-
-    @classmethod
-    def supports(cls, dtype: torch.dtype, head_dim: int, block_size: int | None = None) -> str | None:
-        """None when this backend can serve the configuration, else the reason it cannot."""
-        if not flash_attn_importable():
-            return "flash_attn is not installed"
-        if not triton_importable():
-            return "triton is not installed (needed for the KV store kernel)"
-        if dtype not in (torch.float16, torch.bfloat16):
-            return f"flash-attn needs float16 or bfloat16, not {dtype}"
-        if head_dim % 8 or head_dim > 256:
-            return f"flash-attn needs head_dim divisible by 8 and at most 256, got {head_dim}"
-        if block_size is not None and block_size % cls.required_block_size:
-            return f"flash-attn's paged KV needs a block size divisible by {cls.required_block_size}, got {block_size}"
-        return None
-
-    def build_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
-        return split_metadata(meta, cu_seqlens=True)
 
     def forward(
         self,
@@ -170,7 +136,65 @@ class FlashAttentionBackend(AttentionBackend):
         scale: float,
         num_heads: int,
     ) -> torch.Tensor | None:
-        return _rope_store_then(self, qkv, cos_sin, k_cache, v_cache, meta, scale, num_heads)
+        """One Triton kernel rotates q and k and stores k and v (``runtime.triton_ops``), then
+        ``_attend`` reads the pool; None (the model's own RoPE, then ``forward``) when the fused ops are off."""
+        if not self.fused_rope:
+            return None
+        from runtime import triton_ops
+
+        cos, sin = cos_sin  # [T, 1, D / 2] rows of the step
+        q = triton_ops.rope_store(qkv, cos[:, 0], sin[:, 0], k_cache, v_cache, meta.slot_mapping, num_heads)
+        return self._attend(q, k_cache, v_cache, meta, scale)
+
+    def _attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """Attention of the step's queries over the pool (their own K/V already stored)."""
+        raise NotImplementedError
+
+
+class FlashAttentionBackend(PagedCudaBackend):
+    """FlashAttention 2 reading K/V straight from the paged pool through the block table.
+
+    Decodes go through ``flash_attn_with_kvcache`` (split-KV kernels tuned for one query token);
+    prefill chunks through ``flash_attn_varlen_func(..., block_table=...)`` so a chunk attends to its
+    cached context (earlier chunks, prefix-cache hits) in place. New K/V are written first by the
+    Triton store kernel. Requires fp16/bf16, head_dim % 8 == 0 and <= 256, and a pool block size
+    that is a multiple of ``required_block_size``.
+    """
+
+    name = "flash-attn"
+    required_block_size: int = FLASH_PAGED_BLOCK_SIZE
+
+    def __init__(self, block_size: int = FLASH_PAGED_BLOCK_SIZE, fused_rope: bool | None = None) -> None:
+        if block_size % self.required_block_size:
+            raise ValueError(
+                f"flash-attn's paged KV needs a block size divisible by {self.required_block_size}, got {block_size}"
+            )
+        self.block_size = block_size  # the pool's block size this backend was built for (the engine reads it)
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+
+        super().__init__(fused_rope)
+        self._varlen = flash_attn_varlen_func
+        self._with_kvcache = flash_attn_with_kvcache
+
+    @classmethod
+    def supports(cls, dtype: torch.dtype, head_dim: int, block_size: int | None = None) -> str | None:
+        """None when this backend can serve the configuration, else the reason it cannot."""
+        if not flash_attn_importable():
+            return "flash_attn is not installed"
+        if not triton_importable():
+            return "triton is not installed (needed for the KV store kernel)"
+        if dtype not in (torch.float16, torch.bfloat16):
+            return f"flash-attn needs float16 or bfloat16, not {dtype}"
+        if head_dim % 8 or head_dim > 256:
+            return f"flash-attn needs head_dim divisible by 8 and at most 256, got {head_dim}"
+        if block_size is not None and block_size % cls.required_block_size:
+            return f"flash-attn's paged KV needs a block size divisible by {cls.required_block_size}, got {block_size}"
+        return None
+
+    def build_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
+        return split_metadata(meta, cu_seqlens=True)
 
     def _attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
@@ -213,7 +237,7 @@ class FlashAttentionBackend(AttentionBackend):
         return out
 
 
-class TritonPagedBackend(AttentionBackend):
+class TritonPagedBackend(PagedCudaBackend):
     """The CUDA fallback when flash-attn is missing (or the dtype is float32): Triton store and
     paged attention kernels; any block size."""
 
@@ -225,8 +249,8 @@ class TritonPagedBackend(AttentionBackend):
         self.block_size = block_size
         from runtime.attention import triton_kernels
 
+        super().__init__(fused_rope)
         self._kernels: Any = triton_kernels
-        self.fused_rope = fused_ops_enabled() if fused_rope is None else fused_rope
 
     @classmethod
     def supports(cls, dtype: torch.dtype, head_dim: int, block_size: int | None = None) -> str | None:
@@ -238,31 +262,6 @@ class TritonPagedBackend(AttentionBackend):
 
     def build_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
         return split_metadata(meta, cu_seqlens=False)
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        self._kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self._attend(q, k_cache, v_cache, meta, scale)
-
-    def forward_from_qkv(
-        self,
-        qkv: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        num_heads: int,
-    ) -> torch.Tensor | None:
-        return _rope_store_then(self, qkv, cos_sin, k_cache, v_cache, meta, scale, num_heads)
 
     def _attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
@@ -301,27 +300,6 @@ class TritonPagedBackend(AttentionBackend):
                 out=out,
             )
         return out
-
-
-def _rope_store_then(
-    backend: "FlashAttentionBackend | TritonPagedBackend",
-    qkv: torch.Tensor,
-    cos_sin: tuple[torch.Tensor, torch.Tensor],
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    num_heads: int,
-) -> torch.Tensor | None:
-    """Both CUDA backends: one Triton kernel rotates q and k and stores k and v (``runtime.triton_ops``),
-    then the backend's attention reads the pool."""
-    if not backend.fused_rope:
-        return None
-    from runtime import triton_ops
-
-    cos, sin = cos_sin  # [T, 1, D / 2] rows of the step
-    q = triton_ops.rope_store(qkv, cos[:, 0], sin[:, 0], k_cache, v_cache, meta.slot_mapping, num_heads)
-    return backend._attend(q, k_cache, v_cache, meta, scale)
 
 
 def default_cuda_block_size(dtype: torch.dtype, head_dim: int) -> int:
