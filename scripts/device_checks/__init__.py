@@ -1,0 +1,1 @@
+"""Parts of scripts/device_check.py (the one-run GPU check)."""

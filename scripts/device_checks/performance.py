@@ -1,0 +1,223 @@
+"""The device check's performance parts: where a decode step's time goes (kernels, host phases,
+fused vs plain ops) and the throughput table (batch-1 latency, concurrent requests, a long prefill)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from device_checks.common import (
+    H200_BANDWIDTH,
+    CountingObserver,
+    Plan,
+    Report,
+    SeqView,
+    decode_inputs,
+    engine_config,
+    greedy_params,
+    random_prompts,
+    run_requests,
+    sync,
+    timed,
+)
+
+class unfused:
+    """Within the block, ``runner``'s model runs without the fused Triton ops."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+
+    def __enter__(self) -> None:
+        from runtime.models.llama import MLP, RMSNorm
+
+        self.saved = [(m, "fused", m.fused) for m in self.runner.model.modules() if isinstance(m, RMSNorm)]
+        self.saved += [(m, "act_mul", m.act_mul) for m in self.runner.model.modules() if isinstance(m, MLP)]
+        self.saved.append((self.runner.backend, "fused_rope", getattr(self.runner.backend, "fused_rope", False)))
+        for obj, name, _ in self.saved:
+            setattr(obj, name, False if name == "fused_rope" else None)
+
+    def __exit__(self, *exc: Any) -> None:
+        for obj, name, value in self.saved:
+            setattr(obj, name, value)
+
+
+def profile_decode(runner: Any, plan: Plan, vocab: int, report: Report) -> None:
+    """Where a decode step's time goes: kernels per forward and the costliest ones (eager), and the
+    host-side phases of a runner step (prepare, forward, LM head, sampling), for batch 1 and a full batch."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from runtime.batch import BatchItem
+
+    dev = runner.device
+    for batch in sorted({1, plan.graph_max_batch, plan.concurrent}):
+        with torch.inference_mode():
+            inputs = decode_inputs(runner, batch, plan.graph_context, vocab, seed=100 + batch)
+            meta = runner.backend.build_metadata(inputs.meta) if inputs.graph else inputs.meta
+            runner.model(inputs.input_ids, inputs.positions, meta)
+            sync(dev)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                runner.model(inputs.input_ids, inputs.positions, meta)
+                sync(dev)
+        kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        total_us = sum(e.device_time_total for e in kernels)
+        top = sorted(prof.key_averages(), key=lambda e: -getattr(e, "self_device_time_total", 0))[:12]
+        print(f"  eager decode forward, batch {batch}: {len(kernels)} GPU kernels, {total_us / 1e3:.2f} ms of kernel time")
+        for e in top:
+            t = getattr(e, "self_device_time_total", 0)
+            if t <= 0:
+                continue
+            print(f"    {t / 1e3:8.3f} ms  x{e.count:<5} {e.key[:110]}")
+        report.row(f"eager decode forward, batch {batch}: GPU kernels", float(len(kernels)), "kernels", f"{total_us / 1e3:.2f} ms kernel time")
+        if batch == 1 and getattr(runner, "fused_ops", False):
+            # The same eager forward without the fused Triton ops (plain torch norms, SiLU, RoPE, store).
+            with torch.inference_mode():
+                t_fused = timed(lambda: runner.model(inputs.input_ids, inputs.positions, meta), dev, plan.timing_iters)
+                with unfused(runner):
+                    t_plain = timed(lambda: runner.model(inputs.input_ids, inputs.positions, meta), dev, plan.timing_iters)
+            report.row(
+                "eager decode forward, batch 1: fused Triton ops vs plain torch",
+                t_fused * 1e3,
+                "ms fused",
+                f"plain {t_plain * 1e3:.2f} ms, x{t_plain / t_fused:.2f}",
+                plain_ms=t_plain * 1e3,
+            )
+
+        # Phases of runner.execute for the same step (each synchronised, medians).
+        ctx = plan.graph_context
+        per_seq = -(-ctx // runner.block_size)
+        blocks = torch.randperm(runner.kv_pool.num_blocks, generator=torch.Generator().manual_seed(7))[: batch * per_seq].tolist()
+        ids = torch.randint(3, vocab, (batch, ctx), generator=torch.Generator().manual_seed(8)).tolist()
+        params = greedy_params(1, logprobs=None)  # type: ignore[arg-type]
+        items = [
+            BatchItem(SeqView(i, ids[i], ctx - 1, ctx - 1, blocks[i * per_seq : (i + 1) * per_seq], params), 1, True)
+            for i in range(batch)
+        ]
+        phases: dict[str, list[float]] = {"prepare": [], "forward": [], "lm head": [], "sample": [], "execute": []}
+        with torch.inference_mode():
+            for _ in range(plan.timing_iters + 1):
+                t0 = time.perf_counter()
+                inp = runner.prepare(items)
+                sync(dev)
+                t1 = time.perf_counter()
+                hidden = runner.forward(inp)
+                sync(dev)
+                t2 = time.perf_counter()
+                logits = runner.model.compute_logits(hidden.index_select(0, inp.sample_rows)).float()
+                sync(dev)
+                t3 = time.perf_counter()
+                runner._sample(logits, [it.seq for it in items])
+                t4 = time.perf_counter()
+                runner.execute(items)
+                t5 = time.perf_counter()
+                for k, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
+                    phases[k].append(dt)
+        med = {k: statistics.median(v[1:]) * 1e3 for k, v in phases.items()}
+        print(
+            f"  runner step, batch {batch} (graph={inp.graph}): "
+            + ", ".join(f"{k} {v:.3f} ms" for k, v in med.items())
+        )
+        report.row(
+            f"runner.execute, batch {batch}, context {ctx}",
+            med["execute"],
+            "ms",
+            ", ".join(f"{k} {v:.3f}" for k, v in med.items() if k != "execute") + f" (graph={inp.graph})",
+            **{k.replace(" ", "_") + "_ms": v for k, v in med.items()},
+        )
+
+
+def copy_bandwidth(n: int, device: torch.device, iters: int) -> float:
+    """Bytes per second (read + written) of a device-to-device copy of ``n`` bf16 elements."""
+    src = torch.empty(n, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * src.element_size() / timed(lambda: dst.copy_(src), device, iters)
+
+
+def measure_throughput(
+    runner: Any, model_dir: Path, plan: Plan, dtype_name: str, vocab: int, device: torch.device, report: Report
+) -> None:
+    from runtime.capacity import flops_per_token
+    from scheduler.engine import Engine
+
+    obs = CountingObserver()
+    engine = Engine(
+        engine_config(model_dir, device, dtype_name, plan, block_size=runner.block_size),
+        obs,
+        runner=runner,
+    )
+    gen = torch.Generator().manual_seed(21)
+    mc = runner.model_config
+
+    # Batch 1: decode-only step time against the time to read every weight once.
+    run_requests(engine, random_prompts(1, plan.single_prompt, vocab, gen), 4)  # warm-up
+    obs.reset()
+    run_requests(engine, random_prompts(1, plan.single_prompt, vocab, gen), plan.single_tokens)
+    decode_steps = [s.duration_s for s in obs.steps if s.num_prompt_tokens == 0 and s.num_generation_tokens > 0]
+    ms_tok = statistics.median(decode_steps) * 1e3
+    floor = runner.weight_bytes / H200_BANDWIDTH * 1e3
+    # The bandwidth this card really gives a plain copy (bytes read + written), for a second floor.
+    n_copy = (1 << 30) if device.type == "cuda" else (1 << 20)
+    copy_bw = copy_bandwidth(n_copy, device, plan.timing_iters)
+    floor_measured = runner.weight_bytes / copy_bw * 1e3
+    report.row("device copy bandwidth (read + write)", copy_bw / 1e12, "TB/s", f"{2 * n_copy * 2 / 1e9:.1f} GB per copy")
+    report.row(
+        "batch 1: ms per output token",
+        ms_tok,
+        "ms",
+        f"floor {floor:.2f} ms = weights / 4.8 TB/s; x{ms_tok / floor:.2f}; "
+        f"x{ms_tok / floor_measured:.2f} of weights / measured copy bandwidth ({floor_measured:.2f} ms)",
+        floor_ms=floor,
+        floor_measured_ms=floor_measured,
+    )
+
+    # Concurrency: N requests of P -> T at once.
+    obs.reset()
+    prompts = random_prompts(plan.concurrent, plan.concurrent_prompt, vocab, gen)
+    wall = run_requests(engine, prompts, plan.concurrent_tokens)
+    out_tokens = plan.concurrent * plan.concurrent_tokens
+    full = [s.duration_s for s in obs.steps if s.num_prompt_tokens == 0 and s.num_generation_tokens == plan.concurrent]
+    full_ms = statistics.median(full) * 1e3 if full else float("nan")
+    kinds: dict[str, list[float]] = {"with prompt tokens": [], "decode only": []}
+    for st in obs.steps:
+        kinds["with prompt tokens" if st.num_prompt_tokens else "decode only"].append(st.duration_s)
+    stepped = sum(sum(v) for v in kinds.values())
+    print(
+        "  steps: "
+        + "; ".join(f"{k}: {len(v)} steps, {sum(v):.2f} s" for k, v in kinds.items())
+        + f"; outside steps {wall - stepped:.2f} s"
+    )
+    report.row(
+        f"{plan.concurrent} concurrent {plan.concurrent_prompt} -> {plan.concurrent_tokens}: output tok/s",
+        out_tokens / wall,
+        "tok/s",
+        f"{wall:.2f} s wall; full-batch decode step {full_ms:.2f} ms = {plan.concurrent / (full_ms / 1e3):,.0f} tok/s",
+        wall_s=wall,
+        full_batch_step_ms=full_ms,
+    )
+
+    # One long prefill in a single step, against a measured matmul rate.
+    n = plan.prefill_tokens
+    run_requests(engine, random_prompts(1, 512, vocab, gen), 1)  # warm-up of the prefill kernels
+    obs.reset()
+    run_requests(engine, random_prompts(1, n, vocab, gen), 1)
+    step = max(obs.steps, key=lambda s: s.num_prompt_tokens)
+    flops = flops_per_token(mc, 0) * n + 4.0 * mc.num_layers * mc.num_heads * mc.head_dim * n * (n + 1) / 2
+    achieved = flops / step.duration_s
+    m, k, nn_ = min(n, 8192), mc.hidden_size, mc.intermediate_size
+    a = torch.randn(m, k, device=device, dtype=runner.dtype)
+    b = torch.randn(k, nn_, device=device, dtype=runner.dtype)
+    t_mm = timed(lambda: a @ b, device, plan.timing_iters)
+    mm_rate = 2.0 * m * k * nn_ / t_mm
+    report.row(
+        f"prefill of one {n}-token prompt",
+        step.duration_s * 1e3,
+        "ms",
+        f"{n / step.duration_s:,.0f} tok/s, {achieved / 1e12:.1f} TFLOP/s = {achieved / mm_rate:.0%} of a measured "
+        f"{runner.dtype} matmul ({mm_rate / 1e12:.1f} TFLOP/s at {m}x{k}x{nn_})",
+        tflops=achieved / 1e12,
+        matmul_tflops=mm_rate / 1e12,
+    )
+    report.check("throughput engine left no blocks in use", engine.block_manager.num_used_blocks == 0, "")
