@@ -108,9 +108,11 @@ class PagedCudaBackend(AttentionBackend):
     fused_rope: bool = True
 
     def __init__(self, fused_rope: bool | None) -> None:
+        from runtime import triton_ops
         from runtime.attention.triton_kernels import store_kvcache
 
         self._store = store_kvcache
+        self._ops = triton_ops
         self.fused_rope = fused_ops_enabled() if fused_rope is None else fused_rope
 
     def forward(
@@ -140,10 +142,8 @@ class PagedCudaBackend(AttentionBackend):
         ``_attend`` reads the pool; None (the model's own RoPE, then ``forward``) when the fused ops are off."""
         if not self.fused_rope:
             return None
-        from runtime import triton_ops
-
         cos, sin = cos_sin  # [T, 1, D / 2] rows of the step
-        q = triton_ops.rope_store(qkv, cos[:, 0], sin[:, 0], k_cache, v_cache, meta.slot_mapping, num_heads)
+        q = self._ops.rope_store(qkv, cos[:, 0], sin[:, 0], k_cache, v_cache, meta.slot_mapping, num_heads)
         return self._attend(q, k_cache, v_cache, meta, scale)
 
     def _attend(

@@ -10,6 +10,8 @@ layer, with the ``[num_kv_heads, head_dim]`` part of each slot contiguous.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -294,12 +296,17 @@ def _paged_decode_reduce_kernel(
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
     """How many context slices a decode launch uses: enough programs for ~2 per SM, at most 32; 1 when
     the batch alone fills the GPU (or off CUDA)."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _num_sms(device)
     programs = num_seqs * num_kv_heads
     if programs >= sms:
         return 1
