@@ -17,7 +17,8 @@ It needs only torch, triton, transformers (+ tokenizers, safetensors) and this r
    plain ops.
 6. Throughput: ms per output token at batch 1 vs the weight-read floor, output tok/s for 256
    concurrent 128 -> 128 requests, one 8k-token prefill vs a measured bf16 matmul rate.
-7. Start-up as ``servelm serve`` does it: the KV pool sized from GPU memory, the runner's own graphs.
+7. Probe: a Triton GEMV against cuBLAS on the projection shapes (an experiment; the engine uses cuBLAS).
+8. Start-up as ``servelm serve`` does it: the KV pool sized from GPU memory, the runner's own graphs.
 
 The parts live in ``scripts/device_checks/`` (common, correctness, performance); this file runs them
 in order and prints the summary. ``--dry-run --device cpu --tiny`` runs the same plumbing with a tiny model and toy sizes on CPU.
@@ -65,7 +66,7 @@ from device_checks.correctness import (  # noqa: E402
     check_paging_variants,
     hf_logits,
 )
-from device_checks.performance import measure_throughput, profile_decode  # noqa: E402
+from device_checks.performance import measure_throughput, probe_gemv, profile_decode  # noqa: E402
 
 # ----------------------------------------------------------------------------- main
 
@@ -84,7 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--skip",
         action="append",
         default=[],
-        choices=["logits", "greedy", "paging", "graphs", "profile", "throughput", "budget"],
+        choices=["logits", "greedy", "paging", "graphs", "profile", "throughput", "gemv", "budget"],
         help="skip a section (repeatable)",
     )
     return p.parse_args(argv)
@@ -245,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
                 report,
                 lambda: measure_throughput(runner, model_dir, plan, dtype_name, vocab, device, report),
             )
+        if "gemv" not in args.skip and device.type == "cuda":
+            section("probe: a Triton GEMV vs cuBLAS (not used by the engine)", report, lambda: probe_gemv(device, plan, report))
         if "budget" not in args.skip and device.type == "cuda":
             del runner, engine
             engine = runner = None

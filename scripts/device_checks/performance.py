@@ -25,6 +25,7 @@ from device_checks.common import (
     timed,
 )
 
+
 class unfused:
     """Within the block, ``runner``'s model runs without the fused Triton ops."""
 
@@ -221,3 +222,18 @@ def measure_throughput(
         matmul_tflops=mm_rate / 1e12,
     )
     report.check("throughput engine left no blocks in use", engine.block_manager.num_used_blocks == 0, "")
+
+
+def probe_gemv(device: torch.device, plan: Plan, report: Report) -> None:
+    """Triton GEMV vs cuBLAS on the projection shapes (``device_checks.gemv_probe``; not used by the engine)."""
+    from device_checks.gemv_probe import probe
+
+    for r in probe(device, timed, plan.timing_iters):
+        report.row(
+            f"GEMV {r['name']}, {r['rows']} row(s): Triton vs cuBLAS",
+            r["triton_tbs"],
+            "TB/s",
+            f"cuBLAS {r['cublas_tbs']:.2f} TB/s, x{r['triton_tbs'] / r['cublas_tbs']:.2f}; "
+            f"tile {r['config']}; max rel err {r['max_rel_err']:.1e}",
+            cublas_tbs=r["cublas_tbs"],
+        )

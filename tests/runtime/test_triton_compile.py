@@ -84,6 +84,15 @@ COMPILE = textwrap.dedent(
                 "stride_cos": "i32", "stride_qo_t": "i32", "stride_cache_block": "i32", "stride_cache_slot": "i32"}
         compile_kernel(ops._rope_store_kernel, rope, dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF=64,
                        HEADS_PAD=64, KV_PAD=8, HALF_PAD=64, DIM_PAD=128, PAGE=16), 90)
+    # The device check's GEMV probe (scripts/device_checks/gemv_probe.py), every tile it tries.
+    sys.path.insert(0, "scripts")
+    from device_checks import gemv_probe as gp
+    gemv = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
+            "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32"}
+    for m_pad in (1, 2, 4):
+        for bn, bk, warps, stages in gp.CONFIGS:
+            src_consts = dict(M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=max(32, bk // m_pad))
+            compile_kernel(gp._gemv_kernel, gemv, src_consts, 90, num_warps=warps)
     print("compiled")
     """
 )

@@ -497,3 +497,23 @@ def test_model_with_fused_ops_equals_the_eager_model(tiny_llama_dir, build_runne
     layers = len(fused.model.model.layers)
     # Two steps: one RoPE/store per layer each; two norms per layer plus the final one each.
     assert calls == {"rope_store": 2 * layers, "rms_norm": 2 * (2 * layers + 1)}
+
+
+# ----------------------------------------------------------------------------- the device check's GEMV probe
+
+
+def test_gemv_probe_kernel_matches_matmul() -> None:
+    """``scripts/device_checks/gemv_probe.py``'s kernel (timed against cuBLAS on a GPU) computes x @ w.T."""
+    from pathlib import Path
+
+    scripts = str(Path(__file__).resolve().parents[2] / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    probe = importlib.import_module("device_checks.gemv_probe")
+    if type(probe._gemv_kernel).__name__ != "InterpretedFunction":
+        probe = importlib.reload(probe)
+    gen = torch.Generator().manual_seed(12)
+    w = torch.randn(40, 300, generator=gen)  # N and K not multiples of the tiles: masked edges
+    for rows, config in [(1, (8, 128, 4, 3)), (3, (16, 64, 4, 4))]:
+        x = torch.randn(rows, 300, generator=gen)
+        torch.testing.assert_close(probe.gemv(x, w, *config), x @ w.T, atol=1e-4, rtol=1e-4)
