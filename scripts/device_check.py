@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                 lambda: measure_throughput(runner, model_dir, plan, dtype_name, vocab, device, report),
             )
         if "gemv" not in args.skip and device.type == "cuda":
-            section("probe: a Triton GEMV vs cuBLAS (not used by the engine)", report, lambda: probe_gemv(device, plan, report))
+            section("probe: a Triton GEMV vs cuBLAS (not used by the engine)", report, lambda: probe_gemv(device, report))
         if "budget" not in args.skip and device.type == "cuda":
             del runner, engine
             engine = runner = None

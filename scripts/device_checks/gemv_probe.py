@@ -88,46 +88,38 @@ def gemv(
     return y
 
 
-def probe(device: torch.device, timed: Any, iters: int, rows: tuple[int, ...] = (1, 2, 4)) -> list[dict[str, Any]]:
+def probe(device: torch.device, rows: tuple[int, ...] = (1, 2, 4)) -> list[dict[str, Any]]:
     """For each projection shape and row count: cuBLAS (``F.linear``) vs the best tile config of
-    ``gemv``, in TB/s of weights read. Several distinct weight copies are cycled so reads come from
-    HBM, not L2. Returns one dict per (shape, rows)."""
+    ``gemv``, in TB/s of weights read. ``triton.testing.do_bench`` times single launches with CUDA
+    events and clears the L2 cache between them, so the weights really come from HBM."""
+    from triton.testing import do_bench
+
     out = []
     for name, n, k in LLAMA3_8B_PROJECTIONS:
-        copies = max(2, int(4e8 // (n * k * 2)))  # ~400 MB in flight: far beyond the 60 MB L2
-        ws = [torch.randn(n, k, device=device, dtype=torch.bfloat16) for _ in range(copies)]
+        w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
         nbytes = n * k * 2
         for m in rows:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-            i = [0]
-
-            def cycle(fn: Any) -> Any:
-                def run() -> Any:
-                    i[0] = (i[0] + 1) % copies
-                    return fn(ws[i[0]])
-
-                return run
-
-            t_cublas = timed(cycle(lambda w: torch.nn.functional.linear(x, w)), device, iters)
-            ref = torch.nn.functional.linear(x, ws[0]).float()
+            ms_cublas = do_bench(lambda: torch.nn.functional.linear(x, w), warmup=10, rep=50, return_mode="median")
+            ref = torch.nn.functional.linear(x, w).float()
             best = None
             for bn, bk, warps, stages in CONFIGS:
-                bk_m = max(32, bk // triton.next_power_of_2(m))
-                got = gemv(x, ws[0], bn, bk_m, warps, stages).float()
+                cfg = (bn, max(32, bk // triton.next_power_of_2(m)), warps, stages)
+                got = gemv(x, w, *cfg).float()
                 err = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
-                t = timed(cycle(lambda w, c=(bn, bk_m, warps, stages): gemv(x, w, *c)), device, iters)
-                if best is None or t < best[0]:
-                    best = (t, (bn, bk_m, warps, stages), err)
+                ms = do_bench(lambda c=cfg: gemv(x, w, *c), warmup=10, rep=50, return_mode="median")
+                if best is None or ms < best[0]:
+                    best = (ms, cfg, err)
             assert best is not None
             out.append(
                 dict(
                     name=name,
                     rows=m,
-                    cublas_tbs=nbytes / t_cublas / 1e12,
-                    triton_tbs=nbytes / best[0] / 1e12,
+                    cublas_tbs=nbytes / (ms_cublas * 1e-3) / 1e12,
+                    triton_tbs=nbytes / (best[0] * 1e-3) / 1e12,
                     config=best[1],
                     max_rel_err=best[2],
                 )
             )
-        del ws
+        del w
     return out

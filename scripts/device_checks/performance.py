@@ -224,11 +224,11 @@ def measure_throughput(
     report.check("throughput engine left no blocks in use", engine.block_manager.num_used_blocks == 0, "")
 
 
-def probe_gemv(device: torch.device, plan: Plan, report: Report) -> None:
+def probe_gemv(device: torch.device, report: Report) -> None:
     """Triton GEMV vs cuBLAS on the projection shapes (``device_checks.gemv_probe``; not used by the engine)."""
     from device_checks.gemv_probe import probe
 
-    for r in probe(device, timed, plan.timing_iters):
+    for r in probe(device):
         report.row(
             f"GEMV {r['name']}, {r['rows']} row(s): Triton vs cuBLAS",
             r["triton_tbs"],
