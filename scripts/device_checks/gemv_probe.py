@@ -121,5 +121,4 @@ def probe(device: torch.device, rows: tuple[int, ...] = (1, 2, 4)) -> list[dict[
                     max_rel_err=best[2],
                 )
             )
-        del w
     return out
