@@ -109,3 +109,59 @@ def test_kernels_compile_for_nvidia_targets(tmp_path: Path) -> None:
         pytest.skip("this Triton build has no ptxas to compile with")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.strip().endswith("compiled")
+
+
+SPECIALIZATION = textwrap.dedent(
+    """
+    import torch
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+    from runtime.attention import triton_kernels as tk
+
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+
+    def key(kernel, args, consts):
+        # What Triton's launcher puts in the cache key for these arguments (types + specialisations).
+        binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+        return binder(*args, **consts)[1]
+
+    q = torch.zeros(64, dtype=torch.bfloat16)
+    meta = torch.zeros(64, dtype=torch.int32)
+
+    def attention(stride_bt, meta_offset, stride_qt=4096):
+        m = meta[meta_offset:]  # the prefill half of a step starts after its decodes: any 4-byte offset
+        args = [q, q, q, q, m, m, m, m, 0.1, stride_qt, 128, 4096, 128, 1024, 16384, 128, stride_bt]
+        consts = dict(GROUP=4, GROUP_PAD=4, BLOCK_Q=16, BLOCK_M=64, BLOCK_N=64, HEAD_DIM=128, HEAD_DIM_PAD=128,
+                      PAGE=16, DOT_PRECISION="ieee")
+        return key(tk._paged_attention_kernel, args, consts)
+
+    def split(stride_bt, meta_offset):
+        m = meta[meta_offset:]
+        f = torch.zeros(64, dtype=torch.float32)
+        args = [q, q, q, f, f, f, m, m, 0.1, 4096, 128, 16384, 1024, 128, stride_bt]
+        consts = dict(NUM_HEADS=32, GROUP=4, BLOCK_M=16, BLOCK_N=64, HEAD_DIM=128, HEAD_DIM_PAD=128, PAGE=16,
+                      NUM_SPLITS=8, DOT_PRECISION="ieee")
+        return key(tk._paged_decode_split_kernel, args, consts)
+
+    # Block-table widths 16 / 17 / 1 and metadata at offsets 0 / 4 / 12 bytes: one variant.
+    assert attention(16, 0) == attention(17, 1) == attention(1, 3), (attention(16, 0), attention(17, 1))
+    assert split(16, 0) == split(17, 1) == split(1, 3)
+    # Control: an argument left to specialise still splits the key (so the check above can fail).
+    assert attention(16, 0, stride_qt=4096) != attention(16, 0, stride_qt=4097)
+    print("one variant")
+    """
+)
+
+
+def test_per_step_metadata_does_not_pick_a_kernel_variant() -> None:
+    """Triton specialises integer arguments on == 1 / % 16 and pointers on 16-byte alignment; the
+    attention kernels opt their per-step metadata out, so serving never compiles a new variant
+    because a block table got wider or a prefill half started at an odd decode count."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-c", SPECIALIZATION], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.strip().endswith("one variant")
