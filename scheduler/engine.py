@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import torch
 
@@ -32,29 +31,20 @@ from scheduler.outputs import CompletionOutput, GeneratedChoice, GenerationResul
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import InvalidParameterError, SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerOutput
+from scheduler.startup import (
+    CPU_DEFAULT_BLOCK_SIZE,
+    CPU_DEFAULT_KV_MEMORY,
+    CUDA_GRAPH_RESERVE_BYTES,
+    DTYPE_NAMES,
+    eos_ids,
+    new_runner,
+    resolve_device,
+    resolve_dtype,
+    resolve_max_model_len,
+)
 from scheduler.stop import StopChecker, check_model_len, check_token_stop
 
 log = logging.getLogger(__name__)
-
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-CPU_DEFAULT_KV_MEMORY = 2 * 2**30
-# CUDA: memory kept out of the KV budget for the decode graphs' private pool (outputs and
-# intermediates of the largest captured batch, shared by all sizes).
-CUDA_GRAPH_RESERVE_BYTES = 2**28
-CPU_DEFAULT_BLOCK_SIZE = 16
-DEFAULT_MAX_MODEL_LEN_CAP = 8192
-
 
 class PromptTooLongError(InvalidParameterError):
     """Prompt tokens + max_tokens exceed the model's context length."""
@@ -81,34 +71,6 @@ class _Group:
         return self.num_finished == len(self.choices)
 
 
-def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    try:
-        return _DTYPES[name.lower()]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; expected auto, float32, bfloat16 or float16") from None
-
-
-def _eos_ids(model_dir: Path, model_config: ModelConfig, tokenizer: Any) -> tuple[int, ...]:
-    """EOS ids from config.json, generation_config.json (Llama 3 lists several) and the tokenizer."""
-    ids: list[int] = list(model_config.eos_token_ids)
-    gen = model_dir / "generation_config.json"
-    if gen.is_file():
-        try:
-            eos = json.loads(gen.read_text()).get("eos_token_id")
-        except (OSError, ValueError):
-            eos = None
-        if isinstance(eos, int):
-            ids.append(eos)
-        elif isinstance(eos, list):
-            ids.extend(int(e) for e in eos)
-    tok_eos = getattr(tokenizer, "eos_token_id", None)
-    if isinstance(tok_eos, int):
-        ids.append(tok_eos)
-    return tuple(dict.fromkeys(ids))
-
-
 class Engine:
     """Owns the tokenizer, the scheduler, the block manager and the model runner; ``step`` runs one iteration.
 
@@ -129,30 +91,13 @@ class Engine:
         self.model_config = ModelConfig.from_dir(model_dir)
         mc = self.model_config
 
-        auto_device = "cuda" if torch.cuda.is_available() else "cpu"
-        device = torch.device(auto_device if config.device == "auto" else config.device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        dtype = _resolve_dtype(config.dtype, device)
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
         self.device, self.dtype = device, dtype
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
 
-        max_model_len = config.max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
-        if max_model_len > mc.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={max_model_len} exceeds the model's {mc.max_position_embeddings} positions"
-            )
-        window = mc.sliding_window
-        if window is not None and max_model_len > window:
-            # Sliding-window attention is not implemented; within the window it equals full attention.
-            if config.max_model_len is not None:
-                raise ValueError(
-                    f"max_model_len={max_model_len} exceeds the model's sliding window of {window} tokens; "
-                    f"sliding-window attention is not supported: use --max-model-len {window} or less"
-                )
-            log.warning("max_model_len capped at the model's sliding window: %d tokens", window)
-            max_model_len = window
+        max_model_len = resolve_max_model_len(mc, config.max_model_len)
         max_batched = config.max_num_batched_tokens or (8192 if device.type == "cuda" else 512)
 
         block_size = config.block_size
@@ -170,7 +115,7 @@ class Engine:
             # Weights first, then the largest step the scheduler can build, once, on a scratch pool:
             # it measures the activation peak when the pool is sized from GPU memory, and it compiles
             # the step's Triton kernels at start-up rather than in the first request.
-            unpooled = self._new_runner(model_dir, mc, device, dtype, block_size, None, max_batched, max_model_len, config)
+            unpooled = new_runner(model_dir, mc, device, dtype, block_size, None, max_batched, max_model_len, config)
             if kv_memory is None:
                 kv_memory = unpooled.measure_kv_budget(
                     config.gpu_memory_utilization, 0 if config.enforce_eager else CUDA_GRAPH_RESERVE_BYTES
@@ -191,7 +136,7 @@ class Engine:
         self.config = dataclasses.replace(
             config,
             device=str(device),
-            dtype=_DTYPE_NAMES.get(dtype, str(dtype)),
+            dtype=DTYPE_NAMES.get(dtype, str(dtype)),
             block_size=block_size,
             kv_cache_memory=kv_memory,
             max_model_len=max_model_len,
@@ -203,7 +148,7 @@ class Engine:
         )
 
         self.tokenizer = load_tokenizer(config.tokenizer or model_dir)
-        self.eos_token_ids = _eos_ids(model_dir, mc, self.tokenizer)
+        self.eos_token_ids = eos_ids(model_dir, mc, self.tokenizer)
         # Shared by every request's detokenizer (by skip_special_tokens): they memoise single tokens.
         self._text_decoders = {skip: TextDecoder(self.tokenizer, skip) for skip in (True, False)}
 
@@ -229,7 +174,7 @@ class Engine:
             unpooled.allocate_kv_pool(num_blocks)
             runner = unpooled
         elif runner is None:
-            runner = self._new_runner(
+            runner = new_runner(
                 model_dir, mc, device, dtype, block_size, num_blocks, max_batched, max_model_len, config
             )
         self.runner = runner
@@ -245,32 +190,6 @@ class Engine:
         self._seq_ids = itertools.count()
         self._generate_ids = itertools.count()
         self._pending_groups: dict[str, _Group] = {}  # groups with outputs made outside step()
-
-    @staticmethod
-    def _new_runner(
-        model_dir: Path,
-        mc: ModelConfig,
-        device: torch.device,
-        dtype: torch.dtype,
-        block_size: int,
-        num_blocks: int | None,
-        max_batched: int,
-        max_model_len: int,
-        config: EngineConfig,
-    ) -> ModelRunner:
-        return ModelRunner(
-            model_dir,
-            mc,
-            device=device,
-            dtype=dtype,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            max_num_batched_tokens=max_batched,
-            max_num_seqs=config.max_num_seqs,
-            seed=config.seed,
-            max_model_len=max_model_len,
-            enforce_eager=config.enforce_eager,
-        )
 
     # -- state ---------------------------------------------------------------------------------------
     @property
