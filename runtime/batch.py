@@ -13,6 +13,11 @@ from typing import Protocol, Sequence
 import torch
 
 
+# Stands in ``SequenceView.token_ids`` for a token the runner's previous sampling step drew but the
+# host does not know yet (the engine scheduling ahead). Only ever a sequence's last token.
+PENDING_TOKEN = -1
+
+
 class SamplingSpec(Protocol):
     """Per-request sampling parameters, already validated at the edge."""
 
@@ -51,7 +56,7 @@ class SequenceView(Protocol):
     """What the runner reads of one sequence (a ``scheduler.Request``)."""
 
     seq_id: int  # unique while the sequence lives
-    token_ids: list[int]  # prompt + generated so far; the runner only reads it
+    token_ids: list[int]  # prompt + generated so far (may end with PENDING_TOKEN); the runner only reads it
     num_prompt_tokens: int
     num_computed_tokens: int  # tokens whose K/V are already in the pool
     block_table: list[int]  # pool block ids, in order

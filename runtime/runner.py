@@ -3,6 +3,11 @@
 ``execute`` lays the step out as a flat token batch (decodes first, then prefill chunks), builds every
 tensor the step needs once (ids, positions, slot mapping, lengths, block tables, then the backend's
 own indices), runs the model once, projects only the sampled rows onto the vocabulary, and samples.
+
+It is ``launch`` (inputs + forward), ``sample`` (LM head + sampler) and ``StepOutput.result`` (the
+tokens on the host) in a row. Apart, they let the engine schedule ahead (``--async-scheduling``): on a
+GPU nothing before ``result`` waits for the device, and a decode whose input is the token its
+previous step sampled (``PENDING_TOKEN`` in ``token_ids``) reads it from that step's device output.
 """
 
 from __future__ import annotations
@@ -19,17 +24,13 @@ import torch
 from runtime import cpu_linear, cpu_ops
 from runtime.attention.base import AttentionBackend, AttentionMetadata
 from runtime.attention.selector import select_backend
-from runtime.batch import BatchItem, RunnerOutput, SequenceView, TokenLogprobs
+from runtime.batch import PENDING_TOKEN, BatchItem, RunnerOutput, SequenceView
 from runtime.capacity import kv_bytes_per_token
 from runtime.config import ModelConfig
 from runtime.cuda_graphs import CudaGraphRunner
 from runtime.kv_cache import KVPool
+from runtime.sampler import Sampler, SampledRows
 from runtime.weights import load_model
-
-try:  # written in parallel by the sampler helper; greedy argmax until it exists
-    from runtime.sampler import Sampler
-except ImportError:  # pragma: no cover - depends on the checkout
-    Sampler = None  # type: ignore[assignment,misc]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,45 @@ class StepInputs:
     sample_rows: torch.Tensor  # [R] int64: the hidden rows to sample (last token of each sampling item)
     sample_items: list[int]  # caller's item index of each sampled row
     graph: bool = False  # replay a captured CUDA graph (``meta`` is then the raw, unbuilt metadata)
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward has been issued (on a GPU it may still be running)."""
+
+    items: list[BatchItem]
+    inputs: StepInputs
+    hidden: torch.Tensor  # [T, hidden]; a CUDA graph's static output: sample before the next launch
+
+
+class StepOutput:
+    """A step's sampled tokens on their way to the host; ``result`` waits for them (once)."""
+
+    def __init__(
+        self,
+        num_items: int,
+        sample_items: list[int],
+        rows: SampledRows | None,
+        ready: torch.cuda.Event | None = None,
+    ) -> None:
+        self._num_items = num_items
+        self._sample_items = sample_items
+        self._rows = rows
+        self._ready = ready  # recorded after the device-to-host copies (GPU only)
+
+    def result(self) -> RunnerOutput:
+        """One entry per item, in item order (see ``RunnerOutput``)."""
+        n = self._num_items
+        tokens: list[int | None] = [None] * n
+        logprobs: list = [None] * n
+        if self._rows is not None:
+            if self._ready is not None:
+                self._ready.synchronize()  # this step's copies only, not the work issued after them
+            ids, lps = self._rows.resolve()
+            for i, tok, lp in zip(self._sample_items, ids, lps):
+                tokens[i] = tok
+                logprobs[i] = lp
+        return RunnerOutput(tokens, logprobs)
 
 
 def is_decode(item: BatchItem) -> bool:
@@ -120,9 +160,12 @@ class ModelRunner:
         self.graph_runner: CudaGraphRunner | None = None
         if num_blocks is not None:
             self.allocate_kv_pool(num_blocks)
-        self.sampler = Sampler(seed) if Sampler is not None else None
-        if self.sampler is None:
-            log.warning("runtime.sampler is unavailable: sampling greedily (argmax)")
+        self.sampler = Sampler(seed)
+        # The last sampling step's tokens (where they were drawn) and its sequences, row by row: what
+        # a PENDING_TOKEN in the next step's inputs stands for.
+        self._last_tokens: torch.Tensor | None = None
+        self._last_seqs: list[SequenceView] = []
+        self._last_rows: dict[int, int] | None = None  # seq_id -> row, built on first use
         log.info(
             "model runner ready: %s; backend %s; matmuls %s",
             model_config.architecture,
@@ -210,23 +253,40 @@ class ModelRunner:
         )
 
     # ---- one step ------------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, items: list[BatchItem]) -> RunnerOutput:
         """Compute every item's new tokens and sample the items with ``sample=True`` (results in item order)."""
-        tokens: list[int | None] = [None] * len(items)
-        logprobs: list[TokenLogprobs | None] = [None] * len(items)
         if not items:
-            return RunnerOutput(tokens, logprobs)
+            return RunnerOutput([], [])
+        return self.sample(self.launch(items)).result()
+
+    @torch.inference_mode()
+    def launch(self, items: list[BatchItem]) -> LaunchedStep:
+        """Build the step's inputs and issue its forward."""
         inputs = self.prepare(items)
-        hidden = self.forward(inputs)
-        if inputs.sample_items:
-            logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_rows)).float()
-            seqs = [items[i].seq for i in inputs.sample_items]
-            ids, lps = self._sample(logits, seqs)
-            for i, tok, lp in zip(inputs.sample_items, ids, lps):
-                tokens[i] = tok
-                logprobs[i] = lp
-        return RunnerOutput(tokens, logprobs)
+        return LaunchedStep(items, inputs, self.forward(inputs))
+
+    @torch.inference_mode()
+    def sample(self, step: LaunchedStep) -> StepOutput:
+        """Issue the LM head over the sampled rows and the sampler; the tokens start towards the host.
+
+        The sampler reads each sequence's ``token_ids`` (penalties, min_tokens): they must hold no
+        ``PENDING_TOKEN`` by now.
+        """
+        inputs = step.inputs
+        if not inputs.sample_items:
+            self._last_tokens, self._last_seqs, self._last_rows = None, [], None
+            return StepOutput(len(step.items), [], None)
+        logits = self.model.compute_logits(step.hidden.index_select(0, inputs.sample_rows)).float()
+        seqs = [step.items[i].seq for i in inputs.sample_items]
+        rows = self.sampler.sample_rows(logits, seqs)
+        self._last_tokens, self._last_seqs, self._last_rows = rows.tokens, seqs, None
+        ready = None
+        if rows.tokens.device.type == "cuda":
+            # Into pinned host memory without blocking; ``result`` waits on this event alone.
+            rows = rows.with_tensors([t.to("cpu", non_blocking=True) for t in rows.tensors()])
+            ready = torch.cuda.Event()
+            ready.record()
+        return StepOutput(len(step.items), inputs.sample_items, rows, ready)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """The model over the step's tokens: final hidden states ``[T, hidden]``."""
@@ -236,12 +296,14 @@ class ModelRunner:
             return self.graph_runner.run(inputs.input_ids, inputs.positions, m.slot_mapping, m.seq_lens, m.block_tables)
         return self.model(inputs.input_ids, inputs.positions, inputs.meta)
 
-    def _sample(
-        self, logits: torch.Tensor, seqs: list[SequenceView]
-    ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        if self.sampler is not None:
-            return self.sampler.sample(logits, seqs)
-        return logits.argmax(dim=-1).tolist(), [None] * len(seqs)
+    def _pending_row(self, seq: SequenceView) -> int:
+        """The row of the last sampling step that drew ``seq``'s pending token."""
+        if self._last_rows is None:
+            self._last_rows = {s.seq_id: r for r, s in enumerate(self._last_seqs)}
+        row = self._last_rows.get(seq.seq_id)
+        if row is None:
+            raise ValueError(f"seq {seq.seq_id}: a pending token that the last step did not sample")
+        return row
 
     def prepare(self, items: list[BatchItem]) -> StepInputs:
         """Lay the step out (decodes first) and build its tensors and attention metadata, once."""
@@ -264,6 +326,8 @@ class ModelRunner:
         used_blocks: list[int] = []
         sample_rows: list[int] = []
         sample_items: list[int] = []
+        pending_at: list[int] = []  # input rows whose token the last step sampled on the device
+        pending_from: list[int] = []  # ... and the row of that step's tokens it is in
         for idx in order:
             item = items[idx]
             seq = item.seq
@@ -280,10 +344,17 @@ class ModelRunner:
             if len(table) < used:
                 raise ValueError(f"seq {seq.seq_id}: {len(table)} blocks cannot hold {end} tokens")
             if n == 1:  # a decode (or a one-token chunk): no ranges to build
-                input_ids.append(token_ids[start])
+                token = token_ids[start]
+                if token == PENDING_TOKEN:
+                    pending_at.append(len(input_ids))
+                    pending_from.append(self._pending_row(seq))
+                    token = 0
+                input_ids.append(token)
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             else:
+                if token_ids[end - 1] == PENDING_TOKEN:  # only ever a sequence's last token
+                    raise ValueError(f"seq {seq.seq_id}: a pending token inside a {n}-token chunk")
                 input_ids.extend(token_ids[start:end])
                 positions.extend(range(start, end))
                 _extend_slots(slots, table, start, end, bs)
@@ -313,9 +384,12 @@ class ModelRunner:
                 flat_tables += [0] * (width - used)
 
         dev = self.device
-        ids_t, positions_t, slots_t, sample_rows_t = _to_device(
-            (input_ids, positions, slots, sample_rows), torch.int64, dev
+        ids_t, positions_t, slots_t, sample_rows_t, pending_at_t, pending_from_t = _to_device(
+            (input_ids, positions, slots, sample_rows, pending_at, pending_from), torch.int64, dev
         )
+        if pending_at:
+            assert self._last_tokens is not None
+            ids_t.index_copy_(0, pending_at_t, self._last_tokens.index_select(0, pending_from_t))
         query_start_t, seq_lens_t, context_lens_t, tables_t = _to_device(
             (list(accumulate(query_lens, initial=0)), seq_lens, context_lens, flat_tables), torch.int32, dev
         )

@@ -295,11 +295,19 @@ class Sampler:
         self, logits: torch.Tensor, seqs: Sequence[SequenceView]
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Next token (and logprobs, where asked) of each row; ``logits`` [R, V] may be modified in place."""
+        return self.sample_rows(logits, seqs).resolve()
+
+    def sample_rows(self, logits: torch.Tensor, seqs: Sequence[SequenceView]) -> SampledRows:
+        """``sample``, with the results left where they were computed (on the device).
+
+        Greedy rows, with or without logprobs, never wait for the device here; truncation and seeded
+        draws may (they read sizes and per-row random numbers on the host).
+        """
         n_rows = logits.shape[0]
         if n_rows != len(seqs):
             raise ValueError(f"{n_rows} logit rows for {len(seqs)} sequences")
         if n_rows == 0:
-            return [], []
+            return SampledRows(torch.empty(0, dtype=torch.int64))
         logits = logits.float().contiguous()  # no copy for the float32 rows the runner hands us
         params = [s.params for s in seqs]
         self.process_logits(logits, seqs)
@@ -323,13 +331,12 @@ class Sampler:
             tokens[g_idx] = argmax_rows(logits.index_select(0, g_idx))
             tokens[r_idx] = self._sample_rows(logits.index_select(0, r_idx), [seqs[i] for i in rand])
 
-        token_list: list[int] = tokens.tolist()
-        out: list[TokenLogprobs | None] = [None] * n_rows
+        out = SampledRows(tokens)
         if logprobs is not None and lp_idx is not None:
-            chosen = tokens.index_select(0, lp_idx)
-            for i, tl in zip(lp_rows, self._token_logprobs(logprobs, chosen, [params[i] for i in lp_rows])):
-                out[i] = tl
-        return token_list, out
+            out.logprobs = _logprob_tensors(
+                logprobs, tokens.index_select(0, lp_idx), lp_rows, [int(params[i].logprobs or 0) for i in lp_rows]
+            )
+        return out
 
     def process_logits(self, logits: torch.Tensor, seqs: Sequence[SequenceView]) -> None:
         """Apply logit_bias, min_tokens, repetition and presence/frequency penalties in place.
@@ -448,26 +455,65 @@ class Sampler:
                 u[j] = torch.rand(1, generator=g, dtype=torch.float64, device=g.device).item()
         return u
 
-    @staticmethod
-    def _token_logprobs(
-        logprobs: torch.Tensor, chosen: torch.Tensor, params: Sequence[SamplingSpec]
-    ) -> list[TokenLogprobs]:
-        """TokenLogprobs for rows of ``logprobs`` [m, V] (log_softmax) given each row's chosen token."""
-        chosen_lp = logprobs.gather(1, chosen.unsqueeze(1))  # [m, 1]
-        ranks = ((logprobs > chosen_lp).sum(-1) + 1).tolist()
-        ks = [int(p.logprobs or 0) for p in params]
-        kmax = min(max(ks), logprobs.shape[1])
-        if kmax > 0:
-            top_v, top_i = _head(logprobs, kmax)
-            top_vals, top_ids = top_v.tolist(), top_i.tolist()
-        else:
-            top_vals = top_ids = [[] for _ in ks]
-        return [
-            TokenLogprobs(
-                token_id=tok,
-                logprob=lp,
-                rank=rank,
-                top=list(zip(top_ids[j][:k], top_vals[j][:k])),
-            )
-            for j, (tok, lp, rank, k) in enumerate(zip(chosen.tolist(), chosen_lp.squeeze(1).tolist(), ranks, ks))
-        ]
+
+@dataclass
+class LogprobTensors:
+    """The logprobs asked for by some rows of a step, as tensors (see ``SampledRows``)."""
+
+    rows: list[int]  # the step's row of each entry
+    ks: list[int]  # how many alternatives each row asked for
+    chosen: torch.Tensor  # [m] the chosen tokens
+    chosen_logprob: torch.Tensor  # [m]
+    rank: torch.Tensor  # [m] 1 = most likely
+    top_logprobs: torch.Tensor  # [m, max(ks)] descending
+    top_ids: torch.Tensor  # [m, max(ks)]
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.chosen, self.chosen_logprob, self.rank, self.top_logprobs, self.top_ids)
+
+    def with_tensors(self, tensors: Sequence[torch.Tensor]) -> LogprobTensors:
+        return LogprobTensors(self.rows, self.ks, *tensors)
+
+    def resolve(self, n_rows: int) -> list[TokenLogprobs | None]:
+        out: list[TokenLogprobs | None] = [None] * n_rows
+        top_ids, top_vals = self.top_ids.tolist(), self.top_logprobs.tolist()
+        for j, (i, tok, lp, rank, k) in enumerate(
+            zip(self.rows, self.chosen.tolist(), self.chosen_logprob.tolist(), self.rank.tolist(), self.ks)
+        ):
+            out[i] = TokenLogprobs(token_id=tok, logprob=lp, rank=rank, top=list(zip(top_ids[j][:k], top_vals[j][:k])))
+        return out
+
+
+@dataclass
+class SampledRows:
+    """One step's draws, still where they were computed: ``tokens`` [R] int64, plus the logprob
+    tensors of the rows that asked. ``resolve`` turns them into Python values (on a GPU: a wait)."""
+
+    tokens: torch.Tensor
+    logprobs: LogprobTensors | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.tokens, *(self.logprobs.tensors() if self.logprobs is not None else ())]
+
+    def with_tensors(self, tensors: Sequence[torch.Tensor]) -> SampledRows:
+        """The same rows with every tensor replaced (e.g. by its host copy), in ``tensors()`` order."""
+        lps = self.logprobs.with_tensors(tensors[1:]) if self.logprobs is not None else None
+        return SampledRows(tensors[0], lps)
+
+    def resolve(self) -> tuple[list[int], list[TokenLogprobs | None]]:
+        tokens: list[int] = self.tokens.tolist()
+        lps = self.logprobs.resolve(len(tokens)) if self.logprobs is not None else [None] * len(tokens)
+        return tokens, lps
+
+
+def _logprob_tensors(logprobs: torch.Tensor, chosen: torch.Tensor, rows: list[int], ks: list[int]) -> LogprobTensors:
+    """Logprob tensors for rows of ``logprobs`` [m, V] (log_softmax) given each row's chosen token."""
+    chosen_lp = logprobs.gather(1, chosen.unsqueeze(1))  # [m, 1]
+    rank = (logprobs > chosen_lp).sum(-1) + 1
+    kmax = min(max(ks), logprobs.shape[1])
+    if kmax > 0:
+        top_v, top_i = _head(logprobs, kmax)
+    else:
+        top_v = logprobs.new_empty(len(rows), 0)
+        top_i = torch.empty(len(rows), 0, dtype=torch.int64, device=logprobs.device)
+    return LogprobTensors(rows, ks, chosen, chosen_lp.squeeze(1), rank, top_v, top_i)

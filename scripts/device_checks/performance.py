@@ -110,7 +110,7 @@ def profile_decode(runner: Any, plan: Plan, vocab: int, report: Report) -> None:
                 logits = runner.model.compute_logits(hidden.index_select(0, inp.sample_rows)).float()
                 sync(dev)
                 t3 = time.perf_counter()
-                runner._sample(logits, [it.seq for it in items])
+                runner.sampler.sample(logits, [it.seq for it in items])
                 t4 = time.perf_counter()
                 runner.execute(items)
                 t5 = time.perf_counter()
@@ -153,51 +153,70 @@ def measure_throughput(
     mc = runner.model_config
 
     # Batch 1: decode-only step time against the time to read every weight once.
-    run_requests(engine, random_prompts(1, plan.single_prompt, vocab, gen), 4)  # warm-up
-    obs.reset()
-    run_requests(engine, random_prompts(1, plan.single_prompt, vocab, gen), plan.single_tokens)
-    decode_steps = [s.duration_s for s in obs.steps if s.num_prompt_tokens == 0 and s.num_generation_tokens > 0]
-    ms_tok = statistics.median(decode_steps) * 1e3
     floor = runner.weight_bytes / H200_BANDWIDTH * 1e3
     # The bandwidth this card really gives a plain copy (bytes read + written), for a second floor.
     n_copy = (1 << 30) if device.type == "cuda" else (1 << 20)
     copy_bw = copy_bandwidth(n_copy, device, plan.timing_iters)
     floor_measured = runner.weight_bytes / copy_bw * 1e3
     report.row("device copy bandwidth (read + write)", copy_bw / 1e12, "TB/s", f"{2 * n_copy * 2 / 1e9:.1f} GB per copy")
-    report.row(
-        "batch 1: ms per output token",
-        ms_tok,
-        "ms",
-        f"floor {floor:.2f} ms = weights / 4.8 TB/s; x{ms_tok / floor:.2f}; "
-        f"x{ms_tok / floor_measured:.2f} of weights / measured copy bandwidth ({floor_measured:.2f} ms)",
-        floor_ms=floor,
-        floor_measured_ms=floor_measured,
-    )
+    single_prompts = random_prompts(1, plan.single_prompt, vocab, gen)
+    concurrent_prompts = random_prompts(plan.concurrent, plan.concurrent_prompt, vocab, gen)
+    ms_sync = None
+    # Synchronous, then scheduling ahead (step k+1 issued before step k's tokens are read), same engine.
+    for ahead in (False, True):
+        engine.async_scheduling = ahead
+        mode = ", async scheduling" if ahead else ""
+        run_requests(engine, random_prompts(1, plan.single_prompt, vocab, gen), 4)  # warm-up
+        obs.reset()
+        run_requests(engine, single_prompts, plan.single_tokens)
+        decode_steps = [s.duration_s for s in obs.steps if s.num_prompt_tokens == 0 and s.num_generation_tokens > 0]
+        ms_tok = statistics.median(decode_steps) * 1e3
+        report.row(
+            f"batch 1{mode}: ms per output token",
+            ms_tok,
+            "ms",
+            f"floor {floor:.2f} ms = weights / 4.8 TB/s; x{ms_tok / floor:.2f}; "
+            f"x{ms_tok / floor_measured:.2f} of weights / measured copy bandwidth ({floor_measured:.2f} ms)"
+            + (f"; synchronous {ms_sync:.2f} ms" if ms_sync is not None else ""),
+            floor_ms=floor,
+            floor_measured_ms=floor_measured,
+        )
+        ms_sync = ms_tok
 
-    # Concurrency: N requests of P -> T at once.
-    obs.reset()
-    prompts = random_prompts(plan.concurrent, plan.concurrent_prompt, vocab, gen)
-    wall = run_requests(engine, prompts, plan.concurrent_tokens)
-    out_tokens = plan.concurrent * plan.concurrent_tokens
-    full = [s.duration_s for s in obs.steps if s.num_prompt_tokens == 0 and s.num_generation_tokens == plan.concurrent]
-    full_ms = statistics.median(full) * 1e3 if full else float("nan")
-    kinds: dict[str, list[float]] = {"with prompt tokens": [], "decode only": []}
-    for st in obs.steps:
-        kinds["with prompt tokens" if st.num_prompt_tokens else "decode only"].append(st.duration_s)
-    stepped = sum(sum(v) for v in kinds.values())
-    print(
-        "  steps: "
-        + "; ".join(f"{k}: {len(v)} steps, {sum(v):.2f} s" for k, v in kinds.items())
-        + f"; outside steps {wall - stepped:.2f} s"
-    )
-    report.row(
-        f"{plan.concurrent} concurrent {plan.concurrent_prompt} -> {plan.concurrent_tokens}: output tok/s",
-        out_tokens / wall,
-        "tok/s",
-        f"{wall:.2f} s wall; full-batch decode step {full_ms:.2f} ms = {plan.concurrent / (full_ms / 1e3):,.0f} tok/s",
-        wall_s=wall,
-        full_batch_step_ms=full_ms,
-    )
+        # Concurrency: N requests of P -> T at once.
+        obs.reset()
+        wall = run_requests(engine, concurrent_prompts, plan.concurrent_tokens)
+        out_tokens = plan.concurrent * plan.concurrent_tokens
+        full = [s.duration_s for s in obs.steps if s.num_prompt_tokens == 0 and s.num_generation_tokens == plan.concurrent]
+        full_ms = statistics.median(full) * 1e3 if full else float("nan")
+        kinds: dict[str, list[float]] = {"with prompt tokens": [], "decode only": []}
+        for st in obs.steps:
+            kinds["with prompt tokens" if st.num_prompt_tokens else "decode only"].append(st.duration_s)
+        stepped = sum(sum(v) for v in kinds.values())
+        print(
+            "  steps: "
+            + "; ".join(f"{k}: {len(v)} steps, {sum(v):.2f} s" for k, v in kinds.items())
+            + f"; outside steps {wall - stepped:.2f} s"
+        )
+        report.row(
+            f"{plan.concurrent} concurrent {plan.concurrent_prompt} -> {plan.concurrent_tokens}{mode}: output tok/s",
+            out_tokens / wall,
+            "tok/s",
+            f"{wall:.2f} s wall; full-batch decode step {full_ms:.2f} ms = {plan.concurrent / (full_ms / 1e3):,.0f} tok/s",
+            wall_s=wall,
+            full_batch_step_ms=full_ms,
+        )
+
+    # Scheduling ahead reads each decode's input token from the previous step's device output: the
+    # same greedy tokens as the synchronous engine (same batches: every request ends by length).
+    sync_vs_ahead = []
+    for ahead in (False, True):
+        engine.async_scheduling = ahead
+        res = engine.generate(concurrent_prompts[:8], greedy_params(32, logprobs=None))
+        sync_vs_ahead.append([r.outputs[0].token_ids for r in res])
+    engine.async_scheduling = False
+    same = sum(a == b for a, b in zip(*sync_vs_ahead))
+    report.check("async scheduling gives the synchronous engine's tokens", same == 8, f"{same}/8 token-exact, 32 tokens")
 
     # One long prefill in a single step, against a measured matmul rate.
     n = plan.prefill_tokens

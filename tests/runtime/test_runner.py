@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from runtime.attention.torch_backend import TorchAttentionBackend
-from runtime.batch import BatchItem
+from runtime.batch import PENDING_TOKEN, BatchItem
 from runtime.runner import ModelRunner
 
 PROMPTS = [
@@ -145,6 +145,66 @@ def test_execute_returns_results_in_item_order(tiny_runner: ModelRunner, rt: Sim
     assert out.sampled_token_ids == expected
     assert out.logprobs == [None, None, None]  # greedy without logprobs asked
     assert runner.execute([]).sampled_token_ids == []
+
+
+def test_pending_tokens_come_from_the_last_sampling_step(tiny_runner: ModelRunner, rt: SimpleNamespace) -> None:
+    """Scheduling ahead: a decode whose input is PENDING_TOKEN reads the token the runner's previous
+    sampling step drew for that sequence, and gives what the known token gives."""
+    runner = tiny_runner
+    blocks = rt.ScatteredBlocks(runner.kv_pool.num_blocks, runner.block_size, seed=6)
+    prompts = [random_ids(n, seed=10 + i) for i, n in enumerate((11, 27, 5))]
+    steps = 6
+
+    def items_of(seqs: list[Any]) -> list[BatchItem]:
+        return [BatchItem(s, len(s.token_ids) - s.num_computed_tokens, sample=True) for s in seqs]
+
+    def advance(items: list[BatchItem]) -> None:
+        for it in items:
+            it.seq.num_computed_tokens += it.num_new_tokens
+
+    # Tokens known before each step (the synchronous engine).
+    known = [rt.FakeSeq(seq_id=i, token_ids=list(p)) for i, p in enumerate(prompts)]
+    for s in known:
+        blocks.grow(s, len(s.token_ids) + steps)
+    for _ in range(steps):
+        items = items_of(known)
+        out = runner.execute(items)
+        advance(items)
+        for s, tok in zip(known, out.sampled_token_ids):
+            s.token_ids.append(tok)  # type: ignore[arg-type]
+
+    # The engine's order when scheduling ahead: launch step k with step k-1's tokens pending, then read
+    # step k-1's tokens, then sample step k. Rows are reversed every other step, so a pending token is
+    # read from another row than the one it sits in.
+    ahead = [rt.FakeSeq(seq_id=100 + i, token_ids=list(p)) for i, p in enumerate(prompts)]
+    for s in ahead:
+        blocks.grow(s, len(s.token_ids) + steps)
+    in_flight = None
+    for k in range(steps):
+        items = items_of(ahead if k % 2 else ahead[::-1])
+        launched = runner.launch(items)
+        if in_flight is not None:
+            for it, tok in zip(in_flight[0], in_flight[1].result().sampled_token_ids):
+                assert it.seq.token_ids[-1] == PENDING_TOKEN
+                it.seq.token_ids[-1] = tok
+        in_flight = (items, runner.sample(launched))
+        advance(items)
+        for it in items:
+            it.seq.token_ids.append(PENDING_TOKEN)
+    for it, tok in zip(in_flight[0], in_flight[1].result().sampled_token_ids):  # type: ignore[index]
+        it.seq.token_ids[-1] = tok
+    assert [s.token_ids for s in ahead] == [s.token_ids for s in known]
+
+    # A pending token the last sampling step did not draw, or one inside a chunk, is refused.
+    stranger = rt.FakeSeq(seq_id=999, token_ids=[*prompts[0], PENDING_TOKEN], num_prompt_tokens=11)
+    blocks.grow(stranger, 12)
+    runner.execute(items_of([rt.FakeSeq(seq_id=7, token_ids=prompts[2], block_table=list(stranger.block_table))]))
+    stranger.num_computed_tokens = 11
+    with pytest.raises(ValueError, match="did not sample"):
+        runner.launch([BatchItem(stranger, 1, sample=True)])
+    stranger.num_computed_tokens = 0
+    with pytest.raises(ValueError, match="pending token inside"):
+        runner.launch([BatchItem(stranger, 12, sample=True)])
 
 
 def test_invalid_steps_are_refused(tiny_llama_dir: Path, build_runner: Callable[..., ModelRunner], rt: Any) -> None:
