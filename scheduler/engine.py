@@ -1,7 +1,14 @@
 """The engine loop: schedule -> execute -> update requests -> emit outputs -> observe metrics.
 
-Synchronous and single-threaded: the server's ``AsyncEngine`` owns one in a thread, offline users
-call ``generate``. Every latency metric comes from the requests' ``time.monotonic()`` timestamps.
+Single-threaded: the server's ``AsyncEngine`` owns one in a thread, offline users call ``generate``.
+Every latency metric comes from the requests' ``time.monotonic()`` timestamps.
+
+With ``async_scheduling`` the engine schedules one step ahead: it issues step k's forward, then reads
+and processes step k-1's tokens (detokenize, stop checks, outputs) while the device computes, then
+issues step k's sampling. A sequence sampled in step k gets a ``PENDING_TOKEN`` so that step k+1 can
+be scheduled before its value reaches the host (the runner takes it from step k's device output).
+A sequence that turns out to stop at step k's token has run one wasted row in step k+1; one that
+step k finishes by length gets no pending token, so it is not scheduled again.
 """
 
 from __future__ import annotations
@@ -12,12 +19,12 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 
 from metrics.observer import NullObserver, Observer, RequestStats, StepStats
-from runtime.batch import BatchItem, RunnerOutput, TokenLogprobs
+from runtime.batch import PENDING_TOKEN, BatchItem, RunnerOutput, TokenLogprobs
 from runtime.capacity import Capacity, flops_per_token, kv_bytes_per_token, plan_capacity
 from runtime.capacity import weight_bytes as model_weight_bytes
 from runtime.config import ModelConfig
@@ -51,9 +58,43 @@ class PromptTooLongError(InvalidParameterError):
 
 
 class RunnerLike(Protocol):
-    """What the engine needs of ``runtime.runner.ModelRunner`` (tests pass fakes)."""
+    """What the engine needs of ``runtime.runner.ModelRunner`` (tests pass fakes).
+
+    A runner may also split ``execute`` into ``launch(items)`` and ``sample(launched)``, whose
+    ``result()`` gives the ``RunnerOutput`` (``ModelRunner`` does); ``_Executed`` adapts one that
+    does not.
+    """
 
     def execute(self, items: list[BatchItem]) -> RunnerOutput: ...
+
+
+class _Done:
+    def __init__(self, output: RunnerOutput) -> None:
+        self._output = output
+
+    def result(self) -> RunnerOutput:
+        return self._output
+
+
+class _Executed:
+    """``launch`` / ``sample`` over a runner that only has ``execute`` (all the work is in ``sample``)."""
+
+    def __init__(self, runner: RunnerLike) -> None:
+        self._runner = runner
+
+    def launch(self, items: list[BatchItem]) -> list[BatchItem]:
+        return items
+
+    def sample(self, items: list[BatchItem]) -> _Done:
+        return _Done(self._runner.execute(items))
+
+
+@dataclass
+class _Sampled:
+    """A step whose sampling was issued: its items and its ``StepOutput`` (tokens not read yet)."""
+
+    items: list[BatchItem]
+    output: Any  # has result() -> RunnerOutput
 
 
 @dataclass
@@ -178,6 +219,9 @@ class Engine:
                 model_dir, mc, device, dtype, block_size, num_blocks, max_batched, max_model_len, config
             )
         self.runner = runner
+        self._steps = runner if hasattr(runner, "launch") else _Executed(runner)
+        self.async_scheduling = config.async_scheduling
+        self._in_flight: _Sampled | None = None  # async: the step whose tokens the next step reads
 
         # Cost model of one step (see ``_step_cost``): FLOPs and bytes from token counts only.
         self._head_flops = 2.0 * mc.vocab_size * mc.hidden_size
@@ -205,7 +249,7 @@ class Engine:
         return self.capacity.max_model_len
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending_groups)
+        return self.scheduler.has_unfinished() or bool(self._pending_groups) or self._in_flight is not None
 
     # -- requests ------------------------------------------------------------------------------------
     def _validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
@@ -280,62 +324,98 @@ class Engine:
         for req in group.choices:
             if not req.is_finished:
                 self._finish(req, RequestStatus.FINISHED_ABORTED, now)
-                group.pending[req.index] = self._completion(req, "")
+                self._report(group, req, "")
         self._pending_groups[request_id] = group
 
     # -- the loop ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One iteration; returns the news of every request that changed (grouped by request id)."""
+        """One iteration; returns the news of every request that changed (grouped by request id).
+
+        Synchronous: this step's tokens. Scheduling ahead: the previous step's, read while this
+        step's forward runs.
+        """
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         cost = self._step_cost(sched.items)  # before the counts below move on
-        result = self.runner.execute(sched.items) if sched.items else None
-        now = time.monotonic()
+        launched = self._steps.launch(sched.items) if sched.items else None
 
         changed: dict[str, _Group] = self._pending_groups
         self._pending_groups = {}
-        ttfts: list[float] = []
-        itls: list[float] = []
-        num_sampled = 0
         for req in sched.errored:
             self._on_finished(req)
             group = self._groups[req.request_id]
             group.num_finished += 1
-            group.pending[req.index] = self._completion(req, "")
+            self._report(group, req, "")
             changed[req.request_id] = group
-
-        if result is not None:
-            for item, token, lps in zip(sched.items, result.sampled_token_ids, result.logprobs):
-                req: Request = item.seq  # type: ignore[assignment]
-                if req.is_finished:  # aborted by a callback mid-step (defensive)
-                    continue
-                try:
-                    req.num_computed_tokens += item.num_new_tokens
-                    self.block_manager.cache_full_blocks(req)
-                    if token is None:
-                        continue
-                    num_sampled += 1
-                    if req.first_token_time is None:
-                        req.first_token_time = now
-                        ttfts.append(now - req.arrival_time)
-                    else:
-                        itls.append(now - req.last_token_time)  # type: ignore[operator]
-                    req.last_token_time = now
-                    text = self._process_token(req, token, lps, now)
-                except Exception as e:  # one bad request must not take the batch down
-                    log.exception("request %s choice %d failed while processing its output", req.request_id, req.index)
-                    req.error = f"internal error while processing the output: {type(e).__name__}: {e}"
-                    if not req.is_finished:
-                        self._finish(req, RequestStatus.FINISHED_ERROR, now)
-                    text = ""
-                group = self._groups[req.request_id]
-                group.pending[req.index] = self._completion(req, text)
-                changed[req.request_id] = group
+        ttfts: list[float] = []
+        itls: list[float] = []
+        num_sampled = 0
+        # The step issued ahead last time, read while this one computes; then this step's sampling,
+        # read now or next time. (Either order is right after a switch of ``async_scheduling``.)
+        done, self._in_flight = self._in_flight, None
+        if done is not None:
+            num_sampled += self._process(done, changed, ttfts, itls)
+        if launched is not None:
+            sampled = self._sample(sched.items, launched)
+            if self.async_scheduling:
+                self._in_flight = sampled
+            else:
+                num_sampled += self._process(sampled, changed, ttfts, itls)
 
         outputs = [self._request_output(g) for g in changed.values()]
         if sched.items or changed:
             self._observe_step(sched, time.perf_counter() - t0, num_sampled, ttfts, itls, cost)
         return outputs
+
+    def _sample(self, items: list[BatchItem], launched: Any) -> _Sampled:
+        """Issue a launched step's sampling and move its sequences on: their new tokens are computed
+        (and full blocks cached); scheduling ahead, each sampled one that goes on gets a pending token."""
+        output = self._steps.sample(launched)
+        ahead = self.async_scheduling
+        for item in items:
+            req: Request = item.seq  # type: ignore[assignment]
+            if req.is_finished:  # stopped by its previous token, or aborted, while this step ran
+                continue
+            req.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_full_blocks(req)
+            if ahead and item.sample and not self._ends_by_length(req):
+                req.token_ids.append(PENDING_TOKEN)
+        return _Sampled(items, output)
+
+    def _ends_by_length(self, req: Request) -> bool:
+        """Whether the token being sampled for ``req`` is its last (max_tokens or the context length)."""
+        return req.num_output_tokens + 1 >= req.max_tokens or len(req.token_ids) + 1 >= self.max_model_len
+
+    def _process(self, done: _Sampled, changed: dict[str, _Group], ttfts: list[float], itls: list[float]) -> int:
+        """Read a step's tokens and hand each to its request; returns how many were read."""
+        result = done.output.result()
+        now = time.monotonic()
+        num_sampled = 0
+        for item, token, lps in zip(done.items, result.sampled_token_ids, result.logprobs):
+            if token is None:
+                continue
+            req: Request = item.seq  # type: ignore[assignment]
+            if req.is_finished:  # a wasted row (see the module docstring), or aborted meanwhile
+                continue
+            try:
+                num_sampled += 1
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                    ttfts.append(now - req.arrival_time)
+                else:
+                    itls.append(now - req.last_token_time)  # type: ignore[operator]
+                req.last_token_time = now
+                text = self._process_token(req, token, lps, now)
+            except Exception as e:  # one bad request must not take the batch down
+                log.exception("request %s choice %d failed while processing its output", req.request_id, req.index)
+                req.error = f"internal error while processing the output: {type(e).__name__}: {e}"
+                if not req.is_finished:
+                    self._finish(req, RequestStatus.FINISHED_ERROR, now)
+                text = ""
+            group = self._groups[req.request_id]
+            self._report(group, req, text)
+            changed[req.request_id] = group
+        return num_sampled
 
     def _process_token(self, req: Request, token: int, lps: TokenLogprobs | None, now: float) -> str:
         """Append a sampled token, detokenize it, check every stop condition; return the text to emit."""
@@ -399,6 +479,19 @@ class Engine:
         )
 
     # -- outputs -------------------------------------------------------------------------------------
+    def _report(self, group: _Group, req: Request, text: str) -> None:
+        """Queue ``req``'s news since its last report, after what is already queued for it this step
+        (two tokens in one step: the step issued ahead, then this one, after ``async_scheduling`` was
+        switched off)."""
+        out = self._completion(req, text)
+        prev = group.pending.get(req.index)
+        if prev is not None:
+            out.new_token_ids = prev.new_token_ids + out.new_token_ids
+            out.new_text = prev.new_text + out.new_text
+            if prev.new_logprobs is not None:
+                out.new_logprobs = prev.new_logprobs + (out.new_logprobs or [])
+        group.pending[req.index] = out
+
     def _completion(self, req: Request, text: str) -> CompletionOutput:
         start = req.num_reported_tokens
         n_out = req.num_output_tokens

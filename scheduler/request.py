@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from runtime.batch import TokenLogprobs
+from runtime.batch import PENDING_TOKEN, TokenLogprobs
 from scheduler.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # runtime-free imports only for type checkers
@@ -152,9 +152,18 @@ class Request:
 
     # -- mutation ----------------------------------------------------------------------------------
     def append_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
-        self.token_ids.append(token_id)
+        """Add a sampled token: in place of the pending token if there is one (scheduling ahead)."""
+        if self.token_ids[-1] == PENDING_TOKEN:
+            self.token_ids[-1] = token_id
+        else:
+            self.token_ids.append(token_id)
         if self.output_logprobs is not None and logprobs is not None:
             self.output_logprobs.append(logprobs)
+
+    def drop_pending_token(self) -> None:
+        """Forget a pending token whose value will not be read (the sequence finished meanwhile)."""
+        if self.token_ids[-1] == PENDING_TOKEN:
+            self.token_ids.pop()
 
     def __repr__(self) -> str:
         return (

@@ -102,6 +102,7 @@ class Scheduler:
                 except ValueError:
                     pass
         self.bm.free(req)
+        req.drop_pending_token()
         req.status = status
         req.finished_time = time.monotonic() if now is None else now
 

@@ -89,6 +89,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--scheduling-policy", choices=["fcfs", "static"], default=d.scheduling_policy, help="fcfs: continuous batching; static: run each admitted batch to completion, for comparison only (default: %(default)s)")
     g.add_argument("--max-waiting-requests", type=_positive_int, default=d.max_waiting_requests, help="queue bound in sequences: beyond it requests get 503 with Retry-After (default: %(default)s)")
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: do not capture CUDA graphs")
+    g.add_argument("--async-scheduling", action="store_true", help="schedule the next step while the device computes this one; its host work (outputs, detokenization) then overlaps the device (default: off)")
     g.add_argument("--num-threads", type=_positive_int, default=None, help="CPU: torch intra-op threads (default: torch's choice)")
     g.add_argument("--seed", type=int, default=d.seed, help="sampling seed for requests without one (default: %(default)s)")
 
@@ -120,6 +121,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduling_policy=args.scheduling_policy,
         max_waiting_requests=args.max_waiting_requests,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         num_threads=args.num_threads,
         seed=args.seed,
     )

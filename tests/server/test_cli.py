@@ -41,8 +41,8 @@ def test_serve_args_build_one_engine_config() -> None:
             "serve", "--model", "/m", "--served-model-name", "m1", "--max-model-len", "1024", "--max-num-seqs", "8",
             "--max-num-batched-tokens", "256", "--kv-cache-memory", "512MiB", "--gpu-memory-utilization", "0.5",
             "--block-size", "32", "--dtype", "bfloat16", "--device", "cpu", "--no-enable-prefix-caching",
-            "--scheduling-policy", "static", "--max-waiting-requests", "7", "--enforce-eager", "--num-threads", "2",
-            "--api-key", "k", "--port", "0",
+            "--scheduling-policy", "static", "--max-waiting-requests", "7", "--enforce-eager", "--async-scheduling",
+            "--num-threads", "2", "--api-key", "k", "--port", "0",
         ]
     )  # fmt: skip
     cfg = engine_config_from_args(args)
@@ -61,6 +61,7 @@ def test_serve_args_build_one_engine_config() -> None:
         scheduling_policy="static",
         max_waiting_requests=7,
         enforce_eager=True,
+        async_scheduling=True,
         num_threads=2,
     )
     assert args.api_key == "k" and args.port == 0
@@ -83,7 +84,7 @@ def test_help_documents_every_option(capsys: pytest.CaptureFixture[str]) -> None
         "--model", "--served-model-name", "--api-key", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
         "--kv-cache-memory", "--gpu-memory-utilization", "--block-size", "--dtype", "--device",
         "--enable-prefix-caching", "--no-enable-prefix-caching", "--scheduling-policy", "--max-waiting-requests",
-        "--enforce-eager", "--num-threads", "--log-level", "--host", "--port",
+        "--enforce-eager", "--async-scheduling", "--num-threads", "--log-level", "--host", "--port",
     ):  # fmt: skip
         assert re.search(rf"{re.escape(opt)}\b", out), opt
     assert main([]) == 2  # no subcommand: usage, non-zero

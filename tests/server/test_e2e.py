@@ -57,8 +57,8 @@ class Live:
         return openai.OpenAI(base_url=f"{self.srv.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def live() -> Iterator[Live]:
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async-scheduling"])
+def live(request: pytest.FixtureRequest) -> Iterator[Live]:
     from scheduler.engine import Engine
 
     proxy = ObserverProxy()
@@ -76,6 +76,9 @@ def live() -> Iterator[Live]:
         SamplingParams(max_tokens=CONCURRENT_MAX_TOKENS, temperature=0.0, ignore_eos=True),
     )
     assert engine.block_manager.num_used_blocks == 0
+    # The references above come from the synchronous engine; the server then schedules ahead or not
+    # (switching on is safe here: nothing is in flight).
+    engine.async_scheduling = request.param
     observer = create_prometheus_observer(engine)
     proxy.target = observer
     ae = AsyncEngine(engine, observer=proxy)
