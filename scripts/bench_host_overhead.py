@@ -12,11 +12,13 @@ of each part over them is reported:
   schedule   ``Scheduler.schedule`` (block allocation included)
   prepare    ``ModelRunner.prepare``: the step's tensors and attention metadata
   forward    the model over the step's tokens (device work on a GPU)
-  sample     the rest of ``ModelRunner.execute``: LM head over the sampled rows, the sampler, freeing
-             the logits (mostly device work on a GPU; on this CPU, large for the 49k vocabulary)
+  sample     ``ModelRunner.sample``: LM head over the sampled rows and the sampler (mostly device work
+             on a GPU; on this CPU, large for the 49k vocabulary)
+  wait       ``StepOutput.result``: the sampled tokens reaching the host (on a GPU, the wait for the device)
   rest       everything else in ``Engine.step``: request updates, detokenization, stop checks,
              outputs, metrics observation
-  host       schedule + prepare + rest: the engine's own per-step Python, which a GPU waits on
+  host       schedule + prepare + rest: the engine's own per-step Python, which a GPU waits on unless
+             the engine schedules ahead (``--async-scheduling``; then the step read is the previous one)
 
 ``--observer prometheus`` (default) feeds the server's Prometheus observer, as ``servelm serve`` does.
 ``--device cuda`` runs the same on a GPU (bfloat16, CUDA graphs): there ``sample`` also holds the wait
@@ -45,13 +47,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from metrics.observer import NullObserver, Observer  # noqa: E402
+from runtime.runner import StepOutput  # noqa: E402
 from runtime.model_files import ensure_default_model  # noqa: E402
 from scheduler.config import EngineConfig  # noqa: E402
 from scheduler.engine import Engine  # noqa: E402
 from scheduler.sampling_params import SamplingParams  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-PARTS = ("schedule", "prepare", "forward", "sample", "rest", "host", "step")
+PARTS = ("schedule", "prepare", "forward", "sample", "wait", "rest", "host", "step")
 
 
 def build_tiny_llama(out: Path, tokenizer_dir: Path | None = None) -> Path:
@@ -87,9 +90,11 @@ class StepTimer:
         self.cur: dict[str, float] = defaultdict(float)
         runner = engine.runner
         self._wrap(engine.scheduler, "schedule", "schedule")
-        self._wrap(runner, "execute", "execute")
+        self._wrap(runner, "launch", "launch")
         self._wrap(runner, "prepare", "prepare")
         self._wrap(runner, "forward", "forward")
+        self._wrap(runner, "sample", "sample")
+        self._wrap(StepOutput, "result", "wait")  # (on the class: every step's output)
 
     def _wrap(self, obj: Any, attr: str, part: str) -> None:
         fn: Callable[..., Any] = getattr(obj, attr)
@@ -134,10 +139,9 @@ def run_batch(
         if not decode_only:
             continue
         cur = timer.cur
-        sample = cur["execute"] - cur["prepare"] - cur["forward"]
-        rest = step - cur["schedule"] - cur["execute"]
+        rest = step - cur["schedule"] - cur["launch"] - cur["sample"] - cur["wait"]
         host = cur["schedule"] + cur["prepare"] + rest
-        values = {**cur, "sample": sample, "rest": rest, "host": host, "step": step}
+        values = {**cur, "rest": rest, "host": host, "step": step}
         for k in PARTS:
             parts[k].append(values.get(k, 0.0) * 1e3)
     return parts
@@ -152,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--observer", choices=("prometheus", "null"), default="prometheus")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    ap.add_argument("--async-scheduling", action="store_true", help="the engine schedules one step ahead")
     ap.add_argument(
         "--tokenizer", type=Path, default=None, help="folder with tokenizer.json (default: the default model's)"
     )
@@ -170,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             max_num_batched_tokens=max(512, max_seqs * args.prompt_len),
             kv_cache_memory=64 * 2**20,
             max_model_len=args.prompt_len + args.max_tokens + 16,
+            async_scheduling=args.async_scheduling,
         )
         observer: Observer = NullObserver()
         if args.observer == "prometheus":
@@ -182,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"tiny Llama on {engine.device} ({engine.dtype}), prompt {args.prompt_len}, "
             f"max_tokens {args.max_tokens}, observer {args.observer}"
+            + (", async scheduling" if args.async_scheduling else "")
         )
         print("median ms per decode step: " + "  ".join(f"{p:>8}" for p in PARTS))
         for batch in args.batches:
