@@ -221,6 +221,12 @@ class Engine:
         self.runner = runner
         self._steps = runner if hasattr(runner, "launch") else _Executed(runner)
         self.async_scheduling = config.async_scheduling
+        if self.async_scheduling and device.type != "cuda":
+            log.warning(
+                "--async-scheduling on %s: the forward does not run in the background here, so every token "
+                "reaches its client one step later and nothing is overlapped",
+                device.type,
+            )
         self._in_flight: _Sampled | None = None  # async: the step whose tokens the next step reads
 
         # Cost model of one step (see ``_step_cost``): FLOPs and bytes from token counts only.
