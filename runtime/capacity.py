@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
+from runtime.batch import BatchItem
 from runtime.config import ModelConfig
 
 
@@ -81,6 +83,36 @@ class Capacity:
 
 class CapacityError(ValueError):
     """The KV budget cannot hold even one request of ``max_model_len``."""
+
+
+class StepCostModel:
+    """Counted FLOPs and bytes moved by one step, from its token counts only (for MFU / MBU): matmuls
+    per token, the LM head per sampled row, attention per (query, context) pair; all weights once plus
+    the KV read (whole contexts) and written (new tokens)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        self.head_flops = 2.0 * cfg.vocab_size * cfg.hidden_size
+        self.body_flops = flops_per_token(cfg, 0) - self.head_flops
+        self.attn_flops = 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim
+        self.weight_bytes = float(weight_bytes(cfg, dtype))
+        self.kv_token_bytes = float(kv_bytes_per_token(cfg, dtype))
+
+    def __call__(self, items: Sequence[BatchItem]) -> tuple[float, float]:
+        """(FLOPs, bytes) of a step over ``items``, before their ``num_computed_tokens`` move on."""
+        if not items:
+            return 0.0, 0.0
+        tokens = sampled = 0
+        pairs = 0.0
+        kv_read = 0
+        for it in items:
+            n, c = it.num_new_tokens, it.seq.num_computed_tokens
+            tokens += n
+            sampled += it.sample
+            pairs += n * c + n * (n + 1) / 2
+            kv_read += c + n
+        flops = self.body_flops * tokens + self.head_flops * sampled + self.attn_flops * pairs
+        moved = self.weight_bytes + self.kv_token_bytes * (kv_read + tokens)
+        return flops, moved
 
 
 def plan_capacity(

@@ -25,8 +25,7 @@ import torch
 
 from metrics.observer import NullObserver, Observer, RequestStats, StepStats
 from runtime.batch import PENDING_TOKEN, BatchItem, RunnerOutput, TokenLogprobs
-from runtime.capacity import Capacity, flops_per_token, kv_bytes_per_token, plan_capacity
-from runtime.capacity import weight_bytes as model_weight_bytes
+from runtime.capacity import Capacity, StepCostModel, plan_capacity
 from runtime.config import ModelConfig
 from runtime.model_files import resolve_model_path
 from runtime.runner import ModelRunner
@@ -36,7 +35,7 @@ from scheduler.config import EngineConfig
 from scheduler.detokenizer import IncrementalDetokenizer, TextDecoder
 from scheduler.outputs import CompletionOutput, GeneratedChoice, GenerationResult, RequestOutput
 from scheduler.request import Request, RequestStatus
-from scheduler.sampling_params import InvalidParameterError, SamplingParams
+from scheduler.sampling_params import InvalidParameterError, SamplingParams, check_request
 from scheduler.scheduler import Scheduler, SchedulerOutput
 from scheduler.startup import (
     CPU_DEFAULT_BLOCK_SIZE,
@@ -52,10 +51,6 @@ from scheduler.startup import (
 from scheduler.stop import StopChecker, check_model_len, check_token_stop
 
 log = logging.getLogger(__name__)
-
-class PromptTooLongError(InvalidParameterError):
-    """Prompt tokens + max_tokens exceed the model's context length."""
-
 
 class RunnerLike(Protocol):
     """What the engine needs of ``runtime.runner.ModelRunner`` (tests pass fakes).
@@ -229,12 +224,7 @@ class Engine:
             )
         self._in_flight: _Sampled | None = None  # async: the step whose tokens the next step reads
 
-        # Cost model of one step (see ``_step_cost``): FLOPs and bytes from token counts only.
-        self._head_flops = 2.0 * mc.vocab_size * mc.hidden_size
-        self._body_flops = flops_per_token(mc, 0) - self._head_flops
-        self._attn_flops = 4.0 * mc.num_layers * mc.num_heads * mc.head_dim
-        self._weight_bytes = float(model_weight_bytes(mc, dtype))
-        self._kv_token_bytes = float(kv_bytes_per_token(mc, dtype))
+        self._step_cost = StepCostModel(mc, dtype)
 
         self._groups: dict[str, _Group] = {}
         self._seq_ids = itertools.count()
@@ -258,35 +248,6 @@ class Engine:
         return self.scheduler.has_unfinished() or bool(self._pending_groups) or self._in_flight is not None
 
     # -- requests ------------------------------------------------------------------------------------
-    def _validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
-        """Check a request against this model; return its resolved max_tokens."""
-        vocab = self.model_config.vocab_size
-        params.validate(vocab_size=vocab)
-        if not prompt_token_ids:
-            raise InvalidParameterError("prompt", "the prompt is empty; it must contain at least one token")
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidParameterError("prompt", f"prompt token id {bad} is outside the vocabulary (size {vocab})")
-        limit = self.max_model_len
-        n_prompt = len(prompt_token_ids)
-        if params.max_tokens is None:
-            if n_prompt >= limit:
-                raise PromptTooLongError(
-                    "prompt",
-                    f"This model's maximum context length is {limit} tokens. However, your prompt has "
-                    f"{n_prompt} tokens, which leaves no room for the completion. Please shorten the prompt.",
-                )
-            return limit - n_prompt
-        total = n_prompt + params.max_tokens
-        if total > limit:
-            raise PromptTooLongError(
-                "prompt" if n_prompt >= limit else "max_tokens",
-                f"This model's maximum context length is {limit} tokens. However, you requested {total} tokens "
-                f"({n_prompt} in the prompt, {params.max_tokens} for the completion). Please reduce the length "
-                "of the prompt or the completion.",
-            )
-        return params.max_tokens
-
     def add_request(
         self,
         request_id: str,
@@ -297,7 +258,7 @@ class Engine:
         """Queue a request (its ``params.n`` choices); raises ``InvalidParameterError`` when it cannot be served."""
         if request_id in self._groups:
             raise InvalidParameterError("request_id", f"request id {request_id!r} is already in use")
-        max_tokens = self._validate(prompt_token_ids, params)
+        max_tokens = check_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         choices: list[Request] = []
         for i in range(params.n):
@@ -529,24 +490,6 @@ class Engine:
         return RequestOutput(group.request_id, group.prompt_token_ids, outs, finished, error)
 
     # -- metrics -------------------------------------------------------------------------------------
-    def _step_cost(self, items: list[BatchItem]) -> tuple[float, float]:
-        """Counted FLOPs and bytes moved: matmuls per token, the LM head per sampled row, attention per
-        (query, context) pair; all weights once plus the KV read (whole contexts) and written (new tokens)."""
-        if not items:
-            return 0.0, 0.0
-        tokens = sampled = 0
-        pairs = 0.0
-        kv_read = 0
-        for it in items:
-            n, c = it.num_new_tokens, it.seq.num_computed_tokens
-            tokens += n
-            sampled += it.sample
-            pairs += n * c + n * (n + 1) / 2
-            kv_read += c + n
-        flops = self._body_flops * tokens + self._head_flops * sampled + self._attn_flops * pairs
-        moved = self._weight_bytes + self._kv_token_bytes * (kv_read + tokens)
-        return flops, moved
-
     def _observe_step(
         self,
         sched: SchedulerOutput,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 
 class InvalidParameterError(ValueError):
@@ -91,3 +92,37 @@ class SamplingParams:
             for tok in self.stop_token_ids:
                 if not 0 <= tok < vocab_size:
                     bad("stop_token_ids", f"stop token id {tok} is outside the vocabulary")
+
+
+class PromptTooLongError(InvalidParameterError):
+    """Prompt tokens + max_tokens exceed the model's context length."""
+
+
+def check_request(prompt_token_ids: Sequence[int], params: SamplingParams, vocab: int, max_model_len: int) -> int:
+    """Check a request against the model it is for (vocabulary size, context length); return its
+    resolved max_tokens (what the context leaves when the request gives none)."""
+    params.validate(vocab_size=vocab)
+    if not prompt_token_ids:
+        raise InvalidParameterError("prompt", "the prompt is empty; it must contain at least one token")
+    bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InvalidParameterError("prompt", f"prompt token id {bad} is outside the vocabulary (size {vocab})")
+    limit = max_model_len
+    n_prompt = len(prompt_token_ids)
+    if params.max_tokens is None:
+        if n_prompt >= limit:
+            raise PromptTooLongError(
+                "prompt",
+                f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                f"{n_prompt} tokens, which leaves no room for the completion. Please shorten the prompt.",
+            )
+        return limit - n_prompt
+    total = n_prompt + params.max_tokens
+    if total > limit:
+        raise PromptTooLongError(
+            "prompt" if n_prompt >= limit else "max_tokens",
+            f"This model's maximum context length is {limit} tokens. However, you requested {total} tokens "
+            f"({n_prompt} in the prompt, {params.max_tokens} for the completion). Please reduce the length "
+            "of the prompt or the completion.",
+        )
+    return params.max_tokens

@@ -10,9 +10,9 @@ import pytest
 from metrics.observer import RequestStats, StepStats
 from runtime.batch import BatchItem, RunnerOutput, TokenLogprobs
 from scheduler.config import EngineConfig
-from scheduler.engine import Engine, PromptTooLongError
+from scheduler.engine import Engine
 from scheduler.outputs import RequestOutput
-from scheduler.sampling_params import InvalidParameterError, SamplingParams
+from scheduler.sampling_params import InvalidParameterError, PromptTooLongError, SamplingParams
 from sched_reference import assert_matches_reference, hf_greedy_references
 
 MiB = 2**20
