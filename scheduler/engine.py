@@ -323,7 +323,7 @@ class Engine:
         if done is not None:
             num_sampled += self._process(done, changed, ttfts, itls)
         if launched is not None:
-            sampled = self._sample(sched.items, launched)
+            sampled = self._sample(sched.items, launched, changed)
             if self.async_scheduling:
                 self._in_flight = sampled
             else:
@@ -334,7 +334,7 @@ class Engine:
             self._observe_step(sched, time.perf_counter() - t0, num_sampled, ttfts, itls, cost)
         return outputs
 
-    def _sample(self, items: list[BatchItem], launched: Any) -> _Sampled:
+    def _sample(self, items: list[BatchItem], launched: Any, changed: dict[str, _Group]) -> _Sampled:
         """Issue a launched step's sampling and move its sequences on: their new tokens are computed
         (and full blocks cached); scheduling ahead, each sampled one that goes on gets a pending token."""
         output = self._steps.sample(launched)
@@ -343,8 +343,12 @@ class Engine:
             req: Request = item.seq  # type: ignore[assignment]
             if req.is_finished:  # stopped by its previous token, or aborted, while this step ran
                 continue
-            req.num_computed_tokens += item.num_new_tokens
-            self.block_manager.cache_full_blocks(req)
+            try:
+                req.num_computed_tokens += item.num_new_tokens
+                self.block_manager.cache_full_blocks(req)
+            except Exception as e:  # one bad request must not take the batch down
+                self._fail(req, e, changed)
+                continue
             if ahead and item.sample and not self._ends_by_length(req):
                 req.token_ids.append(PENDING_TOKEN)
         return _Sampled(items, output)
@@ -374,15 +378,22 @@ class Engine:
                 req.last_token_time = now
                 text = self._process_token(req, token, lps, now)
             except Exception as e:  # one bad request must not take the batch down
-                log.exception("request %s choice %d failed while processing its output", req.request_id, req.index)
-                req.error = f"internal error while processing the output: {type(e).__name__}: {e}"
-                if not req.is_finished:
-                    self._finish(req, RequestStatus.FINISHED_ERROR, now)
-                text = ""
+                self._fail(req, e, changed)
+                continue
             group = self._groups[req.request_id]
             self._report(group, req, text)
             changed[req.request_id] = group
         return num_sampled
+
+    def _fail(self, req: Request, e: Exception, changed: dict[str, _Group]) -> None:
+        """Finish ``req`` with an error raised while the engine handled its step; report it."""
+        log.exception("request %s choice %d failed while processing its output", req.request_id, req.index)
+        req.error = f"internal error while processing the output: {type(e).__name__}: {e}"
+        if not req.is_finished:
+            self._finish(req, RequestStatus.FINISHED_ERROR, time.monotonic())
+        group = self._groups[req.request_id]
+        self._report(group, req, "")
+        changed[req.request_id] = group
 
     def _process_token(self, req: Request, token: int, lps: TokenLogprobs | None, now: float) -> str:
         """Append a sampled token, detokenize it, check every stop condition; return the text to emit."""

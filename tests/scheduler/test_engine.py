@@ -271,20 +271,27 @@ def test_logprobs_are_aligned_with_tokens(tiny_llama_dir: Path) -> None:
     assert e.block_manager.num_used_blocks == 0
 
 
-def test_failure_while_processing_one_request_spares_the_others(tiny_llama_dir: Path) -> None:
-    e = scripted_engine(tiny_llama_dir, {3: [10, 11, 12, 13]})
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "async-scheduling"])
+@pytest.mark.parametrize("where", ["detokenizer", "block cache"])
+def test_failure_while_processing_one_request_spares_the_others(tiny_llama_dir: Path, where: str, ahead: bool) -> None:
+    e = scripted_engine(tiny_llama_dir, {3: [10, 11, 12, 13]}, async_scheduling=ahead)
     e.add_request("bad", [3], SamplingParams(max_tokens=4, temperature=0))
     e.add_request("good", [3], SamplingParams(max_tokens=4, temperature=0))
     bad = e._groups["bad"].choices[0]
 
-    def boom(ids: Any) -> str:
-        raise RuntimeError("detokenizer exploded")
+    def boom(*args: Any) -> str:
+        raise RuntimeError(f"{where} exploded")
 
-    bad.detokenizer.step = boom  # type: ignore[union-attr,method-assign]
+    if where == "detokenizer":
+        bad.detokenizer.step = boom  # type: ignore[union-attr,method-assign]
+    else:
+        cache = e.block_manager.cache_full_blocks
+        e.block_manager.cache_full_blocks = lambda seq: boom() if seq is bad else cache(seq)  # type: ignore[method-assign]
     outs = drain(e)
     b = [o for o in outs if o.request_id == "bad"]
     assert b[-1].finished and b[-1].error and "exploded" in b[-1].error
     assert b[-1].outputs[0].finish_reason == "error"
+    assert sum(1 for o in b if o.finished) == 1
     good = by_choice(outs, "good")[0]
     assert good[-1].finish_reason == "length" and good[-1].num_output_tokens == 4
     assert e.block_manager.num_used_blocks == 0
