@@ -24,7 +24,7 @@ import torch
 from runtime import cpu_linear, cpu_ops
 from runtime.attention.base import AttentionBackend, AttentionMetadata
 from runtime.attention.selector import select_backend
-from runtime.batch import PENDING_TOKEN, BatchItem, RunnerOutput, SequenceView
+from runtime.batch import PENDING_TOKEN, BatchItem, RunnerOutput, SequenceView, TokenLogprobs
 from runtime.capacity import kv_bytes_per_token
 from runtime.config import ModelConfig
 from runtime.cuda_graphs import CudaGraphRunner
@@ -58,7 +58,7 @@ class LaunchedStep:
 
 
 class StepOutput:
-    """A step's sampled tokens on their way to the host; ``result`` waits for them (once)."""
+    """A step's sampled tokens on their way to the host; ``result`` waits for them."""
 
     def __init__(
         self,
@@ -76,7 +76,7 @@ class StepOutput:
         """One entry per item, in item order (see ``RunnerOutput``)."""
         n = self._num_items
         tokens: list[int | None] = [None] * n
-        logprobs: list = [None] * n
+        logprobs: list[TokenLogprobs | None] = [None] * n
         if self._rows is not None:
             if self._ready is not None:
                 self._ready.synchronize()  # this step's copies only, not the work issued after them

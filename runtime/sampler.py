@@ -32,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from runtime.batch import SamplingSpec, SequenceView, TokenLogprobs
+from runtime.batch import SequenceView, TokenLogprobs
 
 # Temperatures below this are treated as greedy (dividing by ~0 would overflow the logits).
 GREEDY_TEMPERATURE = 1e-5
