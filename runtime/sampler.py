@@ -268,6 +268,20 @@ def _radix_floor(rows: torch.Tensor, target: torch.Tensor, weighted: bool) -> to
     return padded.gather(1, j.unsqueeze(1)).squeeze(1)
 
 
+def host_to_device(values: Sequence[int] | Sequence[float] | torch.Tensor, device: torch.device,
+                   dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Host values (a list, or a CPU tensor) on ``device`` without waiting for it.
+
+    On a GPU, ``torch.tensor(values, device=...)`` copies from pageable memory and then synchronises
+    the stream: the host would wait for the step's forward, which the engine overlaps with its own
+    work when it schedules ahead. A copy from pinned memory is queued behind that work instead.
+    """
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def _flat_token_positions(
     seqs: Sequence[SequenceView], rows: list[int], vocab_size: int, output_only: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -300,8 +314,10 @@ class Sampler:
     def sample_rows(self, logits: torch.Tensor, seqs: Sequence[SequenceView]) -> SampledRows:
         """``sample``, with the results left where they were computed (on the device).
 
-        Greedy rows, with or without logprobs, never wait for the device here; truncation and seeded
-        draws may (they read sizes and per-row random numbers on the host).
+        Nothing here waits for the device (its host inputs go through ``host_to_device``) for greedy
+        rows with logprobs, logit_bias, min_tokens or a repetition penalty; presence/frequency
+        penalties (``unique``), top-k/top-p truncation and seeded draws do (they read sizes or random
+        numbers on the host), so with those the engine overlaps less of its work with the device.
         """
         n_rows = logits.shape[0]
         if n_rows != len(seqs):
@@ -314,7 +330,7 @@ class Sampler:
 
         device = logits.device
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        lp_idx = torch.tensor(lp_rows, device=device) if lp_rows else None
+        lp_idx = host_to_device(lp_rows, device) if lp_rows else None
         logprobs = logits.index_select(0, lp_idx).log_softmax(-1) if lp_idx is not None else None
 
         greedy = [i for i, p in enumerate(params) if p.temperature < GREEDY_TEMPERATURE]
@@ -325,8 +341,8 @@ class Sampler:
         else:
             greedy_set = set(greedy)
             rand = [i for i in range(n_rows) if i not in greedy_set]
-            g_idx = torch.tensor(greedy, device=device)
-            r_idx = torch.tensor(rand, device=device)
+            g_idx = host_to_device(greedy, device)
+            r_idx = host_to_device(rand, device)
             tokens = torch.empty(n_rows, dtype=torch.int64, device=device)
             tokens[g_idx] = argmax_rows(logits.index_select(0, g_idx))
             tokens[r_idx] = self._sample_rows(logits.index_select(0, r_idx), [seqs[i] for i in rand])
@@ -371,17 +387,17 @@ class Sampler:
         if bias_pos:
             flat.index_add_(
                 0,
-                torch.tensor(bias_pos, device=device),
-                torch.tensor(bias_val, dtype=logits.dtype, device=device),
+                host_to_device(bias_pos, device),
+                host_to_device(bias_val, device, logits.dtype),
             )
         if suppress:
-            flat.index_fill_(0, torch.tensor(suppress, device=device), float("-inf"))
+            flat.index_fill_(0, host_to_device(suppress, device), float("-inf"))
         if rep_rows:
             # CTRL / HF definition over prompt + output: shrink towards zero by r (grow if r < 1).
             pos, row_of = _flat_token_positions(seqs, rep_rows, vocab, output_only=False)
             if pos.numel():
-                pos, row_of = pos.to(device), row_of.to(device)
-                r = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype, device=device)[row_of]
+                pos, row_of = host_to_device(pos, device), host_to_device(row_of, device)
+                r = host_to_device([p.repetition_penalty for p in params], device, logits.dtype)[row_of]
                 vals = flat[pos]
                 # Duplicate positions all write the same value.
                 flat[pos] = torch.where(vals < 0, vals * r, vals / r)
@@ -389,10 +405,10 @@ class Sampler:
             # OpenAI definition over output tokens: logit -= count * frequency + (count > 0) * presence.
             pos, _ = _flat_token_positions(seqs, pf_rows, vocab, output_only=True)
             if pos.numel():
-                pos, counts = torch.unique(pos.to(device), return_counts=True)
+                pos, counts = torch.unique(host_to_device(pos, device), return_counts=True)  # (waits: sizes)
                 row_of = pos // vocab
-                freq = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype, device=device)
-                pres = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype, device=device)
+                freq = host_to_device([p.frequency_penalty for p in params], device, logits.dtype)
+                pres = host_to_device([p.presence_penalty for p in params], device, logits.dtype)
                 flat.index_add_(0, pos, -(counts.to(logits.dtype) * freq[row_of] + pres[row_of]))
 
     def _sample_rows(self, x: torch.Tensor, seqs: Sequence[SequenceView]) -> torch.Tensor:
@@ -402,7 +418,7 @@ class Sampler:
         params = [s.params for s in seqs]
         temps = [p.temperature for p in params]
         if any(t != 1.0 for t in temps):
-            x.div_(torch.tensor(temps, dtype=x.dtype, device=device).unsqueeze(1))
+            x.div_(host_to_device(temps, device, x.dtype).unsqueeze(1))
         probs = x.softmax(-1)
 
         # Every truncation becomes a per-row probability floor. Rows whose survivors all sit in a
@@ -414,16 +430,16 @@ class Sampler:
         if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
             cut = truncate(
                 probs,
-                torch.tensor(top_k, device=device),
-                torch.tensor(top_p, dtype=probs.dtype, device=device),
+                host_to_device(top_k, device),
+                host_to_device(top_p, device, probs.dtype),
             )
         floor = cut.floor
         if any(m > 0.0 for m in min_p):
             # The most likely token survives top-k/top-p, and ratios survive renormalisation, so
             # min-p compares with the untruncated max.
-            floor = torch.maximum(floor, torch.tensor(min_p, dtype=probs.dtype, device=device) * probs.amax(-1))
+            floor = torch.maximum(floor, host_to_device(min_p, device, probs.dtype) * probs.amax(-1))
 
-        u = self._uniforms(seqs).to(device)
+        u = host_to_device(self._uniforms(seqs), device)
         if not cut.heads:
             if bool((floor > 0).any()):
                 probs.masked_fill_(probs < floor.unsqueeze(1), 0.0)

@@ -214,9 +214,22 @@ def measure_throughput(
         engine.async_scheduling = ahead
         res = engine.generate(concurrent_prompts[:8], greedy_params(32, logprobs=None))
         sync_vs_ahead.append([r.outputs[0].token_ids for r in res])
-    engine.async_scheduling = False
     same = sum(a == b for a, b in zip(*sync_vs_ahead))
     report.check("async scheduling gives the synchronous engine's tokens", same == 8, f"{same}/8 token-exact, 32 tokens")
+    if device.type == "cuda":
+        # What the overlap rests on: nothing between issuing a step and reading its tokens waits for
+        # the device (greedy, with and without logprobs, and with logit_bias / min_tokens).
+        from scheduler.sampling_params import SamplingParams
+
+        for label, params in (
+            ("greedy", greedy_params(16, logprobs=None)),
+            ("greedy + logprobs 5 + logit_bias + min_tokens", SamplingParams(
+                temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5, logit_bias={7: 2.0}, min_tokens=4
+            )),
+        ):  # fmt: skip
+            syncs = count_syncs(engine, runner, concurrent_prompts[:8], params)
+            report.check(f"async scheduling, {label}: no device sync in launch / sample", not syncs, "; ".join(syncs[:3]))
+    engine.async_scheduling = False
 
     # One long prefill in a single step, against a measured matmul rate.
     n = plan.prefill_tokens
@@ -241,6 +254,40 @@ def measure_throughput(
         matmul_tflops=mm_rate / 1e12,
     )
     report.check("throughput engine left no blocks in use", engine.block_manager.num_used_blocks == 0, "")
+
+
+def count_syncs(engine: Any, runner: Any, prompts: list[list[int]], params: Any) -> list[str]:
+    """Run the requests to completion with CUDA's sync debug mode on around ``runner.launch`` and
+    ``runner.sample``; returns the warnings of the operations that waited for the device there."""
+    import warnings
+
+    seen: list[str] = []
+    originals = {name: getattr(runner, name) for name in ("launch", "sample")}
+
+    def watched(fn: Any) -> Any:
+        def call(*args: Any) -> Any:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    return fn(*args)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                    seen.extend(f"{fn.__name__}: {str(w.message)[:120]}" for w in caught if "synchroniz" in str(w.message))
+
+        return call
+
+    for name, fn in originals.items():
+        setattr(runner, name, watched(fn))
+    try:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"sync-debug-{time.monotonic_ns()}-{i}", prompt, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        for name in originals:
+            delattr(runner, name)  # back to the class's methods
+    return seen
 
 
 def probe_gemv(device: torch.device, report: Report) -> None:
