@@ -46,6 +46,42 @@ class unfused:
             setattr(obj, name, value)
 
 
+def gpu_timeline(fn: Any, device: torch.device) -> tuple[int, float, float] | None:
+    """Profile one call of ``fn``: (GPU kernels, their summed time in ms, first start to last end in
+    ms). The difference of the last two is the device's idle time: gaps between kernels, host work.
+    None off CUDA or when the profiler gives no kernel timings (e.g. inside a CUDA graph)."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:  # no host tracing: it would widen the gaps
+        fn()
+        sync(device)
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start]
+    if not kernels:
+        return None
+    busy_us = sum(e.time_range.end - e.time_range.start for e in kernels)
+    span_us = max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)
+    return len(kernels), busy_us / 1e3, span_us / 1e3
+
+
+def timeline_row(report: Report, name: str, timeline: tuple[int, float, float] | None) -> None:
+    if timeline is None:
+        print(f"  {name}: no GPU timeline (CPU, or the profiler saw no kernels)")
+        return
+    n, busy, span = timeline
+    report.row(
+        name,
+        busy / span * 100 if span else float("nan"),
+        "% GPU busy",
+        f"{n} kernels, {busy:.2f} ms of kernel time over {span:.2f} ms; idle {span - busy:.2f} ms",
+        kernels=n,
+        kernel_ms=busy,
+        span_ms=span,
+    )
+
+
 def profile_decode(runner: Any, plan: Plan, vocab: int, report: Report) -> None:
     """Where a decode step's time goes: kernels per forward and the costliest ones (eager), and the
     host-side phases of a runner step (prepare, forward, LM head, sampling), for batch 1 and a full batch."""
@@ -128,6 +164,9 @@ def profile_decode(runner: Any, plan: Plan, vocab: int, report: Report) -> None:
             ", ".join(f"{k} {v:.3f}" for k, v in med.items() if k != "execute") + f" (graph={inp.graph})",
             **{k.replace(" ", "_") + "_ms": v for k, v in med.items()},
         )
+        if inp.graph:  # the same forward as a graph replay: what its ~400 kernels leave idle
+            with torch.inference_mode():
+                timeline_row(report, f"graph replay, batch {batch}", gpu_timeline(lambda: runner.forward(inp), dev))
 
 
 def copy_bandwidth(n: int, device: torch.device, iters: int) -> float:
@@ -182,6 +221,7 @@ def measure_throughput(
             floor_measured_ms=floor_measured,
         )
         ms_sync = ms_tok
+        timeline_row(report, f"8 engine steps, batch 1{mode}", engine_timeline(engine, single_prompts[0], device))
 
         # Concurrency: N requests of P -> T at once.
         obs.reset()
@@ -254,6 +294,19 @@ def measure_throughput(
         matmul_tflops=mm_rate / 1e12,
     )
     report.check("throughput engine left no blocks in use", engine.block_manager.num_used_blocks == 0, "")
+
+
+def engine_timeline(engine: Any, prompt: list[int], device: torch.device) -> tuple[int, float, float] | None:
+    """``gpu_timeline`` of 8 decode steps of one request (after 4 to settle)."""
+    if device.type != "cuda":
+        return None
+    engine.add_request(f"timeline-{time.monotonic_ns()}", prompt, greedy_params(20, logprobs=None))
+    for _ in range(4):
+        engine.step()
+    timeline = gpu_timeline(lambda: [engine.step() for _ in range(8)], device)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return timeline
 
 
 def count_syncs(engine: Any, runner: Any, prompts: list[list[int]], params: Any) -> list[str]:
