@@ -268,8 +268,9 @@ def _radix_floor(rows: torch.Tensor, target: torch.Tensor, weighted: bool) -> to
     return padded.gather(1, j.unsqueeze(1)).squeeze(1)
 
 
-def host_to_device(values: Sequence[int] | Sequence[float] | torch.Tensor, device: torch.device,
-                   dtype: torch.dtype = torch.int64) -> torch.Tensor:
+def host_to_device(
+    values: Sequence[int] | Sequence[float] | torch.Tensor, device: torch.device, dtype: torch.dtype = torch.int64
+) -> torch.Tensor:
     """Host values (a list, or a CPU tensor) on ``device`` without waiting for it.
 
     On a GPU, ``torch.tensor(values, device=...)`` copies from pageable memory and then synchronises

@@ -56,7 +56,8 @@ _FINISHED_VALUES = frozenset(
 class Request:
     """A sequence the scheduler moves through its queues; satisfies ``runtime.batch.SequenceView``.
 
-    ``token_ids`` is prompt + output; ``num_computed_tokens`` counts the positions whose K/V are in
+    ``token_ids`` is prompt + output (ending with ``PENDING_TOKEN`` while the engine, scheduling ahead,
+    has sampled a token it has not read yet); ``num_computed_tokens`` counts the positions whose K/V are in
     the pool and catches up with ``len(token_ids)`` one chunk at a time (prefill, decode, recompute
     and prefix-cache hits are all the same operation). ``max_tokens`` is already resolved (never None).
     """

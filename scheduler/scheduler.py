@@ -116,7 +116,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(len(req.token_ids) - req.num_computed_tokens, budget)
-            if num_new <= 0:  # nothing to compute (cannot happen between engine steps)
+            if num_new <= 0:  # nothing to compute: its last token is being sampled (engine scheduling ahead)
                 i += 1
                 continue
             while not self.bm.allocate_slots(req, num_new):
