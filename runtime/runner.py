@@ -283,9 +283,10 @@ class ModelRunner:
         ready = None
         if rows.tokens.device.type == "cuda":
             # Into pinned host memory without blocking; ``result`` waits on this event alone.
+            stream = torch.cuda.current_stream(rows.tokens.device)
             rows = rows.with_tensors([t.to("cpu", non_blocking=True) for t in rows.tensors()])
             ready = torch.cuda.Event()
-            ready.record()
+            ready.record(stream)
         return StepOutput(len(step.items), inputs.sample_items, rows, ready)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
