@@ -1,5 +1,5 @@
 """The key acceptance test: the engine's greedy tokens equal Hugging Face's, on the default model in float32,
-with every scheduling feature on or off (one batch of 8 chat prompts x 64 tokens, ignore_eos).
+with every scheduling feature on or off, and scheduling ahead (one batch of 8 chat prompts x 64 tokens, ignore_eos).
 
 HF runs each prompt alone (batch 1); the engine runs them together. A mismatch is excused only at a
 provable near-tie (HF's top-two logit gap < 1e-3 at the first diverging step and we chose the runner-up).
@@ -175,4 +175,22 @@ def test_preemption(default_model_dir: Path, default_prompts, hf_refs) -> None:
 def test_static_policy(default_model_dir: Path, default_prompts, hf_refs) -> None:
     engine, results = run_engine(default_model_dir, default_prompts, scheduling_policy="static", max_num_seqs=8)
     check(results, hf_refs, "static")
+    finish(engine)
+
+
+def test_async_scheduling_with_every_feature(default_model_dir: Path, default_prompts, hf_refs) -> None:
+    """Scheduling ahead (pending tokens read from the device) under prefix caching, 64-token chunks
+    and preemption at once, run twice (the second run hits the cache)."""
+    engine, results = run_engine(
+        default_model_dir,
+        default_prompts,
+        runs=2,
+        async_scheduling=True,
+        enable_prefix_caching=True,
+        max_num_batched_tokens=64,
+        kv_cache_memory=48 * 16 * KV_TOKEN_BYTES,
+        max_model_len=512,
+    )
+    assert engine.scheduler.num_preemptions_total > 0 and engine.block_manager.prefix_cache_hits > 200
+    check(results, hf_refs, "async-scheduling")
     finish(engine)
