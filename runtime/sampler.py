@@ -316,9 +316,9 @@ class Sampler:
         """``sample``, with the results left where they were computed (on the device).
 
         Nothing here waits for the device (its host inputs go through ``host_to_device``) for greedy
-        rows with logprobs, logit_bias, min_tokens or a repetition penalty; presence/frequency
-        penalties (``unique``), top-k/top-p truncation and seeded draws do (they read sizes or random
-        numbers on the host), so with those the engine overlaps less of its work with the device.
+        rows with logprobs, logit_bias, min_tokens and repetition/presence/frequency penalties; top-k /
+        top-p truncation and seeded draws do (they read sizes or random numbers on the host), so with
+        those the engine overlaps less of its work with the device.
         """
         n_rows = logits.shape[0]
         if n_rows != len(seqs):
@@ -406,11 +406,21 @@ class Sampler:
             # OpenAI definition over output tokens: logit -= count * frequency + (count > 0) * presence.
             pos, _ = _flat_token_positions(seqs, pf_rows, vocab, output_only=True)
             if pos.numel():
-                pos, counts = torch.unique(host_to_device(pos, device), return_counts=True)  # (waits: sizes)
+                # Count each position's occurrences without ``unique``, whose output size the host
+                # would have to wait for: sort, number the runs, count per run (at most n runs).
+                pos = torch.sort(host_to_device(pos, device)).values
+                first = torch.ones_like(pos, dtype=torch.bool)
+                first[1:] = pos[1:] != pos[:-1]
+                run = torch.cumsum(first, 0) - 1
+                counts = torch.zeros(pos.numel(), dtype=logits.dtype, device=device).index_add_(
+                    0, run, torch.ones(pos.numel(), dtype=logits.dtype, device=device)
+                )
                 row_of = pos // vocab
                 freq = host_to_device([p.frequency_penalty for p in params], device, logits.dtype)
                 pres = host_to_device([p.presence_penalty for p in params], device, logits.dtype)
-                flat.index_add_(0, pos, -(counts.to(logits.dtype) * freq[row_of] + pres[row_of]))
+                # Each position once (at the first of its run); the rest of a run adds exactly 0.
+                delta = torch.where(first, counts[run] * freq[row_of] + pres[row_of], 0.0)
+                flat.index_add_(0, pos, -delta)
 
     def _sample_rows(self, x: torch.Tensor, seqs: Sequence[SequenceView]) -> torch.Tensor:
         """Temperature, top-k, top-p, min-p and a draw for rows that are not greedy; ``x`` is modified."""

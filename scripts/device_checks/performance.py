@@ -258,13 +258,14 @@ def measure_throughput(
     report.check("async scheduling gives the synchronous engine's tokens", same == 8, f"{same}/8 token-exact, 32 tokens")
     if device.type == "cuda":
         # What the overlap rests on: nothing between issuing a step and reading its tokens waits for
-        # the device (greedy, with and without logprobs, and with logit_bias / min_tokens).
+        # the device (greedy, with and without logprobs, logit_bias, min_tokens and penalties).
         from scheduler.sampling_params import SamplingParams
 
         for label, params in (
             ("greedy", greedy_params(16, logprobs=None)),
-            ("greedy + logprobs 5 + logit_bias + min_tokens", SamplingParams(
-                temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5, logit_bias={7: 2.0}, min_tokens=4
+            ("greedy + logprobs, logit_bias, min_tokens, penalties", SamplingParams(
+                temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5, logit_bias={7: 2.0}, min_tokens=4,
+                repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.3,
             )),
         ):  # fmt: skip
             syncs = count_syncs(engine, runner, concurrent_prompts[:8], params)
