@@ -11,7 +11,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from runtime.batch import BatchItem
+from runtime.batch import PENDING_TOKEN, BatchItem
 from scheduler.block_manager import BlockManager, PrefixMatch
 from scheduler.request import Request, RequestStatus
 
@@ -117,6 +117,11 @@ class Scheduler:
             req = self.running[i]
             num_new = min(len(req.token_ids) - req.num_computed_tokens, budget)
             if num_new <= 0:  # nothing to compute: its last token is being sampled (engine scheduling ahead)
+                i += 1
+                continue
+            if req.token_ids[-1] == PENDING_TOKEN and not self.bm.allocate_slots(req, num_new):
+                # Its input is a token not read yet, and the request may stop on it: such a row never
+                # preempts anyone. It waits one step, until the token is known.
                 i += 1
                 continue
             while not self.bm.allocate_slots(req, num_new):

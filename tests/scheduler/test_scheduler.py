@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 
+from runtime.batch import PENDING_TOKEN
 from scheduler.block_manager import BlockManager
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
@@ -318,3 +319,32 @@ def test_random_workload_under_memory_pressure_completes_exactly(policy: str) ->
             else:
                 assert r.output_token_ids == reference_output(prompt, mt)
     assert h.bm.num_used_blocks == 0
+
+
+def test_a_row_with_a_pending_input_token_waits_instead_of_preempting() -> None:
+    """Scheduling ahead, a decode whose input token is not read yet may be a wasted row: when it needs a
+    block and none is free it waits a step; once the token is known it may preempt as usual.
+    (The scheduler alone: the test plays the engine's part by hand.)"""
+    h = Harness(num_blocks=3, block_size=4, max_num_batched_tokens=64, prefix_caching=False)
+    (a,) = h.add([1, 2, 3], max_tokens=5)
+    (b,) = h.add([4, 5, 6], max_tokens=5)
+    (c,) = h.add([7, 8, 9], max_tokens=5)
+    out = h.sched.schedule()
+    assert [it.seq for it in out.items] == [a, b, c] and h.bm.num_free_blocks == 0
+    for r in (a, b, c):
+        r.num_computed_tokens = 3  # prompts computed; a's and b's 4th tokens are being sampled
+    for r in (a, b):
+        r.token_ids.append(PENDING_TOKEN)
+    out = h.sched.schedule()  # position 3 fits their first blocks
+    assert [it.seq for it in out.items] == [a, b] and not out.preempted
+    for r in (a, b):
+        r.num_computed_tokens = 4
+        r.token_ids[-1] = 10  # the pending token read
+        r.token_ids.append(PENDING_TOKEN)  # and the next one pending: position 4 needs a new block
+    out = h.sched.schedule()
+    assert out.items == [] and out.preempted == []
+    assert a.status == b.status == c.status == RequestStatus.RUNNING
+    a.token_ids[-1] = 11  # a's token is known now: a preempts the latest admitted, as before
+    out = h.sched.schedule()
+    assert [it.seq for it in out.items] == [a] and out.preempted == [c]
+    assert b.token_ids[-1] == PENDING_TOKEN and b.status == RequestStatus.RUNNING
