@@ -66,6 +66,7 @@ class FakeEngine:
         self.added: list[str] = []
         self.prompts: list[list[int]] = []
         self.aborted: list[str] = []
+        self.steps_at_abort: list[int] = []  # ``steps`` when each abort was applied
         self.crash = False
         self.steps = 0
         self.block_manager = SimpleNamespace(num_used_blocks=0)
@@ -115,6 +116,7 @@ class FakeEngine:
         if req is None:
             return
         self.aborted.append(request_id)
+        self.steps_at_abort.append(self.steps)
         outs = [
             CompletionOutput(c.index, [], "", None, len(c.tokens), "abort") for c in req.choices if c.finish_reason is None
         ]
