@@ -9,23 +9,36 @@ a step with ``n`` decodes replays the smallest captured ``B >= n`` with the extr
 The graphs read fixed input buffers (input ids, positions, slot mapping, seq/context lengths,
 block tables) that ``run`` fills before each replay, and share one memory pool (captured largest
 first, so smaller graphs reuse its memory). The KV pool must not move after capture.
+
+With the fused few-row projections (``runtime.triton_gemv``, via the model's ``FewRowKernels``), each
+size they can serve is captured twice, with and without them; both are replayed and timed, and the
+faster is kept (``choose_variant``; kept unfused when the two disagree beyond a rounding tolerance).
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
 import time
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from runtime.attention.base import AttentionBackend, AttentionMetadata
 
+if TYPE_CHECKING:
+    from runtime.models.llama import FewRowKernels
+
 log = logging.getLogger(__name__)
+
+# Fused and unfused graphs of one size must give hidden states this close (relative L2 norm of the
+# difference) for the fused one to be kept: they differ by the order of float32 sums, then rounding.
+FEW_ROW_TOLERANCE = 2e-2
 
 # forward(input_ids [T], positions [T], meta) -> hidden [T, hidden_size]
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+Captured = tuple["torch.cuda.CUDAGraph", torch.Tensor]  # a graph and its static output
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -105,6 +118,26 @@ class GraphInputs:
             self.block_tables[n:padded_to, 0].zero_()
 
 
+@dataclass
+class VariantTiming:
+    """One batch size's capture-time A/B: median replay times and the relative difference of outputs."""
+
+    fused_ms: float
+    plain_ms: float
+    rel_diff: float
+    chosen: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.chosen = choose_variant(self.fused_ms, self.plain_ms, self.rel_diff)
+
+
+def choose_variant(fused_ms: float, plain_ms: float, rel_diff: float, tolerance: float = FEW_ROW_TOLERANCE) -> str:
+    """"fused" when its graph replays faster and agrees with the plain one, else "plain"."""
+    if not rel_diff <= tolerance:  # NaN included
+        return "plain"
+    return "fused" if fused_ms < plain_ms else "plain"
+
+
 class CudaGraphRunner:
     """Captured decode-only forwards of ``model`` for a ladder of batch sizes.
 
@@ -121,7 +154,13 @@ class CudaGraphRunner:
         max_blocks_per_seq: int,
         block_size: int,
         device: torch.device,
+        few_rows: "FewRowKernels | None" = None,
+        few_rows_max: int = 0,
+        few_rows_ab: bool = True,
     ) -> None:
+        """``few_rows`` (the model's shared ``FewRowKernels``) with ``few_rows_max`` > 0: sizes up to
+        that are captured with the fused few-row projections, after an A/B against the plain graph
+        when ``few_rows_ab``, else unconditionally."""
         self.model = model
         self.backend = backend
         self.sizes = capture_sizes(max_num_seqs)
@@ -134,6 +173,11 @@ class CudaGraphRunner:
         # Kept alive: anything a backend derived in build_metadata is read by the graph at replay.
         self._metas: dict[int, AttentionMetadata] = {}
         self._pool: object | None = None
+        self.few_rows = few_rows
+        self.few_rows_max = few_rows_max if few_rows is not None else 0
+        self.few_rows_ab = few_rows_ab
+        self.variants: dict[int, VariantTiming] = {}  # the A/B of each size that had one
+        self.fused_sizes: set[int] = set()  # sizes whose kept graph uses the fused projections
 
     @property
     def max_batch_size(self) -> int:
@@ -171,26 +215,94 @@ class CudaGraphRunner:
         self.inputs.seq_lens.fill_(1)
         self.inputs.context_lens.zero_()
         self.inputs.block_tables.zero_()
-        for bs in reversed(self.sizes):
-            meta = self.static_metadata(bs)
-            ids, pos = self.inputs.input_ids[:bs], self.inputs.positions[:bs]
-            # Warm up outside the graph: compiles Triton kernels, picks cuBLAS algorithms.
-            self.model(ids, pos, meta)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                out = self.model(ids, pos, meta)
-            if self._pool is None:
-                self._pool = graph.pool()
-            self._graphs[bs] = graph
-            self._outputs[bs] = out
-            self._metas[bs] = meta
+        saved_max = self.few_rows.max_rows if self.few_rows is not None else 0
+        try:
+            for bs in reversed(self.sizes):
+                meta = self.static_metadata(bs)
+                graph, out = self._capture_size(bs, meta)
+                self._graphs[bs] = graph
+                self._outputs[bs] = out
+                self._metas[bs] = meta
+        finally:
+            if self.few_rows is not None:  # back to what eager steps use (never a kernel that failed here)
+                self.few_rows.max_rows = saved_max if self.few_rows_max else 0
         torch.cuda.synchronize(self.device)
         log.info(
-            "captured CUDA graphs for decode batch sizes %s in %.1f s",
+            "captured CUDA graphs for decode batch sizes %s in %.1f s%s",
             ", ".join(map(str, self.sizes)),
             time.perf_counter() - t0,
+            "; fused few-row projections at sizes " + ", ".join(map(str, sorted(self.fused_sizes)))
+            if self.fused_sizes
+            else "",
         )
+        for bs, v in sorted(self.variants.items()):
+            log.info(
+                "decode graph, batch %d: fused few-row projections %.3f ms, plain %.3f ms, outputs differ by %.1e -> %s",
+                bs,
+                v.fused_ms,
+                v.plain_ms,
+                v.rel_diff,
+                v.chosen,
+            )
+
+    def _capture_one(self, bs: int, meta: AttentionMetadata) -> Captured:
+        ids, pos = self.inputs.input_ids[:bs], self.inputs.positions[:bs]
+        # Warm up outside the graph: compiles Triton kernels (and tunes their tiles), picks cuBLAS algorithms.
+        self.model(ids, pos, meta)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self.model(ids, pos, meta)
+        if self._pool is None:
+            self._pool = graph.pool()
+        return graph, out
+
+    def _capture_size(self, bs: int, meta: AttentionMetadata) -> Captured:
+        """The graph of one size: plain, fused, or the faster of both."""
+        k = self.few_rows
+        if k is not None:
+            k.max_rows = 0
+        if k is None or bs > self.few_rows_max:
+            return self._capture_one(bs, meta)
+        k.max_rows = bs
+        try:
+            fused = self._capture_one(bs, meta)
+        except Exception as exc:  # e.g. a Triton compile failure on this GPU: keep the plain path
+            log.warning("fused few-row projections failed at batch %d (%s); using plain projections", bs, exc)
+            k.max_rows = 0
+            self.few_rows_max = 0
+            return self._capture_one(bs, meta)
+        if not self.few_rows_ab:
+            self.fused_sizes.add(bs)
+            return fused
+        k.max_rows = 0
+        plain = self._capture_one(bs, meta)
+        timing = self._compare(fused, plain)
+        self.variants[bs] = timing
+        if timing.chosen == "fused":
+            self.fused_sizes.add(bs)
+            return fused
+        return plain
+
+    def _compare(self, fused: Captured, plain: Captured, iters: int = 20) -> VariantTiming:
+        """Replay both graphs in turn (interleaved, so clock changes hit both): median ms of one
+        replay each, and how far apart their outputs are."""
+        outs = []
+        for graph, out in (fused, plain):
+            graph.replay()
+            torch.cuda.synchronize(self.device)
+            outs.append(out.float().clone())
+        diff = ((outs[0] - outs[1]).norm() / outs[1].norm().clamp_min(1e-12)).item()
+        times: tuple[list[float], list[float]] = ([], [])
+        for _ in range(iters):
+            for (graph, _), acc in zip((fused, plain), times):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                acc.append(start.elapsed_time(end))
+        return VariantTiming(statistics.median(times[0]), statistics.median(times[1]), diff)
 
     def can_run(self, num_decodes: int, num_tokens: int, block_table_width: int) -> bool:
         """A step can replay a graph when it is decode-only and fits the captured shapes."""

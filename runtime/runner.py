@@ -29,6 +29,7 @@ from runtime.capacity import kv_bytes_per_token
 from runtime.config import ModelConfig
 from runtime.cuda_graphs import CudaGraphRunner
 from runtime.kv_cache import KVPool
+from runtime.models.llama import FewRowKernels
 from runtime.sampler import Sampler, SampledRows
 from runtime.weights import load_model
 
@@ -146,14 +147,30 @@ class ModelRunner:
         if rms_norm is not None:
             self.model.use_cpu_rms_norm(rms_norm)
         self.fused_ops = False
+        self.few_rows: FewRowKernels | None = None
+        self.few_rows_mode = "off"
+        self.few_rows_limit = 0  # most rows the fused few-row projections take
         if self.device.type == "cuda":
-            from runtime.attention.flash_backend import fused_ops_enabled
+            from runtime.attention.flash_backend import decode_gemv_mode, fused_ops_enabled
 
             if fused_ops_enabled():
                 from runtime import triton_ops
 
                 self.model.use_fused_ops(triton_ops.rms_norm, triton_ops.silu_mul)
                 self.fused_ops = True
+                self.few_rows_mode = decode_gemv_mode()
+            if self.few_rows_mode != "off":
+                from runtime import triton_gemv
+
+                # Eager steps use them only when forced; graphs decide per size at capture ("auto").
+                self.few_rows = FewRowKernels(
+                    triton_gemv.linear,
+                    triton_gemv.rms_norm_linear,
+                    triton_gemv.silu_mul_linear,
+                    max_rows=triton_gemv.MAX_ROWS if self.few_rows_mode == "on" else 0,
+                )
+                self.model.use_few_row_kernels(self.few_rows)
+                self.few_rows_limit = triton_gemv.MAX_ROWS
         self.max_model_len = max_model_len or model_config.max_position_embeddings
         self.enforce_eager = enforce_eager
         self.kv_pool: KVPool = None  # type: ignore[assignment]  # set by allocate_kv_pool
@@ -172,7 +189,8 @@ class ModelRunner:
             self.backend.name,
             ("oneDNN (packed weights)" if self.packed_linears else "torch")
             + (f" + few-row kernel (<= {self.small_m_linear[1]} rows)" if self.small_m_linear else "")
-            + ("; fused Triton norms/activation/RoPE" if self.fused_ops else ""),
+            + ("; fused Triton norms/activation/RoPE" if self.fused_ops else "")
+            + (f"; fused few-row projections: {self.few_rows_mode}" if self.few_rows is not None else ""),
         )
 
     # ---- the KV pool -----------------------------------------------------------------------------
@@ -194,6 +212,9 @@ class ModelRunner:
                 -(-self.max_model_len // self.block_size),
                 self.block_size,
                 self.device,
+                few_rows=self.few_rows,
+                few_rows_max=self.few_rows_limit,
+                few_rows_ab=self.few_rows_mode == "auto",
             )
             self.graph_runner.capture()  # after the pool exists: the graphs read its addresses
         log.info("KV pool: %r", self.kv_pool)

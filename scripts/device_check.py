@@ -59,6 +59,7 @@ from device_checks.common import (  # noqa: E402  (scripts/ is on sys.path: this
 )
 from device_checks.correctness import (  # noqa: E402
     check_cuda_graphs,
+    check_few_row_kernels,
     check_greedy_vs_hf,
     check_logits_bf16,
     check_logits_exact,
@@ -214,6 +215,12 @@ def main(argv: list[str] | None = None) -> int:
                 report,
                 lambda: check_paging_variants(exact, exact.runner, model_dir, plan, "float32", vocab, tol, report),
             )
+        if "graphs" not in args.skip and device.type == "cuda":
+            section(
+                "float32 fused few-row projections (runtime.triton_gemv)",
+                report,
+                lambda: check_few_row_kernels(exact.runner, plan, vocab, tol, report),
+            )
         if low:
             del exact
             exact = None
@@ -236,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
         if "graphs" not in args.skip:
             if device.type == "cuda":
                 section("CUDA graphs (runtime.cuda_graphs)", report, lambda: check_cuda_graphs(runner, plan, vocab, tol, report))
+                section(
+                    f"{dtype_name} fused few-row projections (runtime.triton_gemv)",
+                    report,
+                    lambda: check_few_row_kernels(runner, plan, vocab, tol, report),
+                )
             else:
                 print("\n== CUDA graphs: skipped (no CUDA device)")
         if "profile" not in args.skip:
@@ -247,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                 lambda: measure_throughput(runner, model_dir, plan, dtype_name, vocab, device, report),
             )
         if "gemv" not in args.skip and device.type == "cuda":
-            section("probe: a Triton GEMV vs cuBLAS (not used by the engine)", report, lambda: probe_gemv(device, report))
+            section("fused few-row projections vs the unfused ops (runtime.triton_gemv)", report, lambda: probe_gemv(device, report))
         if "budget" not in args.skip and device.type == "cuda":
             del runner, engine
             engine = runner = None

@@ -92,6 +92,19 @@ def fused_ops_enabled() -> bool:
     return os.environ.get("SERVELM_DISABLE_FUSED_OPS", "").lower() not in ("1", "true", "yes")
 
 
+DECODE_GEMV_MODES = ("auto", "on", "off")
+
+
+def decode_gemv_mode() -> str:
+    """``SERVELM_DECODE_GEMV``: whether decode steps of 1-4 rows use the fused few-row projections
+    (``runtime.triton_gemv``). ``auto`` (default): per captured CUDA-graph size, whichever of fused and
+    plain replays faster at start-up (plain when eager); ``on``: always; ``off``: never."""
+    mode = os.environ.get("SERVELM_DECODE_GEMV", "auto").strip().lower() or "auto"
+    if mode not in DECODE_GEMV_MODES:
+        raise ValueError(f"SERVELM_DECODE_GEMV must be one of {', '.join(DECODE_GEMV_MODES)}, got {mode!r}")
+    return mode
+
+
 def flash_attn_importable() -> bool:
     """True when the ``flash_attn`` package is installed (checked without importing it)."""
     return importlib.util.find_spec("flash_attn") is not None

@@ -12,6 +12,7 @@ fills), which is what the weight loader (``runtime.weights``) uses to map checkp
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -41,6 +42,26 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 # (x, residual | None, weight, eps) -> (norm(x [+ residual]) * weight, x + residual written into residual | None)
 FusedRmsNorm = Callable[[torch.Tensor, "torch.Tensor | None", torch.Tensor, float], "tuple[torch.Tensor, torch.Tensor | None]"]
+
+
+@dataclass
+class FewRowKernels:
+    """Projections of a few rows with the op before each fused in (``runtime.triton_gemv`` on CUDA).
+
+    A forward of at most ``max_rows`` tokens uses them; ``max_rows`` is read at every forward, so the
+    CUDA-graph runner can capture each batch size with them (``max_rows >= size``) or without (0).
+    """
+
+    # (x, weight, bias) -> F.linear(x, weight, bias)
+    linear: Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+    # (x, residual | None, norm weight, eps, weight, bias) -> (linear(norm(x + residual)), x + residual)
+    rms_norm_linear: Callable[..., "tuple[torch.Tensor, torch.Tensor]"]
+    # (gate_up [T, 2I], weight, bias) -> linear(silu(gate) * up)
+    silu_mul_linear: Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+    max_rows: int = 0
+
+    def applies(self, rows: int) -> bool:
+        return 0 < rows <= self.max_rows
 
 
 class RMSNorm(nn.Module):
@@ -97,6 +118,7 @@ class Linear(nn.Module):
         self.small_m: cpu_linear.SmallMLinear | None = None  # few-row kernel over the dense weight
         self.small_m_rows = 0
         self.bias = _param((self.out_features,), dtype, device) if bias else None
+        self.few_rows: FewRowKernels | None = None
         if len(shards) > 1:
             slices: dict[str, slice] = {}
             start = 0
@@ -125,6 +147,8 @@ class Linear(nn.Module):
             if x.shape[0] <= self.small_m_rows:
                 return self.small_m(x.contiguous(), self.weight, self.bias)  # type: ignore[misc]
             return cpu_linear.linear(x, self.packed, self.bias)
+        if self.few_rows is not None and self.few_rows.applies(x.shape[0]):
+            return self.few_rows.linear(x, self.weight, self.bias)  # type: ignore[arg-type]
         return F.linear(x, self.weight, self.bias)
 
 
@@ -226,8 +250,11 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, cos_sin: CosSin, meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)
+        return self.attend(self.qkv_proj(x), cos_sin, meta)
+
+    def attend(self, qkv: torch.Tensor, cos_sin: CosSin, meta: AttentionMetadata) -> torch.Tensor:
+        """Everything after the q/k/v projection: RoPE, the K/V store, attention and o_proj."""
+        t = qkv.shape[0]
         if self.q_norm is None and self.k_cache is not None and self.v_cache is not None:
             # A backend may do RoPE, the K/V store and attention straight from the fused projection.
             fused = self.backend.forward_from_qkv(
@@ -290,6 +317,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, backend, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = MLP(cfg, dtype, device)
+        self.few_rows: FewRowKernels | None = None
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: CosSin, meta: AttentionMetadata
@@ -298,6 +326,8 @@ class DecoderLayer(nn.Module):
         residual yet); returns this layer's MLP output and the residual stream before it. The residual
         adds happen inside the norms, so a fused norm does each add and its norm in one pass; the sums
         are the same as ``h = h + attn(norm(h)); h = h + mlp(norm(h))``."""
+        if self.few_rows is not None and self.few_rows.applies(x.shape[0]):
+            return self._forward_few_rows(self.few_rows, x, residual, cos_sin, meta)
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
@@ -306,6 +336,24 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(x, cos_sin, meta)
         x, residual = self.post_attention_layernorm.forward_add(x, residual)
         return self.mlp(x), residual
+
+    def _forward_few_rows(
+        self,
+        k: FewRowKernels,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin: CosSin,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same layer with each norm inside the projection after it and SiLU x up inside the down
+        projection: 3 kernels instead of 7 around attention."""
+        attn, mlp = self.self_attn, self.mlp
+        norm = self.input_layernorm
+        qkv, residual = k.rms_norm_linear(x, residual, norm.weight, norm.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        x = attn.attend(qkv, cos_sin, meta)
+        norm = self.post_attention_layernorm
+        gate_up, residual = k.rms_norm_linear(x, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
+        return k.silu_mul_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias), residual
 
 
 class DecoderStack(nn.Module):
@@ -411,6 +459,13 @@ class CausalLM(nn.Module):
             layer.post_attention_layernorm.fused = rms_norm
             layer.mlp.act_mul = silu_mul
         self.model.norm.fused = rms_norm
+
+    def use_few_row_kernels(self, kernels: FewRowKernels) -> None:
+        """Give every layer and projection the fused few-row kernels (one shared ``kernels``: its
+        ``max_rows`` switches them for the whole model)."""
+        for module in self.modules():
+            if isinstance(module, (Linear, DecoderLayer)):
+                module.few_rows = kernels
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[R, hidden]`` -> ``[R, vocab]``; the runner passes only the rows it samples."""

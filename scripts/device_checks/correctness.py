@@ -288,6 +288,51 @@ def check_cuda_graphs(runner: Any, plan: Plan, vocab: int, tol: float, report: R
         )
 
 
+def check_few_row_kernels(runner: Any, plan: Plan, vocab: int, tol: float, report: Report) -> None:
+    """The fused few-row projections (``runtime.triton_gemv``) against the plain path, eager, on
+    decode steps of 1 and 3 rows; then what the runner's graph capture measured and chose per size."""
+    k = getattr(runner, "few_rows", None)
+    if k is None:
+        print("  the runner has no few-row kernels (SERVELM_DECODE_GEMV=off or fused ops disabled)")
+        return
+    dtype = str(runner.dtype).replace("torch.", "")
+    limit = 1e-4 if runner.dtype == torch.float32 else 2e-2
+    saved = k.max_rows
+    try:
+        for batch in (1, 3):
+            with torch.inference_mode():
+                inputs = decode_inputs(runner, batch, plan.graph_context, vocab, seed=40 + batch)
+                m = runner.backend.build_metadata(inputs.meta) if inputs.graph else inputs.meta
+                outs, times = [], []
+                for rows in (batch, 0):
+                    k.max_rows = rows
+                    outs.append(runner.model(inputs.input_ids, inputs.positions, m))
+                    times.append(timed(lambda: runner.model(inputs.input_ids, inputs.positions, m), runner.device, plan.timing_iters))
+                fused, plain = outs
+                top2 = runner.model.compute_logits(plain).float().topk(2, dim=-1)
+                flips = runner.model.compute_logits(fused).float().argmax(-1) != top2.indices[:, 0]
+                real_flips = int((flips & (top2.values[:, 0] - top2.values[:, 1] >= tol)).sum())
+                rel = ((fused.float() - plain.float()).norm() / plain.float().norm()).item()
+            report.check(
+                f"{dtype} few-row projections == plain projections (eager decode, batch {batch})",
+                rel <= limit and real_flips == 0,
+                f"hidden states differ by {rel:.2e} (limit {limit:g}); argmax differs in {int(flips.sum())} of {batch} rows, "
+                f"{real_flips} outside near-ties; eager {times[0] * 1e3:.2f} ms fused vs {times[1] * 1e3:.2f} ms plain",
+            )
+    finally:
+        k.max_rows = saved
+    graphs = runner.graph_runner
+    for bs, v in sorted(graphs.variants.items() if graphs is not None else []):
+        report.row(
+            f"{dtype} decode graph, batch {bs}: fused few-row projections vs plain (capture-time A/B)",
+            v.fused_ms,
+            "ms fused",
+            f"plain {v.plain_ms:.3f} ms, x{v.plain_ms / v.fused_ms:.2f}; outputs differ by {v.rel_diff:.1e}; kept {v.chosen}",
+            plain_ms=v.plain_ms,
+            chosen=v.chosen,
+        )
+
+
 def check_measured_budget(
     model_dir: Path, plan: Plan, dtype_name: str, vocab: int, device: torch.device, report: Report
 ) -> None:

@@ -1,124 +1,105 @@
-"""A probe for the next GPU run: would a Triton GEMV beat cuBLAS on the decode projections?
+"""The fused few-row projections (``runtime.triton_gemv``) against what they replace, per projection.
 
-At batch 1 the H200 spent 3.66 ms per forward in cuBLAS GEMVs for 13.96 GB of weights. That is
-3.8 TB/s on average, but only 3.1-3.4 TB/s on the two small projections (q/k/v and o), which also
-add split-K reduce kernels. The batch-1 target (1.25x of weights / 4.8 TB/s) needs them faster.
-This times a plain streaming kernel against ``F.linear`` on the Llama-3-8B projection shapes, at
-1, 2 and 4 rows and a few tile shapes, and reports bytes read per second. The engine does not use
-this kernel: it is an experiment whose numbers decide whether it should.
+For each Llama-3-8B projection shape and 1, 2 and 4 rows this times, inside a CUDA graph (as a decode
+step runs them, so launch latency is not counted but the gaps between kernels are):
+
+- fused: the one Triton kernel (norm + q/k/v or gate/up; SiLU x up + down; o_proj and the head alone);
+- plain: the unfused ops (``runtime.triton_ops`` norm or activation, then cuBLAS via ``F.linear``).
+
+Each graph cycles over several copies of the weight (more bytes than the 50 MB L2), so the weights
+come from HBM. Reported as bytes of weight read per second, with the largest relative difference.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
-import triton
-import triton.language as tl
+import torch.nn.functional as F
 
-# (name, out_features, in_features) of one Llama-3-8B layer's projections, and the vocabulary head.
+# (name, out_features, in_features, the op fused before the projection)
 LLAMA3_8B_PROJECTIONS = [
-    ("qkv_proj", 6144, 4096),
-    ("o_proj", 4096, 4096),
-    ("gate_up_proj", 28672, 4096),
-    ("down_proj", 4096, 14336),
-    ("lm_head", 128256, 4096),
+    ("qkv_proj", 6144, 4096, "rms_norm"),
+    ("o_proj", 4096, 4096, "none"),
+    ("gate_up_proj", 28672, 4096, "rms_norm"),
+    ("down_proj", 4096, 14336, "silu_mul"),
+    ("lm_head", 128256, 4096, "none"),
 ]
-# (BLOCK_N, BLOCK_K at 1 row, num_warps, num_stages); BLOCK_K shrinks as rows grow (registers).
-CONFIGS = [(8, 512, 4, 3), (16, 256, 4, 4), (32, 128, 4, 4), (64, 128, 8, 3)]
+L2_BYTES = 50 << 20
 
 
-@triton.jit
-def _gemv_kernel(
-    x_ptr,
-    w_ptr,
-    y_ptr,
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_wn,
-    stride_ym,
-    M_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    # One program = BLOCK_N output features for every row: each weight row is read once, in
-    # BLOCK_K-wide contiguous pieces, and multiplied against all (at most M_PAD) rows of x.
-    pid = tl.program_id(0)
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    m = tl.arange(0, M_PAD)
-    m_ok = m < M
-    acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-    tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-
-def gemv(
-    x: torch.Tensor, w: torch.Tensor, block_n: int = 16, block_k: int = 256, num_warps: int = 4, num_stages: int = 4
-) -> torch.Tensor:
-    """``x @ w.T`` for a few rows of ``x`` (``[M, K]``, M <= 16) against ``w`` ``[N, K]``."""
-    m, k = x.shape
-    n = w.shape[0]
-    if w.shape[1] != k or x.stride(-1) != 1 or w.stride(-1) != 1:
-        raise ValueError(f"x {tuple(x.shape)} and w {tuple(w.shape)} must share K with unit column strides")
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x,
-        w,
-        y,
-        m,
-        n,
-        k,
-        x.stride(0),
-        w.stride(0),
-        y.stride(0),
-        M_PAD=triton.next_power_of_2(m),
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
-    return y
+def graph_ms(calls: list[Callable[[], Any]], device: torch.device, iters: int = 10) -> float:
+    """Median ms per call of ``calls`` captured back to back in one CUDA graph."""
+    for fn in calls:  # compile / autotune outside the capture
+        fn()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize(device)
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(calls))
+    times.sort()
+    return times[len(times) // 2]
 
 
 def probe(device: torch.device, rows: tuple[int, ...] = (1, 2, 4)) -> list[dict[str, Any]]:
-    """For each projection shape and row count: cuBLAS (``F.linear``) vs the best tile config of
-    ``gemv``, in TB/s of weights read. ``triton.testing.do_bench`` times single launches with CUDA
-    events and clears the L2 cache between them, so the weights really come from HBM."""
-    from triton.testing import do_bench
+    from runtime import triton_gemv, triton_ops
 
     out = []
-    for name, n, k in LLAMA3_8B_PROJECTIONS:
-        w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
+    gen = torch.Generator(device=device).manual_seed(0)
+    for name, n, k, op in LLAMA3_8B_PROJECTIONS:
         nbytes = n * k * 2
+        copies = max(2, -(-4 * L2_BYTES // nbytes))
+        ws = [torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=gen) / 64 for _ in range(copies)]
+        nw = torch.rand(k, device=device, dtype=torch.bfloat16, generator=gen) + 0.5
         for m in rows:
-            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-            ms_cublas = do_bench(lambda: torch.nn.functional.linear(x, w), warmup=10, rep=50, return_mode="median")
-            ref = torch.nn.functional.linear(x, w).float()
-            best = None
-            for bn, bk, warps, stages in CONFIGS:
-                cfg = (bn, max(32, bk // triton.next_power_of_2(m)), warps, stages)
-                got = gemv(x, w, *cfg).float()
-                err = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
-                ms = do_bench(lambda c=cfg: gemv(x, w, *c), warmup=10, rep=50, return_mode="median")
-                if best is None or ms < best[0]:
-                    best = (ms, cfg, err)
-            assert best is not None
+            width = 2 * k if op == "silu_mul" else k
+            x = torch.randn(m, width, device=device, dtype=torch.bfloat16, generator=gen)
+            res = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen)
+            if op == "rms_norm":
+                def fused(w: torch.Tensor) -> torch.Tensor:
+                    return triton_gemv.rms_norm_linear(x, res, nw, 1e-5, w)[0]
+
+                def plain(w: torch.Tensor) -> torch.Tensor:
+                    # Out of place here (the engine adds in place): repeated calls must see the same input.
+                    return F.linear(triton_ops.rms_norm(x, res.clone(), nw, 1e-5)[0], w)
+            elif op == "silu_mul":
+                def fused(w: torch.Tensor) -> torch.Tensor:
+                    return triton_gemv.silu_mul_linear(x, w)
+
+                def plain(w: torch.Tensor) -> torch.Tensor:
+                    return F.linear(triton_ops.silu_mul(x), w)
+            else:
+                def fused(w: torch.Tensor) -> torch.Tensor:
+                    return triton_gemv.linear(x, w)
+
+                def plain(w: torch.Tensor) -> torch.Tensor:
+                    return F.linear(x, w)
+
+            a, b = fused(ws[0]).float(), plain(ws[0]).float()
+            err = ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+            ms_fused = graph_ms([lambda w=w: fused(w) for w in ws], device)
+            ms_plain = graph_ms([lambda w=w: plain(w) for w in ws], device)
             out.append(
                 dict(
                     name=name,
+                    op=op,
                     rows=m,
-                    cublas_tbs=nbytes / (ms_cublas * 1e-3) / 1e12,
-                    triton_tbs=nbytes / (best[0] * 1e-3) / 1e12,
-                    config=best[1],
-                    max_rel_err=best[2],
+                    fused_tbs=nbytes / (ms_fused * 1e-3) / 1e12,
+                    plain_tbs=nbytes / (ms_plain * 1e-3) / 1e12,
+                    fused_us=ms_fused * 1e3,
+                    plain_us=ms_plain * 1e3,
+                    rel_diff=err,
                 )
             )
+        del ws
     return out

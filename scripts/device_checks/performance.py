@@ -345,15 +345,17 @@ def count_syncs(engine: Any, runner: Any, prompts: list[list[int]], params: Any)
 
 
 def probe_gemv(device: torch.device, report: Report) -> None:
-    """Triton GEMV vs cuBLAS on the projection shapes (``device_checks.gemv_probe``; not used by the engine)."""
+    """The fused few-row projections vs the unfused ops they replace, per shape (``device_checks.gemv_probe``)."""
     from device_checks.gemv_probe import probe
 
     for r in probe(device):
         report.row(
-            f"GEMV {r['name']}, {r['rows']} row(s): Triton vs cuBLAS",
-            r["triton_tbs"],
-            "TB/s",
-            f"cuBLAS {r['cublas_tbs']:.2f} TB/s, x{r['triton_tbs'] / r['cublas_tbs']:.2f}; "
-            f"tile {r['config']}; max rel err {r['max_rel_err']:.1e}",
-            cublas_tbs=r["cublas_tbs"],
+            f"{r['name']} ({r['op']}), {r['rows']} row(s): fused few-row kernel vs unfused",
+            r["fused_us"],
+            "us",
+            f"{r['fused_tbs']:.2f} TB/s vs {r['plain_tbs']:.2f} TB/s ({r['plain_us']:.1f} us), "
+            f"x{r['plain_us'] / r['fused_us']:.2f}; outputs differ by {r['rel_diff']:.1e}",
+            plain_us=r["plain_us"],
+            fused_tbs=r["fused_tbs"],
+            plain_tbs=r["plain_tbs"],
         )

@@ -1,11 +1,12 @@
-"""CPU-checkable parts of the CUDA path: the CUDA-graph size ladder and buffers, KV budget arithmetic."""
+"""CPU-checkable parts of the CUDA path: the CUDA-graph size ladder and buffers, the fused-or-plain
+choice per graph size, KV budget arithmetic."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from runtime.cuda_graphs import GraphInputs, capture_sizes, padded_size
+from runtime.cuda_graphs import CudaGraphRunner, GraphInputs, VariantTiming, capture_sizes, choose_variant, padded_size
 from runtime.gpu_memory import MemoryProfile
 
 GiB = 2**30
@@ -57,3 +58,92 @@ def test_kv_budget_is_the_allowed_fraction_minus_everything_else() -> None:
     assert prof.kv_budget(0.9, reserve_bytes=1 * GiB) == 68 * GiB
     assert prof.kv_budget(0.2) < 0
     assert "KV" in prof.describe(0.9)
+
+
+def test_the_fused_graph_is_kept_only_when_faster_and_in_agreement() -> None:
+    assert choose_variant(fused_ms=4.1, plain_ms=4.4, rel_diff=3e-3) == "fused"
+    assert choose_variant(fused_ms=4.5, plain_ms=4.4, rel_diff=3e-3) == "plain"
+    assert choose_variant(fused_ms=4.1, plain_ms=4.4, rel_diff=0.5) == "plain"  # a wrong kernel is never kept
+    assert choose_variant(fused_ms=4.1, plain_ms=4.4, rel_diff=float("nan")) == "plain"
+    assert VariantTiming(4.1, 4.4, 1e-3).chosen == "fused"
+
+
+class _Backend:
+    def build_metadata(self, meta):  # type: ignore[no-untyped-def]
+        return meta
+
+
+def _graph_runner(kernels, few_rows_max: int, ab: bool, captures: list, compare=None, fail_fused: bool = False):  # type: ignore[no-untyped-def]
+    """A CudaGraphRunner on CPU whose capture and timing are recorded instead of run."""
+    g = CudaGraphRunner(lambda *a: None, _Backend(), 8, 4, 16, torch.device("cpu"),  # type: ignore[arg-type]
+                        few_rows=kernels, few_rows_max=few_rows_max, few_rows_ab=ab)
+
+    def capture_one(bs, meta):  # type: ignore[no-untyped-def]
+        captures.append((bs, kernels.max_rows))
+        if fail_fused and kernels.max_rows:
+            raise RuntimeError("no kernel image for this GPU")
+        return (f"graph {bs} max_rows {kernels.max_rows}", None)
+
+    g._capture_one = capture_one  # type: ignore[method-assign]
+    g._compare = compare or (lambda fused, plain: VariantTiming(1.0, 2.0, 1e-3))  # type: ignore[method-assign]
+    return g
+
+
+def test_each_small_size_is_captured_both_ways_and_the_faster_kept() -> None:
+    from runtime.models.llama import FewRowKernels
+
+    kernels = FewRowKernels(None, None, None, max_rows=0)  # type: ignore[arg-type]
+    captures: list = []
+    g = _graph_runner(kernels, 4, True, captures)
+    for bs in (8, 4, 2, 1):
+        g._capture_size(bs, g.static_metadata(bs))
+    # Largest first; sizes above 4 only plain; each of 4, 2, 1 fused (max_rows = size) then plain.
+    assert captures == [(8, 0), (4, 4), (4, 0), (2, 2), (2, 0), (1, 1), (1, 0)]
+    assert g.fused_sizes == {1, 2, 4} and sorted(g.variants) == [1, 2, 4]
+    assert kernels.max_rows == 0  # eager steps stay plain in auto mode
+
+    # Plain faster at one size: that size keeps the plain graph.
+    captures.clear()
+    slow = {2}
+    state = {"bs": 0}
+
+    def compare(fused, plain):  # type: ignore[no-untyped-def]
+        return VariantTiming(3.0, 2.0, 1e-3) if state["bs"] in slow else VariantTiming(1.0, 2.0, 1e-3)
+
+    g = _graph_runner(kernels, 4, True, captures, compare)
+    kept = {}
+    for bs in (2, 1):
+        state["bs"] = bs
+        kept[bs] = g._capture_size(bs, g.static_metadata(bs))[0]
+    assert kept == {2: "graph 2 max_rows 0", 1: "graph 1 max_rows 1"}
+    assert g.fused_sizes == {1} and g.variants[2].chosen == "plain"
+
+
+def test_forced_fused_graphs_skip_the_ab_and_a_failing_kernel_falls_back_to_plain() -> None:
+    from runtime.models.llama import FewRowKernels
+
+    kernels = FewRowKernels(None, None, None, max_rows=4)  # type: ignore[arg-type]
+    captures: list = []
+    g = _graph_runner(kernels, 4, False, captures)
+    assert g._capture_size(2, g.static_metadata(2))[0] == "graph 2 max_rows 2"
+    assert captures == [(2, 2)] and g.fused_sizes == {2} and not g.variants
+
+    captures.clear()
+    g = _graph_runner(kernels, 4, True, captures, fail_fused=True)
+    assert g._capture_size(4, g.static_metadata(4))[0] == "graph 4 max_rows 0"
+    assert g._capture_size(2, g.static_metadata(2))[0] == "graph 2 max_rows 0"
+    # After the failure no size tries the fused kernels again.
+    assert captures == [(4, 4), (4, 0), (2, 0)] and g.few_rows_max == 0 and not g.fused_sizes
+
+
+def test_decode_gemv_mode_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from runtime.attention.flash_backend import decode_gemv_mode
+
+    monkeypatch.delenv("SERVELM_DECODE_GEMV", raising=False)
+    assert decode_gemv_mode() == "auto"
+    for value, mode in (("ON", "on"), (" off ", "off"), ("", "auto")):
+        monkeypatch.setenv("SERVELM_DECODE_GEMV", value)
+        assert decode_gemv_mode() == mode
+    monkeypatch.setenv("SERVELM_DECODE_GEMV", "fast")
+    with pytest.raises(ValueError, match="SERVELM_DECODE_GEMV"):
+        decode_gemv_mode()

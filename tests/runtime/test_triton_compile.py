@@ -29,14 +29,14 @@ COMPILE = textwrap.dedent(
     from triton.compiler import ASTSource
     from runtime.attention import triton_kernels as tk
 
-    def compile_kernel(fn, args, constexprs, arch, num_warps=4):
+    def compile_kernel(fn, args, constexprs, arch, num_warps=4, num_stages=3):
         sig = dict(args)
         sig.update({k: "constexpr" for k in constexprs})
         names = list(fn.arg_names)
         assert set(sig) == set(names), (sorted(set(names) - set(sig)), sorted(set(sig) - set(names)))
         sig = {k: sig[k] for k in names}
         src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in constexprs.items()})
-        return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+        return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": num_stages})
 
     def attention(dt, group, head_dim, page, decode, arch):
         group_pad = triton.next_power_of_2(group)
@@ -84,15 +84,17 @@ COMPILE = textwrap.dedent(
                 "stride_cos": "i32", "stride_qo_t": "i32", "stride_cache_block": "i32", "stride_cache_slot": "i32"}
         compile_kernel(ops._rope_store_kernel, rope, dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF=64,
                        HEADS_PAD=64, KV_PAD=8, HALF_PAD=64, DIM_PAD=128, PAGE=16), 90)
-    # The device check's GEMV probe (scripts/device_checks/gemv_probe.py), every tile it tries.
-    sys.path.insert(0, "scripts")
-    from device_checks import gemv_probe as gp
-    gemv = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
-            "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32"}
-    for m_pad in (1, 2, 4):
-        for bn, bk, warps, stages in gp.CONFIGS:
-            src_consts = dict(M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=max(32, bk // m_pad))
-            compile_kernel(gp._gemv_kernel, gemv, src_consts, 90, num_warps=warps)
+    # runtime.triton_gemv: each op before the projection, 1 and 4 rows, every tile the autotuner tries.
+    from runtime import triton_gemv as tg
+    gemv = {n: "*bf16" for n in ("x_ptr", "res_ptr", "res_out_ptr", "nw_ptr", "w_ptr", "b_ptr", "y_ptr")}
+    gemv.update({n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_rm", "stride_rom", "stride_wn", "stride_ym")})
+    gemv["eps"] = "fp32"
+    for prologue, has_res, has_bias in ((0, False, True), (1, True, False), (1, False, False), (2, False, False)):
+        for rows_pad in (1, 4):
+            for cfg in tg._configs(rows_pad):
+                consts = dict(PROLOGUE=prologue, HAS_RESIDUAL=has_res, HAS_BIAS=has_bias, M_PAD=rows_pad,
+                              K_PAD=4096, DOT_PRECISION="tf32", **cfg.kwargs)
+                compile_kernel(tg._decode_gemv_kernel, gemv, consts, 90, cfg.num_warps, cfg.num_stages)
     print("compiled")
     """
 )

@@ -40,7 +40,11 @@ _interpreter._patch_lang_tensor = _patch_lang_tensor
 def _load(name: str):  # type: ignore[no-untyped-def]
     mod = importlib.import_module(name)
     # Imported earlier in this process without the interpreter: re-decorate the kernels under it.
-    first_kernel = {"runtime.attention.triton_kernels": "_store_kv_kernel", "runtime.triton_ops": "_rms_norm_kernel"}
+    first_kernel = {
+        "runtime.attention.triton_kernels": "_store_kv_kernel",
+        "runtime.triton_ops": "_rms_norm_kernel",
+        "runtime.triton_gemv": "_decode_gemv_kernel",
+    }
     if type(getattr(mod, first_kernel[name])).__name__ != "InterpretedFunction":
         mod = importlib.reload(mod)
     return mod
@@ -48,6 +52,7 @@ def _load(name: str):  # type: ignore[no-untyped-def]
 
 tk = _load("runtime.attention.triton_kernels")
 ops = _load("runtime.triton_ops")
+gemv = _load("runtime.triton_gemv")
 flash_backend = importlib.import_module("runtime.attention.flash_backend")
 
 
@@ -499,21 +504,152 @@ def test_model_with_fused_ops_equals_the_eager_model(tiny_llama_dir, build_runne
     assert calls == {"rope_store": 2 * layers, "rms_norm": 2 * (2 * layers + 1)}
 
 
-# ----------------------------------------------------------------------------- the device check's GEMV probe
+# ----------------------------------------------------------------------------- few-row projections (runtime.triton_gemv)
 
 
-def test_gemv_probe_kernel_matches_matmul() -> None:
-    """``scripts/device_checks/gemv_probe.py``'s kernel (timed against cuBLAS on a GPU) computes x @ w.T."""
+def _tol(dtype: torch.dtype) -> dict[str, float]:
+    return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
+
+
+# (rows, tile): the untuned default for the row count, and each kind of tile explicitly (element-wise
+# takes one row; the dot tiles pad any count to 16); the largest dot tile exceeds N and K here.
+GEMV_CASES = [(1, None), (1, gemv.DEFAULT_DOT), (2, None), (3, gemv.DOT_TILES[-1]), (4, gemv.DEFAULT_DOT)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("rows", "tile"), GEMV_CASES)
+def test_few_row_linear_equals_f_linear(dtype: torch.dtype, rows: int, tile: tuple[int, ...] | None) -> None:
+    gen = torch.Generator().manual_seed(20 + rows)
+    # N and K off the tile sizes (masked edges); x a strided view; with and without bias.
+    w = (torch.randn(37, 1100, generator=gen) / 8).to(dtype)
+    b = torch.randn(37, generator=gen).to(dtype)
+    x = torch.randn(rows, 1200, generator=gen)[:, :1100].to(dtype)
+    for bias in (None, b):
+        want = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
+        torch.testing.assert_close(gemv.linear(x, w, bias, tile=tile), want.to(dtype), **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("rows", "tile"), GEMV_CASES)
+def test_few_row_norm_linear_equals_norm_then_linear(dtype: torch.dtype, rows: int, tile: tuple[int, ...] | None) -> None:
+    gen = torch.Generator().manual_seed(30 + rows)
+    k = 96 + 4  # not a power of two: the whole-row pass masks its tail too
+    x = (torch.randn(rows, k, generator=gen) * 3).to(dtype)
+    res = torch.randn(rows, k, generator=gen).to(dtype)
+    nw = (torch.rand(k, generator=gen) + 0.5).to(dtype)
+    w = (torch.randn(70, k, generator=gen) / 4).to(dtype)
+    x0, res0 = x.clone(), res.clone()
+
+    y, summed = gemv.rms_norm_linear(x, res, nw, 1e-5, w, tile=tile)
+    want_sum = x + res  # rounded to dtype, as the eager add is
+    assert torch.equal(summed, want_sum)
+    assert torch.equal(x, x0) and torch.equal(res, res0)  # inputs untouched: the sum is a new tensor
+    want = torch.nn.functional.linear(torch_rms_norm(want_sum, nw, 1e-5).double(), w.double()).to(dtype)
+    torch.testing.assert_close(y, want, **_tol(dtype))
+
+    # The first layer: no residual yet; the residual stream is x itself.
+    y, summed = gemv.rms_norm_linear(x, None, nw, 1e-5, w, tile=tile)
+    assert summed is x
+    want = torch.nn.functional.linear(torch_rms_norm(x, nw, 1e-5).double(), w.double()).to(dtype)
+    torch.testing.assert_close(y, want, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("rows", "tile"), GEMV_CASES)
+def test_few_row_silu_mul_linear_equals_activation_then_linear(dtype: torch.dtype, rows: int, tile: tuple[int, ...] | None) -> None:
+    gen = torch.Generator().manual_seed(40 + rows)
+    inter = 700
+    gu = (torch.randn(rows, 2 * inter, generator=gen) * 3).to(dtype)
+    w = (torch.randn(50, inter, generator=gen) / 8).to(dtype)
+    act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]  # rounded as the eager MLP rounds
+    want = torch.nn.functional.linear(act.double(), w.double()).to(dtype)
+    torch.testing.assert_close(gemv.silu_mul_linear(gu, w, tile=tile), want, **_tol(dtype))
+
+
+def test_few_row_kernels_refuse_more_rows_than_they_tile() -> None:
+    x = torch.zeros(gemv.MAX_ROWS + 1, 64)
+    with pytest.raises(ValueError, match="1..4 rows"):
+        gemv.linear(x, torch.zeros(8, 64))
+    with pytest.raises(ValueError, match="weight"):
+        gemv.linear(x[:2], torch.zeros(8, 65))
+
+
+def test_model_with_few_row_kernels_equals_the_eager_model(tiny_llama_dir, build_runner, rt, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The CUDA-path model (Triton backend, fused ops) with the few-row projections on decode steps of
+    1-4 rows and off for longer steps (prefill), against the plain torch path."""
+    from runtime.attention.torch_backend import TorchAttentionBackend
+    from runtime.batch import BatchItem
+    from runtime import cpu_linear
+    from runtime.models.llama import FewRowKernels
+
+    # Dense weights as on CUDA (oneDNN-packed projections would take the CPU's own path first).
+    with monkeypatch.context() as m:
+        m.setattr(cpu_linear, "onednn_linear_available", lambda dtype: False)
+        fused = build_runner(tiny_llama_dir, backend=flash_backend.TritonPagedBackend(16, fused_rope=True))
+    assert not fused.packed_linears
+    fused.model.use_fused_ops(ops.rms_norm, ops.silu_mul)
+    calls = {"linear": [], "rms_norm_linear": [], "silu_mul_linear": []}
+
+    def counted(name):  # type: ignore[no-untyped-def]
+        def call(x, *a):  # type: ignore[no-untyped-def]
+            calls[name].append(x.shape[0])
+            return getattr(gemv, name)(x, *a)
+
+        return call
+
+    kernels = FewRowKernels(counted("linear"), counted("rms_norm_linear"), counted("silu_mul_linear"), max_rows=4)
+    fused.model.use_few_row_kernels(kernels)
+    plain = build_runner(tiny_llama_dir, backend=TorchAttentionBackend(16, use_kernel=False))
+    ids = [5, 900, 17, 4000, 33, 2, 77, 1200, 8, 64, 19, 300, 41]
+    outs = []
+    for runner in (fused, plain):
+        blocks = rt.ScatteredBlocks(runner.kv_pool.num_blocks, runner.block_size, seed=2)
+        seqs = [rt.FakeSeq(seq_id=i, token_ids=list(ids[: 8 + i])) for i in range(3)]
+        for seq in seqs:
+            blocks.grow(seq, len(ids))
+        # Prefill all but the last two tokens (> 4 rows), then two decode steps: 3 rows, then 1 row.
+        logits = rt.step_logits(runner, [BatchItem(s, len(s.token_ids) - 2, sample=False) for s in seqs])
+        logits += rt.step_logits(runner, [BatchItem(s, 1, sample=True) for s in seqs])
+        logits += rt.step_logits(runner, [BatchItem(seqs[1], 1, sample=True)])
+        outs.append(torch.cat(logits))
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=1e-5)
+    layers = len(fused.model.model.layers)
+    # Decode steps only (3 rows, then 1): q/k/v and gate/up with their norms, o_proj, down with SiLU.
+    assert calls == {
+        "linear": [3] * layers + [1] * layers,
+        "rms_norm_linear": [3] * 2 * layers + [1] * 2 * layers,
+        "silu_mul_linear": [3] * layers + [1] * layers,
+    }
+
+
+def test_device_check_compares_few_row_and_plain_projections(tiny_llama_dir, build_runner, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The device check's few-row section, on CPU: it passes on the real kernels, fails on a wrong one,
+    and leaves the runner's setting as it found it."""
     from pathlib import Path
 
+    from runtime import cpu_linear
+    from runtime.models.llama import FewRowKernels
+
     scripts = str(Path(__file__).resolve().parents[2] / "scripts")
-    if scripts not in sys.path:
-        sys.path.insert(0, scripts)
-    probe = importlib.import_module("device_checks.gemv_probe")
-    if type(probe._gemv_kernel).__name__ != "InterpretedFunction":
-        probe = importlib.reload(probe)
-    gen = torch.Generator().manual_seed(12)
-    w = torch.randn(40, 300, generator=gen)  # N and K not multiples of the tiles: masked edges
-    for rows, config in [(1, (8, 128, 4, 3)), (3, (16, 64, 4, 4))]:
-        x = torch.randn(rows, 300, generator=gen)
-        torch.testing.assert_close(probe.gemv(x, w, *config), x @ w.T, atol=1e-4, rtol=1e-4)
+    monkeypatch.syspath_prepend(scripts)
+    from device_checks.common import Plan, Report
+    from device_checks.correctness import check_few_row_kernels
+
+    with monkeypatch.context() as m:
+        m.setattr(cpu_linear, "onednn_linear_available", lambda dtype: False)
+        runner = build_runner(tiny_llama_dir, backend=flash_backend.TritonPagedBackend(16, fused_rope=True))
+    runner.few_rows = FewRowKernels(gemv.linear, gemv.rms_norm_linear, gemv.silu_mul_linear, max_rows=0)
+    runner.model.use_few_row_kernels(runner.few_rows)
+    plan = Plan.dry()
+    plan.timing_iters = 1
+    report = Report()
+    check_few_row_kernels(runner, plan, 2000, 1e-3, report)
+    assert [c["ok"] for c in report.checks] == [True, True] and runner.few_rows.max_rows == 0
+
+    def wrong(x, w, b):  # type: ignore[no-untyped-def]
+        return gemv.linear(x, w, b) * 1.1
+
+    runner.few_rows.linear = wrong
+    report = Report()
+    check_few_row_kernels(runner, plan, 2000, 1e-3, report)
+    assert [c["ok"] for c in report.checks] == [False, False]

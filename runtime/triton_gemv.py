@@ -1,0 +1,288 @@
+"""Few-row projections for decode steps, with the op before each projection fused into it.
+
+At batch 1 a decode step of an 8B model on an H200 spent ~3.7 ms in cuBLAS GEMVs, and ~0.7 ms on
+everything else in ~390 kernels: per layer two RMSNorms, a SiLU x up, and two split-K reduce kernels
+cuBLAS adds to the o and down projections, each a launch and a gap. This module does a projection of
+1-4 rows in one kernel that also does the op feeding it:
+
+- ``rms_norm_linear``: residual add + RMSNorm, then the projection (q/k/v, and gate/up);
+- ``silu_mul_linear``: ``silu(gate) * up`` from the fused gate/up projection, then the down projection;
+- ``linear``: the projection alone (o_proj).
+
+so a layer launches 7 kernels instead of 12. One program computes ``BLOCK_N`` output features for
+every row: it streams those weight rows once, in ``BLOCK_K``-wide contiguous tiles, and multiplies
+them against the input tile (recomputed from the L2-resident input, with the fused op applied). Two
+tile kinds: element-wise for one row (products accumulate in float32 registers, summed once at the
+end), and ``tl.dot`` with the rows padded to 16 (the tensor cores do the multiply; Triton pipelines the
+weight loads). There is no split over K, hence no reduce kernel. For the norm, each program first
+reads the whole input row to get its inverse RMS (a few KB; every program reads the same row from
+L2), and program 0 writes the residual sum.
+
+The inputs are rounded where the unfused path rounds them (``runtime.triton_ops``, i.e. Hugging
+Face's Llama): ``x + residual`` to the activation dtype, the normalised value before the weight
+scale, the scaled value, ``silu(gate)`` and its product with ``up``. The results differ from
+``F.linear`` only by the order of the float32 sums.
+
+On CUDA the tile shape is picked per (rows, N, K, op) by Triton's autotuner on first use (the
+runner's warm-up forwards, before graph capture); under ``TRITON_INTERPRET=1`` (the CPU tests) one
+default shape runs. Whether a decode graph uses these kernels at all is decided at capture by timing
+both variants (``runtime.cuda_graphs``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+# Up to this many rows (the next power of two of the row count is a compile-time tile dimension).
+MAX_ROWS = 4
+
+# Ops before the projection (the kernel's PROLOGUE).
+_PLAIN, _RMS_NORM, _SILU_MUL = 0, 1, 2
+
+
+@triton.jit
+def _decode_gemv_kernel(
+    x_ptr,
+    res_ptr,
+    res_out_ptr,
+    nw_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_rm,
+    stride_rom,
+    stride_wn,
+    stride_ym,
+    eps,
+    PROLOGUE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    M_PAD: tl.constexpr,
+    K_PAD: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # x: [M, K] (PROLOGUE 0/1) or [M, 2K] gate then up (PROLOGUE 2); w: [N, K]; y: [M, N].
+    # Element-wise (one row): acc[BLOCK_N, BLOCK_K] += w * x. Dot: the rows padded to 16, and
+    # acc[BLOCK_N, 16] += w @ x^T on the tensor cores (the weight tile is what streams either way).
+    ROWS: tl.constexpr = 16 if USE_DOT else 1
+    pid = tl.program_id(0)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    r = tl.arange(0, ROWS)
+    r_ok = r < M
+    if PROLOGUE == 1:
+        # The whole input row once: its inverse RMS, and (program 0) the residual sum.
+        m = tl.arange(0, M_PAD)
+        kk = tl.arange(0, K_PAD)
+        row_mask = (m < M)[:, None] & (kk < K)[None, :]
+        h = tl.load(x_ptr + m[:, None] * stride_xm + kk[None, :], mask=row_mask, other=0.0)
+        if HAS_RESIDUAL:
+            row_res = tl.load(res_ptr + m[:, None] * stride_rm + kk[None, :], mask=row_mask, other=0.0)
+            h = (h.to(tl.float32) + row_res.to(tl.float32)).to(h.dtype)
+            if pid == 0:
+                tl.store(res_out_ptr + m[:, None] * stride_rom + kk[None, :], h, mask=row_mask)
+        hf = h.to(tl.float32)
+        rstd_m = tl.math.rsqrt(tl.sum(hf * hf, axis=1) / K + eps)
+        # Spread over the tile's rows (rows >= M get 0: their inputs are masked to 0 anyway).
+        rstd = tl.sum(tl.where(r[:, None] == m[None, :], rstd_m[None, :], 0.0), axis=1)
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        x_mask = r_ok[:, None] & k_ok[None, :]
+        x_off = r[:, None] * stride_xm + k[None, :]
+        if PROLOGUE == 2:
+            gate = tl.load(x_ptr + x_off, mask=x_mask, other=0.0)
+            up = tl.load(x_ptr + x_off + K, mask=x_mask, other=0.0)
+            g = gate.to(tl.float32)
+            # As torch: silu in float32, rounded; the product rounded again.
+            act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+            xk = (act * up.to(tl.float32)).to(gate.dtype)
+        else:
+            xk = tl.load(x_ptr + x_off, mask=x_mask, other=0.0)
+            if PROLOGUE == 1:
+                if HAS_RESIDUAL:
+                    rk = tl.load(res_ptr + r[:, None] * stride_rm + k[None, :], mask=x_mask, other=0.0)
+                    xk = (xk.to(tl.float32) + rk.to(tl.float32)).to(xk.dtype)
+                # HF: weight * (x * rsqrt(var + eps)).to(dtype), each product rounded.
+                normed = (xk.to(tl.float32) * rstd[:, None]).to(xk.dtype).to(tl.float32)
+                nw = tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+                xk = (nw[None, :] * normed).to(xk.dtype)
+        w = tl.load(
+            w_ptr + n[:, None].to(tl.int64) * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0
+        )
+        if USE_DOT:
+            acc = tl.dot(w, tl.trans(xk.to(w.dtype)), acc, input_precision=DOT_PRECISION)
+        else:
+            acc += w.to(tl.float32) * xk.to(tl.float32)
+    if USE_DOT:
+        y = acc
+    else:
+        y = tl.sum(acc, axis=1)[:, None]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(y_ptr + r[None, :] * stride_ym + n[:, None], y.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & r_ok[None, :])
+
+
+# Tiles the autotuner tries. Element-wise, one row only: (BLOCK_N, BLOCK_K, num_warps); the float32
+# accumulator is BLOCK_N x BLOCK_K, 32 registers a thread. Dot (any row count, padded to 16):
+# (BLOCK_N, BLOCK_K, num_warps, num_stages), software-pipelined weight loads.
+ELEMENTWISE_TILES = [(8, 512, 4), (4, 1024, 4), (16, 256, 4)]
+DOT_TILES = [(16, 256, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4)]
+# What runs untuned (the interpreter, or a non-CUDA device): dot tiles need real tensor cores to pay.
+DEFAULT_ELEMENTWISE = ELEMENTWISE_TILES[0]
+DEFAULT_DOT = (16, 64, 4, 1)
+
+
+def _configs(rows_pad: int) -> list[Any]:
+    out = []
+    if rows_pad == 1:
+        for bn, bk, warps in ELEMENTWISE_TILES:
+            out.append(triton.Config(dict(USE_DOT=False, BLOCK_N=bn, BLOCK_K=bk), num_warps=warps))
+    for bn, bk, warps, stages in DOT_TILES:
+        out.append(triton.Config(dict(USE_DOT=True, BLOCK_N=bn, BLOCK_K=bk), num_warps=warps, num_stages=stages))
+    return out
+
+
+def _prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
+    # Element-wise tiles take one row; more rows take the dot tiles.
+    return _configs(kwargs["M_PAD"])
+
+
+def _bench(fn: Any, quantiles: Any = None) -> Any:
+    # Short: the kernels take 5-60 us; autotuning runs once per shape at start-up.
+    return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
+
+
+_tuned = triton.autotune(
+    configs=_configs(1),
+    key=["M_PAD", "N", "K", "PROLOGUE", "HAS_RESIDUAL", "HAS_BIAS"],
+    prune_configs_by={"early_config_prune": _prune},
+    do_bench=_bench,
+)(_decode_gemv_kernel)
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    prologue: int,
+    k: int,
+    residual: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    force_tile: tuple[int, ...] | None = None,
+) -> torch.Tensor:
+    rows = x.shape[0]
+    n = weight.shape[0]
+    if not 0 < rows <= MAX_ROWS:
+        raise ValueError(f"decode GEMV takes 1..{MAX_ROWS} rows, got {rows}")
+    if weight.shape[1] != k or weight.stride(-1) != 1:
+        raise ValueError(f"weight {tuple(weight.shape)} must be [N, {k}] with unit column stride")
+    y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    rows_pad = triton.next_power_of_2(rows)
+    res = residual if residual is not None else x
+    res_out = residual_out if residual_out is not None else x
+    args = (
+        x,
+        res,
+        res_out,
+        norm_weight if norm_weight is not None else weight,
+        weight,
+        bias if bias is not None else weight,
+        y,
+        rows,
+        n,
+        k,
+        x.stride(0),
+        res.stride(0),
+        res_out.stride(0),
+        weight.stride(0),
+        y.stride(0),
+        eps,
+    )
+    consts = dict(
+        PROLOGUE=prologue,
+        HAS_RESIDUAL=residual is not None,
+        HAS_BIAS=bias is not None,
+        M_PAD=rows_pad,
+        K_PAD=triton.next_power_of_2(k),
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+    )
+    if _interpreted() or x.device.type != "cuda" or force_tile is not None:
+        tile = force_tile or (DEFAULT_ELEMENTWISE if rows_pad == 1 else DEFAULT_DOT)
+        use_dot = len(tile) == 4
+        launch = dict(USE_DOT=use_dot, BLOCK_N=tile[0], BLOCK_K=tile[1], num_warps=tile[2])
+        if use_dot:
+            launch["num_stages"] = tile[3]
+        _decode_gemv_kernel[(triton.cdiv(n, tile[0]),)](*args, **consts, **launch)
+    else:
+        _tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **consts)
+    return y
+
+
+def _unit_stride(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+# Each function takes ``tile``: a fixed tile (an ELEMENTWISE_TILES or DOT_TILES entry) instead of the
+# tuned one, for tests and probes.
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, tile: tuple[int, ...] | None = None
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for 1..MAX_ROWS rows."""
+    x = _unit_stride(x)
+    return _launch(x, weight, bias, _PLAIN, x.shape[1], force_tile=tile)
+
+
+def rms_norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    tile: tuple[int, ...] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(F.linear(rms_norm(x + residual) * norm_weight, weight, bias), x + residual)``; without a
+    residual the second result is ``x`` itself. The sum is a new tensor: the inputs are not written."""
+    x = _unit_stride(x)
+    residual_out = None
+    if residual is not None:
+        residual = _unit_stride(residual)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
+        residual_out = torch.empty_like(x)
+    y = _launch(x, weight, bias, _RMS_NORM, x.shape[1], residual, residual_out, norm_weight, eps, force_tile=tile)
+    return y, (residual_out if residual_out is not None else x)
+
+
+def silu_mul_linear(
+    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, tile: tuple[int, ...] | None = None
+) -> torch.Tensor:
+    """``F.linear(silu(gate) * up, weight, bias)`` with ``gate_up`` ``[T, 2 * I]`` (gate columns first)."""
+    gate_up = _unit_stride(gate_up)
+    return _launch(gate_up, weight, bias, _SILU_MUL, gate_up.shape[1] // 2, force_tile=tile)
