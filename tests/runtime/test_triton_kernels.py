@@ -472,11 +472,28 @@ def test_rope_store_equals_rotation_then_store(dtype: torch.dtype) -> None:
     assert torch.equal(v_cache.view(-1, kvh, d), want_v)
 
 
+def prefill_then_decode(runner, rt, lengths: list[int], decode_steps: list[list[int]]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Sequences of the first ``lengths`` tokens of a fixed prompt, on scattered blocks: one prefill
+    step of all but their last ``len(decode_steps)`` tokens, then one decode step per entry of
+    ``decode_steps`` (the sequences it holds). Every step's logits, concatenated."""
+    from runtime.batch import BatchItem
+
+    ids = [5, 900, 17, 4000, 33, 2, 77, 1200, 8, 64, 19, 300, 41]
+    blocks = rt.ScatteredBlocks(runner.kv_pool.num_blocks, runner.block_size, seed=2)
+    seqs = [rt.FakeSeq(seq_id=i, token_ids=list(ids[:n])) for i, n in enumerate(lengths)]
+    for seq in seqs:
+        blocks.grow(seq, len(ids))
+    held = len(decode_steps)
+    logits = rt.step_logits(runner, [BatchItem(s, len(s.token_ids) - held, sample=False) for s in seqs])
+    for step in decode_steps:
+        logits += rt.step_logits(runner, [BatchItem(seqs[i], 1, sample=True) for i in step])
+    return torch.cat(logits)
+
+
 def test_model_with_fused_ops_equals_the_eager_model(tiny_llama_dir, build_runner, rt, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The whole CUDA-path model structure on CPU tensors: Triton backend + fused norms, activation and
     RoPE/store against the plain torch path, prefill then decode steps."""
     from runtime.attention.torch_backend import TorchAttentionBackend
-    from runtime.batch import BatchItem
 
     fused = build_runner(tiny_llama_dir, backend=flash_backend.TritonPagedBackend(16, fused_rope=True))
     calls = {"rope_store": 0, "rms_norm": 0}
@@ -487,17 +504,8 @@ def test_model_with_fused_ops_equals_the_eager_model(tiny_llama_dir, build_runne
         monkeypatch.setattr(ops, name, counted)
     fused.model.use_fused_ops(ops.rms_norm, ops.silu_mul)
     plain = build_runner(tiny_llama_dir, backend=TorchAttentionBackend(16, use_kernel=False))
-    ids = [5, 900, 17, 4000, 33, 2, 77, 1200, 8, 64, 19]
-    outs = []
-    for runner in (fused, plain):
-        blocks = rt.ScatteredBlocks(runner.kv_pool.num_blocks, runner.block_size, seed=2)
-        seqs = [rt.FakeSeq(seq_id=i, token_ids=list(ids[: 7 + i])) for i in range(2)]
-        for seq in seqs:
-            blocks.grow(seq, len(ids))
-        # Both prompts but the last token as one prefill step, then a decode step for each.
-        logits = rt.step_logits(runner, [BatchItem(s, len(s.token_ids) - 1, sample=False) for s in seqs])
-        logits += rt.step_logits(runner, [BatchItem(s, 1, sample=True) for s in seqs])
-        outs.append(torch.cat(logits))
+    # Both prompts but the last token as one prefill step, then a decode step for each.
+    outs = [prefill_then_decode(runner, rt, [7, 8], [[0, 1]]) for runner in (fused, plain)]
     torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=1e-5)
     layers = len(fused.model.model.layers)
     # Two steps: one RoPE/store per layer each; two norms per layer plus the final one each.
@@ -578,7 +586,6 @@ def test_model_with_few_row_kernels_equals_the_eager_model(tiny_llama_dir, build
     """The CUDA-path model (Triton backend, fused ops) with the few-row projections on decode steps of
     1-4 rows and off for longer steps (prefill), against the plain torch path."""
     from runtime.attention.torch_backend import TorchAttentionBackend
-    from runtime.batch import BatchItem
     from runtime import cpu_linear
     from runtime.models.llama import FewRowKernels
 
@@ -600,18 +607,8 @@ def test_model_with_few_row_kernels_equals_the_eager_model(tiny_llama_dir, build
     kernels = FewRowKernels(counted("linear"), counted("rms_norm_linear"), counted("silu_mul_linear"), max_rows=4)
     fused.model.use_few_row_kernels(kernels)
     plain = build_runner(tiny_llama_dir, backend=TorchAttentionBackend(16, use_kernel=False))
-    ids = [5, 900, 17, 4000, 33, 2, 77, 1200, 8, 64, 19, 300, 41]
-    outs = []
-    for runner in (fused, plain):
-        blocks = rt.ScatteredBlocks(runner.kv_pool.num_blocks, runner.block_size, seed=2)
-        seqs = [rt.FakeSeq(seq_id=i, token_ids=list(ids[: 8 + i])) for i in range(3)]
-        for seq in seqs:
-            blocks.grow(seq, len(ids))
-        # Prefill all but the last two tokens (> 4 rows), then two decode steps: 3 rows, then 1 row.
-        logits = rt.step_logits(runner, [BatchItem(s, len(s.token_ids) - 2, sample=False) for s in seqs])
-        logits += rt.step_logits(runner, [BatchItem(s, 1, sample=True) for s in seqs])
-        logits += rt.step_logits(runner, [BatchItem(seqs[1], 1, sample=True)])
-        outs.append(torch.cat(logits))
+    # Prefill all but the last two tokens (> 4 rows), then two decode steps: 3 rows, then 1 row.
+    outs = [prefill_then_decode(runner, rt, [8, 9, 10], [[0, 1, 2], [1]]) for runner in (fused, plain)]
     torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=1e-5)
     layers = len(fused.model.model.layers)
     # Decode steps only (3 rows, then 1): q/k/v and gate/up with their norms, o_proj, down with SiLU.
