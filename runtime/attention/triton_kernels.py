@@ -92,6 +92,49 @@ def store_kvcache(
     )
 
 
+@triton.jit
+def _attend_keys(
+    q,
+    m_i,
+    l_i,
+    acc,
+    n,
+    n_ok,
+    visible,
+    bt_row,
+    kv_head,
+    d,
+    d_ok,
+    k_cache_ptr,
+    v_cache_ptr,
+    softmax_scale_log2,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    PAGE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step over keys ``n`` (positions in the sequence; ``n_ok`` the real ones,
+    ``visible`` [rows, keys] those each query row may see): load their K/V rows through the block table
+    and fold them into the running max ``m_i``, sum ``l_i`` and output ``acc`` (base-2 logits)."""
+    # Never read a block-table entry past the sequence's last block.
+    block = tl.load(bt_row + n // PAGE, mask=n_ok, other=0).to(tl.int64)
+    kv_rows = block * stride_cache_block + (n % PAGE) * stride_cache_slot + kv_head * stride_cache_head
+    kv_mask = n_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_cache_ptr + kv_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * softmax_scale_log2
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row that has seen only masked keys keeps m = -inf; shift by 0 there to avoid inf - inf.
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_shift)
+    p = tl.exp2(s - m_shift[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_cache_ptr + kv_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
 # Per-step metadata must not pick the kernel variant: Triton specialises integer arguments on
 # "== 1" / "divisible by 16" and pointers on 16-byte alignment, so a block-table width or a prefill
 # half that starts at an odd decode count would each compile a new variant in the middle of serving.
@@ -164,23 +207,11 @@ def _paged_attention_kernel(
     for start in range(0, kv_end, BLOCK_N):
         n = start + n_offs
         n_ok = n < kv_end
-        # Never read a block-table entry past the sequence's last block.
-        block = tl.load(bt_row + n // PAGE, mask=n_ok, other=0).to(tl.int64)
-        kv_rows = block * stride_cache_block + (n % PAGE) * stride_cache_slot + kv_head * stride_cache_head
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * softmax_scale_log2
         visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that has seen only masked keys keeps m = -inf; shift by 0 there to avoid inf - inf.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_shift)
-        p = tl.exp2(s - m_shift[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_keys(
+            q, m_i, l_i, acc, n, n_ok, visible, bt_row, kv_head, d, d_ok, k_cache_ptr, v_cache_ptr,
+            softmax_scale_log2, stride_cache_block, stride_cache_slot, stride_cache_head, PAGE, DOT_PRECISION,
+        )  # fmt: skip
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / l_i[:, None]
@@ -246,20 +277,10 @@ def _paged_decode_split_kernel(
     for start in range(k_start, k_end, BLOCK_N):
         n = start + n_offs
         n_ok = n < k_end
-        block = tl.load(bt_row + n // PAGE, mask=n_ok, other=0).to(tl.int64)
-        kv_rows = block * stride_cache_block + (n % PAGE) * stride_cache_slot + kv_head * stride_cache_head
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * softmax_scale_log2
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_shift)
-        p = tl.exp2(s - m_shift[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_keys(
+            q, m_i, l_i, acc, n, n_ok, n_ok[None, :], bt_row, kv_head, d, d_ok, k_cache_ptr, v_cache_ptr,
+            softmax_scale_log2, stride_cache_block, stride_cache_slot, stride_cache_head, PAGE, DOT_PRECISION,
+        )  # fmt: skip
 
     # An empty slice (a context shorter than the split count asks for) leaves m = -inf, l = 0.
     part = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + split
