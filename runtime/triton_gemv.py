@@ -177,8 +177,9 @@ _tuned = triton.autotune(
 )(_decode_gemv_kernel)
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "") == "1"
+def _autotuned(x: torch.Tensor) -> bool:
+    """Whether the autotuner picks the tile: CUDA tensors, outside Triton's interpreter."""
+    return x.device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "") != "1"
 
 
 def _launch(
@@ -229,7 +230,7 @@ def _launch(
         K_PAD=triton.next_power_of_2(k),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
     )
-    if _interpreted() or x.device.type != "cuda" or force_tile is not None:
+    if force_tile is not None or not _autotuned(x):
         tile = force_tile or (DEFAULT_ELEMENTWISE if rows_pad == 1 else DEFAULT_DOT)
         use_dot = len(tile) == 4
         launch = dict(USE_DOT=use_dot, BLOCK_N=tile[0], BLOCK_K=tile[1], num_warps=tile[2])

@@ -650,3 +650,37 @@ def test_device_check_compares_few_row_and_plain_projections(tiny_llama_dir, bui
     report = Report()
     check_few_row_kernels(runner, plan, 2000, 1e-3, report)
     assert [c["ok"] for c in report.checks] == [False, False]
+
+
+def test_the_autotuner_is_wired_to_the_row_count_s_tiles(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The CUDA path's autotuned launch, run by the interpreter with a stand-in timer: one row tries
+    element-wise and dot tiles, more rows only dot tiles, each key is tuned once, and the result is right."""
+    tried: list[tuple[int, bool]] = []
+    current = {}
+
+    def bench(fn, quantiles=None):  # type: ignore[no-untyped-def]
+        fn()
+        cfg = current["config"]
+        tried.append((rows_now, cfg.kwargs["USE_DOT"]))
+        return [float(cfg.kwargs["BLOCK_N"])] * 3  # the smallest BLOCK_N "wins"
+
+    orig_bench = gemv._tuned._bench
+
+    def track(*args, config, **meta):  # type: ignore[no-untyped-def]
+        current["config"] = config
+        return orig_bench(*args, config=config, **meta)
+
+    monkeypatch.setattr(gemv, "_autotuned", lambda x: True)
+    monkeypatch.setattr(gemv._tuned, "_bench", track)
+    monkeypatch.setitem(gemv._tuned.__dict__, "do_bench", bench)
+    monkeypatch.setattr(gemv._tuned, "cache", {})
+    gen = torch.Generator().manual_seed(50)
+    w = torch.randn(24, 80, generator=gen)
+    for rows_now in (1, 3, 1):
+        x = torch.randn(rows_now, 80, generator=gen)
+        torch.testing.assert_close(gemv.linear(x, w), x @ w.T, atol=1e-5, rtol=1e-5)
+    ones = [dot for r, dot in tried if r == 1]
+    threes = [dot for r, dot in tried if r == 3]
+    assert len(ones) == len(gemv._configs(1)) and ones.count(False) == len(gemv.ELEMENTWISE_TILES)  # tuned once
+    assert threes == [True] * len(gemv.DOT_TILES)
+    assert sorted(k[0] for k in gemv._tuned.cache) == [1, 4]  # keyed by the padded row count (3 -> 4)
