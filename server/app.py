@@ -9,12 +9,20 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from metrics.observer import Observer, RequestStats, StepStats
 from server.async_engine import AsyncEngine
-from server.errors import APIError, install_error_handlers, model_not_found, unauthorized, unavailable
+from server.errors import (
+    APIError,
+    document_validation_as_400,
+    error_responses,
+    install_error_handlers,
+    model_not_found,
+    unauthorized,
+    unavailable,
+)
 from server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -195,6 +203,7 @@ def build_app(
     ctx = ServingContext.from_engine(async_engine)
     app.state.serving = ctx
     install_error_handlers(app)
+    document_validation_as_400(app)
     app.add_middleware(GateMiddleware, async_engine=async_engine, api_key=api_key)
 
     def model_card() -> ModelCard:
@@ -202,26 +211,28 @@ def build_app(
             id=ctx.served_model_name, created=ctx.created, root=ctx.model_path, max_model_len=ctx.max_model_len
         )
 
-    @app.post("/v1/completions", response_model=CompletionResponse)
+    generation_errors = error_responses(400, 401, 404, 500, 503)
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=generation_errors)
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         return await create_completion(ctx, body, raw)
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=generation_errors)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(ctx, body, raw)
 
-    @app.get("/v1/models", response_model=ModelList)
+    @app.get("/v1/models", response_model=ModelList, responses=error_responses(401, 503))
     async def list_models() -> ModelList:
         return ModelList(data=[model_card()])
 
-    @app.get("/v1/models/{model_id:path}", response_model=ModelCard)
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=error_responses(401, 404, 503))
     async def get_model(model_id: str) -> ModelCard:
         if model_id != ctx.served_model_name:
             raise model_not_found(model_id)
         return model_card()
 
     @app.head("/health", include_in_schema=False)
-    @app.get("/health")
+    @app.get("/health", responses=error_responses(503))
     async def health() -> Response:
         if not async_engine.is_alive:
             return unavailable(f"The engine is not running ({async_engine.dead_reason or 'stopped'}).", "engine_dead").response()
@@ -233,7 +244,7 @@ def build_app(
     async def get_version() -> JSONResponse:
         return JSONResponse({"version": version})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         body, content_type = _render_metrics(metrics_registry, async_engine)
         return Response(body, media_type=None, headers={"Content-Type": content_type})

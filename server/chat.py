@@ -9,10 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 from server.errors import bad_request, unsupported
-from server.protocol import ChatMessage
+from server.protocol import CHAT_ROLES, ChatMessage
 
 # OpenAI's "developer" role is the newer name for "system"; chat templates only know "system".
-_ROLE_MAP = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLE_MAP = {role: "system" if role == "developer" else role for role in CHAT_ROLES}
 
 
 def normalize_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:

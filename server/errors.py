@@ -12,6 +12,7 @@ from typing import Any, Sequence
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,52 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error response (for the OpenAPI schema; errors are built by ``APIError``)."""
+
+    error: ErrorBody
+
+
+_ERROR_DESCRIPTIONS = {
+    400: "Invalid request: a malformed body, a field out of range, an unsupported parameter, a prompt too long",
+    401: "Missing or wrong API key (with --api-key only)",
+    404: "No such model",
+    500: "Internal error",
+    503: "Overloaded (queue full; see Retry-After), shutting down, or the engine has stopped",
+}
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """The ``responses`` of a route for the OpenAPI schema: each status it can return, with its body."""
+    return {c: {"model": ErrorResponse, "description": _ERROR_DESCRIPTIONS[c]} for c in codes}
+
+
+def document_validation_as_400(app: FastAPI) -> None:
+    """FastAPI documents a 422 for every route with a body or parameters; here validation errors leave
+    as 400 in the OpenAI shape (``install_error_handlers``), so the schema drops the 422s."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            for path in schema.get("paths", {}).values():
+                for operation in path.values():
+                    operation.get("responses", {}).pop("422", None)
+            components = schema.get("components", {}).get("schemas", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                components.pop(name, None)
+        return app.openapi_schema  # type: ignore[return-value]
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -59,8 +59,22 @@ class GenerationRequest(SamplingExtensions):
 Prompt = Union[str, list[str], list[int], list[list[int]]]
 
 
+def _non_empty_prompt(schema: dict[str, Any]) -> None:
+    # Documents what the serving code checks after tokenising: no prompt may be empty.
+    for branch in schema["properties"]["prompt"].get("anyOf", []):
+        if branch.get("type") == "string":
+            branch["minLength"] = 1
+        elif branch.get("type") == "array":
+            branch["minItems"] = 1
+            items = branch.get("items", {})
+            items.update({"minLength": 1} if items.get("type") == "string" else {})
+            items.update({"minItems": 1} if items.get("type") == "array" else {})
+
+
 class CompletionRequest(GenerationRequest):
     """``POST /v1/completions``."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_non_empty_prompt)
 
     prompt: Prompt
     max_tokens: int | None = 16
@@ -87,10 +101,15 @@ class TextPart(BaseModel):
     text: str | None = None
 
 
+# The roles a chat message may have ("developer" is OpenAI's newer name for "system").
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: str
+    # Checked in server.chat (with a message naming the message's index); the schema lists them.
+    role: str = Field(json_schema_extra={"enum": list(CHAT_ROLES)})
     content: str | list[TextPart] | None = None
     name: str | None = None  # accepted; the chat template has no place for it
     # Declared so they are refused by name:

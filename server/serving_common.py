@@ -185,11 +185,14 @@ async def until_disconnect(request: Request, work: Awaitable[T], group: RequestG
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        if not task.done():
+        # Not done: the client left first (or this coroutine was cancelled). cancel() only asks; the
+        # task is not "cancelled" until it runs again, so decide on done(), not on cancelled().
+        abandoned = not task.done()
+        if abandoned:
             task.cancel()
             group.close()
         watcher.cancel()
-    if task.cancelled():
+    if abandoned or task.cancelled():
         # The client is gone: nobody reads this (nginx's "client closed request" status).
         raise APIError(499, "The client closed the connection before the response was ready.", code="client_closed")
     try:

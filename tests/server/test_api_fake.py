@@ -397,6 +397,75 @@ def test_non_stream_disconnect_aborts(fake_server: Any) -> None:
     _wait(lambda: eng.block_manager.num_used_blocks == 0)
 
 
+def test_the_openapi_schema_documents_what_the_server_returns(fake_server: Any) -> None:
+    """Errors as the OpenAI error body with their real statuses (400 for validation, never FastAPI's
+    422), /metrics as text, the chat roles, and that prompts must not be empty."""
+    srv, _, _ = fake_server()
+    schema = http.get(f"{srv.url}/openapi.json").json()
+    assert '"422"' not in json.dumps(schema) and "HTTPValidationError" not in schema["components"]["schemas"]
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        responses = schema["paths"][path]["post"]["responses"]
+        assert sorted(responses) == ["200", "400", "401", "404", "500", "503"]
+        assert responses["400"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}
+    error = schema["components"]["schemas"]["ErrorBody"]
+    assert sorted(error["properties"]) == ["code", "message", "param", "type"]
+    assert sorted(schema["paths"]["/v1/models/{model_id}"]["get"]["responses"]) == ["200", "401", "404", "503"]
+    assert list(schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
+    role = schema["components"]["schemas"]["ChatMessage"]["properties"]["role"]
+    assert role["enum"] == ["system", "developer", "user", "assistant"]
+    branches = schema["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]["anyOf"]
+    assert [b.get("minLength", b.get("minItems")) for b in branches] == [1, 1, 1, 1]
+    assert [b["items"].get("minLength", b["items"].get("minItems")) for b in branches[1:]] == [1, None, 1]
+    # What the schema says is what the server does.
+    assert_error(http.post(f"{srv.url}/v1/completions", json={"prompt": ""}), 400, param="prompt")
+    r = http.post(f"{srv.url}/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]})
+    assert_error(r, 400, param="messages[0].role")
+    assert http.get(f"{srv.url}/metrics").headers["content-type"].startswith("text/plain")
+
+
+async def test_a_client_gone_before_the_result_is_a_499_not_a_server_error() -> None:
+    """``until_disconnect`` when the disconnect wins the race: the work is cancelled, the group closed,
+    and the outcome is 499 (it used to ask the just-cancelled task for its result and log a 500)."""
+    import asyncio
+
+    from server.errors import APIError
+    from server.serving_common import until_disconnect
+
+    class Request:
+        async def receive(self) -> dict[str, str]:
+            return {"type": "http.disconnect"}
+
+    class Group:
+        closed = 0
+
+        def close(self) -> None:
+            self.closed += 1
+
+    never = asyncio.get_running_loop().create_future()
+
+    async def work() -> str:
+        await never
+        return "unreachable"
+
+    group = Group()
+    with pytest.raises(APIError) as err:
+        await until_disconnect(Request(), work(), group)  # type: ignore[arg-type]
+    assert err.value.status_code == 499 and err.value.code == "client_closed"
+    assert group.closed == 1
+
+    # And a result that is ready wins over a client that stays.
+    class Staying:
+        async def receive(self) -> dict[str, str]:
+            await asyncio.sleep(3600)
+            return {}
+
+    async def quick() -> str:
+        return "done"
+
+    assert await until_disconnect(Staying(), quick(), group) == "done"  # type: ignore[arg-type]
+    assert group.closed == 1
+
+
 def test_engine_death(fake_server: Any) -> None:
     srv, eng, ae = fake_server(step_time=0.01)
     got: dict[str, Any] = {}
