@@ -684,3 +684,30 @@ def test_the_autotuner_is_wired_to_the_row_count_s_tiles(monkeypatch) -> None:  
     assert len(ones) == len(gemv._configs(1)) and ones.count(False) == len(gemv.ELEMENTWISE_TILES)  # tuned once
     assert threes == [True] * len(gemv.DOT_TILES)
     assert sorted(k[0] for k in gemv._tuned.cache) == [1, 4]  # keyed by the padded row count (3 -> 4)
+
+
+def test_device_check_gemv_probe_compares_like_with_like(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``scripts/device_checks/gemv_probe.py`` on small shapes, its CUDA-graph timer stood in for: each
+    fused op agrees with the unfused ops it is timed against."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "scripts"))
+    probe = importlib.import_module("device_checks.gemv_probe")
+    calls = []
+
+    def fake_graph_ms(fns, device, iters=10):  # type: ignore[no-untyped-def]
+        calls.append(len(fns))
+        for fn in fns:
+            fn()
+        return 1.0
+
+    monkeypatch.setattr(probe, "graph_ms", fake_graph_ms)
+    monkeypatch.setattr(probe, "L2_BYTES", 1 << 10)
+    monkeypatch.setattr(probe, "LLAMA3_8B_PROJECTIONS", [
+        ("qkv_proj", 48, 64, "rms_norm"), ("o_proj", 64, 64, "none"), ("down_proj", 64, 96, "silu_mul"),
+    ])  # fmt: skip
+    # float16: the interpreter's bf16 is not torch's (it truncates, and its tl.dot misreads bf16).
+    rows = probe.probe(torch.device("cpu"), rows=(1, 3), dtype=torch.float16)
+    assert [(r["name"], r["rows"]) for r in rows] == [(n, m) for n in ("qkv_proj", "o_proj", "down_proj") for m in (1, 3)]
+    assert all(r["rel_diff"] < 2e-3 for r in rows), [r["rel_diff"] for r in rows]
+    assert len(calls) == 2 * len(rows) and all(c >= 2 for c in calls)  # fused and plain, several weight copies
