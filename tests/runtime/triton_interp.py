@@ -1,0 +1,79 @@
+"""Triton's interpreter for the CPU tests of the CUDA path's kernels, and what those tests share.
+
+``TRITON_INTERPRET=1`` must be set before triton is first imported (``triton.jit`` reads it when a
+kernel is decorated): test modules import this one before anything that imports triton, and take the
+kernel modules from here (``load`` re-imports them under the interpreter if they were imported without it).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+
+from triton.runtime import interpreter as _interpreter  # noqa: E402
+
+# Triton 3.6's interpreter turns scalar tensors (1-element arrays) into Python ints with int(array),
+# which numpy >= 2.4 refuses ("only 0-dimensional arrays can be converted"); a dynamic loop bound
+# (`range(0, kv_end, BLOCK_N)`) needs it. Newer Triton squeezes first; do the same here.
+_orig_patch = _interpreter._patch_lang_tensor
+
+
+def _patch_lang_tensor(tensor, scope):  # type: ignore[no-untyped-def]
+    _orig_patch(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+
+_interpreter._patch_lang_tensor = _patch_lang_tensor
+
+
+def load(name: str):  # type: ignore[no-untyped-def]
+    mod = importlib.import_module(name)
+    # Imported earlier in this process without the interpreter: re-decorate the kernels under it.
+    first_kernel = {
+        "runtime.attention.triton_kernels": "_store_kv_kernel",
+        "runtime.triton_ops": "_rms_norm_kernel",
+        "runtime.triton_gemv": "_decode_gemv_kernel",
+    }
+    if type(getattr(mod, first_kernel[name])).__name__ != "InterpretedFunction":
+        mod = importlib.reload(mod)
+    return mod
+
+
+tk = load("runtime.attention.triton_kernels")
+ops = load("runtime.triton_ops")
+gemv = load("runtime.triton_gemv")
+flash_backend = importlib.import_module("runtime.attention.flash_backend")
+
+
+def torch_rms_norm(x, w, eps):  # type: ignore[no-untyped-def]
+    """The eager model's RMSNorm (``runtime.models.llama.RMSNorm`` without kernels)."""
+    from runtime.models.llama import RMSNorm
+
+    norm = RMSNorm(x.shape[-1], eps, x.dtype, torch.device("cpu"))
+    norm.weight.data.copy_(w)
+    return norm(x)
+
+
+def prefill_then_decode(runner, rt, lengths: list[int], decode_steps: list[list[int]]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Sequences of the first ``lengths`` tokens of a fixed prompt, on scattered blocks: one prefill
+    step of all but their last ``len(decode_steps)`` tokens, then one decode step per entry of
+    ``decode_steps`` (the sequences it holds). Every step's logits, concatenated."""
+    from runtime.batch import BatchItem
+
+    ids = [5, 900, 17, 4000, 33, 2, 77, 1200, 8, 64, 19, 300, 41]
+    blocks = rt.ScatteredBlocks(runner.kv_pool.num_blocks, runner.block_size, seed=2)
+    seqs = [rt.FakeSeq(seq_id=i, token_ids=list(ids[:n])) for i, n in enumerate(lengths)]
+    for seq in seqs:
+        blocks.grow(seq, len(ids))
+    held = len(decode_steps)
+    logits = rt.step_logits(runner, [BatchItem(s, len(s.token_ids) - held, sample=False) for s in seqs])
+    for step in decode_steps:
+        logits += rt.step_logits(runner, [BatchItem(seqs[i], 1, sample=True) for i in step])
+    return torch.cat(logits)
