@@ -354,7 +354,11 @@ def test_queue_full_503_with_retry_after(fake_server: Any) -> None:
         results.append(http.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 30}, timeout=30))
 
     threads = [threading.Thread(target=call) for _ in range(3)]  # 1 running + 2 waiting
-    for t in threads:
+    # The first must reach the engine (and run) before the others: adds still in the inbox count as
+    # waiting, so three at once under load would already overflow the queue of 2.
+    threads[0].start()
+    _wait(lambda: len(eng.added) == 1)
+    for t in threads[1:]:
         t.start()
     _wait(lambda: len(eng.added) == 3)
     r = http.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 1})
