@@ -352,7 +352,9 @@ class DecoderLayer(nn.Module):
         qkv, residual = k.rms_norm_linear(x, residual, norm.weight, norm.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
         x = attn.attend(qkv, cos_sin, meta)
         norm = self.post_attention_layernorm
-        gate_up, residual = k.rms_norm_linear(x, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
+        gate_up, residual = k.rms_norm_linear(
+            x, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias
+        )
         return k.silu_mul_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias), residual
 
 
