@@ -67,8 +67,10 @@ def _non_empty_prompt(schema: dict[str, Any]) -> None:
         elif branch.get("type") == "array":
             branch["minItems"] = 1
             items = branch.get("items", {})
-            items.update({"minLength": 1} if items.get("type") == "string" else {})
-            items.update({"minItems": 1} if items.get("type") == "array" else {})
+            if items.get("type") == "string":
+                items["minLength"] = 1
+            elif items.get("type") == "array":
+                items["minItems"] = 1
 
 
 class CompletionRequest(GenerationRequest):
