@@ -144,7 +144,7 @@ def _decode_gemv_kernel(
 # (BLOCK_N, BLOCK_K, num_warps, num_stages), software-pipelined weight loads.
 ELEMENTWISE_TILES = [(8, 512, 4), (4, 1024, 4), (16, 256, 4)]
 DOT_TILES = [(16, 256, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4)]
-# What runs untuned (the interpreter, or a non-CUDA device): dot tiles need real tensor cores to pay.
+# What runs untuned (under the interpreter, or off CUDA): one element-wise tile, one small dot tile.
 DEFAULT_ELEMENTWISE = ELEMENTWISE_TILES[0]
 DEFAULT_DOT = (16, 64, 4, 1)
 
@@ -227,7 +227,7 @@ def _launch(
         HAS_RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None,
         M_PAD=rows_pad,
-        K_PAD=triton.next_power_of_2(k),
+        K_PAD=triton.next_power_of_2(k) if prologue == _RMS_NORM else 1,  # the norm's whole-row pass only
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
     )
     if force_tile is not None or not _autotuned(x):
