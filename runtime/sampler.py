@@ -400,8 +400,10 @@ class Sampler:
                 pos, row_of = host_to_device(pos, device), host_to_device(row_of, device)
                 r = host_to_device([p.repetition_penalty for p in params], device, logits.dtype)[row_of]
                 vals = flat[pos]
-                # Duplicate positions all write the same value.
-                flat[pos] = torch.where(vals < 0, vals * r, vals / r)
+                # Duplicate positions all write the same value. A tiny r (the range is (0, 10]) would
+                # push a positive logit to inf, and the softmax to NaN: stay at the largest finite value.
+                big = torch.finfo(logits.dtype).max
+                flat[pos] = torch.where(vals < 0, vals * r, vals / r).clamp_(-big, big)
         if pf_rows:
             # OpenAI definition over output tokens: logit -= count * frequency + (count > 0) * presence.
             pos, _ = _flat_token_positions(seqs, pf_rows, vocab, output_only=True)

@@ -7,6 +7,7 @@ character (its text is then "\\ufffd", its bytes still exact).
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from typing import Any, Sequence
 
@@ -80,6 +81,16 @@ class TokenStrings:
         return raw.decode("utf-8", errors="replace"), list(raw)
 
 
+# What a logprob of -inf (or NaN, which correct sampling never gives) is written as: JSON has no
+# infinities, and clients expect a number (vLLM's convention).
+NEGLIGIBLE_LOGPROB = -9999.0
+
+
+def json_logprob(value: float) -> float:
+    value = float(value)
+    return value if math.isfinite(value) else NEGLIGIBLE_LOGPROB
+
+
 def completion_logprobs(
     strings: TokenStrings, entries: Sequence[TokenLogprobs], text_offset: int
 ) -> tuple[dict[str, Any], int]:
@@ -95,9 +106,9 @@ def completion_logprobs(
     for e in entries:
         text = strings.text(e.token_id)
         tokens.append(text)
-        token_logprobs.append(float(e.logprob))
-        top = {strings.text(t): float(lp) for t, lp in e.top}
-        top.setdefault(text, float(e.logprob))
+        token_logprobs.append(json_logprob(e.logprob))
+        top = {strings.text(t): json_logprob(lp) for t, lp in e.top}
+        top.setdefault(text, json_logprob(e.logprob))
         tops.append(top)
         offsets.append(text_offset)
         text_offset += len(text)
@@ -112,6 +123,6 @@ def chat_logprobs_content(strings: TokenStrings, entries: Sequence[TokenLogprobs
         top = []
         for t, lp in e.top:
             tt, tb = strings.get(t)
-            top.append({"token": tt, "logprob": float(lp), "bytes": tb})
-        out.append({"token": text, "logprob": float(e.logprob), "bytes": raw, "top_logprobs": top})
+            top.append({"token": tt, "logprob": json_logprob(lp), "bytes": tb})
+        out.append({"token": text, "logprob": json_logprob(e.logprob), "bytes": raw, "top_logprobs": top})
     return out

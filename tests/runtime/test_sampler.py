@@ -329,6 +329,17 @@ def test_repetition_penalty_over_prompt_and_output() -> None:
     assert torch.equal(logits, expected)
 
 
+def test_a_tiny_repetition_penalty_keeps_logits_finite() -> None:
+    """r = 5e-324 is inside (0, 10]: a positive logit divided by it stays at the largest finite value
+    (it overflowed to inf, the log-softmax gave NaN, and the logprobs could not be sent as JSON)."""
+    logits = torch.linspace(-5, 5, 50).repeat(1, 1)
+    seq = Seq(token_ids=[3, 40, 45], num_prompt_tokens=3, params=Spec(repetition_penalty=5e-324))
+    Sampler().process_logits(logits, [seq])
+    assert torch.isfinite(logits).all()
+    assert logits[0, 40] == torch.finfo(logits.dtype).max and logits[0, 3] <= 0
+    assert torch.isfinite(logits.log_softmax(-1)).all() and int(logits.argmax()) == 40
+
+
 def test_presence_and_frequency_penalties_count_output_tokens_only() -> None:
     logits = torch.randn(2, 50, generator=seeded(2))
     spec = Spec(presence_penalty=0.5, frequency_penalty=0.25)

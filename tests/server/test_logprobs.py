@@ -52,3 +52,17 @@ def test_completion_and_chat_shapes(server_tokenizer: Any) -> None:
             ],
         }
     ]
+
+
+def test_logprobs_without_a_finite_value_are_still_json(server_tokenizer: Any) -> None:
+    """-inf (a token that cannot be drawn) and NaN have no JSON form: they go out as -9999.0."""
+    import json
+
+    strings = TokenStrings(server_tokenizer)
+    a, b = server_tokenizer.encode(" Paris is")
+    entries = [TokenLogprobs(a, float("nan"), 1, [(a, float("nan")), (b, float("-inf"))])]
+    obj, _ = completion_logprobs(strings, entries, text_offset=0)
+    assert obj["token_logprobs"] == [-9999.0] and obj["top_logprobs"] == [{" Paris": -9999.0, " is": -9999.0}]
+    chat = chat_logprobs_content(strings, entries)
+    assert [chat[0]["logprob"]] + [t["logprob"] for t in chat[0]["top_logprobs"]] == [-9999.0, -9999.0, -9999.0]
+    json.dumps([obj, chat], allow_nan=False)  # what the server's encoder demands
