@@ -14,6 +14,53 @@ class InvalidParameterError(ValueError):
         self.param = param
 
 
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric parameter may take: checked here, written into the API's schema."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False  # low itself excluded
+
+    def __contains__(self, value: float) -> bool:
+        if value != value:  # NaN
+            return False
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or value <= self.high
+
+    def describe(self) -> str:
+        if self.low is not None and self.high is not None:
+            return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
+        if self.low is not None:
+            return f"greater than {self.low:g}" if self.low_open else f"at least {self.low:g}"
+        return f"at most {self.high:g}"
+
+    def json_schema(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        if self.low is not None:
+            out["exclusiveMinimum" if self.low_open else "minimum"] = self.low
+        if self.high is not None:
+            out["maximum"] = self.high
+        return out
+
+
+# Every range-checked numeric parameter, by its SamplingParams name.
+RANGES: dict[str, Range] = {
+    "n": Range(1, 128),
+    "max_tokens": Range(1),
+    "temperature": Range(0, 2),
+    "top_p": Range(0, 1, low_open=True),
+    "top_k": Range(-1),  # -1 and 0: off
+    "min_p": Range(0, 1),
+    "presence_penalty": Range(-2, 2),
+    "frequency_penalty": Range(-2, 2),
+    "repetition_penalty": Range(0, 10, low_open=True),
+    "min_tokens": Range(0),
+    "logprobs": Range(0, 20),
+}
+
+
 @dataclass
 class SamplingParams:
     """Per-request generation options (OpenAI's, plus vLLM-style extensions)."""
@@ -50,32 +97,14 @@ class SamplingParams:
         def bad(param: str, msg: str) -> None:
             raise InvalidParameterError(param, msg)
 
-        if not isinstance(self.n, int) or self.n < 1:
-            bad("n", f"n must be at least 1, got {self.n}")
-        if self.n > 128:
-            bad("n", f"n must be at most 128, got {self.n}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            bad("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
-        if not 0.0 <= self.temperature <= 2.0:
-            bad("temperature", f"temperature must be in [0, 2], got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            bad("top_p", f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            bad("top_k", f"top_k must be -1 (off), 0 (off) or positive, got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
-            bad("min_p", f"min_p must be in [0, 1], got {self.min_p}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            bad("presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            bad("frequency_penalty", f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if not 0.0 < self.repetition_penalty <= 10.0:
-            bad("repetition_penalty", f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
-        if self.min_tokens < 0:
-            bad("min_tokens", f"min_tokens must be non-negative, got {self.min_tokens}")
+        if not isinstance(self.n, int):
+            bad("n", f"n must be an integer, got {self.n!r}")
+        for name, allowed in RANGES.items():
+            value = getattr(self, name)
+            if value is not None and value not in allowed:
+                bad(name, f"{name} must be {allowed.describe()}, got {value}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            bad("logprobs", f"logprobs must be in [0, 20], got {self.logprobs}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             bad("seed", f"seed out of range: {self.seed}")
         if any(not isinstance(s, str) or s == "" for s in self.stop):

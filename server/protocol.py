@@ -14,6 +14,8 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from scheduler.sampling_params import RANGES
+
 # --------------------------------------------------------------------------------------------- requests
 
 
@@ -37,10 +39,40 @@ class SamplingExtensions(BaseModel):
     include_stop_str_in_output: bool | None = None
 
 
+# Request fields whose range is SamplingParams' under another name.
+_RANGE_ALIASES = {"max_completion_tokens": "max_tokens", "top_logprobs": "logprobs"}
+
+
+def _document_checks(schema: dict[str, Any]) -> None:
+    """Write into the schema what the serving code checks: each numeric parameter's range (the ones
+    ``SamplingParams`` enforces) and, for completions, that no prompt is empty."""
+    for name, prop in schema["properties"].items():
+        allowed = RANGES.get(_RANGE_ALIASES.get(name, name))
+        branches = prop.get("anyOf", [prop])
+        if allowed is not None and any(b.get("type") in ("integer", "number") for b in branches):
+            prop.update(allowed.json_schema())
+    if "prompt" in schema["properties"]:
+        _non_empty_prompt(schema["properties"]["prompt"])
+
+
+def _non_empty_prompt(prompt: dict[str, Any]) -> None:
+    # The serving code checks this after tokenising.
+    for branch in prompt.get("anyOf", []):
+        if branch.get("type") == "string":
+            branch["minLength"] = 1
+        elif branch.get("type") == "array":
+            branch["minItems"] = 1
+            items = branch.get("items", {})
+            if items.get("type") == "string":
+                items["minLength"] = 1
+            elif items.get("type") == "array":
+                items["minItems"] = 1
+
+
 class GenerationRequest(SamplingExtensions):
     """Fields both generation endpoints share."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_document_checks)
 
     model: str | None = None  # None => the served model
     temperature: float | None = None
@@ -59,24 +91,8 @@ class GenerationRequest(SamplingExtensions):
 Prompt = Union[str, list[str], list[int], list[list[int]]]
 
 
-def _non_empty_prompt(schema: dict[str, Any]) -> None:
-    # Documents what the serving code checks after tokenising: no prompt may be empty.
-    for branch in schema["properties"]["prompt"].get("anyOf", []):
-        if branch.get("type") == "string":
-            branch["minLength"] = 1
-        elif branch.get("type") == "array":
-            branch["minItems"] = 1
-            items = branch.get("items", {})
-            if items.get("type") == "string":
-                items["minLength"] = 1
-            elif items.get("type") == "array":
-                items["minItems"] = 1
-
-
 class CompletionRequest(GenerationRequest):
     """``POST /v1/completions``."""
-
-    model_config = ConfigDict(extra="forbid", json_schema_extra=_non_empty_prompt)
 
     prompt: Prompt
     max_tokens: int | None = 16

@@ -420,8 +420,21 @@ def test_the_openapi_schema_documents_what_the_server_returns(fake_server: Any) 
     branches = schema["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]["anyOf"]
     assert [b.get("minLength", b.get("minItems")) for b in branches] == [1, 1, 1, 1]
     assert [b["items"].get("minLength", b["items"].get("minItems")) for b in branches[1:]] == [1, None, 1]
+    # Ranges: those SamplingParams checks, under the name each endpoint uses.
+    comp = schema["components"]["schemas"]["CompletionRequest"]["properties"]
+    chat = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert (comp["temperature"]["minimum"], comp["temperature"]["maximum"]) == (0, 2)
+    assert (comp["top_p"]["exclusiveMinimum"], comp["top_p"]["maximum"]) == (0, 1)
+    assert (comp["n"]["minimum"], comp["n"]["maximum"]) == (1, 128) and comp["logprobs"]["maximum"] == 20
+    assert chat["top_logprobs"]["maximum"] == 20 and "maximum" not in chat["logprobs"]  # a boolean there
+    assert chat["max_completion_tokens"]["minimum"] == 1 and "maximum" not in chat["max_tokens"]
     # What the schema says is what the server does.
     assert_error(http.post(f"{srv.url}/v1/completions", json={"prompt": ""}), 400, param="prompt")
+    for field, bad in (("top_p", 0), ("n", 129), ("temperature", 2.01), ("logprobs", 21)):
+        assert_error(http.post(f"{srv.url}/v1/completions", json={"prompt": "x", field: bad}), 400, param=field)
+    r = http.post(f"{srv.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                           "logprobs": True, "top_logprobs": 21})  # fmt: skip
+    assert_error(r, 400, param="top_logprobs")
     r = http.post(f"{srv.url}/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]})
     assert_error(r, 400, param="messages[0].role")
     assert http.get(f"{srv.url}/metrics").headers["content-type"].startswith("text/plain")
