@@ -1,4 +1,5 @@
-"""The Dockerfile: hadolint-clean, and the two images it promises (cuda and cpu targets)."""
+"""The Dockerfile: hadolint-clean, the two images it promises (cuda and cpu targets), and the wheel
+they install holding every file the packages read at run time."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -57,3 +59,39 @@ def test_dockerignore_keeps_the_build_context_small() -> None:
     ignored = (REPO / ".dockerignore").read_text().split()
     for entry in (".git", ".venv", "**/__pycache__", ".pytest_cache"):
         assert entry in ignored
+
+
+def copied_sources() -> list[str]:
+    """The repo paths the Dockerfile's build stages COPY before ``pip install``."""
+    paths: list[str] = []
+    for line in DOCKERFILE.read_text().splitlines():
+        m = re.match(r"^COPY\s+(?!--from)(.+?)\s+\S+$", line)
+        if m:
+            paths += m.group(1).split()
+    return sorted(set(paths))
+
+
+def test_the_wheel_holds_every_package_file(tmp_path: Path) -> None:
+    """A non-editable install (both images, ``pip install servelm``) must carry the C++ kernel
+    sources, or the CPU path silently loses its kernels at start-up."""
+    sources = copied_sources()
+    packages = ["server", "runtime", "scheduler", "metrics"]
+    assert set(packages) <= set(sources), sources
+    src = tmp_path / "src"
+    for rel in sources:  # exactly what the image build sees
+        if (REPO / rel).is_dir():
+            shutil.copytree(REPO / rel, src / rel, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            (src / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / rel, src / rel)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "dist"), str(src)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (wheel,) = (tmp_path / "dist").glob("servelm-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        shipped = {n for n in zf.namelist() if ".dist-info/" not in n}
+    wanted = {p.relative_to(src).as_posix() for pkg in packages for p in (src / pkg).rglob("*") if p.is_file()}
+    assert not wanted - shipped, f"missing from the wheel: {sorted(wanted - shipped)}"
+    assert {"runtime/csrc/cpu_ops.cpp", "runtime/attention/csrc/paged_attention_cpu.cpp"} <= shipped
