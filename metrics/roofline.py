@@ -2,9 +2,10 @@
 
 On CPU the peaks are measured at start-up (a matmul of the row count a batched decode step runs,
 through the same oneDNN path the engine's projections take, and a large tensor copy), because a
-datasheet number means little for a shared 2-core VM. A start-up on a busy host under-reads them, so
-the best measurement per (CPU model, thread count, torch version) is kept in
-``$SERVELM_CACHE/cpu_peaks.json`` and later starts report max(now, best so far).
+datasheet number means little for a shared 2-core VM. One reading is noisy both ways (a busy host
+under-reads; a VM moved to another host, or a lucky cache, can over-read twice over), so the last
+``PEAK_HISTORY`` readings per (CPU model, thread count, torch version) are kept in
+``$SERVELM_CACHE/cpu_peaks.json`` and a start-up reports their median, its own reading included.
 On NVIDIA data-centre GPUs the datasheet values are used (dense bf16/fp16 tensor-core FLOP/s and
 HBM bandwidth) since that is the ceiling utilisation is conventionally quoted against; unknown
 cards are measured.
@@ -26,6 +27,9 @@ from runtime.capacity import DEVICE_PRESETS
 from runtime.model_files import cache_dir
 
 log = logging.getLogger(__name__)
+
+# Start-up readings of the CPU peaks remembered per CPU setting; their median is reported.
+PEAK_HISTORY = 9
 
 # Substrings of ``torch.cuda.get_device_name()`` -> (dense bf16 FLOP/s, bandwidth bytes/s).
 # Order matters: more specific names first ("h100 nvl" before "h100").
@@ -74,7 +78,6 @@ def measure_cpu_peaks(budget_s: float = 0.5) -> tuple[float, float]:
         wt = w.t()
         matmul = lambda: torch.matmul(a, wt, out=out)  # noqa: E731
     flops = _best_rate(matmul, 2.0 * m * k * n, budget_s * 0.45)
-    del a, w, matmul
 
     numel = 16 * 2**20  # 64 MiB of fp32: far beyond any last-level cache
     src = torch.ones(numel)
@@ -96,36 +99,44 @@ def _cpu_key() -> str:
     return f"{model}|threads={torch.get_num_threads()}|torch={torch.__version__}"
 
 
-def best_cpu_peaks(measure: Callable[[], tuple[float, float]] = measure_cpu_peaks) -> tuple[float, float]:
-    """``measure()`` now, raised to the best earlier measurement of this CPU setting (and remembered).
+def _upper_median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
 
-    A peak is what the machine can do, so the best reading is the right one; a busy start-up can only
-    under-read. The cache is best effort: an unwritable ``$SERVELM_CACHE`` just means no memory.
+
+def best_cpu_peaks(measure: Callable[[], tuple[float, float]] = measure_cpu_peaks) -> tuple[float, float]:
+    """``measure()`` now, remembered with this CPU setting's last readings; their median (each of FLOP/s
+    and bytes/s) is what is reported.
+
+    The median lifts a start-up that ran while the host was busy to the usual value, and no single
+    outlier, low or high, moves it. The cache is best effort: an unwritable ``$SERVELM_CACHE`` just
+    means no memory; a record in another format is replaced.
     """
     flops, bandwidth = measure()
     path = cache_dir() / "cpu_peaks.json"
     key = _cpu_key()
     try:
         table = json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, ValueError):
-        table = {}
-    old = table.get(key) or {}
-    best = (max(flops, float(old.get("flops", 0.0))), max(bandwidth, float(old.get("bandwidth", 0.0))))
-    if best != (old.get("flops"), old.get("bandwidth")):
-        table[key] = {"flops": best[0], "bandwidth": best[1]}
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(table, indent=1))
-            tmp.replace(path)
-        except OSError as exc:
-            log.debug("cannot remember CPU peaks in %s: %s", path, exc)
-    if best != (flops, bandwidth):
+        readings = [(float(f), float(b)) for f, b in table.get(key, {}).get("readings", [])]
+    except (OSError, ValueError, TypeError, AttributeError):
+        table, readings = {}, []
+    readings = (readings + [(flops, bandwidth)])[-PEAK_HISTORY:]
+    table[key] = {"readings": readings}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(table, indent=1))
+        tmp.replace(path)
+    except OSError as exc:
+        log.debug("cannot remember CPU peaks in %s: %s", path, exc)
+    peaks = (_upper_median([f for f, _ in readings]), _upper_median([b for _, b in readings]))
+    if peaks != (flops, bandwidth):
         log.info(
-            "CPU peaks measured now %.0f GFLOP/s, %.1f GB/s; using the best so far %.0f GFLOP/s, %.1f GB/s",
-            flops / 1e9, bandwidth / 1e9, best[0] / 1e9, best[1] / 1e9,
+            "CPU peaks measured now %.0f GFLOP/s, %.1f GB/s; using the median of the last %d start-ups "
+            "%.0f GFLOP/s, %.1f GB/s",
+            flops / 1e9, bandwidth / 1e9, len(readings), peaks[0] / 1e9, peaks[1] / 1e9,
         )
-    return best
+    return peaks
 
 
 def measure_cuda_peaks(device: int | str | torch.device = "cuda", budget_s: float = 1.0) -> tuple[float, float]:
@@ -143,7 +154,6 @@ def measure_cuda_peaks(device: int | str | torch.device = "cuda", budget_s: floa
         return run
 
     flops = _best_rate(synced(lambda: torch.matmul(a, b)), 2.0 * n**3, budget_s / 2)
-    del a, b
     numel = 256 * 2**20  # 512 MiB of bf16
     src = torch.ones(numel, device=dev, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
