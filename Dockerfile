@@ -53,8 +53,9 @@ COPY server server
 COPY runtime runtime
 COPY scheduler scheduler
 COPY metrics metrics
-# The CPU pins minus torch (the CUDA build of torch is already installed).
-RUN grep -v '^torch==' requirements/constraints.txt > /tmp/constraints.txt \
+# The CPU pins minus torch and triton: the CUDA build of torch is already installed and pins its own
+# triton (torch 2.13.0's CUDA wheels require triton==3.7.1; the CPU pin is the GPU test machine's 3.6.0).
+RUN grep -v -E '^(torch|triton)==' requirements/constraints.txt > /tmp/constraints.txt \
     && pip install --no-cache-dir -c /tmp/constraints.txt ".[cuda]"
 
 # ----------------------------------------------------------------------------- cuda: runtime image

@@ -55,6 +55,19 @@ def test_both_images_serve_on_8000_as_a_non_root_user_with_a_healthcheck() -> No
     assert "download.pytorch.org/whl/cpu" in st["cpu"]
 
 
+def test_the_cuda_image_drops_the_pins_its_torch_build_sets_itself() -> None:
+    """The CUDA stage installs torch from the CUDA index first; the CPU constraints must not then pin
+    torch or triton (CUDA torch pins its own triton, e.g. 2.13.0 -> 3.7.1), or pip cannot resolve."""
+    body = stages()["cuda-build"]
+    m = re.search(r"grep -v -E '([^']+)' requirements/constraints\.txt > /tmp/constraints\.txt", body)
+    assert m, "the CUDA stage filters the CPU constraints"
+    assert "-c /tmp/constraints.txt" in body
+    pins = [line for line in (REPO / "requirements/constraints.txt").read_text().splitlines() if "==" in line]
+    kept = {line.split("==")[0] for line in pins if not re.search(m.group(1), line)}
+    assert not kept & {"torch", "triton"}, kept
+    assert {"transformers", "fastapi"} <= kept
+
+
 def test_dockerignore_keeps_the_build_context_small() -> None:
     ignored = (REPO / ".dockerignore").read_text().split()
     for entry in (".git", ".venv", "**/__pycache__", ".pytest_cache"):
