@@ -10,7 +10,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from metrics.observer import Observer, RequestStats, StepStats
 from server.async_engine import AsyncEngine
@@ -20,6 +20,7 @@ from server.errors import (
     error_responses,
     install_error_handlers,
     model_not_found,
+    payload_too_large,
     unauthorized,
     unavailable,
 )
@@ -38,6 +39,8 @@ from server.serving_completions import create_completion
 log = logging.getLogger(__name__)
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
+# The largest /v1 request body read (413 beyond): 256 prompts of 8k token ids are ~13 MB of JSON.
+DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
 
 
 def servelm_version() -> str:
@@ -128,25 +131,35 @@ def _render_metrics(registry: Any, async_engine: AsyncEngine) -> tuple[bytes, st
 
 
 class GateMiddleware:
-    """API-key check and availability check for ``/v1/*`` (pure ASGI: no per-chunk overhead).
+    """API-key check, availability check and body-size limit for ``/v1/*`` (pure ASGI: no per-chunk
+    overhead on responses).
 
     ``/health``, ``/version`` and ``/metrics`` stay open (probes and scrapers carry no key), as do
-    the docs. A dead engine or a draining server answers 503 before any body is parsed.
+    the docs. A dead engine or a draining server answers 503 before any body is parsed, and a POST
+    body over ``max_body_bytes`` gets 413 before it is parsed (or, with a Content-Length, read).
     """
 
-    def __init__(self, app: ASGIApp, async_engine: AsyncEngine, api_key: str | None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        async_engine: AsyncEngine,
+        api_key: str | None,
+        max_body_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    ) -> None:
         self.app = app
         self.async_engine = async_engine
         self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
             err = self._check(scope)
+            if err is None and scope["method"] == "POST":
+                scope = _as_json(scope)
+                receive, err = await _read_body(scope, receive, self.max_body_bytes)
             if err is not None:
                 await err.response()(scope, receive, send)
                 return
-            if scope["method"] == "POST":
-                scope = _as_json(scope)
         await self.app(scope, receive, send)
 
     def _check(self, scope: Scope) -> APIError | None:
@@ -168,6 +181,35 @@ class GateMiddleware:
         return None
 
 
+async def _read_body(scope: Scope, receive: Receive, limit: int) -> tuple[Receive, APIError | None]:
+    """Read the request body whole, up to ``limit`` bytes, and return a ``receive`` that replays it
+    (then hands on to the client's: disconnects still reach the app). Past the limit: a 413."""
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length" and value.strip().isdigit() and int(value) > limit:
+            return receive, payload_too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":  # the client left while sending: let the app see it
+            chunks = []
+            pending: list[Message] = [message]
+            break
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return receive, payload_too_large(limit)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            pending = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+            break
+
+    async def replay() -> Message:
+        return pending.pop() if pending else await receive()
+
+    return replay, None
+
+
 def _as_json(scope: Scope) -> Scope:
     """Read every /v1 POST body as JSON: ``curl -d`` sends form-urlencoded, and the API only speaks JSON."""
     headers = scope.get("headers", [])
@@ -187,8 +229,10 @@ def build_app(
     api_key: str | None = None,
     metrics_registry: Any = None,
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+    max_request_bytes: int | None = None,
 ) -> FastAPI:
-    """The OpenAI-compatible app over ``async_engine`` (started and drained by the app's lifespan)."""
+    """The OpenAI-compatible app over ``async_engine`` (started and drained by the app's lifespan).
+    ``max_request_bytes``: the largest /v1 POST body (default ``DEFAULT_MAX_REQUEST_BYTES``)."""
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -204,14 +248,14 @@ def build_app(
     app.state.serving = ctx
     install_error_handlers(app)
     document_validation_as_400(app)
-    app.add_middleware(GateMiddleware, async_engine=async_engine, api_key=api_key)
+    app.add_middleware(GateMiddleware, async_engine=async_engine, api_key=api_key, max_body_bytes=max_request_bytes or DEFAULT_MAX_REQUEST_BYTES)
 
     def model_card() -> ModelCard:
         return ModelCard(
             id=ctx.served_model_name, created=ctx.created, root=ctx.model_path, max_model_len=ctx.max_model_len
         )
 
-    generation_errors = error_responses(400, 401, 404, 500, 503)
+    generation_errors = error_responses(400, 401, 404, 413, 500, 503)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=generation_errors)
     async def completions(body: CompletionRequest, raw: Request) -> Response:

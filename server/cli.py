@@ -97,6 +97,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for all interfaces (default: %(default)s)")
     g.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one and logs it (default: %(default)s)")
     g.add_argument("--api-key", default=os.environ.get("SERVELM_API_KEY"), help="require 'Authorization: Bearer KEY' on /v1/* (default: $SERVELM_API_KEY; unset = open)")
+    g.add_argument("--max-request-bytes", type=parse_size, default=None, help="largest /v1 request body, e.g. 32MiB or bytes; a larger one gets 413 before it is parsed (default: 32MiB)")
     g.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get to finish on SIGTERM/SIGINT (default: %(default)s)")
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True, help="log one line per HTTP request (default: on)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity (default: %(default)s)")
@@ -182,6 +183,7 @@ def run_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or None,
         metrics_registry=getattr(observer, "registry", None),
         drain_timeout_s=args.drain_timeout,
+        max_request_bytes=args.max_request_bytes,
     )
     server = _make_uvicorn_server(app, args, async_engine.stop_accepting)
     # uvicorn re-raises the signal that stopped it once it has shut down, with the handlers it found

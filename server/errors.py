@@ -66,6 +66,7 @@ _ERROR_DESCRIPTIONS = {
     400: "Invalid request: a malformed body, a field out of range, an unsupported parameter, a prompt too long",
     401: "Missing or wrong API key (with --api-key only)",
     404: "No such model",
+    413: "The request body is larger than --max-request-bytes",
     500: "Internal error",
     503: "Overloaded (queue full; see Retry-After), shutting down, or the engine has stopped",
 }
@@ -119,6 +120,14 @@ def unauthorized() -> APIError:
         "Incorrect API key provided. Pass it as 'Authorization: Bearer <key>'.",
         param=None,
         code="invalid_api_key",
+    )
+
+
+def payload_too_large(limit: int) -> APIError:
+    return APIError(
+        413,
+        f"The request body is larger than this server accepts ({limit} bytes; see --max-request-bytes).",
+        code="request_too_large",
     )
 
 

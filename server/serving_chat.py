@@ -72,6 +72,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         elif p == "logprobs":
             e.param = "top_logprobs"  # type: ignore[attr-defined]
         raise
+    ctx.check_sequences(1, params.n)
+    # The template adds to the messages' text, never removes from it.
+    ctx.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages", "the messages' text")
     prompt_ids = await ctx.async_engine.run_blocking(render_chat_prompt, ctx.tokenizer, messages)
 
     request_id = random_id("chatcmpl")

@@ -76,6 +76,10 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     _refuse_unsupported(req, n)
     params = common_sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs, vocab_size=ctx.vocab_size)
     texts, given_ids = _split_prompt(req.prompt)
+    ctx.check_sequences(len(texts), n)
+    for i, text in enumerate(texts):
+        if text is not None:
+            ctx.check_prompt_chars(len(text), "prompt", "your prompt" if len(texts) == 1 else f"prompt {i}")
     check_token_ids([t for t in given_ids if t is not None], ctx.vocab_size)
     prompt_ids, echo_texts = await ctx.async_engine.run_blocking(
         _prepare_prompts, ctx.tokenizer, texts, given_ids, bool(req.echo)

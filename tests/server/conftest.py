@@ -33,12 +33,19 @@ class RecordingObserver:
         self.rejected += 1
 
 
-def _make(tokenizer: Any, started: list[ServerThread], api_key: str | None = None, drain_timeout_s: float = 5.0, **engine_kwargs: Any):
+def _make(
+    tokenizer: Any,
+    started: list[ServerThread],
+    api_key: str | None = None,
+    drain_timeout_s: float = 5.0,
+    max_request_bytes: int | None = None,
+    **engine_kwargs: Any,
+):
     engine = FakeEngine(tokenizer, **engine_kwargs)
     observer = RecordingObserver()
     ae = AsyncEngine(engine, observer=ObserverProxy(observer))
     ae.test_observer = observer  # type: ignore[attr-defined]
-    app = build_app(ae, api_key=api_key, drain_timeout_s=drain_timeout_s)
+    app = build_app(ae, api_key=api_key, drain_timeout_s=drain_timeout_s, max_request_bytes=max_request_bytes)
     srv = ServerThread(app).start()
     started.append(srv)
     return srv, engine, ae
