@@ -46,6 +46,11 @@ class Range:
 
 
 # Every range-checked numeric parameter, by its SamplingParams name.
+# Stop strings per request, and characters per stop string (each gets a matcher built in the engine
+# thread at admission, linear in its length).
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 4096
+
 RANGES: dict[str, Range] = {
     "n": Range(1, 128),
     "max_tokens": Range(1),
@@ -109,8 +114,11 @@ class SamplingParams:
             bad("seed", f"seed out of range: {self.seed}")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             bad("stop", "stop strings must be non-empty strings")
-        if len(self.stop) > 16:
-            bad("stop", f"at most 16 stop strings, got {len(self.stop)}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        longest = max((len(s) for s in self.stop), default=0)
+        if longest > MAX_STOP_CHARS:
+            bad("stop", f"stop strings must be at most {MAX_STOP_CHARS} characters, got one of {longest}")
         if self.logit_bias:
             for tok, bias in self.logit_bias.items():
                 if not -100.0 <= bias <= 100.0:

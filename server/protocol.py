@@ -14,7 +14,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from scheduler.sampling_params import RANGES
+from scheduler.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, RANGES
 
 # --------------------------------------------------------------------------------------------- requests
 
@@ -45,7 +45,8 @@ _RANGE_ALIASES = {"max_completion_tokens": "max_tokens", "top_logprobs": "logpro
 
 def _document_checks(schema: dict[str, Any]) -> None:
     """Write into the schema what the serving code checks: each numeric parameter's range (the ones
-    ``SamplingParams`` enforces) and, for completions, that no prompt is empty."""
+    ``SamplingParams`` enforces), the bounds on stop strings and, for completions, that no prompt is
+    empty."""
     for name, prop in schema["properties"].items():
         allowed = RANGES.get(_RANGE_ALIASES.get(name, name))
         branches = prop.get("anyOf", [prop])
@@ -53,6 +54,12 @@ def _document_checks(schema: dict[str, Any]) -> None:
             prop.update(allowed.json_schema())
     if "prompt" in schema["properties"]:
         _non_empty_prompt(schema["properties"]["prompt"])
+    for branch in schema["properties"].get("stop", {}).get("anyOf", []):
+        if branch.get("type") == "string":
+            branch.update(minLength=1, maxLength=MAX_STOP_CHARS)
+        elif branch.get("type") == "array":
+            branch["maxItems"] = MAX_STOP_STRINGS
+            branch.get("items", {}).update(minLength=1, maxLength=MAX_STOP_CHARS)
 
 
 def _non_empty_prompt(prompt: dict[str, Any]) -> None:

@@ -217,6 +217,46 @@ def test_property_stop_strings_match_a_whole_text_search(text: str, stops: list[
         assert stop is None and "".join(sent) == text
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    text=st.text(alphabet="aab \n", max_size=40),
+    stops=st.lists(st.text(alphabet="aab \n", min_size=1, max_size=6), min_size=1, max_size=3),
+    cuts=st.lists(st.integers(0, 40), max_size=10),
+    include=st.booleans(),
+)
+def test_property_each_delta_sends_all_but_a_possible_stop_prefix(
+    text: str, stops: list[str], cuts: list[int], include: bool
+) -> None:
+    """After every delta, everything is sent except the longest tail of the text that could still
+    grow into a stop string; a match ends the output at its end, with or without the stop string."""
+    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    checker = StopChecker(stops, include_stop_str_in_output=include)
+    seen = ""
+    sent = ""
+    for a, b in zip(bounds, bounds[1:]):
+        r = checker.feed(text[a:b])
+        sent += r.text
+        if r.stop is not None:
+            ends = [(seen + text[a:b]).find(s) + len(s) for s in stops if s in seen + text[a:b]]
+            end = min(ends)  # the first match's end
+            assert len(r.stop) == max(len(s) for s in stops if (seen + text[a:b])[:end].endswith(s))
+            assert sent == (seen + text[a:b])[: end if include else end - len(r.stop)]
+            return
+        seen += text[a:b]
+        held = max((k for s in stops for k in range(1, len(s)) if seen.endswith(s[:k])), default=0)
+        assert sent == seen[: len(seen) - held]
+    assert sent + checker.flush() == text
+
+
+def test_a_long_stop_string_is_matched_across_many_deltas() -> None:
+    stop = "a" * 3000 + "b"
+    checker = StopChecker([stop, "zz"])
+    sent = [checker.feed("x")] + [checker.feed("aa") for _ in range(2000)]
+    assert "".join(r.text for r in sent) == "x" + "a" * 1000  # all but the 3000 that may still match
+    r = checker.feed("b")
+    assert r.stop == stop and r.text == ""
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ids=st.lists(st.integers(0, 49151), max_size=30))
 def test_property_holds_for_arbitrary_token_ids(bpe_tokenizer, ids: list[int]) -> None:

@@ -504,6 +504,13 @@ def test_the_openapi_schema_documents_what_the_server_returns(fake_server: Any) 
     assert_error(r, 400, param="top_logprobs")
     r = http.post(f"{srv.url}/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]})
     assert_error(r, 400, param="messages[0].role")
+    stop_one, stop_many = chat["stop"]["anyOf"][:2]
+    assert (stop_one["minLength"], stop_one["maxLength"]) == (1, 4096)
+    assert stop_many["maxItems"] == 16 and stop_many["items"]["maxLength"] == 4096
+    for bad in ("s" * 4097, ["ok", "s" * 4097], [f"s{i}" for i in range(17)]):
+        assert_error(http.post(f"{srv.url}/v1/completions", json={"prompt": "x", "stop": bad}), 400, param="stop")
+    r = http.post(f"{srv.url}/v1/completions", json={"prompt": "x", "stop": ["s" * 4096] * 16, "max_tokens": 2})
+    assert r.status_code == 200, r.text
     assert http.get(f"{srv.url}/metrics").headers["content-type"].startswith("text/plain")
 
 
