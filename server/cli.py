@@ -165,16 +165,21 @@ def run_serve(args: argparse.Namespace) -> int:
     from runtime.config import UnsupportedModelError
     from scheduler.engine import Engine
     from server.app import ObserverProxy, build_app, create_prometheus_observer
-    from server.async_engine import AsyncEngine
+    from server.async_engine import AsyncEngine, run_in_transient_thread
 
     config = engine_config_from_args(args)
     proxy = ObserverProxy()
-    try:
+
+    def build() -> tuple[Any, Any]:
         engine = Engine(config, observer=proxy)
+        return engine, create_prometheus_observer(engine)  # (measures the CPU peaks)
+
+    try:
+        # Not in the main thread: it must not keep an OpenMP team beside the engine thread's.
+        engine, observer = run_in_transient_thread(build)
     except (CapacityError, UnsupportedModelError, ValueError) as e:
         log.error("cannot start: %s", e)
         return 1
-    observer = create_prometheus_observer(engine)
     proxy.target = observer
     log.info("model %s (%s); capacity: %s", engine.served_model_name, engine.config.model or "default", engine.capacity.describe())
     async_engine = AsyncEngine(engine, observer=proxy, max_waiting_requests=engine.config.max_waiting_requests)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import pytest
@@ -142,3 +143,22 @@ async def test_shutdown_deadline_aborts_the_rest(fake: FakeEngine) -> None:
         async for _ in group:
             pass
     assert fake.aborted == ["r1"] and fake.block_manager.num_used_blocks == 0
+
+
+def test_run_in_transient_thread_returns_or_raises_from_a_finished_thread() -> None:
+    from server.async_engine import run_in_transient_thread
+
+    threads: list[threading.Thread] = []
+
+    def work() -> int:
+        threads.append(threading.current_thread())
+        return 42
+
+    assert run_in_transient_thread(work) == 42
+    assert threads[0] is not threading.current_thread() and not threads[0].is_alive()
+
+    def boom() -> None:
+        raise KeyError("nope")
+
+    with pytest.raises(KeyError, match="nope"):
+        run_in_transient_thread(boom)
