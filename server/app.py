@@ -192,7 +192,6 @@ async def _read_body(scope: Scope, receive: Receive, limit: int) -> tuple[Receiv
     while True:
         message = await receive()
         if message["type"] != "http.request":  # the client left while sending: let the app see it
-            chunks = []
             pending: list[Message] = [message]
             break
         chunk = message.get("body", b"")
