@@ -95,7 +95,10 @@ class GenerationRequest(SamplingExtensions):
     user: str | None = None  # accepted, ignored
 
 
-Prompt = Union[str, list[str], list[int], list[list[int]]]
+# Token ids before strings: pydantic's smart union validates every member, and a member that fails
+# collects an error per element; a 2.5M-id prompt took 0.6 s of the event loop with list[str] first,
+# 0.05 s this way round (a list of strings pays ~0.2 us per string instead).
+Prompt = Union[str, list[int], list[str], list[list[int]]]
 
 
 class CompletionRequest(GenerationRequest):

@@ -36,13 +36,13 @@ def _split_prompt(prompt: Any) -> tuple[list[str | None], list[list[int] | None]
         return [prompt], [None]
     if not prompt:
         raise bad_request("'prompt' must not be empty.", param="prompt")
-    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
-        return [None], [list(prompt)]
-    if all(isinstance(p, str) for p in prompt):
+    # The request model validated ``prompt`` as one member of its union: the list is homogeneous.
+    first = prompt[0]
+    if isinstance(first, int):
+        return [None], [prompt]
+    if isinstance(first, str):
         return list(prompt), [None] * len(prompt)
-    if all(isinstance(p, list) for p in prompt):
-        return [None] * len(prompt), [list(p) for p in prompt]
-    raise bad_request("'prompt' must be a string, a list of strings, a list of token ids or a list of those.", param="prompt")
+    return [None] * len(prompt), list(prompt)
 
 
 def _prepare_prompts(tokenizer: Any, texts: list[str | None], ids: list[list[int] | None], echo: bool) -> tuple[list[list[int]], list[str]]:

@@ -486,7 +486,7 @@ def test_the_openapi_schema_documents_what_the_server_returns(fake_server: Any) 
     assert role["enum"] == ["system", "developer", "user", "assistant"]
     branches = schema["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]["anyOf"]
     assert [b.get("minLength", b.get("minItems")) for b in branches] == [1, 1, 1, 1]
-    assert [b["items"].get("minLength", b["items"].get("minItems")) for b in branches[1:]] == [1, None, 1]
+    assert [b["items"].get("minLength", b["items"].get("minItems")) for b in branches[1:]] == [None, 1, 1]
     # Ranges: those SamplingParams checks, under the name each endpoint uses.
     comp = schema["components"]["schemas"]["CompletionRequest"]["properties"]
     chat = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
