@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import uvicorn
 
 from runtime.batch import TokenLogprobs
@@ -217,3 +218,19 @@ def parse_sse(raw: bytes) -> list[str]:
         assert "\n" not in ev, ev
         out.append(ev[len("data: ") :])
     return out
+
+
+def assert_error(resp: httpx.Response, status: int, param: str | None = "__any__", code: str | None = None) -> dict:
+    """``resp`` is an OpenAI-shaped error with this status (and this param / code when given); its error object."""
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"]
+    assert err["type"] == ("invalid_request_error" if status < 500 else "server_error")
+    if param != "__any__":
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
