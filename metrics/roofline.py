@@ -104,7 +104,7 @@ def _upper_median(values: list[float]) -> float:
     return ordered[len(ordered) // 2]
 
 
-def best_cpu_peaks(measure: Callable[[], tuple[float, float]] = measure_cpu_peaks) -> tuple[float, float]:
+def median_cpu_peaks(measure: Callable[[], tuple[float, float]] = measure_cpu_peaks) -> tuple[float, float]:
     """``measure()`` now, remembered with this CPU setting's last readings; their median (each of FLOP/s
     and bytes/s) is what is reported.
 
@@ -192,4 +192,4 @@ def _device_peaks(device: str | torch.device) -> tuple[float, float]:
     dev = torch.device(device)
     if dev.type == "cuda":
         return gpu_peaks(torch.cuda.get_device_name(dev))
-    return best_cpu_peaks()
+    return median_cpu_peaks()

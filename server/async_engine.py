@@ -53,7 +53,7 @@ def run_in_transient_thread(fn: Callable[[], T], name: str = "servelm-startup") 
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             box["error"] = exc
 
-    thread = threading.Thread(target=run, name=name)
+    thread = threading.Thread(target=run, name=name, daemon=True)  # Ctrl-C during start-up ends the process
     thread.start()
     thread.join()
     if "error" in box:
