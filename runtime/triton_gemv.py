@@ -32,7 +32,7 @@ both variants (``runtime.cuda_graphs``).
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -139,24 +139,34 @@ def _decode_gemv_kernel(
     tl.store(y_ptr + r[None, :] * stride_ym + n[:, None], y.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & r_ok[None, :])
 
 
-# Tiles the autotuner tries. Element-wise, one row only: (BLOCK_N, BLOCK_K, num_warps); the float32
-# accumulator is BLOCK_N x BLOCK_K, 32 registers a thread. Dot (any row count, padded to 16):
-# (BLOCK_N, BLOCK_K, num_warps, num_stages), software-pipelined weight loads.
-ELEMENTWISE_TILES = [(8, 512, 4), (4, 1024, 4), (16, 256, 4)]
-DOT_TILES = [(16, 256, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4)]
+class Tile(NamedTuple):
+    """A launch shape: ``block_n`` output features per program, ``block_k``-wide weight tiles."""
+
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    dot: bool  # tl.dot with the rows padded to 16 (any row count); else element-wise (one row)
+
+    def config(self) -> Any:
+        return triton.Config(
+            dict(USE_DOT=self.dot, BLOCK_N=self.block_n, BLOCK_K=self.block_k), num_warps=self.warps, num_stages=self.stages
+        )
+
+
+# Tiles the autotuner tries. Element-wise, one row only: the float32 accumulator is
+# block_n x block_k, 32 registers a thread at 4 warps. Dot (any row count, padded to 16):
+# software-pipelined weight loads.
+ELEMENTWISE_TILES = [Tile(8, 512, 4, 3, False), Tile(4, 1024, 4, 3, False), Tile(16, 256, 4, 3, False)]
+DOT_TILES = [Tile(16, 256, 4, 4, True), Tile(32, 256, 4, 3, True), Tile(64, 128, 4, 4, True)]
 # What runs untuned (under the interpreter, or off CUDA): one element-wise tile, one small dot tile.
 DEFAULT_ELEMENTWISE = ELEMENTWISE_TILES[0]
-DEFAULT_DOT = (16, 64, 4, 1)
+DEFAULT_DOT = Tile(16, 64, 4, 1, True)
 
 
 def _configs(rows_pad: int) -> list[Any]:
-    out = []
-    if rows_pad == 1:
-        for bn, bk, warps in ELEMENTWISE_TILES:
-            out.append(triton.Config(dict(USE_DOT=False, BLOCK_N=bn, BLOCK_K=bk), num_warps=warps))
-    for bn, bk, warps, stages in DOT_TILES:
-        out.append(triton.Config(dict(USE_DOT=True, BLOCK_N=bn, BLOCK_K=bk), num_warps=warps, num_stages=stages))
-    return out
+    tiles = (ELEMENTWISE_TILES if rows_pad == 1 else []) + DOT_TILES
+    return [t.config() for t in tiles]
 
 
 def _prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
@@ -192,7 +202,7 @@ def _launch(
     residual_out: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
-    force_tile: tuple[int, ...] | None = None,
+    force_tile: Tile | None = None,
 ) -> torch.Tensor:
     rows = x.shape[0]
     n = weight.shape[0]
@@ -232,11 +242,12 @@ def _launch(
     )
     if force_tile is not None or not _autotuned(x):
         tile = force_tile or (DEFAULT_ELEMENTWISE if rows_pad == 1 else DEFAULT_DOT)
-        use_dot = len(tile) == 4
-        launch = dict(USE_DOT=use_dot, BLOCK_N=tile[0], BLOCK_K=tile[1], num_warps=tile[2])
-        if use_dot:
-            launch["num_stages"] = tile[3]
-        _decode_gemv_kernel[(triton.cdiv(n, tile[0]),)](*args, **consts, **launch)
+        if not tile.dot and rows_pad != 1:
+            raise ValueError(f"an element-wise tile takes one row, got {rows}")
+        _decode_gemv_kernel[(triton.cdiv(n, tile.block_n),)](
+            *args, **consts, USE_DOT=tile.dot, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.warps,
+            num_stages=tile.stages,
+        )
     else:
         _tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **consts)
     return y
@@ -246,12 +257,11 @@ def _unit_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-# Each function takes ``tile``: a fixed tile (an ELEMENTWISE_TILES or DOT_TILES entry) instead of the
-# tuned one, for tests and probes.
+# Each function takes ``tile``: a fixed ``Tile`` instead of the tuned one, for tests and probes.
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, tile: tuple[int, ...] | None = None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, tile: Tile | None = None
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for 1..MAX_ROWS rows."""
     x = _unit_stride(x)
@@ -266,7 +276,7 @@ def rms_norm_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
-    tile: tuple[int, ...] | None = None,
+    tile: Tile | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(F.linear(rms_norm(x + residual) * norm_weight, weight, bias), x + residual)``; without a
     residual the second result is ``x`` itself. The sum is a new tensor: the inputs are not written."""
@@ -282,7 +292,7 @@ def rms_norm_linear(
 
 
 def silu_mul_linear(
-    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, tile: tuple[int, ...] | None = None
+    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, tile: Tile | None = None
 ) -> torch.Tensor:
     """``F.linear(silu(gate) * up, weight, bias)`` with ``gate_up`` ``[T, 2 * I]`` (gate columns first)."""
     gate_up = _unit_stride(gate_up)

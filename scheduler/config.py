@@ -24,6 +24,6 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # "fcfs" (continuous batching) | "static"
     max_waiting_requests: int = 1024
     enforce_eager: bool = False  # CUDA: no CUDA graphs
-    async_scheduling: bool = False  # schedule step k+1 before step k's tokens reach the host
+    async_scheduling: bool | None = None  # schedule step k+1 before step k's tokens reach the host; None => on CUDA only
     num_threads: int | None = None  # CPU: torch intra-op threads (None => torch's default)
     seed: int = 0  # for requests without a seed

@@ -215,7 +215,9 @@ class Engine:
             )
         self.runner = runner
         self._steps = runner if hasattr(runner, "launch") else _Executed(runner)
-        self.async_scheduling = config.async_scheduling
+        # Default: on for CUDA (the forward runs in the background there), off elsewhere.
+        ahead = config.async_scheduling
+        self.async_scheduling = device.type == "cuda" if ahead is None else ahead
         if self.async_scheduling and device.type != "cuda":
             log.warning(
                 "--async-scheduling on %s: the forward does not run in the background here, so every token "

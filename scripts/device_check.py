@@ -67,7 +67,7 @@ from device_checks.correctness import (  # noqa: E402
     check_paging_variants,
     hf_logits,
 )
-from device_checks.performance import measure_throughput, probe_gemv, profile_decode  # noqa: E402
+from device_checks.performance import measure_throughput, probe_gemv, profile_decode, sweep_gemv  # noqa: E402
 
 # ----------------------------------------------------------------------------- main
 
@@ -86,7 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--skip",
         action="append",
         default=[],
-        choices=["logits", "greedy", "paging", "graphs", "profile", "throughput", "gemv", "budget"],
+        choices=["logits", "greedy", "paging", "graphs", "profile", "throughput", "gemv", "sweep", "budget"],
         help="skip a section (repeatable)",
     )
     return p.parse_args(argv)
@@ -260,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         if "gemv" not in args.skip and device.type == "cuda":
             section("fused few-row projections vs the unfused ops (runtime.triton_gemv)", report, lambda: probe_gemv(device, report))
+        if "sweep" not in args.skip and device.type == "cuda":
+            section("one-row tiles of the fused projections (a sweep)", report, lambda: sweep_gemv(device, report))
         if "budget" not in args.skip and device.type == "cuda":
             del runner, engine
             engine = runner = None

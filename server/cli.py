@@ -89,7 +89,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--scheduling-policy", choices=["fcfs", "static"], default=d.scheduling_policy, help="fcfs: continuous batching; static: run each admitted batch to completion, for comparison only (default: %(default)s)")
     g.add_argument("--max-waiting-requests", type=_positive_int, default=d.max_waiting_requests, help="queue bound in sequences: beyond it requests get 503 with Retry-After (default: %(default)s)")
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: do not capture CUDA graphs")
-    g.add_argument("--async-scheduling", action="store_true", help="schedule the next step while the device computes this one; its host work (outputs, detokenization) then overlaps the device (default: off)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None, help="schedule the next step while the device computes this one; its host work (outputs, detokenization) then overlaps the device (default: on for CUDA, off for CPU, where nothing runs in the background)")
     g.add_argument("--num-threads", type=_positive_int, default=None, help="CPU: torch intra-op threads (default: torch's choice)")
     g.add_argument("--seed", type=int, default=d.seed, help="sampling seed for requests without one (default: %(default)s)")
 

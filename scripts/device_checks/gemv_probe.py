@@ -104,3 +104,63 @@ def probe(device: torch.device, rows: tuple[int, ...] = (1, 2, 4), dtype: torch.
             )
         del ws
     return out
+
+
+# One-row element-wise tiles for ``sweep``: (block_n, block_k, warps, stages), spread over the
+# shapes whose float32 accumulator takes 16-64 registers a thread, and the stage counts of the
+# default tile. Ordered so that a sweep cut short by its time budget has tried a spread of each.
+SWEEP_TILES = [
+    (8, 512, 4, 3), (4, 1024, 4, 3), (16, 256, 4, 3),  # the autotuner's
+    (8, 512, 4, 2), (8, 512, 4, 4), (4, 512, 4, 3), (2, 1024, 4, 3), (4, 1024, 8, 3),
+    (8, 1024, 8, 3), (16, 512, 8, 3), (2, 2048, 8, 3), (8, 256, 2, 3), (4, 512, 2, 3),
+    (16, 256, 8, 3), (1, 2048, 4, 3), (2, 2048, 4, 3), (4, 2048, 8, 3), (8, 512, 8, 3),
+    (4, 1024, 4, 4), (16, 256, 4, 4), (2, 1024, 4, 4), (4, 256, 2, 4), (1, 4096, 8, 3),
+]  # fmt: skip
+
+
+def sweep(device: torch.device, budget_s: float = 80.0, dtype: torch.dtype = torch.bfloat16) -> dict[str, list[tuple[float, Any]]]:
+    """Each decoder-layer projection at one row with each ``SWEEP_TILES`` tile forced (fused op
+    included), timed as ``probe`` times: {projection: [(us, tile), ...] fastest first}, with the
+    cuBLAS path as tile None. Stops starting new tiles after ``budget_s`` (compiles dominate)."""
+    import time
+
+    from runtime import triton_gemv, triton_ops
+
+    t0 = time.perf_counter()
+    gen = torch.Generator(device=device).manual_seed(1)
+    cases = []
+    for name, n, k, op in LLAMA3_8B_PROJECTIONS[:4]:
+        nbytes = n * k * dtype.itemsize
+        copies = max(2, -(-4 * L2_BYTES // nbytes))
+        ws = [torch.randn(n, k, device=device, dtype=dtype, generator=gen) / 64 for _ in range(copies)]
+        nw = torch.rand(k, device=device, dtype=dtype, generator=gen) + 0.5
+        x = torch.randn(1, 2 * k if op == "silu_mul" else k, device=device, dtype=dtype, generator=gen)
+        res = torch.randn(1, k, device=device, dtype=dtype, generator=gen)
+
+        def run(w: torch.Tensor, tile: Any, op: str = op, x: torch.Tensor = x, res: torch.Tensor = res, nw: torch.Tensor = nw) -> Any:
+            if tile is None:  # the unfused ops and cuBLAS
+                if op == "rms_norm":
+                    return F.linear(triton_ops.rms_norm(x, res.clone(), nw, 1e-5)[0], w)
+                return F.linear(triton_ops.silu_mul(x) if op == "silu_mul" else x, w)
+            if op == "rms_norm":
+                return triton_gemv.rms_norm_linear(x, res, nw, 1e-5, w, tile=tile)[0]
+            if op == "silu_mul":
+                return triton_gemv.silu_mul_linear(x, w, tile=tile)
+            return triton_gemv.linear(x, w, tile=tile)
+
+        cases.append((name, ws, run))
+    results: dict[str, list[tuple[float, Any]]] = {name: [] for name, _, _ in cases}
+    for spec in [None, *SWEEP_TILES]:
+        if time.perf_counter() - t0 > budget_s:
+            break
+        tile = None if spec is None else triton_gemv.Tile(*spec, dot=False)
+        for name, ws, run in cases:
+            try:
+                us = graph_ms([lambda w=w: run(w, tile) for w in ws], device) * 1e3
+            except Exception as exc:  # a tile this GPU cannot compile or launch: skip it
+                print(f"  {name} {spec}: failed ({type(exc).__name__}: {str(exc)[:80]})")
+                continue
+            results[name].append((us, spec))
+    for v in results.values():
+        v.sort(key=lambda r: r[0])
+    return results

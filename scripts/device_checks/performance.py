@@ -310,6 +310,12 @@ def engine_timeline(engine: Any, prompt: list[int], device: torch.device) -> tup
     return timeline
 
 
+def is_sync_warning(message: str) -> bool:
+    """A warning of sync debug mode about an operation that waited for the device (not the one-off
+    notice, on first use, that the mode is a prototype)."""
+    return "synchroniz" in message and not message.startswith("Synchronization debug mode is a prototype")
+
+
 def count_syncs(engine: Any, runner: Any, prompts: list[list[int]], params: Any) -> list[str]:
     """Run the requests to completion with CUDA's sync debug mode on around ``runner.launch`` and
     ``runner.sample``; returns the warnings of the operations that waited for the device there."""
@@ -327,7 +333,7 @@ def count_syncs(engine: Any, runner: Any, prompts: list[list[int]], params: Any)
                     return fn(*args)
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
-                    seen.extend(f"{fn.__name__}: {str(w.message)[:120]}" for w in caught if "synchroniz" in str(w.message))
+                    seen.extend(f"{fn.__name__}: {str(w.message)[:120]}" for w in caught if is_sync_warning(str(w.message)))
 
         return call
 
@@ -342,6 +348,22 @@ def count_syncs(engine: Any, runner: Any, prompts: list[list[int]], params: Any)
         for name in originals:
             delattr(runner, name)  # back to the class's methods
     return seen
+
+
+def sweep_gemv(device: torch.device, report: Report, budget_s: float = 80.0) -> None:
+    """One-row tiles of the fused few-row kernels, forced one at a time (``device_checks.gemv_probe.sweep``)."""
+    from device_checks.gemv_probe import LLAMA3_8B_PROJECTIONS, sweep
+
+    sizes = {name: n * k * 2 for name, n, k, _ in LLAMA3_8B_PROJECTIONS}
+    for name, rows in sweep(device, budget_s).items():
+        print(f"  {name}: " + ", ".join(f"{'cuBLAS' if t is None else t} {us:.1f}" for us, t in rows[:8]) + f" ({len(rows)} timed)")
+        if rows:
+            us, tile = rows[0]
+            tuned = [u for u, t in rows if t is not None and tuple(t) in {(8, 512, 4, 3), (4, 1024, 4, 3), (16, 256, 4, 3)}]
+            ref = f"{'cuBLAS + unfused op' if tile is None else tile}: {sizes[name] / (us * 1e-6) / 1e12:.2f} TB/s"
+            if tuned:
+                ref += f"; best autotuner tile {min(tuned):.1f} us"
+            report.row(f"{name}, 1 row: fastest tile of the sweep", us, "us", ref, tile=tile)
 
 
 def probe_gemv(device: torch.device, report: Report) -> None:

@@ -208,3 +208,34 @@ def test_device_check_gemv_probe_compares_like_with_like(monkeypatch) -> None:  
     assert [(r["name"], r["rows"]) for r in rows] == [(n, m) for n in ("qkv_proj", "o_proj", "down_proj") for m in (1, 3)]
     assert all(r["rel_diff"] < 2e-3 for r in rows), [r["rel_diff"] for r in rows]
     assert len(calls) == 2 * len(rows) and all(c >= 2 for c in calls)  # fused and plain, several weight copies
+
+
+def test_device_check_gemv_sweep_times_each_tile_on_each_projection(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The one-row tile sweep on small shapes: every tile it forces computes the fused op (checked
+    against the unfused ops), the cuBLAS path is timed as tile None, and results come fastest first."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "scripts"))
+    probe = importlib.import_module("device_checks.gemv_probe")
+    calls: list = []
+
+    def fake_graph_ms(fns, device, iters=10):  # type: ignore[no-untyped-def]
+        calls.append(fns[0]())
+        return 1.0 + 0.01 * len(calls)  # later calls slower
+
+    monkeypatch.setattr(probe, "graph_ms", fake_graph_ms)
+    monkeypatch.setattr(probe, "L2_BYTES", 1 << 10)
+    monkeypatch.setattr(probe, "SWEEP_TILES", [(8, 512, 4, 3), (4, 64, 4, 2)])
+    monkeypatch.setattr(probe, "LLAMA3_8B_PROJECTIONS", [
+        ("qkv_proj", 48, 64, "rms_norm"), ("o_proj", 64, 64, "none"), ("gate_up_proj", 96, 64, "rms_norm"),
+        ("down_proj", 64, 48, "silu_mul"), ("lm_head", 8, 64, "none"),
+    ])  # fmt: skip
+    results = probe.sweep(torch.device("cpu"), budget_s=600, dtype=torch.float16)
+    assert list(results) == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]  # the layer's, not the head
+    for rows in results.values():
+        assert [t for _, t in rows] == [None, (8, 512, 4, 3), (4, 64, 4, 2)]  # timed in that order: fastest first
+    # Tile-major: each tile's output per projection agrees with the unfused ops (tile None, first).
+    assert len(calls) == 3 * 4
+    for j in range(4):
+        for t in (1, 2):
+            torch.testing.assert_close(calls[4 * t + j].float(), calls[j].float(), rtol=2e-2, atol=2e-2)

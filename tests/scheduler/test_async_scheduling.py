@@ -182,3 +182,10 @@ def test_switching_modes_mid_run(tiny_llama_dir: Path, prompts: list[list[int]])
     got = [[t for step in outs for o in step if o.request_id == str(i) for c in o.outputs for t in c.new_token_ids] for i in range(4)]
     assert got == expected
     assert e.block_manager.num_used_blocks == 0 and e._in_flight is None
+
+
+def test_unset_means_on_for_cuda_only(tiny_llama_dir: Path) -> None:
+    # On CPU the forward does not run in the background: unset leaves the engine synchronous.
+    base: dict[str, Any] = dict(model=str(tiny_llama_dir), kv_cache_memory=4 * MiB, max_model_len=256)
+    assert Engine(EngineConfig(**base)).async_scheduling is False
+    assert Engine(EngineConfig(**base, async_scheduling=True)).async_scheduling is True

@@ -68,6 +68,10 @@ def test_serve_args_build_one_engine_config() -> None:
     defaults = build_parser().parse_args(["serve"])
     assert (defaults.host, defaults.port) == ("127.0.0.1", 8000)
     assert engine_config_from_args(defaults) == EngineConfig()
+    # Scheduling ahead: unset means the device decides (on for CUDA); either way can be forced.
+    assert engine_config_from_args(defaults).async_scheduling is None
+    off = build_parser().parse_args(["serve", "--no-async-scheduling"])
+    assert engine_config_from_args(off).async_scheduling is False
 
 
 def test_api_key_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
