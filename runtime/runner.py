@@ -170,7 +170,7 @@ class ModelRunner:
                     max_rows=triton_gemv.MAX_ROWS if self.few_rows_mode == "on" else 0,
                 )
                 self.model.use_few_row_kernels(self.few_rows)
-                self.few_rows_limit = triton_gemv.MAX_ROWS
+                self.few_rows_limit = triton_gemv.MAX_ROWS if self.few_rows_mode == "on" else triton_gemv.AUTO_MAX_ROWS
         self.max_model_len = max_model_len or model_config.max_position_embeddings
         self.enforce_eager = enforce_eager
         self.kv_pool: KVPool = None  # type: ignore[assignment]  # set by allocate_kv_pool

@@ -97,8 +97,9 @@ DECODE_GEMV_MODES = ("auto", "on", "off")
 
 def decode_gemv_mode() -> str:
     """``SERVELM_DECODE_GEMV``: whether decode steps of 1-4 rows use the fused few-row projections
-    (``runtime.triton_gemv``). ``auto`` (default): per captured CUDA-graph size, whichever of fused and
-    plain replays faster at start-up (plain when eager); ``on``: always; ``off``: never."""
+    (``runtime.triton_gemv``). ``auto`` (default): per captured CUDA-graph size up to
+    ``triton_gemv.AUTO_MAX_ROWS``, whichever of fused and plain replays faster at start-up (plain
+    when eager); ``on``: always, up to ``MAX_ROWS``; ``off``: never."""
     mode = os.environ.get("SERVELM_DECODE_GEMV", "auto").strip().lower() or "auto"
     if mode not in DECODE_GEMV_MODES:
         raise ValueError(f"SERVELM_DECODE_GEMV must be one of {', '.join(DECODE_GEMV_MODES)}, got {mode!r}")
