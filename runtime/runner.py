@@ -217,6 +217,11 @@ class ModelRunner:
                 few_rows_ab=self.few_rows_mode == "auto",
             )
             self.graph_runner.capture()  # after the pool exists: the graphs read its addresses
+            if self.few_rows is not None:
+                from runtime import triton_gemv
+
+                for line in triton_gemv.tuned_tiles():
+                    log.info("few-row projection tile: %s", line)
         log.info("KV pool: %r", self.kv_pool)
 
     @torch.inference_mode()

@@ -76,6 +76,7 @@ def _decode_gemv_kernel(
     USE_DOT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     # x: [M, K] (PROLOGUE 0/1) or [M, 2K] gate then up (PROLOGUE 2); w: [N, K]; y: [M, N].
@@ -106,9 +107,22 @@ def _decode_gemv_kernel(
         acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    w_rows = w_ptr + n[:, None].to(tl.int64) * stride_wn
+    if PREFETCH:
+        # The element-wise loop is not software-pipelined by Triton (no num_stages there): each
+        # iteration would wait a full memory round trip. Loading tile i + 1 before using tile i
+        # keeps two tiles of weight in flight per program.
+        k_first = tl.arange(0, BLOCK_K)
+        w_next = tl.load(w_rows + k_first[None, :], mask=n_ok[:, None] & (k_first < K)[None, :], other=0.0)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
+        if PREFETCH:
+            w = w_next
+            k_after = k + BLOCK_K
+            w_next = tl.load(w_rows + k_after[None, :], mask=n_ok[:, None] & (k_after < K)[None, :], other=0.0)
+        else:
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x_mask = r_ok[:, None] & k_ok[None, :]
         x_off = r[:, None] * stride_xm + k[None, :]
         if PROLOGUE == 2:
@@ -128,9 +142,6 @@ def _decode_gemv_kernel(
                 normed = (xk.to(tl.float32) * rstd[:, None]).to(xk.dtype).to(tl.float32)
                 nw = tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
                 xk = (nw[None, :] * normed).to(xk.dtype)
-        w = tl.load(
-            w_ptr + n[:, None].to(tl.int64) * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0
-        )
         if USE_DOT:
             acc = tl.dot(w, tl.trans(xk.to(w.dtype)), acc, input_precision=DOT_PRECISION)
         else:
@@ -150,19 +161,28 @@ class Tile(NamedTuple):
     block_n: int
     block_k: int
     warps: int
-    stages: int
+    stages: int  # software-pipelining depth of the dot tiles' loads (the element-wise loop has none)
     dot: bool  # tl.dot with the rows padded to 16 (any row count); else element-wise (one row)
+    prefetch: bool = False  # element-wise: load the next weight tile before using this one
+
+    def kwargs(self) -> dict[str, Any]:
+        return dict(USE_DOT=self.dot, BLOCK_N=self.block_n, BLOCK_K=self.block_k, PREFETCH=self.prefetch)
 
     def config(self) -> Any:
-        return triton.Config(
-            dict(USE_DOT=self.dot, BLOCK_N=self.block_n, BLOCK_K=self.block_k), num_warps=self.warps, num_stages=self.stages
-        )
+        return triton.Config(self.kwargs(), num_warps=self.warps, num_stages=self.stages)
 
 
 # Tiles the autotuner tries. Element-wise, one row only: the float32 accumulator is
-# block_n x block_k, 32 registers a thread at 4 warps. Dot (any row count, padded to 16):
-# software-pipelined weight loads.
-ELEMENTWISE_TILES = [Tile(8, 512, 4, 3, False), Tile(4, 1024, 4, 3, False), Tile(16, 256, 4, 3, False)]
+# block_n x block_k, 32 registers a thread at 4 warps; sm_90 builds (ptxas) use 56-96 registers, no
+# spills (one: 12 bytes, the norm with prefetch at 4 x 1024), 16-byte loads. Dot (any row count,
+# padded to 16): software-pipelined weight loads.
+ELEMENTWISE_TILES = [
+    Tile(8, 512, 4, 3, False),
+    Tile(4, 1024, 4, 3, False),
+    Tile(16, 256, 4, 3, False),
+    Tile(8, 512, 4, 3, False, prefetch=True),
+    Tile(2, 2048, 8, 3, False, prefetch=True),
+]
 DOT_TILES = [Tile(16, 256, 4, 4, True), Tile(32, 256, 4, 3, True), Tile(64, 128, 4, 4, True)]
 # What runs untuned (under the interpreter, or off CUDA): one element-wise tile, one small dot tile.
 DEFAULT_ELEMENTWISE = ELEMENTWISE_TILES[0]
@@ -190,6 +210,21 @@ _tuned = triton.autotune(
     prune_configs_by={"early_config_prune": _prune},
     do_bench=_bench,
 )(_decode_gemv_kernel)
+
+
+def tuned_tiles() -> list[str]:
+    """What the autotuner picked so far, one line per (rows padded, N, K, op) key, for logs."""
+    ops = {_PLAIN: "linear", _RMS_NORM: "rms_norm+linear", _SILU_MUL: "silu_mul+linear"}
+    lines = []
+    for key, cfg in sorted(getattr(_tuned, "cache", {}).items(), key=lambda kv: str(kv[0])):
+        m_pad, n, k, prologue = key[:4]
+        kw = cfg.kwargs
+        kind = "dot" if kw.get("USE_DOT") else "element-wise" + (", prefetch" if kw.get("PREFETCH") else "")
+        lines.append(
+            f"{ops.get(prologue, prologue)} rows<={m_pad} {n}x{k}: {kw.get('BLOCK_N')}x{kw.get('BLOCK_K')} "
+            f"{kind}, {cfg.num_warps} warps"
+        )
+    return lines
 
 
 def _autotuned(x: torch.Tensor) -> bool:
@@ -249,9 +284,10 @@ def _launch(
         tile = force_tile or (DEFAULT_ELEMENTWISE if rows_pad == 1 else DEFAULT_DOT)
         if not tile.dot and rows_pad != 1:
             raise ValueError(f"an element-wise tile takes one row, got {rows}")
+        if tile.dot and tile.prefetch:
+            raise ValueError("prefetch is for element-wise tiles (the dot tiles' loads are pipelined by num_stages)")
         _decode_gemv_kernel[(triton.cdiv(n, tile.block_n),)](
-            *args, **consts, USE_DOT=tile.dot, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.warps,
-            num_stages=tile.stages,
+            *args, **consts, **tile.kwargs(), num_warps=tile.warps, num_stages=tile.stages
         )
     else:
         _tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **consts)

@@ -324,6 +324,10 @@ def check_few_row_kernels(runner: Any, plan: Plan, vocab: int, tol: float, repor
             )
     finally:
         k.max_rows = saved
+    from runtime import triton_gemv
+
+    for line in triton_gemv.tuned_tiles():
+        print(f"  autotuned: {line}")
     graphs = runner.graph_runner
     for bs, v in sorted(graphs.variants.items() if graphs is not None else []):
         report.row(

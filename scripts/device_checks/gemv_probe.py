@@ -106,15 +106,17 @@ def probe(device: torch.device, rows: tuple[int, ...] = (1, 2, 4), dtype: torch.
     return out
 
 
-# One-row element-wise tiles for ``sweep``: (block_n, block_k, warps, stages), spread over the
-# shapes whose float32 accumulator takes 16-64 registers a thread, and the stage counts of the
-# default tile. Ordered so that a sweep cut short by its time budget has tried a spread of each.
+# One-row element-wise tiles for ``sweep``: (block_n, block_k, warps, prefetch). Their loop is not
+# software-pipelined (sm_90 PTX has no cp.async; num_stages changes nothing), so what varies is
+# the tile, the warps, and whether the next weight tile is loaded before this one is used. Spread
+# over the shapes whose float32 accumulator takes 16-64 registers a thread, the autotuner's first.
+# Ordered so that a sweep cut short by its time budget has tried a spread of each.
 SWEEP_TILES = [
-    (8, 512, 4, 3), (4, 1024, 4, 3), (16, 256, 4, 3),  # the autotuner's
-    (8, 512, 4, 2), (8, 512, 4, 4), (4, 512, 4, 3), (2, 1024, 4, 3), (4, 1024, 8, 3),
-    (8, 1024, 8, 3), (16, 512, 8, 3), (2, 2048, 8, 3), (8, 256, 2, 3), (4, 512, 2, 3),
-    (16, 256, 8, 3), (1, 2048, 4, 3), (2, 2048, 4, 3), (4, 2048, 8, 3), (8, 512, 8, 3),
-    (4, 1024, 4, 4), (16, 256, 4, 4), (2, 1024, 4, 4), (4, 256, 2, 4), (1, 4096, 8, 3),
+    (8, 512, 4, False), (4, 1024, 4, False), (16, 256, 4, False), (8, 512, 4, True), (2, 2048, 8, True),
+    (4, 1024, 4, True), (16, 256, 4, True), (4, 512, 2, True), (8, 1024, 8, True), (2, 1024, 2, True),
+    (4, 2048, 8, True), (16, 512, 8, True), (1, 4096, 8, False), (2, 2048, 8, False), (4, 1024, 8, False),
+    (8, 1024, 8, False), (16, 512, 8, False), (8, 256, 2, False), (4, 512, 2, False), (1, 2048, 4, False),
+    (2, 1024, 4, False), (1, 4096, 4, True), (8, 256, 2, True),
 ]  # fmt: skip
 
 
@@ -153,7 +155,7 @@ def sweep(device: torch.device, budget_s: float = 80.0, dtype: torch.dtype = tor
     for spec in [None, *SWEEP_TILES]:
         if time.perf_counter() - t0 > budget_s:
             break
-        tile = None if spec is None else triton_gemv.Tile(*spec, dot=False)
+        tile = None if spec is None else triton_gemv.Tile(spec[0], spec[1], spec[2], 3, False, prefetch=spec[3])
         for name, ws, run in cases:
             try:
                 us = graph_ms([lambda w=w: run(w, tile) for w in ws], device) * 1e3

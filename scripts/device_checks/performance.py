@@ -354,12 +354,15 @@ def sweep_gemv(device: torch.device, report: Report, budget_s: float = 80.0) -> 
     """One-row tiles of the fused few-row kernels, forced one at a time (``device_checks.gemv_probe.sweep``)."""
     from device_checks.gemv_probe import LLAMA3_8B_PROJECTIONS, sweep
 
+    from runtime.triton_gemv import ELEMENTWISE_TILES
+
     sizes = {name: n * k * 2 for name, n, k, _ in LLAMA3_8B_PROJECTIONS}
+    autotuned = {(t.block_n, t.block_k, t.warps, t.prefetch) for t in ELEMENTWISE_TILES}
     for name, rows in sweep(device, budget_s).items():
         print(f"  {name}: " + ", ".join(f"{'cuBLAS' if t is None else t} {us:.1f}" for us, t in rows[:8]) + f" ({len(rows)} timed)")
         if rows:
             us, tile = rows[0]
-            tuned = [u for u, t in rows if t is not None and tuple(t) in {(8, 512, 4, 3), (4, 1024, 4, 3), (16, 256, 4, 3)}]
+            tuned = [u for u, t in rows if t is not None and t in autotuned]
             ref = f"{'cuBLAS + unfused op' if tile is None else tile}: {sizes[name] / (us * 1e-6) / 1e12:.2f} TB/s"
             if tuned:
                 ref += f"; best autotuner tile {min(tuned):.1f} us"

@@ -18,7 +18,10 @@ def _tol(dtype: torch.dtype) -> dict[str, float]:
 
 # (rows, tile): the untuned default for the row count, and each kind of tile explicitly (element-wise
 # takes one row; the dot tiles pad any count to 16); the largest dot tile exceeds N and K here.
-GEMV_CASES = [(1, None), (1, gemv.DEFAULT_DOT), (2, None), (3, gemv.DOT_TILES[-1]), (4, gemv.DEFAULT_DOT)]
+# One row: the default element-wise tile, a prefetching one narrow enough to loop many times over
+# every K below (tail masked, the last prefetch wholly masked), and a dot tile; then 2-4 rows (dot).
+PREFETCH_TILE = gemv.Tile(4, 32, 4, 1, False, prefetch=True)
+GEMV_CASES = [(1, None), (1, PREFETCH_TILE), (1, gemv.DEFAULT_DOT), (2, None), (3, gemv.DOT_TILES[-1]), (4, gemv.DEFAULT_DOT)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -69,6 +72,14 @@ def test_few_row_silu_mul_linear_equals_activation_then_linear(dtype: torch.dtyp
     act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]  # rounded as the eager MLP rounds
     want = torch.nn.functional.linear(act.double(), w.double()).to(dtype)
     torch.testing.assert_close(gemv.silu_mul_linear(gu, w, tile=tile), want, **_tol(dtype))
+
+
+def test_prefetch_is_refused_on_dot_tiles_and_element_wise_tiles_take_one_row() -> None:
+    w, x = torch.randn(8, 64), torch.randn(1, 64)
+    with pytest.raises(ValueError, match="prefetch"):
+        gemv.linear(x, w, tile=gemv.Tile(16, 64, 4, 1, True, prefetch=True))
+    with pytest.raises(ValueError, match="one row"):
+        gemv.linear(torch.randn(2, 64), w, tile=PREFETCH_TILE)
 
 
 def test_few_row_kernels_refuse_more_rows_than_they_tile() -> None:
@@ -181,6 +192,11 @@ def test_the_autotuner_is_wired_to_the_row_count_s_tiles(monkeypatch) -> None:  
     assert len(ones) == len(gemv._configs(1)) and ones.count(False) == len(gemv.ELEMENTWISE_TILES)  # tuned once
     assert threes == [True] * len(gemv.DOT_TILES)
     assert sorted(k[0] for k in gemv._tuned.cache) == [1, 4]  # keyed by the padded row count (3 -> 4)
+    # The log lines name each key's pick (here the smallest BLOCK_N: 2 for one row, 16 for the dot).
+    assert gemv.tuned_tiles() == [
+        "linear rows<=1 24x80: 2x2048 element-wise, prefetch, 8 warps",
+        "linear rows<=4 24x80: 16x256 dot, 4 warps",
+    ]
 
 
 def test_device_check_gemv_probe_compares_like_with_like(monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -225,7 +241,7 @@ def test_device_check_gemv_sweep_times_each_tile_on_each_projection(monkeypatch)
 
     monkeypatch.setattr(probe, "graph_ms", fake_graph_ms)
     monkeypatch.setattr(probe, "L2_BYTES", 1 << 10)
-    monkeypatch.setattr(probe, "SWEEP_TILES", [(8, 512, 4, 3), (4, 64, 4, 2)])
+    monkeypatch.setattr(probe, "SWEEP_TILES", [(8, 512, 4, False), (4, 64, 4, True)])
     monkeypatch.setattr(probe, "LLAMA3_8B_PROJECTIONS", [
         ("qkv_proj", 48, 64, "rms_norm"), ("o_proj", 64, 64, "none"), ("gate_up_proj", 96, 64, "rms_norm"),
         ("down_proj", 64, 48, "silu_mul"), ("lm_head", 8, 64, "none"),
@@ -233,7 +249,7 @@ def test_device_check_gemv_sweep_times_each_tile_on_each_projection(monkeypatch)
     results = probe.sweep(torch.device("cpu"), budget_s=600, dtype=torch.float16)
     assert list(results) == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]  # the layer's, not the head
     for rows in results.values():
-        assert [t for _, t in rows] == [None, (8, 512, 4, 3), (4, 64, 4, 2)]  # timed in that order: fastest first
+        assert [t for _, t in rows] == [None, (8, 512, 4, False), (4, 64, 4, True)]  # timed in that order: fastest first
     # Tile-major: each tile's output per projection agrees with the unfused ops (tile None, first).
     assert len(calls) == 3 * 4
     for j in range(4):
