@@ -90,11 +90,12 @@ class StepCostModel:
     per token, the LM head per sampled row, attention per (query, context) pair; all weights once plus
     the KV read (whole contexts) and written (new tokens)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, weight_bytes_read: int | None = None) -> None:
+        """``weight_bytes_read``: what a step reads of the weights when not parameters x dtype (quantized)."""
         self.head_flops = 2.0 * cfg.vocab_size * cfg.hidden_size
         self.body_flops = flops_per_token(cfg, 0) - self.head_flops
         self.attn_flops = 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim
-        self.weight_bytes = float(weight_bytes(cfg, dtype))
+        self.weight_bytes = float(weight_bytes(cfg, dtype) if weight_bytes_read is None else weight_bytes_read)
         self.kv_token_bytes = float(kv_bytes_per_token(cfg, dtype))
 
     def __call__(self, items: Sequence[BatchItem]) -> tuple[float, float]:

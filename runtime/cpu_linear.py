@@ -24,9 +24,9 @@ import os
 import torch
 
 from runtime import cpu_ops
-from runtime.cpu_ops import SmallMLinear
+from runtime.cpu_ops import SmallMLinear, SmallMLinearInt8
 
-__all__ = ["ENV", "SmallMLinear", "linear", "onednn_linear_available", "pack", "small_m_kernel"]
+__all__ = ["ENV", "SmallMLinear", "linear", "onednn_linear_available", "pack", "small_m_int8_kernel", "small_m_kernel"]
 
 ENV = "SERVELM_CPU_LINEAR"  # "auto" (default) | "onednn" | "torch"
 
@@ -73,3 +73,14 @@ def small_m_kernel(dtype: torch.dtype = torch.float32) -> tuple[SmallMLinear, in
     if module is None or (dtype == torch.bfloat16 and not module.has_avx512_bf16):
         return None
     return module.linear_small_m, int(module.max_rows)
+
+
+def small_m_int8_kernel() -> tuple[SmallMLinearInt8, int] | None:
+    """The compiled few-row projection over int8 weights (``--quantization int8``) and its row limit,
+    or None (as ``small_m_kernel``: no AVX-512, no build, or ``SERVELM_CPU_LINEAR`` set). Never raises."""
+    if _mode() != "auto":
+        return None
+    module = cpu_ops.load()
+    if module is None:
+        return None
+    return module.linear_small_m_int8, int(module.max_rows)

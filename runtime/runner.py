@@ -30,6 +30,7 @@ from runtime.config import ModelConfig
 from runtime.cuda_graphs import CudaGraphRunner
 from runtime.kv_cache import KVPool
 from runtime.models.llama import FewRowKernels
+from runtime.quantization import check_quantization
 from runtime.sampler import Sampler, SampledRows
 from runtime.weights import load_model
 
@@ -111,6 +112,7 @@ class ModelRunner:
         seed: int | None = None,
         max_model_len: int | None = None,
         enforce_eager: bool = False,
+        quantization: str | None = None,
     ) -> None:
         """``seed`` seeds the sampler's generator for requests without their own seed (None: from the OS).
 
@@ -120,7 +122,12 @@ class ModelRunner:
 
         ``num_blocks=None`` loads the weights only: measure what is left with ``measure_kv_budget``,
         then call ``allocate_kv_pool`` before the first ``execute``.
+
+        ``quantization="int8"`` (CPU, float32): weight-only int8 projections and head
+        (``runtime.quantization``).
         """
+        check_quantization(quantization, torch.device(device), dtype)
+        self.quantization = quantization
         self.model_config = model_config
         self.device = torch.device(device)
         self.dtype = dtype
@@ -136,11 +143,22 @@ class ModelRunner:
         if backend_bs != block_size:
             raise ValueError(f"attention backend expects block_size {backend_bs}, the pool uses {block_size}")
         self.model = load_model(model_dir, model_config, self.backend, dtype=dtype, device=self.device)
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.int8_linear = None
+        if quantization == "int8":
+            self.int8_linear = cpu_linear.small_m_int8_kernel()
+            if self.int8_linear is None:
+                log.warning(
+                    "--quantization int8: the int8 kernel is unavailable here (no AVX-512, no compiler, or "
+                    "SERVELM_CPU_LINEAR set), so the quantized weights run dequantized: same tokens, no speed-up"
+                )
+            self.model.quantize_int8(self.int8_linear)
+        # What a decode step reads (MBU, the device check's floor): int8 projections count one byte a weight.
+        self.weight_bytes = self.model.weight_bytes_read()
         self.packed_linears = self.device.type == "cpu" and cpu_linear.onednn_linear_available(dtype)
         self.small_m_linear = None
         if self.packed_linears:
-            self.small_m_linear = cpu_linear.small_m_kernel(dtype)
+            # With the int8 kernel serving few-row steps, the dense float copies are not needed.
+            self.small_m_linear = None if self.int8_linear is not None else cpu_linear.small_m_kernel(dtype)
             self.model.pack_cpu_weights(self.small_m_linear)
         cpu_norm = self.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
         rms_norm = cpu_ops.rms_norm_kernel() if cpu_norm else None
@@ -189,6 +207,8 @@ class ModelRunner:
             self.backend.name,
             ("oneDNN (packed weights)" if self.packed_linears else "torch")
             + (f" + few-row kernel (<= {self.small_m_linear[1]} rows)" if self.small_m_linear else "")
+            + (f" + int8 few-row kernel (<= {self.int8_linear[1]} rows)" if self.int8_linear else "")
+            + ("; weights int8 (per-row scales)" if quantization else "")
             + ("; fused Triton norms/activation/RoPE" if self.fused_ops else "")
             + (f"; fused few-row projections: {self.few_rows_mode}" if self.few_rows is not None else ""),
         )

@@ -226,7 +226,8 @@ class Engine:
             )
         self._in_flight: _Sampled | None = None  # async: the step whose tokens the next step reads
 
-        self._step_cost = StepCostModel(mc, dtype)
+        # Quantized weights: the bytes a step reads are the runner's count, not parameters x dtype.
+        self._step_cost = StepCostModel(mc, dtype, runner.weight_bytes if config.quantization else None)
 
         self._groups: dict[str, _Group] = {}
         self._seq_ids = itertools.count()

@@ -116,4 +116,5 @@ def new_runner(
         seed=config.seed,
         max_model_len=max_model_len,
         enforce_eager=config.enforce_eager,
+        quantization=config.quantization,
     )

@@ -10,6 +10,7 @@ import signal
 import sys
 from typing import Any, Callable
 
+from runtime.quantization import QUANTIZATIONS
 from scheduler.config import EngineConfig
 
 log = logging.getLogger("servelm")
@@ -90,6 +91,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--max-waiting-requests", type=_positive_int, default=d.max_waiting_requests, help="queue bound in sequences: beyond it requests get 503 with Retry-After (default: %(default)s)")
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: do not capture CUDA graphs")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None, help="schedule the next step while the device computes this one; its host work (outputs, detokenization) then overlaps the device (default: on for CUDA, off for CPU, where nothing runs in the background)")
+    g.add_argument("--quantization", choices=list(QUANTIZATIONS), default=None, help="int8: weight-only int8 projections and vocabulary head, one float32 scale per output row (CPU, float32 activations): a quarter of the weight bytes a decode step reads; tokens differ from the float32 model's (default: none)")
     g.add_argument("--num-threads", type=_positive_int, default=None, help="CPU: torch intra-op threads (default: torch's choice)")
     g.add_argument("--seed", type=int, default=d.seed, help="sampling seed for requests without one (default: %(default)s)")
 
@@ -123,6 +125,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_waiting_requests=args.max_waiting_requests,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
+        quantization=args.quantization,
         num_threads=args.num_threads,
         seed=args.seed,
     )

@@ -189,11 +189,34 @@ def step_logits(runner: Any, items: list[Any]) -> list[torch.Tensor]:
     return out
 
 
+def prefill_then_decode(runner: Any, lengths: list[int], decode_steps: list[list[int]]) -> torch.Tensor:
+    """Sequences of the first ``lengths`` tokens of a fixed prompt, on scattered blocks: one prefill
+    step of all but their last ``len(decode_steps)`` tokens, then one decode step per entry of
+    ``decode_steps`` (the sequences it holds). Every step's logits, concatenated."""
+    from runtime.batch import BatchItem
+
+    ids = [5, 900, 17, 4000, 33, 2, 77, 1200, 8, 64, 19, 300, 41]
+    blocks = ScatteredBlocks(runner.kv_pool.num_blocks, runner.block_size, seed=2)
+    seqs = [FakeSeq(seq_id=i, token_ids=list(ids[:n])) for i, n in enumerate(lengths)]
+    for seq in seqs:
+        blocks.grow(seq, len(ids))
+    held = len(decode_steps)
+    logits = step_logits(runner, [BatchItem(s, len(s.token_ids) - held, sample=False) for s in seqs])
+    for step in decode_steps:
+        logits += step_logits(runner, [BatchItem(seqs[i], 1, sample=True) for i in step])
+    return torch.cat(logits)
+
+
 @pytest.fixture
 def rt() -> SimpleNamespace:
-    """Helpers to feed a ModelRunner by hand: ``FakeSeq``, ``GreedySpec``, ``ScatteredBlocks``, ``step_logits``."""
+    """Helpers to feed a ModelRunner by hand: ``FakeSeq``, ``GreedySpec``, ``ScatteredBlocks``, ``step_logits``,
+    ``prefill_then_decode``."""
     return SimpleNamespace(
-        FakeSeq=FakeSeq, GreedySpec=GreedySpec, ScatteredBlocks=ScatteredBlocks, step_logits=step_logits
+        FakeSeq=FakeSeq,
+        GreedySpec=GreedySpec,
+        ScatteredBlocks=ScatteredBlocks,
+        step_logits=step_logits,
+        prefill_then_decode=prefill_then_decode,
     )
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime import cpu_linear, cpu_ops
+from runtime import cpu_linear, cpu_ops, quantization
 from runtime.attention.base import AttentionBackend, AttentionMetadata
 from runtime.config import ModelConfig, UnsupportedModelError
 
@@ -117,6 +117,11 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None  # the oneDNN copy of ``weight`` once packed
         self.small_m: cpu_linear.SmallMLinear | None = None  # few-row kernel over the dense weight
         self.small_m_rows = 0
+        # --quantization int8: the int8 weight, its row scales, and the few-row kernel over them
+        self.q8: torch.Tensor | None = None
+        self.q8_scale: torch.Tensor | None = None
+        self.q8_linear: cpu_ops.SmallMLinearInt8 | None = None
+        self.q8_rows = 0
         self.bias = _param((self.out_features,), dtype, device) if bias else None
         self.few_rows: FewRowKernels | None = None
         if len(shards) > 1:
@@ -142,7 +147,19 @@ class Linear(nn.Module):
         else:
             self.small_m, self.small_m_rows = small_m
 
+    def quantize_int8(self, kernel: tuple[cpu_ops.SmallMLinearInt8, int] | None) -> None:
+        """Quantize the weight (``runtime.quantization``): the parameter becomes its dequantized value,
+        and steps of up to ``kernel``'s rows run the int8 kernel over the int8 copy."""
+        assert self.weight is not None and self.packed is None, "quantize before packing"
+        self.q8, self.q8_scale = quantization.quantize_rows(self.weight)
+        with torch.no_grad():
+            self.weight.copy_(quantization.dequantize_rows(self.q8, self.q8_scale, self.weight.dtype))
+        if kernel is not None:
+            self.q8_linear, self.q8_rows = kernel
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.q8_rows:
+            return self.q8_linear(x.contiguous(), self.q8, self.q8_scale, self.bias)  # type: ignore[misc]
         if self.packed is not None:
             if x.shape[0] <= self.small_m_rows:
                 return self.small_m(x.contiguous(), self.weight, self.bias)  # type: ignore[misc]
@@ -402,6 +419,13 @@ class CausalLM(nn.Module):
         self.lm_head_packed: torch.Tensor | None = None
         self.lm_head_small_m: cpu_linear.SmallMLinear | None = None
         self.lm_head_small_m_rows = 0
+        # --quantization int8: the head's int8 copy, row scales, kernel; and, for a tied head, its
+        # dequantized float copy (the embedding itself stays as loaded)
+        self.lm_head_q8: torch.Tensor | None = None
+        self.lm_head_q8_scale: torch.Tensor | None = None
+        self.lm_head_q8_linear: cpu_ops.SmallMLinearInt8 | None = None
+        self.lm_head_q8_rows = 0
+        self._lm_head_dequantized: torch.Tensor | None = None
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Module()
             self.lm_head.weight = _param((cfg.vocab_size, cfg.hidden_size), dtype, device)
@@ -409,6 +433,8 @@ class CausalLM(nn.Module):
     @property
     def lm_head_weight(self) -> torch.Tensor:
         # A property, not an attribute: assigning the tied Parameter would register it a second time.
+        if self._lm_head_dequantized is not None:
+            return self._lm_head_dequantized
         if self.config.tie_word_embeddings:
             return self.model.embed_tokens.weight
         return self.lm_head.weight
@@ -446,6 +472,37 @@ class CausalLM(nn.Module):
         elif not self.config.tie_word_embeddings:
             self.lm_head.weight = None
 
+    def quantize_int8(self, kernel: tuple[cpu_ops.SmallMLinearInt8, int] | None) -> None:
+        """Weight-only int8 (``runtime.quantization``) for every projection and the vocabulary head,
+        after loading and before ``pack_cpu_weights``; ``kernel`` (the int8 few-row kernel and its row
+        limit) serves steps of that many rows, larger ones use the dequantized weights."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.quantize_int8(kernel)
+        self.lm_head_q8, self.lm_head_q8_scale = quantization.quantize_rows(self.lm_head_weight)
+        head = quantization.dequantize_rows(self.lm_head_q8, self.lm_head_q8_scale, self.lm_head_weight.dtype)
+        if self.config.tie_word_embeddings:
+            self._lm_head_dequantized = head
+        else:
+            with torch.no_grad():
+                self.lm_head.weight.copy_(head)
+        if kernel is not None:
+            self.lm_head_q8_linear, self.lm_head_q8_rows = kernel
+
+    def weight_bytes_read(self) -> int:
+        """Bytes of weight a decode step reads: every parameter once (a tied embedding as the head),
+        quantized projections and head at one byte a weight plus a float32 scale a row. Call before
+        ``pack_cpu_weights`` (which may drop dense weights)."""
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        quantized: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = [
+            (m.weight, m.q8, m.q8_scale) for m in self.modules() if isinstance(m, Linear) and m.weight is not None
+        ]
+        quantized.append((self.lm_head_weight, self.lm_head_q8, self.lm_head_q8_scale))
+        for dense, q8, scale in quantized:
+            if q8 is not None and scale is not None:
+                total += q8.numel() + scale.numel() * scale.element_size() - dense.numel() * dense.element_size()
+        return total
+
     def use_cpu_rms_norm(self, kernel: cpu_ops.RmsNorm) -> None:
         """Route every RMSNorm through the compiled CPU op (``runtime.cpu_ops``; float32 or bfloat16)."""
         for module in self.modules():
@@ -471,6 +528,8 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[R, hidden]`` -> ``[R, vocab]``; the runner passes only the rows it samples."""
+        if hidden.shape[0] <= self.lm_head_q8_rows:
+            return self.lm_head_q8_linear(hidden.contiguous(), self.lm_head_q8, self.lm_head_q8_scale, None)  # type: ignore[misc]
         if self.lm_head_packed is not None:
             if hidden.shape[0] <= self.lm_head_small_m_rows:
                 return self.lm_head_small_m(hidden.contiguous(), self.lm_head_weight, None)  # type: ignore[misc]

@@ -72,6 +72,9 @@ def test_serve_args_build_one_engine_config() -> None:
     assert engine_config_from_args(defaults).async_scheduling is None
     off = build_parser().parse_args(["serve", "--no-async-scheduling"])
     assert engine_config_from_args(off).async_scheduling is False
+    assert engine_config_from_args(build_parser().parse_args(["serve", "--quantization", "int8"])).quantization == "int8"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--quantization", "int4"])
 
 
 def test_api_key_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -88,7 +91,8 @@ def test_help_documents_every_option(capsys: pytest.CaptureFixture[str]) -> None
         "--model", "--served-model-name", "--api-key", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
         "--kv-cache-memory", "--gpu-memory-utilization", "--block-size", "--dtype", "--device",
         "--enable-prefix-caching", "--no-enable-prefix-caching", "--scheduling-policy", "--max-waiting-requests",
-        "--enforce-eager", "--async-scheduling", "--num-threads", "--log-level", "--host", "--port",
+        "--enforce-eager", "--async-scheduling", "--no-async-scheduling", "--quantization", "--num-threads",
+        "--log-level", "--host", "--port",
     ):  # fmt: skip
         assert re.search(rf"{re.escape(opt)}\b", out), opt
     assert main([]) == 2  # no subcommand: usage, non-zero

@@ -1,0 +1,33 @@
+"""``--quantization int8`` on the default model (SmolLM2-135M-Instruct): sane answers, the same tokens
+batched as alone (few-row int8 kernel and the dequantized prefill path are one model), no block leaked."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime import cpu_linear
+from scheduler.config import EngineConfig
+from scheduler.engine import Engine
+from scheduler.sampling_params import SamplingParams
+
+QUESTIONS = ["What is the capital of France?", "Name the largest planet of the solar system.",
+             "What colour is the sky on a clear day?", "How many legs does a spider have?"]  # fmt: skip
+
+
+def _chat(engine: Engine, text: str) -> list[int]:
+    rendered = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    return engine.tokenizer.encode(rendered, add_special_tokens=False)  # type: ignore[no-any-return]
+
+
+def test_int8_engine_answers_and_batching_does_not_change_its_tokens() -> None:
+    if cpu_linear.small_m_int8_kernel() is None:
+        pytest.skip("no int8 kernel here (the dequantized path is covered by tests/runtime/test_quantization.py)")
+    engine = Engine(EngineConfig(quantization="int8", kv_cache_memory=128 * 2**20, max_model_len=1024))
+    assert engine.runner.weight_bytes < 0.3 * 538_060_032  # a quarter of the float32 weights, plus scales
+    prompts = [_chat(engine, q) for q in QUESTIONS]
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    together = [r.outputs[0] for r in engine.generate(prompts, params)]
+    alone = [engine.generate([p], params)[0].outputs[0] for p in prompts]
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+    assert "Paris" in together[0].text, [o.text for o in together]
+    assert engine.block_manager.num_used_blocks == 0
