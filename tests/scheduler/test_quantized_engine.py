@@ -24,6 +24,7 @@ def test_int8_engine_answers_and_batching_does_not_change_its_tokens() -> None:
         pytest.skip("no int8 kernel here (the dequantized path is covered by tests/runtime/test_quantization.py)")
     engine = Engine(EngineConfig(quantization="int8", kv_cache_memory=128 * 2**20, max_model_len=1024))
     assert engine.runner.weight_bytes < 0.3 * 538_060_032  # a quarter of the float32 weights, plus scales
+    assert engine._step_cost.weight_bytes == engine.runner.weight_bytes  # MBU counts the int8 bytes
     prompts = [_chat(engine, q) for q in QUESTIONS]
     params = SamplingParams(temperature=0.0, max_tokens=24)
     together = [r.outputs[0] for r in engine.generate(prompts, params)]
