@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -214,6 +215,32 @@ void run_bf16(const uint16_t* x, const uint16_t* w, c10::BFloat16* y, const c10:
 }
 #endif
 
+// What both few-row entry points check of x [M, K] and weight [N, K].
+void check_small_m(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "x [M, K] and weight [N, K] expected");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "contiguous x and weight expected");
+  TORCH_CHECK(weight.size(1) == x.size(1), "x has ", x.size(1), " columns, weight ", weight.size(1));
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxM, "1..", kMaxM, " rows expected, got ", x.size(0));
+}
+
+// The optional float32 bias [N] as a pointer (nullptr when absent).
+const float* float_bias(const c10::optional<at::Tensor>& bias, int64_t N) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias [N] float32");
+  return bias->data_ptr<float>();
+}
+
+// f(std::integral_constant<int, M>{}) for the row count M in 1..kMaxM: the kernels are templates on M.
+template <typename F>
+void with_rows(int64_t M, F&& f) {
+  switch (M) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{}); break;
+  }
+}
+
 at::Tensor linear_small_m_bf16(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(SERVELM_HAVE_AVX512_BF16, "linear_small_m was built without AVX512-BF16");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
@@ -227,41 +254,24 @@ at::Tensor linear_small_m_bf16(const at::Tensor& x, const at::Tensor& weight, co
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<c10::BFloat16>());
   auto* yp = y.data_ptr<c10::BFloat16>();
-  switch (M) {
-    case 1: run_bf16<1>(xp, wp, yp, b, N, K); break;
-    case 2: run_bf16<2>(xp, wp, yp, b, N, K); break;
-    case 3: run_bf16<3>(xp, wp, yp, b, N, K); break;
-    default: run_bf16<4>(xp, wp, yp, b, N, K); break;
-  }
+  with_rows(M, [&](auto rows) { run_bf16<decltype(rows)::value>(xp, wp, yp, b, N, K); });
 #endif
   return y;
 }
 
 at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(SERVELM_HAVE_AVX512, "linear_small_m was built without AVX-512");
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "x [M, K] and weight [N, K] expected");
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "contiguous x and weight expected");
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  TORCH_CHECK(weight.size(1) == K, "x has ", K, " columns, weight ", weight.size(1));
-  TORCH_CHECK(M >= 1 && M <= kMaxM, "1..", kMaxM, " rows expected, got ", M);
+  check_small_m(x, weight);
   if (x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16) return linear_small_m_bf16(x, weight, bias);
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "float32 or bfloat16 x and weight");
-  const float* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias [N] float32");
-    b = bias->data_ptr<float>();
-  }
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const float* b = float_bias(bias, N);
   at::Tensor y = at::empty({M, N}, x.options());
 #if SERVELM_HAVE_AVX512
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  switch (M) {
-    case 1: run<1>(xp, wp, yp, b, N, K); break;
-    case 2: run<2>(xp, wp, yp, b, N, K); break;
-    case 3: run<3>(xp, wp, yp, b, N, K); break;
-    default: run<4>(xp, wp, yp, b, N, K); break;
-  }
+  with_rows(M, [&](auto rows) { run<decltype(rows)::value>(xp, wp, yp, b, N, K); });
 #endif
   return y;
 }
@@ -269,31 +279,19 @@ at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight, const c
 at::Tensor linear_small_m_int8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
                               const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(SERVELM_HAVE_AVX512, "linear_small_m_int8 was built without AVX-512");
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "x [M, K] and weight [N, K] expected");
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && scale.is_contiguous(), "contiguous x, weight, scale expected");
+  check_small_m(x, weight);
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat,
               "float32 x, int8 weight, float32 scale expected");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  TORCH_CHECK(weight.size(1) == K, "x has ", K, " columns, weight ", weight.size(1));
-  TORCH_CHECK(scale.numel() == N, "scale must have ", N, " entries");
-  TORCH_CHECK(M >= 1 && M <= kMaxM, "1..", kMaxM, " rows expected, got ", M);
-  const float* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias [N] float32");
-    b = bias->data_ptr<float>();
-  }
+  TORCH_CHECK(scale.is_contiguous() && scale.numel() == N, "scale must be contiguous with ", N, " entries");
+  const float* b = float_bias(bias, N);
   at::Tensor y = at::empty({M, N}, x.options());
 #if SERVELM_HAVE_AVX512
   const float* xp = x.data_ptr<float>();
   const int8_t* wp = weight.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  switch (M) {
-    case 1: run_i8<1>(xp, wp, sp, yp, b, N, K); break;
-    case 2: run_i8<2>(xp, wp, sp, yp, b, N, K); break;
-    case 3: run_i8<3>(xp, wp, sp, yp, b, N, K); break;
-    default: run_i8<4>(xp, wp, sp, yp, b, N, K); break;
-  }
+  with_rows(M, [&](auto rows) { run_i8<decltype(rows)::value>(xp, wp, sp, yp, b, N, K); });
 #endif
   return y;
 }
