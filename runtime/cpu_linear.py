@@ -83,4 +83,4 @@ def small_m_int8_kernel() -> tuple[SmallMLinearInt8, int] | None:
     module = cpu_ops.load()
     if module is None:
         return None
-    return module.linear_small_m_int8, int(module.max_rows)
+    return module.linear_small_m_int8, int(module.int8_max_rows)

@@ -48,7 +48,7 @@ def _self_check(module: ModuleType) -> str | None:
         b = torch.randn(37, generator=gen) if bias else None
         if not torch.allclose(module.linear_small_m(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-5):
             return f"linear_small_m self-check failed (rows {rows}, K {k}, bias {bias})"
-    for rows, k, bias in ((1, 64, False), (2, 37, True), (4, 200, False), (3, 128 + 16 + 5, True)):
+    for rows, k, bias in ((1, 64, False), (2, 37, True), (4, 200, False), (3, 128 + 16 + 5, True), (8, 150, True)):
         q = torch.randint(-127, 128, (37, k), generator=gen, dtype=torch.int8)
         scale = torch.rand(37, generator=gen) / 64
         x = torch.randn(rows, k, generator=gen)

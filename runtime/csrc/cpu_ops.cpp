@@ -2,7 +2,8 @@
 //   * linear_small_m: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for a few rows (M <= 4); float32, or
 //     bfloat16 with float32 accumulation where the CPU has AVX512-BF16;
 //   * linear_small_m_int8: the same with int8 weights and a float32 scale per output row
-//     (weight-only quantization): y[m, n] = scale[n] * sum_k x[m, k] * q[n, k] (+ bias), float32 x;
+//     (weight-only quantization): y[m, n] = scale[n] * sum_k x[m, k] * q[n, k] (+ bias), float32 x,
+//     up to 8 rows;
 //   * rms_norm: y = x * rsqrt(mean(x^2) + eps) * w over the last dimension (float32, or bfloat16 with
 //     Hugging Face's roundings).
 //
@@ -45,6 +46,7 @@ namespace {
 
 constexpr int kRows = 8;   // weight rows per block
 constexpr int kMaxM = 4;   // x rows handled in one pass over W
+constexpr int kMaxMInt8 = 8;  // the same for int8 weights: converting a weight is dearer, more rows share it
 
 #if SERVELM_HAVE_AVX512
 template <int M>
@@ -108,11 +110,12 @@ void run(const float* x, const float* w, float* y, const float* bias, int64_t N,
 // loads made the loop ~1.3x slower.
 inline __m512 i8x16_to_ps(__m128i q) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)); }
 
-template <int M>
+// R weight rows a block: 8 up to 4 x rows, then 2 (R x M accumulators must fit the 32 registers).
+template <int R, int M>
 void block_dot_i8(const float* x, const int8_t* w, const float* scale, float* y, const float* bias, int64_t n0, int nn,
                   int64_t N, int64_t K) {
-  __m512 acc[kRows][M];
-  for (int r = 0; r < kRows; ++r)
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
   const int64_t k64 = K - K % 64;
   for (int64_t k = 0; k < k64; k += 64) {
@@ -161,12 +164,13 @@ void block_dot_i8(const float* x, const int8_t* w, const float* scale, float* y,
 
 template <int M>
 void run_i8(const float* x, const int8_t* w, const float* scale, float* y, const float* bias, int64_t N, int64_t K) {
-  const int64_t blocks = (N + kRows - 1) / kRows;
-  // A quarter of the float32 bytes per block: four times the float32 grain keeps pieces as large.
-  at::parallel_for(0, blocks, 64, [&](int64_t begin, int64_t end) {
+  constexpr int R = M <= 4 ? kRows : 2;
+  const int64_t blocks = (N + R - 1) / R;
+  // A quarter of the float32 bytes per row: four times the float32 grain (in rows) keeps pieces as large.
+  at::parallel_for(0, blocks, 64 * kRows / R, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t n0 = b * kRows;
-      block_dot_i8<M>(x, w, scale, y, bias, n0, static_cast<int>(std::min<int64_t>(kRows, N - n0)), N, K);
+      const int64_t n0 = b * R;
+      block_dot_i8<R, M>(x, w, scale, y, bias, n0, static_cast<int>(std::min<int64_t>(R, N - n0)), N, K);
     }
   });
 }
@@ -216,11 +220,11 @@ void run_bf16(const uint16_t* x, const uint16_t* w, c10::BFloat16* y, const c10:
 #endif
 
 // What both few-row entry points check of x [M, K] and weight [N, K].
-void check_small_m(const at::Tensor& x, const at::Tensor& weight) {
+void check_small_m(const at::Tensor& x, const at::Tensor& weight, int64_t max_rows = kMaxM) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "x [M, K] and weight [N, K] expected");
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "contiguous x and weight expected");
   TORCH_CHECK(weight.size(1) == x.size(1), "x has ", x.size(1), " columns, weight ", weight.size(1));
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxM, "1..", kMaxM, " rows expected, got ", x.size(0));
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= max_rows, "1..", max_rows, " rows expected, got ", x.size(0));
 }
 
 // The optional float32 bias [N] as a pointer (nullptr when absent).
@@ -230,14 +234,24 @@ const float* float_bias(const c10::optional<at::Tensor>& bias, int64_t N) {
   return bias->data_ptr<float>();
 }
 
-// f(std::integral_constant<int, M>{}) for the row count M in 1..kMaxM: the kernels are templates on M.
-template <typename F>
+// f(std::integral_constant<int, M>{}) for the row count M in 1..kMaxM (1..kMaxMInt8 with ``upto8``):
+// the kernels are templates on M.
+template <bool upto8 = false, typename F>
 void with_rows(int64_t M, F&& f) {
   switch (M) {
     case 1: f(std::integral_constant<int, 1>{}); break;
     case 2: f(std::integral_constant<int, 2>{}); break;
     case 3: f(std::integral_constant<int, 3>{}); break;
-    default: f(std::integral_constant<int, 4>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    default:
+      if constexpr (upto8) {
+        switch (M) {
+          case 5: f(std::integral_constant<int, 5>{}); break;
+          case 6: f(std::integral_constant<int, 6>{}); break;
+          case 7: f(std::integral_constant<int, 7>{}); break;
+          default: f(std::integral_constant<int, 8>{}); break;
+        }
+      }
   }
 }
 
@@ -279,7 +293,7 @@ at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight, const c
 at::Tensor linear_small_m_int8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
                               const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(SERVELM_HAVE_AVX512, "linear_small_m_int8 was built without AVX-512");
-  check_small_m(x, weight);
+  check_small_m(x, weight, kMaxMInt8);
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat,
               "float32 x, int8 weight, float32 scale expected");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
@@ -291,7 +305,7 @@ at::Tensor linear_small_m_int8(const at::Tensor& x, const at::Tensor& weight, co
   const int8_t* wp = weight.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  with_rows(M, [&](auto rows) { run_i8<decltype(rows)::value>(xp, wp, sp, yp, b, N, K); });
+  with_rows<true>(M, [&](auto rows) { run_i8<decltype(rows)::value>(xp, wp, sp, yp, b, N, K); });
 #endif
   return y;
 }
@@ -373,12 +387,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "servelm small CPU ops of the decode step";
   m.def("linear_small_m", &linear_small_m, "x [M<=4, K] @ W[N, K]^T (+ bias), float32 or bfloat16", py::arg("x"),
         py::arg("weight"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
-  m.def("linear_small_m_int8", &linear_small_m_int8, "x [M<=4, K] float32 @ (scale[:, None] * W[N, K] int8)^T (+ bias)",
+  m.def("linear_small_m_int8", &linear_small_m_int8, "x [M<=8, K] float32 @ (scale[:, None] * W[N, K] int8)^T (+ bias)",
         py::arg("x"), py::arg("weight"), py::arg("scale"), py::arg("bias") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "x * rsqrt(mean(x^2, -1) + eps) * weight, float32 or bfloat16", py::arg("x"),
         py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
   m.attr("max_rows") = kMaxM;
+  m.attr("int8_max_rows") = kMaxMInt8;
   m.attr("has_avx512") = py::bool_(SERVELM_HAVE_AVX512 != 0);
   m.attr("has_avx512_bf16") = py::bool_(SERVELM_HAVE_AVX512_BF16 != 0);
 }

@@ -51,7 +51,7 @@ def _int8_kernel() -> Any:
 
 
 @pytest.mark.parametrize("k", [5, 64 + 16 + 3, 576, 1536 + 7])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
 def test_int8_kernel_equals_the_dequantized_product(k: int, rows: int) -> None:
     # K: only the masked tail; all three loops (64-wide, 16-wide, tail); the default model's widths.
     kernel = _int8_kernel()
@@ -63,7 +63,7 @@ def test_int8_kernel_equals_the_dequantized_product(k: int, rows: int) -> None:
         want = F.linear(x.double(), dequantize_rows(q, scale).double(), None if b is None else b.double())
         torch.testing.assert_close(kernel(x, q, scale, b), want.float(), atol=1e-4, rtol=1e-5)
     with pytest.raises(RuntimeError, match="rows"):
-        kernel(torch.randn(cpu_ops.load().max_rows + 1, k), q, scale, None)  # type: ignore[union-attr]
+        kernel(torch.randn(cpu_ops.load().int8_max_rows + 1, k), q, scale, None)  # type: ignore[union-attr]
     with pytest.raises(RuntimeError, match="int8"):
         kernel(x, q.float(), scale, None)
 
