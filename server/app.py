@@ -95,6 +95,7 @@ def create_prometheus_observer(engine: Any) -> Any | None:
         "block_size": str(getattr(cap, "block_size", cfg.block_size)),
         "num_blocks": str(getattr(cap, "num_blocks", "")),
         "max_model_len": str(cfg.max_model_len),
+        "quantization": str(getattr(cfg, "quantization", None) or "none"),
     }
     try:
         from metrics.roofline import device_peaks

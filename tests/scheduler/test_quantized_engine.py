@@ -32,3 +32,11 @@ def test_int8_engine_answers_and_batching_does_not_change_its_tokens() -> None:
     assert [o.token_ids for o in together] == [o.token_ids for o in alone]
     assert "Paris" in together[0].text, [o.text for o in together]
     assert engine.block_manager.num_used_blocks == 0
+    # /metrics says what runs: the info series carries the quantization.
+    from prometheus_client import generate_latest
+
+    from server.app import create_prometheus_observer
+
+    observer = create_prometheus_observer(engine)
+    assert observer is not None
+    assert 'quantization="int8"' in generate_latest(observer.registry).decode()
