@@ -67,7 +67,14 @@ from device_checks.correctness import (  # noqa: E402
     check_paging_variants,
     hf_logits,
 )
-from device_checks.performance import measure_throughput, probe_gemv, profile_decode, sweep_gemv  # noqa: E402
+from device_checks.performance import (  # noqa: E402
+    batch1_with_tiles,
+    measure_throughput,
+    probe_gemv,
+    profile_decode,
+    sweep_gemv,
+    tiles_to_add,
+)
 
 # ----------------------------------------------------------------------------- main
 
@@ -86,7 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--skip",
         action="append",
         default=[],
-        choices=["logits", "greedy", "paging", "graphs", "profile", "throughput", "gemv", "sweep", "budget"],
+        choices=["logits", "greedy", "paging", "graphs", "profile", "throughput", "gemv", "sweep", "budget", "rerun"],
         help="skip a section (repeatable)",
     )
     return p.parse_args(argv)
@@ -260,8 +267,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         if "gemv" not in args.skip and device.type == "cuda":
             section("fused few-row projections vs the unfused ops (runtime.triton_gemv)", report, lambda: probe_gemv(device, report))
+        swept = None
         if "sweep" not in args.skip and device.type == "cuda":
-            section("one-row tiles of the fused projections (a sweep)", report, lambda: sweep_gemv(device, report))
+            swept = section("one-row tiles of the fused projections (a sweep)", report, lambda: sweep_gemv(device, report))
         if "budget" not in args.skip and device.type == "cuda":
             del runner, engine
             engine = runner = None
@@ -270,6 +278,14 @@ def main(argv: list[str] | None = None) -> int:
                 "KV pool sized from GPU memory (kv_cache_memory unset) + the runner's own graphs",
                 report,
                 lambda: check_measured_budget(model_dir, plan, dtype_name, vocab, device, report),
+            )
+        if swept and "rerun" not in args.skip:
+            engine = runner = None
+            free_memory(device)
+            section(
+                "batch 1 again, the autotuner also offered the sweep's winning tiles",
+                report,
+                lambda: batch1_with_tiles(tiles_to_add(swept), model_dir, plan, dtype_name, vocab, device, report),
             )
         return finish(report, args, started)
     finally:

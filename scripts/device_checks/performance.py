@@ -350,7 +350,71 @@ def count_syncs(engine: Any, runner: Any, prompts: list[list[int]], params: Any)
     return seen
 
 
-def sweep_gemv(device: torch.device, report: Report, budget_s: float = 80.0) -> None:
+def tiles_to_add(results: dict[str, list[tuple[float, Any]]], margin: float = 0.03) -> list[Any]:
+    """The sweep's fastest one-row tile of each projection, where it beats the autotuner's tiles (and
+    cuBLAS) by more than ``margin``: the tiles a batch-1 rerun should let the autotuner pick."""
+    from runtime.triton_gemv import ELEMENTWISE_TILES, Tile
+
+    tuned = {(t.block_n, t.block_k, t.warps, t.prefetch) for t in ELEMENTWISE_TILES}
+    add: list[Any] = []
+    for rows in results.values():
+        timed_tiles = [(us, t) for us, t in rows if t is not None]
+        if not timed_tiles:
+            continue
+        us, best = min(timed_tiles, key=lambda r: r[0])
+        incumbents = [u for u, t in rows if t is None or t in tuned]
+        if best in tuned or (incumbents and us > (1 - margin) * min(incumbents)):
+            continue
+        tile = Tile(best[0], best[1], best[2], 3, False, prefetch=best[3])
+        if tile not in add:
+            add.append(tile)
+    return add
+
+
+def batch1_with_tiles(
+    tiles: list[Any], model_dir: Path, plan: Plan, dtype_name: str, vocab: int, device: torch.device, report: Report
+) -> None:
+    """Batch-1 ms per token again, on a fresh engine whose autotuner may also pick ``tiles`` (the
+    sweep's winners), so one device run both finds better tiles and measures what they give."""
+    from runtime import triton_gemv
+    from scheduler.engine import Engine
+
+    if not tiles:
+        print("  the sweep found no tile faster than the autotuner's: nothing to rerun")
+        return
+    saved = list(triton_gemv.ELEMENTWISE_TILES)
+    triton_gemv.ELEMENTWISE_TILES[:] = saved + tiles
+    triton_gemv._tuned.cache = {}  # tune again, with the added tiles
+    try:
+        obs = CountingObserver()
+        engine = Engine(engine_config(model_dir, device, dtype_name, plan), obs)
+        for line in triton_gemv.tuned_tiles():
+            print(f"  autotuned: {line}")
+        graphs = engine.runner.graph_runner
+        for bs, v in sorted(graphs.variants.items() if graphs is not None else []):
+            print(f"  decode graph, batch {bs}: fused {v.fused_ms:.3f} ms, plain {v.plain_ms:.3f} ms -> {v.chosen}")
+        gen = torch.Generator().manual_seed(22)
+        run_requests(engine, random_prompts(1, plan.single_prompt, vocab, gen), 4)  # warm-up
+        obs.reset()
+        run_requests(engine, random_prompts(1, plan.single_prompt, vocab, gen), plan.single_tokens)
+        decode = [st.duration_s for st in obs.steps if st.num_prompt_tokens == 0 and st.num_generation_tokens > 0]
+        floor = engine.runner.weight_bytes / H200_BANDWIDTH * 1e3
+        ms = statistics.median(decode) * 1e3
+        mode = "async scheduling" if engine.async_scheduling else "synchronous"
+        report.row(
+            f"batch 1 ({mode}) with the sweep's tiles added: ms per output token",
+            ms,
+            "ms",
+            f"x{ms / floor:.2f} the floor {floor:.2f} ms; added {', '.join(map(str, tiles))}",
+            floor_ms=floor,
+        )
+        del engine
+    finally:
+        triton_gemv.ELEMENTWISE_TILES[:] = saved
+        triton_gemv._tuned.cache = {}
+
+
+def sweep_gemv(device: torch.device, report: Report, budget_s: float = 80.0) -> dict[str, list[tuple[float, Any]]]:
     """One-row tiles of the fused few-row kernels, forced one at a time (``device_checks.gemv_probe.sweep``)."""
     from device_checks.gemv_probe import LLAMA3_8B_PROJECTIONS, sweep
 
@@ -358,7 +422,8 @@ def sweep_gemv(device: torch.device, report: Report, budget_s: float = 80.0) -> 
 
     sizes = {name: n * k * 2 for name, n, k, _ in LLAMA3_8B_PROJECTIONS}
     autotuned = {(t.block_n, t.block_k, t.warps, t.prefetch) for t in ELEMENTWISE_TILES}
-    for name, rows in sweep(device, budget_s).items():
+    results = sweep(device, budget_s)
+    for name, rows in results.items():
         print(f"  {name}: " + ", ".join(f"{'cuBLAS' if t is None else t} {us:.1f}" for us, t in rows[:8]) + f" ({len(rows)} timed)")
         if rows:
             us, tile = rows[0]
@@ -367,6 +432,7 @@ def sweep_gemv(device: torch.device, report: Report, budget_s: float = 80.0) -> 
             if tuned:
                 ref += f"; best autotuner tile {min(tuned):.1f} us"
             report.row(f"{name}, 1 row: fastest tile of the sweep", us, "us", ref, tile=tile)
+    return results
 
 
 def probe_gemv(device: torch.device, report: Report) -> None:

@@ -255,3 +255,57 @@ def test_device_check_gemv_sweep_times_each_tile_on_each_projection(monkeypatch)
     for j in range(4):
         for t in (1, 2):
             torch.testing.assert_close(calls[4 * t + j].float(), calls[j].float(), rtol=2e-2, atol=2e-2)
+
+
+def test_the_rerun_adds_only_sweep_tiles_that_beat_the_autotuner_s(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``tiles_to_add``: per projection, the sweep's fastest tile when it beats the autotuner's tiles and
+    cuBLAS by more than the margin; each added once, as a prefetch-aware element-wise ``Tile``."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "scripts"))
+    perf = importlib.import_module("device_checks.performance")
+    tuned = (8, 512, 4, False)
+    new = (2, 1024, 2, True)
+    results = {
+        "qkv_proj": [(14.0, new), (19.0, tuned), (22.0, None)],  # 26% faster than the autotuner's: added
+        "o_proj": [(11.9, new), (12.0, tuned), (14.0, None)],  # within 3%: not worth a rerun
+        "gate_up_proj": [(60.0, tuned), (61.0, new)],  # the autotuner's own tile wins
+        "down_proj": [(30.0, None), (33.0, new)],  # cuBLAS wins
+        "lm_head": [(200.0, new)],  # nothing to compare with: added (once)
+    }
+    assert perf.tiles_to_add(results) == [gemv.Tile(2, 1024, 2, 3, False, prefetch=True)]
+    assert perf.tiles_to_add({"o_proj": results["o_proj"]}, margin=0.0) == [gemv.Tile(2, 1024, 2, 3, False, prefetch=True)]
+    assert perf.tiles_to_add({"gate_up_proj": results["gate_up_proj"], "down_proj": results["down_proj"]}) == []
+
+
+def test_the_batch1_rerun_offers_the_tiles_then_restores_the_list(tiny_llama_dir, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``batch1_with_tiles`` on CPU (plumbing: no graphs, no tuning here): it reports the batch-1 row,
+    the autotuner's list holds the added tile while the engine is built, and is restored after."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "scripts"))
+    perf = importlib.import_module("device_checks.performance")
+    from device_checks.common import Plan, Report
+
+    import scheduler.engine
+
+    added = gemv.Tile(2, 1024, 2, 3, False, prefetch=True)
+    seen = []
+    real_engine = scheduler.engine.Engine
+
+    def engine(*a, **kw):  # type: ignore[no-untyped-def]
+        seen.append(list(gemv.ELEMENTWISE_TILES))
+        return real_engine(*a, **kw)
+
+    monkeypatch.setattr(scheduler.engine, "Engine", engine)
+    before = list(gemv.ELEMENTWISE_TILES)
+    plan = Plan.dry()
+    plan.max_model_len = 256  # the tiny model's positions
+    report = Report()
+    perf.batch1_with_tiles([added], tiny_llama_dir, plan, "float32", 2000, torch.device("cpu"), report)
+    assert seen == [before + [added]] and gemv.ELEMENTWISE_TILES == before
+    (row,) = report.throughput
+    assert row["name"] == "batch 1 (synchronous) with the sweep's tiles added: ms per output token" and row["value"] > 0
+    report = Report()
+    perf.batch1_with_tiles([], tiny_llama_dir, plan, "float32", 2000, torch.device("cpu"), report)
+    assert report.throughput == []  # nothing to rerun
