@@ -1,6 +1,6 @@
 """Step times of ``ModelRunner.execute`` on the default model (CPU, float32): decode and chunked prefill.
 
-    .venv/bin/python scripts/bench_runner.py [--batches 1 8 32] [--context 192] [--steps 12] [--no-kernel]
+    .venv/bin/python scripts/bench_runner.py [--batches 1 8 32] [--context 192] [--steps 12] [--no-kernel] [--quantization int8]
 
 Decode: ``B`` sequences with ``--context`` prompt tokens each are prefilled (not timed), then each step
 decodes one token for all of them (greedy, through the sampler); the median step time is reported.
@@ -231,6 +231,7 @@ def main() -> None:
     )
     ap.add_argument("--profile", type=int, default=0, metavar="B", help="print a torch.profiler table for batch B")
     ap.add_argument("--cpu-time", action="store_true", help="time with process CPU time (use with --threads 1)")
+    ap.add_argument("--quantization", choices=["int8"], default=None, help="weight-only int8 (runtime.quantization)")
     args = ap.parse_args()
     global clock
     if args.cpu_time:
@@ -253,6 +254,7 @@ def main() -> None:
         max_num_batched_tokens=args.chunk,
         max_num_seqs=max(max(args.batches), args.prefill_prompts),
         backend=backend,
+        quantization=args.quantization,
     )
     print(f"load {clock() - t:.2f} s; backend {runner.backend.name}; threads {torch.get_num_threads()}")
     blocks = Blocks(runner.kv_pool.num_blocks, block_size)
