@@ -1,5 +1,6 @@
 """All of one forward's projections on the default model's shapes: ``F.linear`` vs oneDNN-packed weights
-(and, for 1-4 rows, the few-row AVX-512 kernel of ``runtime.cpu_ops`` on the dense weights).
+(and, for 1-4 rows, the few-row AVX-512 kernel of ``runtime.cpu_ops`` on the dense weights; for 1-8 rows
+its int8 sibling on the weights ``--quantization int8`` makes).
 
     .venv/bin/python scripts/bench_linear.py [--rows 1 8 32 128 512] [--threads 2] [--bf16]
 
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime import cpu_linear
+from runtime.quantization import quantize_rows
 
 LAYERS = 30
 HIDDEN, INTER, Q, KV, VOCAB = 576, 1536, 576, 192, 49152
@@ -56,6 +58,7 @@ def main() -> None:
         layer_bytes = sum(w.numel() * w.element_size() for ws in dense for w in ws)
         head_bytes = head.numel() * head.element_size()
         name = str(dtype).replace("torch.", "")
+        q8: list = []  # the layers quantized once (--quantization int8's weights), for the int8 kernel
         for rows in args.rows:
             xs = [torch.randn(rows, i, generator=g).to(dtype) for _, i in SHAPES]
             h = torch.randn(rows, HIDDEN, generator=g).to(dtype)
@@ -101,6 +104,25 @@ def main() -> None:
                 line += (
                     f" | few-row kernel: layers {s_layers:7.2f} ms ({layer_bytes / s_layers / 1e6:5.1f} GB/s) "
                     f"head {s_head:6.2f} ms ({head_bytes / s_head / 1e6:5.1f} GB/s)"
+                )
+            int8 = cpu_linear.small_m_int8_kernel() if dtype == torch.float32 else None
+            if int8 is not None and rows <= int8[1]:
+                fn8 = int8[0]
+                q_layers = [[quantize_rows(w) for w in ws] for ws in dense] if not q8 else q8
+                q8[:] = q_layers
+                q_head = quantize_rows(head)
+                q_bytes = sum(q.numel() for ws in q_layers for q, _ in ws)
+
+                def int8_layers() -> None:
+                    for ws in q_layers:
+                        for (q, scale), x in zip(ws, xs):
+                            fn8(x, q, scale, None)
+
+                i_layers = median_ms(int8_layers, args.reps)
+                i_head = median_ms(lambda: fn8(h, q_head[0], q_head[1], None), args.reps)
+                line += (
+                    f" | int8 kernel: layers {i_layers:7.2f} ms ({q_bytes / i_layers / 1e6:5.1f} GB/s of int8) "
+                    f"head {i_head:6.2f} ms"
                 )
             print(line, flush=True)
 
