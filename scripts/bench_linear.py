@@ -58,7 +58,11 @@ def main() -> None:
         layer_bytes = sum(w.numel() * w.element_size() for ws in dense for w in ws)
         head_bytes = head.numel() * head.element_size()
         name = str(dtype).replace("torch.", "")
-        q8: list = []  # the layers quantized once (--quantization int8's weights), for the int8 kernel
+        int8 = cpu_linear.small_m_int8_kernel() if dtype == torch.float32 else None
+        if int8 is not None:  # the weights --quantization int8 makes, for the int8 kernel
+            q_layers = [[quantize_rows(w) for w in ws] for ws in dense]
+            q_head = quantize_rows(head)
+            q_bytes = sum(q.numel() for ws in q_layers for q, _ in ws)
         for rows in args.rows:
             xs = [torch.randn(rows, i, generator=g).to(dtype) for _, i in SHAPES]
             h = torch.randn(rows, HIDDEN, generator=g).to(dtype)
@@ -105,13 +109,8 @@ def main() -> None:
                     f" | few-row kernel: layers {s_layers:7.2f} ms ({layer_bytes / s_layers / 1e6:5.1f} GB/s) "
                     f"head {s_head:6.2f} ms ({head_bytes / s_head / 1e6:5.1f} GB/s)"
                 )
-            int8 = cpu_linear.small_m_int8_kernel() if dtype == torch.float32 else None
             if int8 is not None and rows <= int8[1]:
                 fn8 = int8[0]
-                q_layers = [[quantize_rows(w) for w in ws] for ws in dense] if not q8 else q8
-                q8[:] = q_layers
-                q_head = quantize_rows(head)
-                q_bytes = sum(q.numel() for ws in q_layers for q, _ in ws)
 
                 def int8_layers() -> None:
                     for ws in q_layers:

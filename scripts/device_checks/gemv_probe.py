@@ -120,6 +120,19 @@ SWEEP_TILES = [
 ]  # fmt: skip
 
 
+def tile_of(spec: tuple[int, int, int, bool]) -> Any:
+    """A ``SWEEP_TILES`` entry as the element-wise ``runtime.triton_gemv.Tile`` it stands for."""
+    from runtime.triton_gemv import Tile
+
+    block_n, block_k, warps, prefetch = spec
+    return Tile(block_n, block_k, warps, 3, False, prefetch=prefetch)
+
+
+def spec_of(tile: Any) -> tuple[int, int, int, bool]:
+    """The inverse of ``tile_of``: how the sweep names an element-wise tile."""
+    return (tile.block_n, tile.block_k, tile.warps, tile.prefetch)
+
+
 def sweep(device: torch.device, budget_s: float = 80.0, dtype: torch.dtype = torch.bfloat16) -> dict[str, list[tuple[float, Any]]]:
     """Each decoder-layer projection at one row with each ``SWEEP_TILES`` tile forced (fused op
     included), timed as ``probe`` times: {projection: [(us, tile), ...] fastest first}, with the
@@ -155,7 +168,7 @@ def sweep(device: torch.device, budget_s: float = 80.0, dtype: torch.dtype = tor
     for spec in [None, *SWEEP_TILES]:
         if time.perf_counter() - t0 > budget_s:
             break
-        tile = None if spec is None else triton_gemv.Tile(spec[0], spec[1], spec[2], 3, False, prefetch=spec[3])
+        tile = None if spec is None else tile_of(spec)
         for name, ws, run in cases:
             try:
                 us = graph_ms([lambda w=w: run(w, tile) for w in ws], device) * 1e3

@@ -353,9 +353,10 @@ def count_syncs(engine: Any, runner: Any, prompts: list[list[int]], params: Any)
 def tiles_to_add(results: dict[str, list[tuple[float, Any]]], margin: float = 0.03) -> list[Any]:
     """The sweep's fastest one-row tile of each projection, where it beats the autotuner's tiles (and
     cuBLAS) by more than ``margin``: the tiles a batch-1 rerun should let the autotuner pick."""
-    from runtime.triton_gemv import ELEMENTWISE_TILES, Tile
+    from device_checks.gemv_probe import spec_of, tile_of
+    from runtime.triton_gemv import ELEMENTWISE_TILES
 
-    tuned = {(t.block_n, t.block_k, t.warps, t.prefetch) for t in ELEMENTWISE_TILES}
+    tuned = {spec_of(t) for t in ELEMENTWISE_TILES}
     add: list[Any] = []
     for rows in results.values():
         timed_tiles = [(us, t) for us, t in rows if t is not None]
@@ -365,7 +366,7 @@ def tiles_to_add(results: dict[str, list[tuple[float, Any]]], margin: float = 0.
         incumbents = [u for u, t in rows if t is None or t in tuned]
         if best in tuned or (incumbents and us > (1 - margin) * min(incumbents)):
             continue
-        tile = Tile(best[0], best[1], best[2], 3, False, prefetch=best[3])
+        tile = tile_of(best)
         if tile not in add:
             add.append(tile)
     return add
@@ -416,12 +417,11 @@ def batch1_with_tiles(
 
 def sweep_gemv(device: torch.device, report: Report, budget_s: float = 80.0) -> dict[str, list[tuple[float, Any]]]:
     """One-row tiles of the fused few-row kernels, forced one at a time (``device_checks.gemv_probe.sweep``)."""
-    from device_checks.gemv_probe import LLAMA3_8B_PROJECTIONS, sweep
-
+    from device_checks.gemv_probe import LLAMA3_8B_PROJECTIONS, spec_of, sweep
     from runtime.triton_gemv import ELEMENTWISE_TILES
 
     sizes = {name: n * k * 2 for name, n, k, _ in LLAMA3_8B_PROJECTIONS}
-    autotuned = {(t.block_n, t.block_k, t.warps, t.prefetch) for t in ELEMENTWISE_TILES}
+    autotuned = {spec_of(t) for t in ELEMENTWISE_TILES}
     results = sweep(device, budget_s)
     for name, rows in results.items():
         print(f"  {name}: " + ", ".join(f"{'cuBLAS' if t is None else t} {us:.1f}" for us, t in rows[:8]) + f" ({len(rows)} timed)")
