@@ -226,8 +226,9 @@ class Engine:
             )
         self._in_flight: _Sampled | None = None  # async: the step whose tokens the next step reads
 
-        # Quantized weights: the bytes a step reads are the runner's count, not parameters x dtype.
-        self._step_cost = StepCostModel(mc, dtype, runner.weight_bytes if config.quantization else None)
+        # The bytes a step reads of the weights: the runner's count (quantized weights count their own
+        # bytes), else parameters x dtype.
+        self._step_cost = StepCostModel(mc, dtype, getattr(runner, "weight_bytes", None))
 
         self._groups: dict[str, _Group] = {}
         self._seq_ids = itertools.count()
