@@ -1,6 +1,6 @@
 """Weight-only int8 quantization for the CPU path (``--quantization int8``).
 
-Why: a decode step of one to four rows is a pass over every weight, so on CPU its time is the weight
+Why: a decode step of a few rows is a pass over every weight, so on CPU its time is the weight
 bytes over the memory bandwidth (538 MB of float32 for the default model: ~20 ms a token here). int8
 weights are a quarter of those bytes; ``csrc/cpu_ops.cpp``'s ``linear_small_m_int8`` streams them and
 multiplies in float32.
