@@ -10,8 +10,11 @@ import signal
 import sys
 from typing import Any, Callable
 
-from runtime.quantization import QUANTIZATIONS
 from scheduler.config import EngineConfig
+
+# runtime.quantization.QUANTIZATIONS, spelled out here: this module must not import torch (`servelm bench`
+# and `--help` stay light); a test keeps the two equal.
+QUANTIZATIONS = ("int8",)
 
 log = logging.getLogger("servelm")
 
@@ -91,7 +94,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--max-waiting-requests", type=_positive_int, default=d.max_waiting_requests, help="queue bound in sequences: beyond it requests get 503 with Retry-After (default: %(default)s)")
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: do not capture CUDA graphs")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None, help="schedule the next step while the device computes this one; its host work (outputs, detokenization) then overlaps the device (default: on for CUDA, off for CPU, where nothing runs in the background)")
-    g.add_argument("--quantization", choices=list(QUANTIZATIONS), default=None, help="int8: weight-only int8 projections and vocabulary head, one float32 scale per output row (CPU, float32 activations): a quarter of the weight bytes a decode step reads; tokens differ from the float32 model's (default: none)")
+    g.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help="int8: weight-only int8 projections and vocabulary head, one float32 scale per output row (CPU, float32 activations): a quarter of the weight bytes a decode step reads; tokens differ from the float32 model's (default: none)")
     g.add_argument("--num-threads", type=_positive_int, default=None, help="CPU: torch intra-op threads (default: torch's choice)")
     g.add_argument("--seed", type=int, default=d.seed, help="sampling seed for requests without one (default: %(default)s)")
 

@@ -77,6 +77,15 @@ def test_serve_args_build_one_engine_config() -> None:
         build_parser().parse_args(["serve", "--quantization", "int4"])
 
 
+def test_the_cli_offers_what_the_runtime_implements_without_importing_torch() -> None:
+    from runtime.quantization import QUANTIZATIONS
+    from server import cli
+
+    assert cli.QUANTIZATIONS == QUANTIZATIONS
+    code = "import sys, server.cli; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=str(Path(__file__).resolve().parents[2])).returncode == 0
+
+
 def test_api_key_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SERVELM_API_KEY", "from-env")
     assert build_parser().parse_args(["serve"]).api_key == "from-env"
