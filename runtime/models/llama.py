@@ -309,12 +309,13 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.act_mul is not None:
             return self.down_proj(self.act_mul(self.gate_up_proj(x)))
-        w = self.gate_up_proj.weight
-        if self.gate_up_proj.packed is None and x.shape[0] <= self.split_max_rows:
+        proj = self.gate_up_proj
+        if proj.packed is None and proj.q8_rows < x.shape[0] <= self.split_max_rows:
+            w = proj.weight
             gate = F.linear(x, w[: self.intermediate])
             up = F.linear(x, w[self.intermediate :])
         else:
-            gate_up = self.gate_up_proj(x)
+            gate_up = proj(x)
             gate = gate_up[:, : self.intermediate]
             up = gate_up[:, self.intermediate :]
         act = F.silu(gate)

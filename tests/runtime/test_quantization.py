@@ -134,3 +134,20 @@ def test_a_quantized_step_reads_a_quarter_of_the_projection_bytes(tiny_llama_dir
     assert q8.weight_bytes == norms + projections + emb + 4 * rows
     cost = StepCostModel(cfg, torch.float32, q8.weight_bytes)
     assert cost.weight_bytes == q8.weight_bytes and StepCostModel(cfg, torch.float32).weight_bytes == 4 * cfg.num_params
+
+
+def test_without_onednn_the_int8_kernel_still_serves_every_few_row_projection(
+    tiny_llama_dir: Path, build_runner: Any, rt: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The torch path splits gate/up into two matmuls for small steps; an int8 model must not take it.
+    _int8_kernel()
+    with monkeypatch.context() as m:
+        m.setattr(cpu_linear, "onednn_linear_available", lambda dtype: False)
+        q8 = build_runner(tiny_llama_dir, quantization="int8")
+    assert not q8.packed_linears
+    calls = _count_int8_calls(q8)
+    got = rt.prefill_then_decode(q8, [8, 9], [[0, 1]])
+    per_step = 4 * ModelConfig.from_dir(tiny_llama_dir).num_layers + 1
+    assert calls == [2] * per_step  # the decode step only, every projection and the head
+    with_onednn = rt.prefill_then_decode(build_runner(tiny_llama_dir, quantization="int8"), [8, 9], [[0, 1]])
+    torch.testing.assert_close(got, with_onednn, atol=1e-4, rtol=1e-4)
