@@ -7,6 +7,12 @@ its own slice of the KV pool and the step's ``AttentionMetadata``; the model nev
 Parameters are fused where the checkpoint is not (q/k/v into ``qkv_proj``, gate/up into
 ``gate_up_proj``). Each fused parameter carries ``shard_slices`` (checkpoint shard name -> rows it
 fills), which is what the weight loader (``runtime.weights``) uses to map checkpoint tensors onto it.
+
+Inside the model, submodules are called through ``.forward``: ``nn.Module.__call__`` (hooks, tracing
+state) costs a couple of microseconds a call, ~300 calls a step. With every call through ``__call__``
+an int8 decode step at batch 1 took 12.4 ms against 11.8 ms without (median of 10 interleaved runs of
+64 tokens on the project's CPU, 2026-12-01: ~5%). The model registers no hooks; the runner still calls
+the top-level module as usual.
 """
 
 from __future__ import annotations
@@ -90,7 +96,7 @@ class RMSNorm(nn.Module):
             out, r = self.fused(x, residual, self.weight, self.eps)
             return out, r  # type: ignore[return-value]
         r = x + residual
-        return self(r), r
+        return self.forward(r), r
 
 
 class Linear(nn.Module):
@@ -267,7 +273,7 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, cos_sin: CosSin, meta: AttentionMetadata) -> torch.Tensor:
-        return self.attend(self.qkv_proj(x), cos_sin, meta)
+        return self.attend(self.qkv_proj.forward(x), cos_sin, meta)
 
     def attend(self, qkv: torch.Tensor, cos_sin: CosSin, meta: AttentionMetadata) -> torch.Tensor:
         """Everything after the q/k/v projection: RoPE, the K/V store, attention and o_proj."""
@@ -278,11 +284,11 @@ class Attention(nn.Module):
                 qkv, cos_sin, self.k_cache, self.v_cache, meta, self.scale, self.num_heads
             )
             if fused is not None:
-                return self.o_proj(fused.reshape(t, self.q_size))
+                return self.o_proj.forward(fused.reshape(t, self.q_size))
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
+            qk = torch.cat((self.q_norm.forward(qk[:, : self.num_heads]), self.k_norm.forward(qk[:, self.num_heads :])), dim=1)
         # One rotation over q and k together: half the element-wise ops of rotating them apart.
         qk = apply_rope(qk, cos_sin)
         q = qk[:, : self.num_heads]
@@ -290,7 +296,7 @@ class Attention(nn.Module):
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("KV cache not bound: call CausalLM.bind_kv_cache() first")
         out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(t, self.q_size))
+        return self.o_proj.forward(out.reshape(t, self.q_size))
 
 
 class MLP(nn.Module):
@@ -308,18 +314,18 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.act_mul is not None:
-            return self.down_proj(self.act_mul(self.gate_up_proj(x)))
+            return self.down_proj.forward(self.act_mul(self.gate_up_proj.forward(x)))
         proj = self.gate_up_proj
         if proj.packed is None and proj.q8_rows < x.shape[0] <= self.split_max_rows:
             w = proj.weight
             gate = F.linear(x, w[: self.intermediate])
             up = F.linear(x, w[self.intermediate :])
         else:
-            gate_up = proj(x)
+            gate_up = proj.forward(x)
             gate = gate_up[:, : self.intermediate]
             up = gate_up[:, self.intermediate :]
         act = F.silu(gate)
-        return self.down_proj(act.mul_(up))  # in place: one [T, intermediate] temporary fewer
+        return self.down_proj.forward(act.mul_(up))  # in place: one [T, intermediate] temporary fewer
 
 
 class DecoderLayer(nn.Module):
@@ -348,12 +354,12 @@ class DecoderLayer(nn.Module):
             return self._forward_few_rows(self.few_rows, x, residual, cos_sin, meta)
         if residual is None:
             residual = x
-            x = self.input_layernorm(x)
+            x = self.input_layernorm.forward(x)
         else:
             x, residual = self.input_layernorm.forward_add(x, residual)
-        x = self.self_attn(x, cos_sin, meta)
+        x = self.self_attn.forward(x, cos_sin, meta)
         x, residual = self.post_attention_layernorm.forward_add(x, residual)
-        return self.mlp(x), residual
+        return self.mlp.forward(x), residual
 
     def _forward_few_rows(
         self,
@@ -454,9 +460,9 @@ class CausalLM(nn.Module):
         cos_sin = self.model.rotary_emb.tables(positions)
         residual: torch.Tensor | None = None
         for layer in self.model.layers:
-            h, residual = layer(h, residual, cos_sin, meta)
+            h, residual = layer.forward(h, residual, cos_sin, meta)
         if residual is None:
-            return self.model.norm(h)
+            return self.model.norm.forward(h)
         return self.model.norm.forward_add(h, residual)[0]
 
     def pack_cpu_weights(self, small_m: tuple[cpu_linear.SmallMLinear, int] | None = None) -> None:
