@@ -127,7 +127,6 @@ class ModelRunner:
         (``runtime.quantization``).
         """
         check_quantization(quantization, torch.device(device), dtype)
-        self.quantization = quantization
         self.model_config = model_config
         self.device = torch.device(device)
         self.dtype = dtype

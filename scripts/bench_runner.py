@@ -27,6 +27,7 @@ from runtime.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from runtime.batch import BatchItem, SamplingOptions  # noqa: E402
 from runtime.config import ModelConfig  # noqa: E402
 from runtime.model_files import ensure_default_model  # noqa: E402
+from runtime.quantization import QUANTIZATIONS  # noqa: E402
 from runtime.runner import ModelRunner  # noqa: E402
 
 # Wall time by default; ``--cpu-time`` switches to process CPU time, which (with --threads 1) stays
@@ -231,7 +232,7 @@ def main() -> None:
     )
     ap.add_argument("--profile", type=int, default=0, metavar="B", help="print a torch.profiler table for batch B")
     ap.add_argument("--cpu-time", action="store_true", help="time with process CPU time (use with --threads 1)")
-    ap.add_argument("--quantization", choices=["int8"], default=None, help="weight-only int8 (runtime.quantization)")
+    ap.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help="weight-only int8 (runtime.quantization)")
     args = ap.parse_args()
     global clock
     if args.cpu_time:

@@ -501,11 +501,12 @@ class CausalLM(nn.Module):
         quantized projections and head at one byte a weight plus a float32 scale a row. Call before
         ``pack_cpu_weights`` (which may drop dense weights)."""
         total = sum(p.numel() * p.element_size() for p in self.parameters())
-        quantized: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = [
+        # (dense weight, its int8 copy, scales) of every projection and the head; int8 None: unquantized
+        weights: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = [
             (m.weight, m.q8, m.q8_scale) for m in self.modules() if isinstance(m, Linear) and m.weight is not None
         ]
-        quantized.append((self.lm_head_weight, self.lm_head_q8, self.lm_head_q8_scale))
-        for dense, q8, scale in quantized:
+        weights.append((self.lm_head_weight, self.lm_head_q8, self.lm_head_q8_scale))
+        for dense, q8, scale in weights:
             if q8 is not None and scale is not None:
                 total += q8.numel() + scale.numel() * scale.element_size() - dense.numel() * dense.element_size()
         return total
