@@ -13,12 +13,16 @@ first, so smaller graphs reuse its memory). The KV pool must not move after capt
 With the fused few-row projections (``runtime.triton_gemv``, via the model's ``FewRowKernels``), each
 size they can serve is captured twice, with and without them; both are replayed and timed, and the
 faster is kept (``choose_variant``; kept unfused when the two disagree beyond a rounding tolerance,
-``few_row_tolerance``).
+``few_row_tolerance``). Where programmatic dependent launch is available (``runtime.pdl``: Hopper
+and newer) the fused graph is also captured with it, and kept when it replays faster still and its
+outputs equal the fused graph's bit for bit. The A/B runs real decodes (a few positions of a short
+context written into the first pool blocks, which hold no sequence yet), not the padding rows.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -26,6 +30,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from runtime import pdl
 from runtime.attention.base import AttentionBackend, AttentionMetadata
 
 if TYPE_CHECKING:
@@ -128,23 +133,50 @@ class GraphInputs:
 
 @dataclass
 class VariantTiming:
-    """One batch size's capture-time A/B: median replay times and the relative difference of outputs."""
+    """One batch size's capture-time A/B: median replay times, the relative difference of the fused
+    graph's outputs from the plain graph's, and whether the PDL graph's equal the fused graph's."""
 
     fused_ms: float
-    plain_ms: float
-    rel_diff: float
+    plain_ms: float | None  # None: no plain graph (SERVELM_DECODE_GEMV=on)
+    rel_diff: float  # NaN without a plain graph
     tolerance: float
+    pdl_ms: float | None = None  # the fused graph launched with PDL (None: not captured)
+    pdl_identical: bool = False
     chosen: str = field(init=False)
 
     def __post_init__(self) -> None:
-        self.chosen = choose_variant(self.fused_ms, self.plain_ms, self.rel_diff, self.tolerance)
+        self.chosen = choose_variant(
+            self.fused_ms, self.plain_ms, self.rel_diff, self.tolerance, self.pdl_ms, self.pdl_identical
+        )
+
+    def describe(self) -> str:
+        parts = [f"fused few-row projections {self.fused_ms:.3f} ms"]
+        if self.pdl_ms is not None:
+            parts.append(f"with PDL {self.pdl_ms:.3f} ms ({'identical' if self.pdl_identical else 'DIFFERENT'} outputs)")
+        if self.plain_ms is not None:
+            parts.append(f"plain {self.plain_ms:.3f} ms, fused outputs differ by {self.rel_diff:.1e}")
+        return ", ".join(parts) + f" -> {self.chosen}"
 
 
-def choose_variant(fused_ms: float, plain_ms: float, rel_diff: float, tolerance: float) -> str:
-    """"fused" when its graph replays faster and agrees with the plain one, else "plain"."""
-    if not rel_diff <= tolerance:  # NaN included
-        return "plain"
-    return "fused" if fused_ms < plain_ms else "plain"
+def choose_variant(
+    fused_ms: float,
+    plain_ms: float | None,
+    rel_diff: float,
+    tolerance: float,
+    pdl_ms: float | None = None,
+    pdl_identical: bool = False,
+) -> str:
+    """The fastest graph that may be kept: "plain"; "fused" if it agrees with plain (always, without
+    a plain graph); "fused+pdl" if fused may be kept and the PDL graph gave the same bits. Ties: plain."""
+    candidates: list[tuple[str, float]] = []
+    if plain_ms is not None:
+        candidates.append(("plain", plain_ms))
+        if not rel_diff <= tolerance:  # NaN included
+            return "plain"
+    candidates.append(("fused", fused_ms))
+    if pdl_ms is not None and pdl_identical:
+        candidates.append(("fused+pdl", pdl_ms))
+    return min(candidates, key=lambda c: c[1])[0]
 
 
 class CudaGraphRunner:
@@ -166,10 +198,14 @@ class CudaGraphRunner:
         few_rows: "FewRowKernels | None" = None,
         few_rows_max: int = 0,
         few_rows_ab: bool = True,
+        pdl: bool = False,
+        num_kv_blocks: int = 0,
     ) -> None:
         """``few_rows`` (the model's shared ``FewRowKernels``) with ``few_rows_max`` > 0: sizes up to
         that are captured with the fused few-row projections, after an A/B against the plain graph
-        when ``few_rows_ab``, else unconditionally."""
+        when ``few_rows_ab``, else unconditionally. ``pdl``: those sizes are also captured with
+        programmatic dependent launch (``runtime.pdl``) and A/B'd against the fused graph.
+        ``num_kv_blocks``: the pool's size; the A/B decodes use its first blocks."""
         self.model = model
         self.backend = backend
         self.sizes = capture_sizes(max_num_seqs)
@@ -185,8 +221,11 @@ class CudaGraphRunner:
         self.few_rows = few_rows
         self.few_rows_max = few_rows_max if few_rows is not None else 0
         self.few_rows_ab = few_rows_ab
+        self.pdl = pdl and self.few_rows_max > 0
+        self.num_kv_blocks = num_kv_blocks
         self.variants: dict[int, VariantTiming] = {}  # the A/B of each size that had one
         self.fused_sizes: set[int] = set()  # sizes whose kept graph uses the fused projections
+        self.pdl_sizes: set[int] = set()  # ... and of those, the ones launched with PDL
 
     @property
     def max_batch_size(self) -> int:
@@ -220,10 +259,7 @@ class CudaGraphRunner:
     def capture(self) -> None:
         """Capture every size (largest first, one shared pool). Call after the KV pool is allocated."""
         t0 = time.perf_counter()
-        self.inputs.slot_mapping.fill_(-1)  # the capture's own forwards must not write the pool
-        self.inputs.seq_lens.fill_(1)
-        self.inputs.context_lens.zero_()
-        self.inputs.block_tables.zero_()
+        self._pad_inputs()
         saved_max = self.few_rows.max_rows if self.few_rows is not None else 0
         try:
             for bs in reversed(self.sizes):
@@ -240,19 +276,41 @@ class CudaGraphRunner:
             "captured CUDA graphs for decode batch sizes %s in %.1f s%s",
             ", ".join(map(str, self.sizes)),
             time.perf_counter() - t0,
-            "; fused few-row projections at sizes " + ", ".join(map(str, sorted(self.fused_sizes)))
+            ("; fused few-row projections at sizes " + ", ".join(map(str, sorted(self.fused_sizes))))
             if self.fused_sizes
+            else "",
+            ("; programmatic dependent launch at sizes " + ", ".join(map(str, sorted(self.pdl_sizes))))
+            if self.pdl_sizes
             else "",
         )
         for bs, v in sorted(self.variants.items()):
-            log.info(
-                "decode graph, batch %d: fused few-row projections %.3f ms, plain %.3f ms, outputs differ by %.1e -> %s",
-                bs,
-                v.fused_ms,
-                v.plain_ms,
-                v.rel_diff,
-                v.chosen,
-            )
+            log.info("decode graph, batch %d: %s", bs, v.describe())
+
+    def _pad_inputs(self) -> None:
+        """Every row a padding decode: the capture's own forwards write nothing into the pool."""
+        self.inputs.input_ids.zero_()
+        self.inputs.positions.zero_()
+        self.inputs.slot_mapping.fill_(-1)
+        self.inputs.seq_lens.fill_(1)
+        self.inputs.context_lens.zero_()
+        self.inputs.block_tables.zero_()
+
+    def _decode_inputs(self, bs: int, position: int) -> bool:
+        """Rows [0, bs) as real decodes for the A/B: row r is a sequence in pool block r whose token at
+        ``position`` (< block size) is new, so the graph writes its K/V and attends over it. False
+        (inputs left as padding) when the pool has fewer than ``bs`` blocks."""
+        if bs > self.num_kv_blocks or position >= self.block_size:
+            return False
+        b = self.inputs
+        rows = torch.arange(bs, device=self.device)
+        # Token ids differ by batch size too: a slot an earlier size's A/B wrote gets new K/V.
+        b.input_ids[:bs].copy_(rows + 1 + position + 8 * bs)
+        b.positions[:bs].fill_(position)
+        b.slot_mapping[:bs].copy_(rows * self.block_size + position)
+        b.seq_lens[:bs].fill_(position + 1)
+        b.context_lens[:bs].fill_(position)
+        b.block_tables[:bs, 0].copy_(rows)
+        return True
 
     def _capture_one(self, bs: int, meta: AttentionMetadata) -> Captured:
         ids, pos = self.inputs.input_ids[:bs], self.inputs.positions[:bs]
@@ -267,7 +325,7 @@ class CudaGraphRunner:
         return graph, out
 
     def _capture_size(self, bs: int, meta: AttentionMetadata) -> Captured:
-        """The graph of one size: plain, fused, or the faster of both."""
+        """The graph of one size: plain, fused, fused with PDL, or the fastest that may be kept."""
         k = self.few_rows
         if k is not None:
             k.max_rows = 0
@@ -280,39 +338,87 @@ class CudaGraphRunner:
             log.warning("fused few-row projections failed at batch %d (%s); using plain projections", bs, exc)
             k.max_rows = 0
             self.few_rows_max = 0
+            self.pdl = False
             return self._capture_one(bs, meta)
-        if not self.few_rows_ab:
+        with_pdl = self._capture_pdl(bs, meta) if self.pdl else None
+        plain = None
+        if self.few_rows_ab:
+            k.max_rows = 0
+            plain = self._capture_one(bs, meta)
+        if plain is None and with_pdl is None:
             self.fused_sizes.add(bs)
             return fused
-        k.max_rows = 0
-        plain = self._capture_one(bs, meta)
-        timing = self._compare(fused, plain)
+        timing = self._compare(fused, plain, with_pdl, bs)
         self.variants[bs] = timing
-        if timing.chosen == "fused":
-            self.fused_sizes.add(bs)
-            return fused
-        return plain
+        if timing.chosen == "plain":
+            assert plain is not None
+            return plain
+        self.fused_sizes.add(bs)
+        if timing.chosen == "fused+pdl":
+            assert with_pdl is not None
+            self.pdl_sizes.add(bs)
+            return with_pdl
+        return fused
 
-    def _compare(self, fused: Captured, plain: Captured, iters: int = 20) -> VariantTiming:
-        """Replay both graphs in turn (interleaved, so clock changes hit both): median ms of one
-        replay each, and how far apart their outputs are."""
-        outs = []
-        for graph, out in (fused, plain):
-            graph.replay()
-            torch.cuda.synchronize(self.device)
-            outs.append(out.float().clone())
-        diff = ((outs[0] - outs[1]).norm() / outs[1].norm().clamp_min(1e-12)).item()
-        times: tuple[list[float], list[float]] = ([], [])
-        for _ in range(iters):
-            for (graph, _), acc in zip((fused, plain), times):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                acc.append(start.elapsed_time(end))
-        tolerance = few_row_tolerance(plain[1].dtype)
-        return VariantTiming(statistics.median(times[0]), statistics.median(times[1]), diff, tolerance)
+    def _capture_pdl(self, bs: int, meta: AttentionMetadata) -> Captured | None:
+        try:
+            with pdl.launching(True):
+                return self._capture_one(bs, meta)
+        except Exception as exc:  # e.g. a driver that cannot capture programmatic launches
+            log.warning("programmatic dependent launch failed at batch %d (%s); capturing without it", bs, exc)
+            self.pdl = False
+            return None
+
+    def _compare(
+        self, fused: Captured, plain: Captured | None, with_pdl: Captured | None, bs: int, iters: int = 20
+    ) -> VariantTiming:
+        """Replay the graphs in turn (interleaved, so clock changes hit all): the median ms of one
+        replay each, how far the fused outputs are from the plain ones, and whether the PDL outputs
+        equal the fused ones exactly.
+
+        The outputs are compared over a few real decodes, each writing a new token's K/V at a slot no
+        replay wrote before, the PDL graph first: a kernel that read ahead of its producer would see
+        the pool's zeros and differ."""
+        graphs = {"fused": fused}
+        if with_pdl is not None:
+            graphs = {"fused+pdl": with_pdl, **graphs}
+        if plain is not None:
+            graphs["plain"] = plain
+        rel_diffs: list[float] = []
+        identical = with_pdl is not None
+        try:
+            for position in range(1, 5):
+                self._decode_inputs(bs, position)
+                outs = {}
+                for name, (graph, out) in graphs.items():
+                    graph.replay()
+                    torch.cuda.synchronize(self.device)
+                    outs[name] = out.float().clone()
+                if "plain" in outs:
+                    diff = (outs["fused"] - outs["plain"]).norm() / outs["plain"].norm().clamp_min(1e-12)
+                    rel_diffs.append(diff.item())
+                if with_pdl is not None:
+                    identical = identical and torch.equal(outs["fused+pdl"], outs["fused"])
+            times: dict[str, list[float]] = {name: [] for name in graphs}
+            for _ in range(iters):
+                for name, (graph, _) in graphs.items():
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    graph.replay()
+                    end.record()
+                    end.synchronize()
+                    times[name].append(start.elapsed_time(end))
+        finally:
+            self._pad_inputs()
+        median = {name: statistics.median(t) for name, t in times.items()}
+        return VariantTiming(
+            median["fused"],
+            median.get("plain"),
+            float("nan") if not rel_diffs or any(math.isnan(d) for d in rel_diffs) else max(rel_diffs),
+            few_row_tolerance(fused[1].dtype),
+            median.get("fused+pdl"),
+            identical,
+        )
 
     def can_run(self, num_decodes: int, num_tokens: int, block_table_width: int) -> bool:
         """A step can replay a graph when it is decode-only and fits the captured shapes."""

@@ -21,7 +21,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from runtime import cpu_linear, cpu_ops
+from runtime import cpu_linear, cpu_ops, pdl
 from runtime.attention.base import AttentionBackend, AttentionMetadata
 from runtime.attention.selector import select_backend
 from runtime.batch import PENDING_TOKEN, BatchItem, RunnerOutput, SequenceView, TokenLogprobs
@@ -224,6 +224,9 @@ class ModelRunner:
         self.kv_pool = self._new_pool(num_blocks)
         self.model.bind_kv_cache(self.kv_pool.k_cache, self.kv_pool.v_cache)
         if self.device.type == "cuda" and not self.enforce_eager:
+            no_pdl = pdl.unavailable_reason(self.device) if self.few_rows_limit else "no fused few-row projections"
+            if no_pdl is not None:
+                log.info("programmatic dependent launch: not tried (%s)", no_pdl)
             self.graph_runner = CudaGraphRunner(
                 self.model,
                 self.backend,
@@ -234,6 +237,8 @@ class ModelRunner:
                 few_rows=self.few_rows,
                 few_rows_max=self.few_rows_limit,
                 few_rows_ab=self.few_rows_mode == "auto",
+                pdl=no_pdl is None,
+                num_kv_blocks=num_blocks,
             )
             self.graph_runner.capture()  # after the pool exists: the graphs read its addresses
             if self.few_rows is not None:

@@ -27,6 +27,9 @@ On CUDA the tile shape is picked per (rows, N, K, op) by Triton's autotuner on f
 runner's warm-up forwards, before graph capture); under ``TRITON_INTERPRET=1`` (the CPU tests) one
 default shape runs. Whether a decode graph uses these kernels at all is decided at capture by timing
 both variants (``runtime.cuda_graphs``).
+
+The kernel is PDL-aware (``runtime.pdl``): launched with programmatic dependent launch, a program
+loads its first weight tile (prefetch tiles) before it waits for the previous kernel.
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ from typing import Any, NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+from runtime import pdl
+from runtime.triton_pdl import wait_then_release
 
 # Up to this many rows (the next power of two of the row count is a compile-time tile dimension).
 MAX_ROWS = 4
@@ -78,6 +84,7 @@ def _decode_gemv_kernel(
     BLOCK_K: tl.constexpr,
     PREFETCH: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # x: [M, K] (PROLOGUE 0/1) or [M, 2K] gate then up (PROLOGUE 2); w: [N, K]; y: [M, N].
     # Element-wise (one row): acc[BLOCK_N, BLOCK_K] += w * x. Dot: the rows padded to 16, and
@@ -88,6 +95,15 @@ def _decode_gemv_kernel(
     n_ok = n < N
     r = tl.arange(0, ROWS)
     r_ok = r < M
+    w_rows = w_ptr + n[:, None].to(tl.int64) * stride_wn
+    if PREFETCH:
+        # The element-wise loop is not software-pipelined by Triton (no num_stages there): each
+        # iteration would wait a full memory round trip. Loading tile i + 1 before using tile i
+        # keeps two tiles of weight in flight per program. The first is loaded before the PDL wait:
+        # weights do not depend on the previous kernel.
+        k_first = tl.arange(0, BLOCK_K)
+        w_next = tl.load(w_rows + k_first[None, :], mask=n_ok[:, None] & (k_first < K)[None, :], other=0.0)
+    wait_then_release(PDL)
     if PROLOGUE == 1:
         # The whole input row once: its inverse RMS, and (program 0) the residual sum.
         m = tl.arange(0, M_PAD)
@@ -107,13 +123,6 @@ def _decode_gemv_kernel(
         acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    w_rows = w_ptr + n[:, None].to(tl.int64) * stride_wn
-    if PREFETCH:
-        # The element-wise loop is not software-pipelined by Triton (no num_stages there): each
-        # iteration would wait a full memory round trip. Loading tile i + 1 before using tile i
-        # keeps two tiles of weight in flight per program.
-        k_first = tl.arange(0, BLOCK_K)
-        w_next = tl.load(w_rows + k_first[None, :], mask=n_ok[:, None] & (k_first < K)[None, :], other=0.0)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
@@ -279,6 +288,7 @@ def _launch(
         M_PAD=rows_pad,
         K_PAD=triton.next_power_of_2(k) if prologue == _RMS_NORM else 1,  # the norm's whole-row pass only
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        **pdl.launch_kwargs(),
     )
     if force_tile is not None or not _autotuned(x):
         tile = force_tile or (DEFAULT_ELEMENTWISE if rows_pad == 1 else DEFAULT_DOT)

@@ -10,7 +10,7 @@ gap even inside a CUDA graph. These kernels do each group in one pass:
 - ``rope_store``: RoPE of q and k from the fused q/k/v projection, q written out, k and v stored into
   their pool slots (slot -1 skipped).
 
-Each rounds where the eager torch code rounds (results are cast to the activation dtype at the same
+All three are PDL-aware (``runtime.pdl``). Each rounds where the eager torch code rounds (results are cast to the activation dtype at the same
 points as Hugging Face's Llama), so in bfloat16 they differ from the eager path only by the order of
 the RMSNorm sum. This module imports triton at import time: only CUDA code imports it. Tests run the
 kernels on CPU tensors under ``TRITON_INTERPRET=1``.
@@ -21,6 +21,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from runtime import pdl
+from runtime.triton_pdl import wait_then_release
 
 
 @triton.jit
@@ -36,10 +39,14 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    # The weight does not depend on the previous kernel: loaded before the PDL wait.
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    wait_then_release(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         # residual + x, rounded to the activation dtype as torch's add does; written back in place.
@@ -51,7 +58,6 @@ def _rms_norm_kernel(
     var = tl.sum(xf * xf, axis=0) / n_cols
     # HF: weight * (x * rsqrt(var + eps)).to(dtype): the normalised value is rounded before the scale.
     y = (xf * tl.math.rsqrt(var + eps)).to(x.dtype).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -82,6 +88,7 @@ def rms_norm(
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
         num_warps=min(max(block // 256, 1), 16),
+        **pdl.launch_kwargs(),
     )
     return out, residual
 
@@ -94,10 +101,12 @@ def _silu_mul_kernel(
     stride_out,
     n_cols,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
+    wait_then_release(PDL)
     gate = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0)
     up = tl.load(gu_ptr + row * stride_gu + n_cols + cols, mask=mask, other=0.0)
     g = gate.to(tl.float32)
@@ -117,7 +126,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     block = min(triton.next_power_of_2(inter), 1024)
     _silu_mul_kernel[(rows, triton.cdiv(inter, block))](
-        gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4
+        gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4, **pdl.launch_kwargs()
     )
     return out
 
@@ -145,8 +154,10 @@ def _rope_store_kernel(
     HALF_PAD: tl.constexpr,
     DIM_PAD: tl.constexpr,
     PAGE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
+    wait_then_release(PDL)
     row = qkv_ptr + t * stride_qkv
     slot = tl.load(slot_ptr + t).to(tl.int64)
     dst = (slot // PAGE) * stride_cache_block + (slot % PAGE) * stride_cache_slot
@@ -232,5 +243,6 @@ def rope_store(
         DIM_PAD=triton.next_power_of_2(head_dim),
         PAGE=k_cache.shape[1],
         num_warps=4,
+        **pdl.launch_kwargs(),
     )
     return q

@@ -16,6 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime import pdl
+from runtime.triton_pdl import wait_then_release
+
 # Smallest tile edge tl.dot accepts on tensor cores; the decode tile is padded up to it.
 _MIN_DOT = 16
 
@@ -249,7 +252,9 @@ def _paged_decode_split_kernel(
     PAGE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_then_release(PDL)
     # Split-KV decode ("flash-decoding"): one program = one sequence x one KV head x one slice of its
     # context, so a small batch still fills the GPU. The slice length follows the sequence's own
     # length (read on the device), so one launch shape serves every context inside a CUDA graph.
@@ -301,7 +306,9 @@ def _paged_decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_then_release(PDL)
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     base = (seq * NUM_HEADS + head) * NUM_SPLITS
@@ -474,6 +481,7 @@ def _split_decode(
         NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee",
         num_warps=4,
+        **pdl.launch_kwargs(),
     )
     _paged_decode_reduce_kernel[(num_seqs, num_heads)](
         part_acc,
@@ -487,4 +495,5 @@ def _split_decode(
         HEAD_DIM_PAD=head_dim_pad,
         NUM_SPLITS=num_splits,
         num_warps=4,
+        **pdl.launch_kwargs(),
     )

@@ -330,14 +330,32 @@ def check_few_row_kernels(runner: Any, plan: Plan, vocab: int, tol: float, repor
         print(f"  autotuned: {line}")
     graphs = runner.graph_runner
     for bs, v in sorted(graphs.variants.items() if graphs is not None else []):
+        plain = f"plain {v.plain_ms:.3f} ms, x{v.plain_ms / v.fused_ms:.2f}; " if v.plain_ms is not None else ""
         report.row(
             f"{dtype} decode graph, batch {bs}: fused few-row projections vs plain (capture-time A/B)",
             v.fused_ms,
             "ms fused",
-            f"plain {v.plain_ms:.3f} ms, x{v.plain_ms / v.fused_ms:.2f}; outputs differ by {v.rel_diff:.1e}; kept {v.chosen}",
+            f"{plain}outputs differ by {v.rel_diff:.1e}; kept {v.chosen}",
             plain_ms=v.plain_ms,
             chosen=v.chosen,
         )
+        if v.pdl_ms is not None:
+            report.row(
+                f"{dtype} decode graph, batch {bs}: fused, launched with PDL vs without (capture-time A/B)",
+                v.pdl_ms,
+                "ms PDL",
+                f"without {v.fused_ms:.3f} ms, x{v.fused_ms / v.pdl_ms:.3f}",
+                fused_ms=v.fused_ms,
+            )
+            report.check(
+                f"{dtype} decode graph, batch {bs}: PDL launches give the fused graph's outputs bit for bit",
+                v.pdl_identical,
+                "4 decodes, each storing a new token's K/V at a slot no replay wrote before",
+            )
+    if graphs is not None and graphs.few_rows_max and not any(v.pdl_ms is not None for v in graphs.variants.values()):
+        from runtime import pdl
+
+        print(f"  PDL not tried: {pdl.unavailable_reason(runner.device) or 'its capture failed (see the log)'}")
 
 
 def check_measured_budget(

@@ -4,7 +4,9 @@ For each Llama-3-8B projection shape and 1, 2 and 4 rows this times, inside a CU
 step runs them, so launch latency is not counted but the gaps between kernels are):
 
 - fused: the one Triton kernel (norm + q/k/v or gate/up; SiLU x up + down; o_proj and the head alone);
-- plain: the unfused ops (``runtime.triton_ops`` norm or activation, then cuBLAS via ``F.linear``).
+- plain: the unfused ops (``runtime.triton_ops`` norm or activation, then cuBLAS via ``F.linear``);
+- fused with PDL (where ``runtime.pdl`` can run): the same graph with programmatic dependent launch,
+  so each kernel's start overlaps the previous one's end, as in a decode graph kept with PDL.
 
 Each graph cycles over several copies of the weight (more bytes than the 50 MB L2), so the weights
 come from HBM. Reported as bytes of weight read per second, with the largest relative difference.
@@ -51,9 +53,11 @@ def graph_ms(calls: list[Callable[[], Any]], device: torch.device, iters: int = 
     return times[len(times) // 2]
 
 
-def probe(device: torch.device, rows: tuple[int, ...] = (1, 2, 4), dtype: torch.dtype = torch.bfloat16) -> list[dict[str, Any]]:
-    from runtime import triton_gemv, triton_ops
+def probe(device: torch.device, rows: tuple[int, ...] = (1,), dtype: torch.dtype = torch.bfloat16) -> list[dict[str, Any]]:
+    """Rows: 1 by default (the 2- and 4-row dot tiles lost everywhere on an H200, 2026-12-01)."""
+    from runtime import pdl, triton_gemv, triton_ops
 
+    with_pdl = pdl.unavailable_reason(device) is None
     out = []
     gen = torch.Generator(device=device).manual_seed(0)
     for name, n, k, op in LLAMA3_8B_PROJECTIONS:
@@ -90,6 +94,10 @@ def probe(device: torch.device, rows: tuple[int, ...] = (1, 2, 4), dtype: torch.
             err = ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
             ms_fused = graph_ms([lambda w=w: fused(w) for w in ws], device)
             ms_plain = graph_ms([lambda w=w: plain(w) for w in ws], device)
+            ms_pdl = None
+            if with_pdl:
+                with pdl.launching(True):
+                    ms_pdl = graph_ms([lambda w=w: fused(w) for w in ws], device)
             out.append(
                 dict(
                     name=name,
@@ -100,6 +108,7 @@ def probe(device: torch.device, rows: tuple[int, ...] = (1, 2, 4), dtype: torch.
                     fused_us=ms_fused * 1e3,
                     plain_us=ms_plain * 1e3,
                     rel_diff=err,
+                    pdl_us=None if ms_pdl is None else ms_pdl * 1e3,
                 )
             )
         del ws

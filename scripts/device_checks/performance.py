@@ -393,7 +393,7 @@ def batch1_with_tiles(
             print(f"  autotuned: {line}")
         graphs = engine.runner.graph_runner
         for bs, v in sorted(graphs.variants.items() if graphs is not None else []):
-            print(f"  decode graph, batch {bs}: fused {v.fused_ms:.3f} ms, plain {v.plain_ms:.3f} ms -> {v.chosen}")
+            print(f"  decode graph, batch {bs}: {v.describe()}")
         gen = torch.Generator().manual_seed(22)
         run_requests(engine, random_prompts(1, plan.single_prompt, vocab, gen), 4)  # warm-up
         obs.reset()
@@ -445,8 +445,10 @@ def probe_gemv(device: torch.device, report: Report) -> None:
             r["fused_us"],
             "us",
             f"{r['fused_tbs']:.2f} TB/s vs {r['plain_tbs']:.2f} TB/s ({r['plain_us']:.1f} us), "
-            f"x{r['plain_us'] / r['fused_us']:.2f}; outputs differ by {r['rel_diff']:.1e}",
+            f"x{r['plain_us'] / r['fused_us']:.2f}; outputs differ by {r['rel_diff']:.1e}"
+            + ("" if r.get("pdl_us") is None else f"; with PDL {r['pdl_us']:.1f} us"),
             plain_us=r["plain_us"],
+            pdl_us=r.get("pdl_us"),
             fused_tbs=r["fused_tbs"],
             plain_tbs=r["plain_tbs"],
         )

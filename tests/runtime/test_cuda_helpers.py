@@ -15,6 +15,7 @@ from runtime.cuda_graphs import (
     few_row_tolerance,
     padded_size,
 )
+from runtime import pdl as pdl_state
 from runtime.gpu_memory import MemoryProfile
 
 GiB = 2**30
@@ -91,19 +92,23 @@ class _Backend:
         return meta
 
 
-def _graph_runner(kernels, few_rows_max: int, ab: bool, captures: list, compare=None, fail_fused: bool = False):  # type: ignore[no-untyped-def]
+def _graph_runner(kernels, few_rows_max: int, ab: bool, captures: list, compare=None, fail_fused: bool = False,  # type: ignore[no-untyped-def]
+                  pdl: bool = False, fail_pdl: bool = False):
     """A CudaGraphRunner on CPU whose capture and timing are recorded instead of run."""
     g = CudaGraphRunner(lambda *a: None, _Backend(), 8, 4, 16, torch.device("cpu"),  # type: ignore[arg-type]
-                        few_rows=kernels, few_rows_max=few_rows_max, few_rows_ab=ab)
+                        few_rows=kernels, few_rows_max=few_rows_max, few_rows_ab=ab, pdl=pdl)
 
     def capture_one(bs, meta):  # type: ignore[no-untyped-def]
-        captures.append((bs, kernels.max_rows))
+        launched = pdl_state.active()
+        captures.append((bs, kernels.max_rows, "pdl") if launched else (bs, kernels.max_rows))
         if fail_fused and kernels.max_rows:
             raise RuntimeError("no kernel image for this GPU")
-        return (f"graph {bs} max_rows {kernels.max_rows}", None)
+        if fail_pdl and launched:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return (f"graph {bs} max_rows {kernels.max_rows}" + (" pdl" if launched else ""), None)
 
     g._capture_one = capture_one  # type: ignore[method-assign]
-    g._compare = compare or (lambda fused, plain: VariantTiming(1.0, 2.0, 1e-3, 1e-2))  # type: ignore[method-assign]
+    g._compare = compare or (lambda fused, plain, with_pdl, bs: VariantTiming(1.0, 2.0, 1e-3, 1e-2))  # type: ignore[method-assign]
     return g
 
 
@@ -125,7 +130,7 @@ def test_each_small_size_is_captured_both_ways_and_the_faster_kept() -> None:
     slow = {2}
     state = {"bs": 0}
 
-    def compare(fused, plain):  # type: ignore[no-untyped-def]
+    def compare(fused, plain, with_pdl, bs):  # type: ignore[no-untyped-def]
         return VariantTiming(3.0, 2.0, 1e-3, 1e-2) if state["bs"] in slow else VariantTiming(1.0, 2.0, 1e-3, 1e-2)
 
     g = _graph_runner(kernels, 4, True, captures, compare)
@@ -165,3 +170,148 @@ def test_decode_gemv_mode_comes_from_the_environment(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("SERVELM_DECODE_GEMV", "fast")
     with pytest.raises(ValueError, match="SERVELM_DECODE_GEMV"):
         decode_gemv_mode()
+
+
+def test_the_pdl_graph_is_kept_only_when_faster_and_bit_identical() -> None:
+    assert choose_variant(4.0, 4.4, 3e-2, 0.1, pdl_ms=3.8, pdl_identical=True) == "fused+pdl"
+    assert choose_variant(4.0, 4.4, 3e-2, 0.1, pdl_ms=3.8, pdl_identical=False) == "fused"  # a race shows as a difference
+    assert choose_variant(4.0, 4.4, 3e-2, 0.1, pdl_ms=4.1, pdl_identical=True) == "fused"
+    assert choose_variant(4.0, 3.7, 3e-2, 0.1, pdl_ms=3.8, pdl_identical=True) == "plain"
+    # The PDL graph is the fused graph launched differently: never kept when fused may not be.
+    assert choose_variant(4.0, 4.4, 0.5, 0.1, pdl_ms=3.0, pdl_identical=True) == "plain"
+    # Without a plain graph (SERVELM_DECODE_GEMV=on) fused stands alone against its PDL twin.
+    assert choose_variant(4.0, None, float("nan"), 0.1, pdl_ms=3.9, pdl_identical=True) == "fused+pdl"
+    assert choose_variant(4.0, None, float("nan"), 0.1) == "fused"
+    v = VariantTiming(3.97, 4.33, 3.1e-2, 0.1, 3.80, True)
+    assert v.chosen == "fused+pdl" and "with PDL 3.800 ms (identical outputs)" in v.describe()
+    assert "plain 4.330 ms" in v.describe() and v.describe().endswith("-> fused+pdl")
+
+
+def test_with_pdl_each_fused_size_is_also_captured_launched_with_it() -> None:
+    from runtime.models.llama import FewRowKernels
+
+    kernels = FewRowKernels(None, None, None, max_rows=0)  # type: ignore[arg-type]
+    captures: list = []
+    seen: list = []
+
+    def compare(fused, plain, with_pdl, bs):  # type: ignore[no-untyped-def]
+        seen.append((fused[0], plain[0] if plain else None, with_pdl[0] if with_pdl else None))
+        return VariantTiming(4.0, 4.4, 1e-2, 0.1, 3.8, True)
+
+    g = _graph_runner(kernels, 1, True, captures, compare, pdl=True)
+    kept = [g._capture_size(bs, g.static_metadata(bs))[0] for bs in (2, 1)]
+    assert captures == [(2, 0), (1, 1), (1, 1, "pdl"), (1, 0)]
+    assert seen == [("graph 1 max_rows 1", "graph 1 max_rows 0", "graph 1 max_rows 1 pdl")]
+    assert kept == ["graph 2 max_rows 0", "graph 1 max_rows 1 pdl"]
+    assert g.fused_sizes == {1} and g.pdl_sizes == {1}
+    assert not pdl_state.active()  # only the capture itself launched with it
+
+    # Forced fused (no plain graph): the PDL twin is still A/B'd against the fused graph.
+    captures.clear()
+    seen.clear()
+    g = _graph_runner(kernels, 1, False, captures, compare, pdl=True)
+    assert g._capture_size(1, g.static_metadata(1))[0] == "graph 1 max_rows 1 pdl"
+    assert captures == [(1, 1), (1, 1, "pdl")] and seen == [("graph 1 max_rows 1", None, "graph 1 max_rows 1 pdl")]
+
+
+def test_a_pdl_capture_that_fails_leaves_the_fused_and_plain_a_b() -> None:
+    from runtime.models.llama import FewRowKernels
+
+    kernels = FewRowKernels(None, None, None, max_rows=0)  # type: ignore[arg-type]
+    captures: list = []
+    seen: list = []
+
+    def compare(fused, plain, with_pdl, bs):  # type: ignore[no-untyped-def]
+        seen.append(with_pdl)
+        return VariantTiming(4.0, 4.4, 1e-2, 0.1)
+
+    g = _graph_runner(kernels, 2, True, captures, compare, pdl=True, fail_pdl=True)
+    assert g._capture_size(2, g.static_metadata(2))[0] == "graph 2 max_rows 2"
+    assert g._capture_size(1, g.static_metadata(1))[0] == "graph 1 max_rows 1"
+    assert captures == [(2, 2), (2, 2, "pdl"), (2, 0), (1, 1), (1, 0)]  # not tried again after the failure
+    assert seen == [None, None] and not g.pdl and not g.pdl_sizes and not pdl_state.active()
+
+
+def test_the_a_b_decodes_write_fresh_slots_of_the_first_blocks_then_the_rows_pad_again() -> None:
+    g = CudaGraphRunner(lambda *a: None, _Backend(), 4, 4, 16, torch.device("cpu"), num_kv_blocks=3)  # type: ignore[arg-type]
+    b = g.inputs
+    assert g._decode_inputs(2, 5)
+    assert b.slot_mapping[:2].tolist() == [5, 16 + 5] and b.block_tables[:2, 0].tolist() == [0, 1]
+    assert b.positions[:2].tolist() == [5, 5] and b.seq_lens[:2].tolist() == [6, 6] and b.context_lens[:2].tolist() == [5, 5]
+    first = b.input_ids[:2].tolist()
+    assert g._decode_inputs(1, 5) and b.input_ids[0].item() != first[0]  # another size: other tokens, other K/V
+    assert not g._decode_inputs(4, 1)  # more rows than pool blocks
+    assert not g._decode_inputs(1, 16)  # past the first block
+    g._pad_inputs()
+    assert b.slot_mapping.tolist() == [-1] * 4 and b.seq_lens.tolist() == [1] * 4
+    assert b.context_lens.tolist() == [0] * 4 and b.block_tables.sum().item() == 0
+
+
+def test_pdl_is_tried_only_where_it_can_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert pdl_state.unavailable_reason(torch.device("cpu")) == "not a CUDA device"
+    monkeypatch.setenv("SERVELM_PDL", "0")
+    assert "SERVELM_PDL" in pdl_state.unavailable_reason(torch.device("cuda"))  # type: ignore[operator]
+    assert pdl_state.launch_kwargs() == {"PDL": False}
+    with pdl_state.launching(True):
+        assert pdl_state.launch_kwargs() == {"PDL": True, "launch_pdl": True}
+        with pdl_state.launching(False):
+            assert pdl_state.launch_kwargs() == {"PDL": False}
+        assert pdl_state.active()
+    assert not pdl_state.active()
+
+
+class _Clock:
+    now = 0.0
+
+
+class _Event:
+    """torch.cuda.Event on a fake clock that graph replays advance."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.t = 0.0
+
+    def record(self) -> None:
+        self.t = _Clock.now
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: "_Event") -> float:
+        return end.t - self.t
+
+
+class _Graph:
+    """A 'graph' over the runner's static inputs and a KV 'pool' (one value per slot): it stores each
+    row's new value at its slot, then sums the row's context. ``racy`` reads before it stores."""
+
+    def __init__(self, g: CudaGraphRunner, pool: torch.Tensor, ms: float, scale: float = 1.0, racy: bool = False) -> None:
+        self.g, self.pool, self.ms, self.scale, self.racy = g, pool, ms, scale, racy
+        self.out = torch.zeros(g.max_batch_size, 1)
+
+    def replay(self) -> None:
+        b = self.g.inputs
+        for r in range(self.g.max_batch_size):
+            slot, n = int(b.slot_mapping[r]), int(b.seq_lens[r])
+            block = int(b.block_tables[r, 0])
+            read = lambda: self.pool[block * self.g.block_size : block * self.g.block_size + n].sum()  # noqa: E731
+            early = read() if self.racy else None
+            if slot >= 0:
+                self.pool[slot] = float(b.input_ids[r]) * self.scale
+            self.out[r] = early if early is not None else read()
+        _Clock.now += self.ms
+
+
+def test_the_a_b_times_each_graph_and_catches_a_pdl_graph_that_reads_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    for racy in (False, True):
+        g = CudaGraphRunner(lambda *a: None, _Backend(), 2, 4, 16, torch.device("cpu"), num_kv_blocks=8)  # type: ignore[arg-type]
+        pool = torch.zeros(8 * 16)
+        graphs = [_Graph(g, pool, ms, scale, r) for ms, scale, r in ((4.0, 1.0, False), (4.4, 1.001, False), (3.8, 1.0, racy))]
+        fused, plain, with_pdl = ((gr, gr.out) for gr in graphs)
+        v = g._compare(fused, plain, with_pdl, 1)  # type: ignore[arg-type]
+        assert (v.fused_ms, v.plain_ms, v.pdl_ms) == pytest.approx((4.0, 4.4, 3.8))
+        assert 1e-4 < v.rel_diff < 2e-3  # the plain graph's 0.1% difference, measured on real decodes
+        assert v.pdl_identical is not racy
+        assert v.chosen == ("fused" if racy else "fused+pdl")
+        assert pool[1:5].abs().sum() > 0 and g.inputs.slot_mapping.tolist() == [-1, -1]  # wrote slots, padded again

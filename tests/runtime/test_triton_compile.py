@@ -29,14 +29,37 @@ COMPILE = textwrap.dedent(
     from triton.compiler import ASTSource
     from runtime.attention import triton_kernels as tk
 
-    def compile_kernel(fn, args, constexprs, arch, num_warps=4, num_stages=3):
+    def compile_kernel(fn, args, constexprs, arch, num_warps=4, num_stages=3, pdl=False):
+        if "PDL" in fn.arg_names:  # the PDL-aware kernels (runtime.pdl)
+            constexprs = dict(constexprs, PDL=pdl)
         sig = dict(args)
         sig.update({k: "constexpr" for k in constexprs})
         names = list(fn.arg_names)
         assert set(sig) == set(names), (sorted(set(names) - set(sig)), sorted(set(sig) - set(names)))
         sig = {k: sig[k] for k in names}
         src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in constexprs.items()})
-        return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+        options = {"num_warps": num_warps, "num_stages": num_stages, "launch_pdl": pdl}
+        return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+    def pdl_order(kernel):
+        # (global loads before griddepcontrol.wait, whether launch_dependents follows the wait) in the PTX
+        lines = kernel.asm["ptx"].splitlines()
+        waits = [i for i, l in enumerate(lines) if "griddepcontrol.wait" in l]
+        releases = [i for i, l in enumerate(lines) if "griddepcontrol.launch_dependents" in l]
+        if not waits:
+            return None
+        assert len(waits) == 1 and len(releases) == 1, (waits, releases)
+        return sum(1 for l in lines[: waits[0]] if "ld.global" in l), releases[0] > waits[0]
+
+    def check_pdl(fn, args, constexprs, arch=90, num_warps=4, num_stages=3, loads_before_wait=False):
+        # Without PDL no grid dependency control at all; with it one wait, then the release, and no
+        # activation read before the wait (only weights, where the kernel says so).
+        assert pdl_order(compile_kernel(fn, args, constexprs, arch, num_warps, num_stages)) is None
+        k = compile_kernel(fn, args, constexprs, arch, num_warps, num_stages, pdl=True)
+        assert k.metadata.launch_pdl
+        before, released_after = pdl_order(k)
+        assert released_after, fn.__name__
+        assert (before > 0) == loads_before_wait, (fn.__name__, before)
 
     def attention(dt, group, head_dim, page, decode, arch):
         group_pad = triton.next_power_of_2(group)
@@ -95,6 +118,24 @@ COMPILE = textwrap.dedent(
                 consts = dict(PROLOGUE=prologue, HAS_RESIDUAL=has_res, HAS_BIAS=has_bias, M_PAD=rows_pad,
                               K_PAD=4096, DOT_PRECISION="tf32", **cfg.kwargs)
                 compile_kernel(tg._decode_gemv_kernel, gemv, consts, 90, cfg.num_warps, cfg.num_stages)
+
+    # Programmatic dependent launch (runtime.pdl): every kernel of a fused decode step.
+    norm = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
+            "stride_x": "i32", "stride_res": "i32", "stride_out": "i32", "n_cols": "i32", "eps": "fp32"}
+    check_pdl(ops._rms_norm_kernel, norm, dict(HAS_RESIDUAL=True, BLOCK=4096), num_warps=16, loads_before_wait=True)
+    check_pdl(ops._silu_mul_kernel, {"gu_ptr": "*bf16", "out_ptr": "*bf16", "stride_gu": "i32", "stride_out": "i32",
+              "n_cols": "i32"}, dict(BLOCK=1024))
+    rope = {k: v.replace("fp32", "bf16") for k, v in rope.items()}
+    check_pdl(ops._rope_store_kernel, rope, dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF=64, HEADS_PAD=64,
+              KV_PAD=8, HALF_PAD=64, DIM_PAD=128, PAGE=16))
+    check_pdl(tk._paged_decode_split_kernel, split, dict(NUM_HEADS=32, GROUP=4, BLOCK_M=16, BLOCK_N=64, HEAD_DIM=128,
+              HEAD_DIM_PAD=128, PAGE=16, NUM_SPLITS=32, DOT_PRECISION="ieee"))
+    check_pdl(tk._paged_decode_reduce_kernel, reduce, dict(NUM_HEADS=32, HEAD_DIM=128, HEAD_DIM_PAD=128, NUM_SPLITS=32))
+    for tile in tg.ELEMENTWISE_TILES:  # a prefetch tile loads its first weight tile before the wait
+        for prologue, has_res in ((0, False), (1, True), (2, False)):
+            consts = dict(PROLOGUE=prologue, HAS_RESIDUAL=has_res, HAS_BIAS=False, M_PAD=1, K_PAD=4096,
+                          DOT_PRECISION="tf32", **tile.kwargs())
+            check_pdl(tg._decode_gemv_kernel, gemv, consts, 90, tile.warps, tile.stages, loads_before_wait=tile.prefetch)
     print("compiled")
     """
 )
@@ -143,7 +184,7 @@ SPECIALIZATION = textwrap.dedent(
         f = torch.zeros(64, dtype=torch.float32)
         args = [q, q, q, f, f, f, m, m, 0.1, 4096, 128, 16384, 1024, 128, stride_bt]
         consts = dict(NUM_HEADS=32, GROUP=4, BLOCK_M=16, BLOCK_N=64, HEAD_DIM=128, HEAD_DIM_PAD=128, PAGE=16,
-                      NUM_SPLITS=8, DOT_PRECISION="ieee")
+                      NUM_SPLITS=8, DOT_PRECISION="ieee", PDL=False)
         return key(tk._paged_decode_split_kernel, args, consts)
 
     # Block-table widths 16 / 17 / 1 and metadata at offsets 0 / 4 / 12 bytes: one variant.

@@ -224,6 +224,26 @@ def test_device_check_gemv_probe_compares_like_with_like(monkeypatch) -> None:  
     assert [(r["name"], r["rows"]) for r in rows] == [(n, m) for n in ("qkv_proj", "o_proj", "down_proj") for m in (1, 3)]
     assert all(r["rel_diff"] < 2e-3 for r in rows), [r["rel_diff"] for r in rows]
     assert len(calls) == 2 * len(rows) and all(c >= 2 for c in calls)  # fused and plain, several weight copies
+    assert all(r["pdl_us"] is None for r in rows)  # no PDL off CUDA
+
+    # Where PDL can run, the fused graph is also timed launched with it (not run here: the
+    # interpreter has no grid dependency control).
+    from runtime import pdl
+
+    launched = []
+
+    def fake_graph_ms_pdl(fns, device, iters=10):  # type: ignore[no-untyped-def]
+        launched.append(pdl.active())
+        if not pdl.active():
+            for fn in fns:
+                fn()
+        return 0.5 if pdl.active() else 1.0
+
+    monkeypatch.setattr(probe, "graph_ms", fake_graph_ms_pdl)
+    monkeypatch.setattr(pdl, "unavailable_reason", lambda device: None)
+    rows = probe.probe(torch.device("cpu"), dtype=torch.float16)
+    assert [r["rows"] for r in rows] == [1, 1, 1] and launched == [False, False, True] * 3
+    assert all(r["pdl_us"] == 500.0 and r["fused_us"] == 1000.0 for r in rows)
 
 
 def test_device_check_gemv_sweep_times_each_tile_on_each_projection(monkeypatch) -> None:  # type: ignore[no-untyped-def]
