@@ -200,12 +200,15 @@ class CudaGraphRunner:
         few_rows_ab: bool = True,
         pdl: bool = False,
         num_kv_blocks: int = 0,
+        head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         """``few_rows`` (the model's shared ``FewRowKernels``) with ``few_rows_max`` > 0: sizes up to
         that are captured with the fused few-row projections, after an A/B against the plain graph
         when ``few_rows_ab``, else unconditionally. ``pdl``: those sizes are also captured with
         programmatic dependent launch (``runtime.pdl``) and A/B'd against the fused graph.
-        ``num_kv_blocks``: the pool's size; the A/B decodes use its first blocks."""
+        ``num_kv_blocks``: the pool's size; the A/B decodes use its first blocks. ``head`` (hidden ->
+        logits): the sizes of the A/B (up to ``few_rows_max``) run it inside the graph, which then
+        returns logits (``returns_logits``); it sees the same ``FewRowKernels`` switch as the model."""
         self.model = model
         self.backend = backend
         self.sizes = capture_sizes(max_num_seqs)
@@ -222,6 +225,8 @@ class CudaGraphRunner:
         self.few_rows_max = few_rows_max if few_rows is not None else 0
         self.few_rows_ab = few_rows_ab
         self.pdl = pdl and self.few_rows_max > 0
+        self.head = head
+        self.head_max = self.few_rows_max if head is not None else 0
         self.num_kv_blocks = num_kv_blocks
         self.variants: dict[int, VariantTiming] = {}  # the A/B of each size that had one
         self.fused_sizes: set[int] = set()  # sizes whose kept graph uses the fused projections
@@ -314,12 +319,18 @@ class CudaGraphRunner:
 
     def _capture_one(self, bs: int, meta: AttentionMetadata) -> Captured:
         ids, pos = self.inputs.input_ids[:bs], self.inputs.positions[:bs]
+        head = self.head if bs <= self.head_max else None
+
+        def step() -> torch.Tensor:
+            hidden = self.model(ids, pos, meta)
+            return head(hidden) if head is not None else hidden
+
         # Warm up outside the graph: compiles Triton kernels (and tunes their tiles), picks cuBLAS algorithms.
-        self.model(ids, pos, meta)
+        step()
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self.model(ids, pos, meta)
+            out = step()
         if self._pool is None:
             self._pool = graph.pool()
         return graph, out
@@ -420,6 +431,11 @@ class CudaGraphRunner:
             identical,
         )
 
+    def returns_logits(self, num_decodes: int) -> bool:
+        """Whether ``run`` for this many decodes returns logits ``[n, vocab]`` (the head is in the graph)."""
+        bs = padded_size(self.sizes, num_decodes)
+        return bs is not None and bs <= self.head_max
+
     def can_run(self, num_decodes: int, num_tokens: int, block_table_width: int) -> bool:
         """A step can replay a graph when it is decode-only and fits the captured shapes."""
         return (
@@ -437,7 +453,8 @@ class CudaGraphRunner:
         seq_lens: torch.Tensor,  # [n] int32 (context after this step, the new token included)
         block_tables: torch.Tensor,  # [n, width] int32, width <= max_blocks_per_seq
     ) -> torch.Tensor:
-        """Replay the graph for ``n`` decodes; returns hidden states ``[n, hidden]``.
+        """Replay the graph for ``n`` decodes; returns hidden states ``[n, hidden]``, or the logits
+        ``[n, vocab]`` where ``returns_logits(n)``.
 
         The result is a view of the graph's static output: consume it (LM head, sampling) before
         the next ``run``.

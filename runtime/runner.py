@@ -56,7 +56,10 @@ class LaunchedStep:
 
     items: list[BatchItem]
     inputs: StepInputs
-    hidden: torch.Tensor  # [T, hidden]; a CUDA graph's static output: sample before the next launch
+    # [T, hidden], or [T, vocab] when ``logits`` (a CUDA graph with the head inside); a graph's output
+    # is its static buffer: sample before the next launch
+    hidden: torch.Tensor
+    logits: bool = False
 
 
 class StepOutput:
@@ -239,6 +242,9 @@ class ModelRunner:
                 few_rows_ab=self.few_rows_mode == "auto",
                 pdl=no_pdl is None,
                 num_kv_blocks=num_blocks,
+                # Batch 1's graph ends with the head (few-row kernel or cuBLAS, as the A/B decides):
+                # one kernel less outside it, and the head is part of the PDL chain.
+                head=self.model.compute_logits,
             )
             self.graph_runner.capture()  # after the pool exists: the graphs read its addresses
             if self.few_rows is not None:
@@ -313,7 +319,8 @@ class ModelRunner:
     def launch(self, items: list[BatchItem]) -> LaunchedStep:
         """Build the step's inputs and issue its forward."""
         inputs = self.prepare(items)
-        return LaunchedStep(items, inputs, self.forward(inputs))
+        out = self.forward(inputs)
+        return LaunchedStep(items, inputs, out, self.forward_returns_logits(inputs))
 
     @torch.inference_mode()
     def sample(self, step: LaunchedStep) -> StepOutput:
@@ -326,7 +333,7 @@ class ModelRunner:
         if not inputs.sample_items:
             self._last_tokens, self._last_seqs, self._last_rows = None, [], None
             return StepOutput(len(step.items), [], None)
-        logits = self.model.compute_logits(step.hidden.index_select(0, inputs.sample_rows)).float()
+        logits = self.sampled_logits(inputs, step.hidden, step.logits)
         seqs = [step.items[i].seq for i in inputs.sample_items]
         rows = self.sampler.sample_rows(logits, seqs)
         self._last_tokens, self._last_seqs, self._last_rows = rows.tokens, seqs, None
@@ -339,8 +346,21 @@ class ModelRunner:
             ready.record(stream)
         return StepOutput(len(step.items), inputs.sample_items, rows, ready)
 
+    def sampled_logits(self, inputs: StepInputs, out: torch.Tensor, is_logits: bool) -> torch.Tensor:
+        """Float32 logits of the rows to sample from ``forward``'s output (hidden states, or logits)."""
+        if not is_logits:
+            return self.model.compute_logits(out.index_select(0, inputs.sample_rows)).float()
+        if len(inputs.sample_items) != out.shape[0]:
+            out = out.index_select(0, inputs.sample_rows)
+        return out.float()
+
+    def forward_returns_logits(self, inputs: StepInputs) -> bool:
+        """Whether ``forward(inputs)`` gives logits: a graph with the LM head inside (few-row sizes)."""
+        return inputs.graph and self.graph_runner is not None and self.graph_runner.returns_logits(len(inputs.order))
+
     def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """The model over the step's tokens: final hidden states ``[T, hidden]``."""
+        """The model over the step's tokens: final hidden states ``[T, hidden]``; for a graph with the
+        LM head inside (``forward_returns_logits``), the logits ``[T, vocab]``."""
         if inputs.graph:
             assert self.graph_runner is not None
             m = inputs.meta

@@ -433,6 +433,7 @@ class CausalLM(nn.Module):
         self.lm_head_q8_linear: cpu_ops.SmallMLinearInt8 | None = None
         self.lm_head_q8_rows = 0
         self._lm_head_dequantized: torch.Tensor | None = None
+        self.few_rows: FewRowKernels | None = None  # the head of a few rows too (CUDA graphs)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Module()
             self.lm_head.weight = _param((cfg.vocab_size, cfg.hidden_size), dtype, device)
@@ -531,11 +532,13 @@ class CausalLM(nn.Module):
         """Give every layer and projection the fused few-row kernels (one shared ``kernels``: its
         ``max_rows`` switches them for the whole model)."""
         for module in self.modules():
-            if isinstance(module, (Linear, DecoderLayer)):
+            if isinstance(module, (Linear, DecoderLayer, CausalLM)):
                 module.few_rows = kernels
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[R, hidden]`` -> ``[R, vocab]``; the runner passes only the rows it samples."""
+        if self.few_rows is not None and self.few_rows.applies(hidden.shape[0]):
+            return self.few_rows.linear(hidden, self.lm_head_weight, None)
         if hidden.shape[0] <= self.lm_head_q8_rows:
             return self.lm_head_q8_linear(hidden.contiguous(), self.lm_head_q8, self.lm_head_q8_scale, None)  # type: ignore[misc]
         if self.lm_head_packed is not None:

@@ -143,7 +143,7 @@ def profile_decode(runner: Any, plan: Plan, vocab: int, report: Report) -> None:
                 hidden = runner.forward(inp)
                 sync(dev)
                 t2 = time.perf_counter()
-                logits = runner.model.compute_logits(hidden.index_select(0, inp.sample_rows)).float()
+                logits = runner.sampled_logits(inp, hidden, runner.forward_returns_logits(inp))
                 sync(dev)
                 t3 = time.perf_counter()
                 runner.sampler.sample(logits, [it.seq for it in items])

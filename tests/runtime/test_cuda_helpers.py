@@ -315,3 +315,18 @@ def test_the_a_b_times_each_graph_and_catches_a_pdl_graph_that_reads_ahead(monke
         assert v.pdl_identical is not racy
         assert v.chosen == ("fused" if racy else "fused+pdl")
         assert pool[1:5].abs().sum() > 0 and g.inputs.slot_mapping.tolist() == [-1, -1]  # wrote slots, padded again
+
+
+def test_the_head_runs_inside_the_graphs_of_the_a_b_sizes_only() -> None:
+    from runtime.models.llama import FewRowKernels
+
+    kernels = FewRowKernels(None, None, None, max_rows=0)  # type: ignore[arg-type]
+
+    def build(**kw):  # type: ignore[no-untyped-def]
+        return CudaGraphRunner(lambda *a: None, _Backend(), 8, 4, 16, torch.device("cpu"), few_rows=kernels, **kw)  # type: ignore[arg-type]
+
+    g = build(few_rows_max=1, head=lambda h: h)
+    assert g.returns_logits(1) and not g.returns_logits(2) and not g.returns_logits(9)
+    assert not build(few_rows_max=1).returns_logits(1)  # no head given
+    assert not build(few_rows_max=0, head=lambda h: h).returns_logits(1)  # no few-row sizes: no head inside
+    assert build(few_rows_max=4, head=lambda h: h).returns_logits(3)  # 3 decodes replay the graph of 4

@@ -250,9 +250,12 @@ class _EagerGraphStandIn:
     Proves the runner's dispatch (which steps replay, with which tensors); the capture itself needs a GPU.
     """
 
-    def __init__(self, runner: ModelRunner, max_bs: int, max_blocks: int) -> None:
-        self.runner, self.max_bs, self.max_blocks = runner, max_bs, max_blocks
+    def __init__(self, runner: ModelRunner, max_bs: int, max_blocks: int, head_max: int = 0) -> None:
+        self.runner, self.max_bs, self.max_blocks, self.head_max = runner, max_bs, max_blocks, head_max
         self.replayed: list[int] = []
+
+    def returns_logits(self, num_decodes: int) -> bool:
+        return num_decodes <= self.head_max
 
     def can_run(self, num_decodes: int, num_tokens: int, block_table_width: int) -> bool:
         return num_tokens == num_decodes and 0 < num_decodes <= self.max_bs and block_table_width <= self.max_blocks
@@ -269,7 +272,8 @@ class _EagerGraphStandIn:
             block_tables=block_tables, max_query_len=1, max_seq_len=max(lens), query_lens_list=[1] * n,
             seq_lens_list=lens,
         )
-        return self.runner.model(input_ids, positions, self.runner.backend.build_metadata(meta))
+        hidden = self.runner.model(input_ids, positions, self.runner.backend.build_metadata(meta))
+        return self.runner.model.compute_logits(hidden) if self.returns_logits(n) else hidden
 
 
 def test_decode_only_steps_replay_graphs_others_run_eager(tiny_runner: ModelRunner, rt: SimpleNamespace) -> None:
@@ -278,16 +282,19 @@ def test_decode_only_steps_replay_graphs_others_run_eager(tiny_runner: ModelRunn
     eager = greedy_loop(tiny_runner, rt, prompts, **run)
     fits = _EagerGraphStandIn(tiny_runner, max_bs=4, max_blocks=8)
     too_small = _EagerGraphStandIn(tiny_runner, max_bs=2, max_blocks=8)
+    with_head = _EagerGraphStandIn(tiny_runner, max_bs=4, max_blocks=8, head_max=4)  # returns logits
     try:
         tiny_runner.graph_runner = fits  # type: ignore[assignment]
         graphed = greedy_loop(tiny_runner, rt, prompts, **run)
         tiny_runner.graph_runner = too_small  # type: ignore[assignment]
         unfit = greedy_loop(tiny_runner, rt, prompts, **run)
+        tiny_runner.graph_runner = with_head  # type: ignore[assignment]
+        headed = greedy_loop(tiny_runner, rt, prompts, **run)
     finally:
         tiny_runner.graph_runner = None
-    assert graphed == eager and unfit == eager
+    assert graphed == eager and unfit == eager and headed == eager
     # One prefill step (all 49 prompt tokens fit the budget: eager), then 5 decode-only steps of 3.
-    assert fits.replayed == [3] * 5
+    assert fits.replayed == [3] * 5 and with_head.replayed == [3] * 5
     assert too_small.replayed == []  # 3 decodes > the largest "captured" batch: eager
 
 

@@ -119,12 +119,21 @@ def test_model_with_few_row_kernels_equals_the_eager_model(tiny_llama_dir, build
     outs = [prefill_then_decode(runner, rt, [8, 9, 10], [[0, 1, 2], [1]]) for runner in (fused, plain)]
     torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=1e-5)
     layers = len(fused.model.model.layers)
-    # Decode steps only (3 rows, then 1): q/k/v and gate/up with their norms, o_proj, down with SiLU.
+    # Decode steps only (3 rows, then 1): q/k/v and gate/up with their norms, o_proj, down with SiLU,
+    # and the head (as in a decode graph with the head inside).
     assert calls == {
-        "linear": [3] * layers + [1] * layers,
+        "linear": [3] * layers + [3] + [1] * layers + [1],
         "rms_norm_linear": [3] * 2 * layers + [1] * 2 * layers,
         "silu_mul_linear": [3] * layers + [1] * layers,
     }
+    # The head alone: a few rows through the kernel, more rows plain.
+    hidden = torch.randn(6, fused.model_config.hidden_size)
+    for rows in (2, 6):
+        calls["linear"].clear()
+        torch.testing.assert_close(
+            fused.model.compute_logits(hidden[:rows]), plain.model.compute_logits(hidden[:rows]), atol=2e-5, rtol=1e-5
+        )
+        assert calls["linear"] == ([rows] if rows <= 4 else [])
 
 
 def test_device_check_compares_few_row_and_plain_projections(tiny_llama_dir, build_runner, monkeypatch) -> None:  # type: ignore[no-untyped-def]
