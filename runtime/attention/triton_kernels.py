@@ -120,11 +120,24 @@ def _attend_keys(
     """One online-softmax step over keys ``n`` (positions in the sequence; ``n_ok`` the real ones,
     ``visible`` [rows, keys] those each query row may see): load their K/V rows through the block table
     and fold them into the running max ``m_i``, sum ``l_i`` and output ``acc`` (base-2 logits)."""
-    # Never read a block-table entry past the sequence's last block.
-    block = tl.load(bt_row + n // PAGE, mask=n_ok, other=0).to(tl.int64)
-    kv_rows = block * stride_cache_block + (n % PAGE) * stride_cache_slot + kv_head * stride_cache_head
+    kv_rows = _kv_rows(n, n_ok, bt_row, kv_head, stride_cache_block, stride_cache_slot, stride_cache_head, PAGE)
     kv_mask = n_ok[:, None] & d_ok[None, :]
     k = tl.load(k_cache_ptr + kv_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + kv_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    return _fold_keys(q, m_i, l_i, acc, k, v, visible, softmax_scale_log2, DOT_PRECISION)
+
+
+@triton.jit
+def _kv_rows(n, n_ok, bt_row, kv_head, stride_cache_block, stride_cache_slot, stride_cache_head, PAGE: tl.constexpr):
+    """Pool offsets of key positions ``n`` of one KV head, through the sequence's block-table row."""
+    # Never read a block-table entry past the sequence's last block.
+    block = tl.load(bt_row + n // PAGE, mask=n_ok, other=0).to(tl.int64)
+    return block * stride_cache_block + (n % PAGE) * stride_cache_slot + kv_head * stride_cache_head
+
+
+@triton.jit
+def _fold_keys(q, m_i, l_i, acc, k, v, visible, softmax_scale_log2, DOT_PRECISION: tl.constexpr):
+    """Fold a tile of keys ``k`` / values ``v`` into the running max, sum and output (base-2 logits)."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * softmax_scale_log2
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -133,7 +146,6 @@ def _attend_keys(
     alpha = tl.exp2(m_i - m_shift)
     p = tl.exp2(s - m_shift[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_cache_ptr + kv_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -254,7 +266,6 @@ def _paged_decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    wait_then_release(PDL)
     # Split-KV decode ("flash-decoding"): one program = one sequence x one KV head x one slice of its
     # context, so a small batch still fills the GPU. The slice length follows the sequence's own
     # length (read on the device), so one launch shape serves every context inside a CUDA graph.
@@ -271,15 +282,32 @@ def _paged_decode_split_kernel(
     head = kv_head * GROUP + g
     d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = d < HEAD_DIM
+    n_offs = tl.arange(0, BLOCK_N)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+
+    # The slice's first tile of keys is loaded before the PDL wait, all but the newest position:
+    # the step's inputs (lengths, block tables) and the K/V of earlier steps are written before the
+    # graph starts; only the newest token's K/V (and q) come from the kernel before this one.
+    n = k_start + n_offs
+    n_ok = n < k_end
+    kv_rows = _kv_rows(n, n_ok, bt_row, kv_head, stride_cache_block, stride_cache_slot, stride_cache_head, PAGE)
+    kv_off = kv_rows[:, None] + d[None, :]
+    older = (n_ok & (n < seq_len - 1))[:, None] & d_ok[None, :]
+    k = tl.load(k_cache_ptr + kv_off, mask=older, other=0.0)
+    v = tl.load(v_cache_ptr + kv_off, mask=older, other=0.0)
+    wait_then_release(PDL)
+    newest = (n_ok & (n == seq_len - 1))[:, None] & d_ok[None, :]
+    k = tl.where(newest, tl.load(k_cache_ptr + kv_off, mask=newest, other=0.0), k)
+    v = tl.where(newest, tl.load(v_cache_ptr + kv_off, mask=newest, other=0.0), v)
     q_rows = seq.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
     q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    n_offs = tl.arange(0, BLOCK_N)
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for start in range(k_start, k_end, BLOCK_N):
+    # An empty first tile (n_ok all false) folds in nothing: its scores are all -inf.
+    m_i, l_i, acc = _fold_keys(q, m_i, l_i, acc, k, v, n_ok[None, :], softmax_scale_log2, DOT_PRECISION)
+    for start in range(k_start + BLOCK_N, k_end, BLOCK_N):
         n = start + n_offs
         n_ok = n < k_end
         m_i, l_i, acc = _attend_keys(

@@ -129,7 +129,7 @@ COMPILE = textwrap.dedent(
     check_pdl(ops._rope_store_kernel, rope, dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF=64, HEADS_PAD=64,
               KV_PAD=8, HALF_PAD=64, DIM_PAD=128, PAGE=16))
     check_pdl(tk._paged_decode_split_kernel, split, dict(NUM_HEADS=32, GROUP=4, BLOCK_M=16, BLOCK_N=64, HEAD_DIM=128,
-              HEAD_DIM_PAD=128, PAGE=16, NUM_SPLITS=32, DOT_PRECISION="ieee"))
+              HEAD_DIM_PAD=128, PAGE=16, NUM_SPLITS=32, DOT_PRECISION="ieee"), loads_before_wait=True)  # older K/V
     check_pdl(tk._paged_decode_reduce_kernel, reduce, dict(NUM_HEADS=32, HEAD_DIM=128, HEAD_DIM_PAD=128, NUM_SPLITS=32))
     for tile in tg.ELEMENTWISE_TILES:  # a prefetch tile loads its first weight tile before the wait
         for prologue, has_res in ((0, False), (1, True), (2, False)):
