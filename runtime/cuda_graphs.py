@@ -26,8 +26,9 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
+import numpy as np
 import torch
 
 from runtime import pdl
@@ -75,30 +76,58 @@ def padded_size(sizes: list[int], n: int) -> int | None:
     return None
 
 
+# ``GraphInputs.stage`` copies whole block-table rows (one copy, no device-side scatter) while
+# the rows it sends stay under this many bytes; above it (long contexts x many rows) it sends only
+# the used columns, which the device then scatters into the table.
+FULL_TABLE_ROWS_MAX_BYTES = 64 << 10
+
+
 @dataclass
 class GraphInputs:
-    """The static buffers every captured graph reads (rows [0, B) for a graph of size B)."""
+    """The static buffers every captured graph reads (rows [0, B) for a graph of size B).
 
-    input_ids: torch.Tensor  # [max_bs] int64
-    positions: torch.Tensor  # [max_bs] int64
-    slot_mapping: torch.Tensor  # [max_bs] int64
-    seq_lens: torch.Tensor  # [max_bs] int32
-    context_lens: torch.Tensor  # [max_bs] int32
+    The int64 inputs are rows of one buffer and the int32 lengths rows of another, so a step is
+    staged with one host-to-device copy each (``stage``), plus one for the block tables."""
+
+    i64: torch.Tensor  # [5, max_bs]: input ids, positions, slot mapping; pending rows and their sources
+    i32: torch.Tensor  # [2, max_bs]: seq lens, context lens
     query_start_loc: torch.Tensor  # [max_bs + 1] int32, fixed 0..max_bs (one token per sequence)
     block_tables: torch.Tensor  # [max_bs, max_blocks_per_seq] int32
+    rows: torch.Tensor  # [max_bs] int64, fixed 0..max_bs - 1 (a decode step's sampled rows)
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self.i64[0]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.i64[1]
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        return self.i64[2]
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        return self.i32[0]
+
+    @property
+    def context_lens(self) -> torch.Tensor:
+        return self.i32[1]
 
     @classmethod
     def allocate(cls, max_bs: int, max_blocks_per_seq: int, device: torch.device) -> "GraphInputs":
         i32 = dict(dtype=torch.int32, device=device)
-        return cls(
-            input_ids=torch.zeros(max_bs, dtype=torch.long, device=device),
-            positions=torch.zeros(max_bs, dtype=torch.long, device=device),
-            slot_mapping=torch.full((max_bs,), -1, dtype=torch.long, device=device),
-            seq_lens=torch.ones(max_bs, **i32),
-            context_lens=torch.zeros(max_bs, **i32),
+        g = cls(
+            i64=torch.zeros(5, max_bs, dtype=torch.long, device=device),
+            i32=torch.zeros(2, max_bs, **i32),
             query_start_loc=torch.arange(max_bs + 1, **i32),
             block_tables=torch.zeros(max_bs, max_blocks_per_seq, **i32),
+            rows=torch.arange(max_bs, dtype=torch.long, device=device),
         )
+        g.slot_mapping.fill_(-1)
+        g.seq_lens.fill_(1)
+        return g
 
     def fill(
         self,
@@ -109,7 +138,8 @@ class GraphInputs:
         block_tables: torch.Tensor,
         padded_to: int,
     ) -> None:
-        """Copy ``n`` real decode rows in and reset rows [n, padded_to) to harmless padding."""
+        """Copy ``n`` real decode rows in from device tensors and reset rows [n, padded_to) to harmless
+        padding. (The runner stages its steps from the host instead: ``stage``.)"""
         n = input_ids.shape[0]
         width = block_tables.shape[1]
         if width > self.block_tables.shape[1]:
@@ -129,6 +159,63 @@ class GraphInputs:
             self.seq_lens[n:padded_to].fill_(1)
             self.context_lens[n:padded_to].zero_()
             self.block_tables[n:padded_to, 0].zero_()
+
+    def stage(
+        self,
+        input_ids: Sequence[int],
+        positions: Sequence[int],
+        slots: Sequence[int],
+        seq_lens: Sequence[int],
+        flat_tables: Sequence[int],
+        width: int,
+        padded_to: int,
+        pending_at: Sequence[int] = (),
+        pending_from: Sequence[int] = (),
+        last_tokens: torch.Tensor | None = None,
+    ) -> None:
+        """A decode step of ``n = len(input_ids)`` rows straight from host lists: rows [n, padded_to)
+        become padding, and the rows ``pending_at`` take ``last_tokens[pending_from]`` (the tokens the
+        previous step drew, still on the device). ``flat_tables``: ``[n, width]`` row by row.
+
+        Three host-to-device copies without blocking (from freshly pinned memory, so an earlier step's
+        copies still in the queue keep their data), and the pending tokens' gather: in stream order
+        after the graphs already issued, so a graph replayed before still reads its own step."""
+        n, p = len(input_ids), len(pending_at)
+        max_bs, max_width = self.block_tables.shape
+        if not 0 < n <= padded_to <= max_bs:
+            raise ValueError(f"{n} rows padded to {padded_to} do not fit the captured {max_bs}")
+        if width > max_width:
+            raise ValueError(f"block table of {width} blocks exceeds the captured {max_width}")
+        a = np.zeros((5, max_bs), dtype=np.int64)
+        a[0, :n] = input_ids
+        a[1, :n] = positions
+        a[2, :n] = slots
+        a[2, n:] = -1  # padding writes nothing
+        a[3, :p] = pending_at
+        a[4, :p] = pending_from
+        b = np.empty((2, max_bs), dtype=np.int32)
+        b[0, :n] = seq_lens
+        b[1, :n] = b[0, :n] - 1  # a decode's context before this step: all but the new token
+        b[0, n:] = 1  # padding reads one slot of block 0
+        b[1, n:] = 0
+        self.i64.copy_(_host(a, self.i64.device), non_blocking=True)
+        self.i32.copy_(_host(b, self.i32.device), non_blocking=True)
+        full_rows = padded_to * max_width * 4 <= FULL_TABLE_ROWS_MAX_BYTES
+        t = np.zeros((padded_to, max_width if full_rows else width), dtype=np.int32)
+        t[:n, :width] = np.asarray(flat_tables, dtype=np.int32).reshape(n, width)
+        # Unsent columns keep stale ids: kernels never read entries beyond ceil(seq_len / block).
+        dst = self.block_tables[:padded_to] if full_rows else self.block_tables[:padded_to, :width]
+        dst.copy_(_host(t, dst.device), non_blocking=True)
+        if p:
+            if last_tokens is None:
+                raise ValueError(f"{p} pending tokens without the last step's tokens")
+            self.input_ids.index_copy_(0, self.i64[3, :p], last_tokens.index_select(0, self.i64[4, :p]))
+
+
+def _host(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``a`` as a tensor to copy to ``device``: pinned when that is a GPU (the copy then does not block)."""
+    t = torch.from_numpy(a)
+    return t.pin_memory() if device.type == "cuda" else t
 
 
 @dataclass
@@ -460,9 +547,19 @@ class CudaGraphRunner:
         the next ``run``.
         """
         n = input_ids.shape[0]
-        bs = padded_size(self.sizes, n)
+        self.inputs.fill(input_ids, positions, slot_mapping, seq_lens, block_tables, self.padded(n))
+        return self.replay(n)
+
+    def padded(self, num_decodes: int) -> int:
+        """The captured size a step of ``num_decodes`` replays (its inputs are staged up to it)."""
+        bs = padded_size(self.sizes, num_decodes)
         if bs is None:
-            raise ValueError(f"{n} decodes exceed the largest captured batch {self.max_batch_size}")
-        self.inputs.fill(input_ids, positions, slot_mapping, seq_lens, block_tables, bs)
+            raise ValueError(f"{num_decodes} decodes exceed the largest captured batch {self.max_batch_size}")
+        return bs
+
+    def replay(self, num_decodes: int) -> torch.Tensor:
+        """Replay the graph for ``num_decodes`` decodes whose inputs are already in ``inputs``
+        (``inputs.stage`` up to ``padded(num_decodes)``); the output as ``run`` returns it."""
+        bs = self.padded(num_decodes)
         self._graphs[bs].replay()
-        return self._outputs[bs][:n]
+        return self._outputs[bs][:num_decodes]

@@ -47,7 +47,8 @@ class StepInputs:
     order: list[int]  # order[i] = index in the caller's item list of the i-th computed sequence
     sample_rows: torch.Tensor  # [R] int64: the hidden rows to sample (last token of each sampling item)
     sample_items: list[int]  # caller's item index of each sampled row
-    graph: bool = False  # replay a captured CUDA graph (``meta`` is then the raw, unbuilt metadata)
+    # replay a captured CUDA graph: the tensors are views of its staged inputs, ``meta`` is unbuilt
+    graph: bool = False
 
 
 @dataclass
@@ -348,11 +349,10 @@ class ModelRunner:
 
     def sampled_logits(self, inputs: StepInputs, out: torch.Tensor, is_logits: bool) -> torch.Tensor:
         """Float32 logits of the rows to sample from ``forward``'s output (hidden states, or logits)."""
-        if not is_logits:
-            return self.model.compute_logits(out.index_select(0, inputs.sample_rows)).float()
+        # Sampled rows are increasing: as many as the output's rows means all of them, in order.
         if len(inputs.sample_items) != out.shape[0]:
             out = out.index_select(0, inputs.sample_rows)
-        return out.float()
+        return (out if is_logits else self.model.compute_logits(out)).float()
 
     def forward_returns_logits(self, inputs: StepInputs) -> bool:
         """Whether ``forward(inputs)`` gives logits: a graph with the LM head inside (few-row sizes)."""
@@ -361,10 +361,9 @@ class ModelRunner:
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """The model over the step's tokens: final hidden states ``[T, hidden]``; for a graph with the
         LM head inside (``forward_returns_logits``), the logits ``[T, vocab]``."""
-        if inputs.graph:
+        if inputs.graph:  # staged by prepare
             assert self.graph_runner is not None
-            m = inputs.meta
-            return self.graph_runner.run(inputs.input_ids, inputs.positions, m.slot_mapping, m.seq_lens, m.block_tables)
+            return self.graph_runner.replay(len(inputs.order))
         return self.model(inputs.input_ids, inputs.positions, inputs.meta)
 
     def _pending_row(self, seq: SequenceView) -> int:
@@ -454,6 +453,14 @@ class ModelRunner:
             if used < width:
                 flat_tables += [0] * (width - used)
 
+        # A decode-only step that fits the captured shapes replays a graph: staged straight into its
+        # input buffers (its metadata was built at capture, so the backend's per-step derivation is skipped).
+        if self.graph_runner is not None and self.graph_runner.can_run(len(decodes), num_tokens, width):
+            return self._stage_graph_step(
+                input_ids, positions, slots, seq_lens, flat_tables, width, pending_at, pending_from,
+                order, sample_rows, sample_items, max_seq_len,
+            )  # fmt: skip
+
         dev = self.device
         ids_t, positions_t, slots_t, sample_rows_t, pending_at_t, pending_from_t = _to_device(
             (input_ids, positions, slots, sample_rows, pending_at, pending_from), torch.int64, dev
@@ -478,14 +485,63 @@ class ModelRunner:
             query_lens_list=query_lens,
             seq_lens_list=seq_lens,
         )
-        # A decode-only step that fits the captured shapes replays a graph, whose metadata was built
-        # at capture: the backend's per-step derivation is skipped.
-        graph = self.graph_runner is not None and self.graph_runner.can_run(len(decodes), num_tokens, width)
         return StepInputs(
             input_ids=ids_t,
             positions=positions_t,
-            meta=meta if graph else self.backend.build_metadata(meta),
-            graph=graph,
+            meta=self.backend.build_metadata(meta),
+            order=order,
+            sample_rows=sample_rows_t,
+            sample_items=sample_items,
+        )
+
+    def _stage_graph_step(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        seq_lens: list[int],
+        flat_tables: list[int],
+        width: int,
+        pending_at: list[int],
+        pending_from: list[int],
+        order: list[int],
+        sample_rows: list[int],
+        sample_items: list[int],
+        max_seq_len: int,
+    ) -> StepInputs:
+        """A decode-only step staged into the graphs' input buffers (``GraphInputs.stage``); its
+        tensors are views of them, valid until the next step is prepared."""
+        g = self.graph_runner
+        assert g is not None
+        n = len(input_ids)
+        buf = g.inputs
+        buf.stage(
+            input_ids, positions, slots, seq_lens, flat_tables, width, g.padded(n),
+            pending_at, pending_from, self._last_tokens if pending_at else None,
+        )  # fmt: skip
+        if len(sample_rows) == n:  # every decode samples: rows 0..n-1
+            sample_rows_t = buf.rows[:n]
+        else:
+            sample_rows_t = _to_device((sample_rows,), torch.int64, self.device)[0]
+        meta = AttentionMetadata(
+            num_tokens=n,
+            num_decodes=n,
+            num_decode_tokens=n,
+            slot_mapping=buf.slot_mapping[:n],
+            query_start_loc=buf.query_start_loc[: n + 1],
+            seq_lens=buf.seq_lens[:n],
+            context_lens=buf.context_lens[:n],
+            block_tables=buf.block_tables[:n, :width],
+            max_query_len=1,
+            max_seq_len=max_seq_len,
+            query_lens_list=[1] * n,
+            seq_lens_list=seq_lens,
+        )
+        return StepInputs(
+            input_ids=buf.input_ids[:n],
+            positions=buf.positions[:n],
+            meta=meta,
+            graph=True,
             order=order,
             sample_rows=sample_rows_t,
             sample_items=sample_items,

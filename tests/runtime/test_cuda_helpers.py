@@ -61,6 +61,38 @@ def test_fill_copies_real_rows_and_neutralises_padding() -> None:
                  torch.ones(1, dtype=torch.int32), torch.zeros(1, 5, dtype=torch.int32), padded_to=1)
 
 
+@pytest.mark.parametrize("full_rows", [True, False])
+def test_stage_writes_a_step_from_host_lists_with_padding_and_pending_tokens(monkeypatch: pytest.MonkeyPatch, full_rows: bool) -> None:
+    import runtime.cuda_graphs as cg
+
+    if not full_rows:  # long contexts x many rows: only the used columns are sent
+        monkeypatch.setattr(cg, "FULL_TABLE_ROWS_MAX_BYTES", 0)
+    buf = GraphInputs.allocate(8, 4, torch.device("cpu"))
+    # Leftovers from a previous, larger step.
+    buf.i64.fill_(123)
+    buf.i32.fill_(50)
+    buf.block_tables.fill_(7)
+    last = torch.tensor([900, 901, 902])  # the previous step's tokens, row by row
+    buf.stage([5, 0, 7], [10, 3, 0], [42, 19, 0], [11, 4, 1], [2, 9, 4, 0, 1, 0], 2, 4,
+              pending_at=[1], pending_from=[2], last_tokens=last)
+    assert buf.input_ids[:4].tolist() == [5, 902, 7, 0]  # row 1 took the pending token
+    assert buf.positions[:4].tolist() == [10, 3, 0, 0]
+    assert buf.slot_mapping.tolist() == [42, 19, 0] + [-1] * 5
+    assert buf.seq_lens.tolist() == [11, 4, 1] + [1] * 5
+    assert buf.context_lens.tolist() == [10, 3, 0] + [0] * 5
+    assert buf.block_tables[:3, :2].tolist() == [[2, 9], [4, 0], [1, 0]] and buf.block_tables[3, 0] == 0
+    # Whole rows sent: the unused columns are cleared too; else they keep stale ids (never read).
+    assert buf.block_tables[:4, 2:].unique().tolist() == ([0] if full_rows else [7])
+    assert buf.block_tables[4:].unique().tolist() == [7]  # rows past the padded size untouched
+    assert buf.rows[:3].tolist() == [0, 1, 2] and buf.query_start_loc[:5].tolist() == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="exceeds"):
+        buf.stage([1], [0], [0], [1], [0] * 5, 5, 1)
+    with pytest.raises(ValueError, match="do not fit"):
+        buf.stage([1] * 3, [0] * 3, [0] * 3, [1] * 3, [0] * 3, 1, 2)
+    with pytest.raises(ValueError, match="pending"):
+        buf.stage([0], [0], [0], [1], [0], 1, 1, pending_at=[0], pending_from=[0])
+
+
 def test_kv_budget_is_the_allowed_fraction_minus_everything_else() -> None:
     prof = MemoryProfile(total=100 * GiB, torch_peak=20 * GiB, non_torch=2 * GiB, scratch=1 * GiB)
     # 90 allowed - (20 - 1) torch peak without the scratch pool - 2 outside torch - 1 reserved.

@@ -147,10 +147,23 @@ def test_execute_returns_results_in_item_order(tiny_runner: ModelRunner, rt: Sim
     assert runner.execute([]).sampled_token_ids == []
 
 
-def test_pending_tokens_come_from_the_last_sampling_step(tiny_runner: ModelRunner, rt: SimpleNamespace) -> None:
+@pytest.mark.parametrize("graphs", ["eager", "graphs", "graphs with the head"])
+def test_pending_tokens_come_from_the_last_sampling_step(tiny_runner: ModelRunner, rt: SimpleNamespace, graphs: str) -> None:
     """Scheduling ahead: a decode whose input is PENDING_TOKEN reads the token the runner's previous
-    sampling step drew for that sequence, and gives what the known token gives."""
+    sampling step drew for that sequence, and gives what the known token gives; with decode steps
+    staged into (stand-in) CUDA-graph buffers too, padded (3 rows run as 4), with the head inside."""
     runner = tiny_runner
+    try:
+        if graphs != "eager":
+            runner.graph_runner = _EagerGraphStandIn(runner, 4, 64, head_max=4 if "head" in graphs else 0)  # type: ignore[assignment]
+        _check_pending_tokens(runner, rt)
+        if graphs != "eager":
+            assert runner.graph_runner.replayed  # type: ignore[union-attr]
+    finally:
+        runner.graph_runner = None
+
+
+def _check_pending_tokens(runner: ModelRunner, rt: SimpleNamespace) -> None:
     blocks = rt.ScatteredBlocks(runner.kv_pool.num_blocks, runner.block_size, seed=6)
     prompts = [random_ids(n, seed=10 + i) for i, n in enumerate((11, 27, 5))]
     steps = 6
@@ -245,35 +258,44 @@ def test_runner_reports_sizes(tiny_llama_dir: Path, build_runner: Callable[..., 
 
 
 class _EagerGraphStandIn:
-    """Plays ``CudaGraphRunner`` on CPU: same ``can_run``/``run`` contract, eager forward inside.
+    """Plays ``CudaGraphRunner`` on CPU: same ``can_run`` / ``padded`` / ``inputs`` / ``replay`` contract,
+    an eager forward over the staged input buffers inside.
 
-    Proves the runner's dispatch (which steps replay, with which tensors); the capture itself needs a GPU.
-    """
+    Proves the runner's dispatch (which steps replay) and its staging (what the graphs would read);
+    the capture itself needs a GPU. Padded sizes are powers of two, as captured."""
 
     def __init__(self, runner: ModelRunner, max_bs: int, max_blocks: int, head_max: int = 0) -> None:
+        from runtime.cuda_graphs import GraphInputs, capture_sizes
+
         self.runner, self.max_bs, self.max_blocks, self.head_max = runner, max_bs, max_blocks, head_max
+        self.sizes = capture_sizes(max_bs)
+        self.inputs = GraphInputs.allocate(max_bs, max_blocks, torch.device("cpu"))
         self.replayed: list[int] = []
 
     def returns_logits(self, num_decodes: int) -> bool:
-        return num_decodes <= self.head_max
+        return self.padded(num_decodes) <= self.head_max
 
     def can_run(self, num_decodes: int, num_tokens: int, block_table_width: int) -> bool:
         return num_tokens == num_decodes and 0 < num_decodes <= self.max_bs and block_table_width <= self.max_blocks
 
-    def run(self, input_ids, positions, slot_mapping, seq_lens, block_tables):  # noqa: ANN001, ANN201
+    def padded(self, num_decodes: int) -> int:
+        return next(b for b in self.sizes if b >= num_decodes)
+
+    def replay(self, n: int):  # noqa: ANN201
         from runtime.attention.base import AttentionMetadata
 
-        n = input_ids.shape[0]
         self.replayed.append(n)
-        lens = seq_lens.tolist()
+        b, bs = self.inputs, self.padded(n)  # the whole padded batch, as a graph computes it
+        lens = b.seq_lens[:bs].tolist()
         meta = AttentionMetadata(
-            num_tokens=n, num_decodes=n, num_decode_tokens=n, slot_mapping=slot_mapping,
-            query_start_loc=torch.arange(n + 1, dtype=torch.int32), seq_lens=seq_lens, context_lens=seq_lens - 1,
-            block_tables=block_tables, max_query_len=1, max_seq_len=max(lens), query_lens_list=[1] * n,
+            num_tokens=bs, num_decodes=bs, num_decode_tokens=bs, slot_mapping=b.slot_mapping[:bs],
+            query_start_loc=b.query_start_loc[: bs + 1], seq_lens=b.seq_lens[:bs], context_lens=b.context_lens[:bs],
+            block_tables=b.block_tables[:bs], max_query_len=1, max_seq_len=max(lens), query_lens_list=[1] * bs,
             seq_lens_list=lens,
         )
-        hidden = self.runner.model(input_ids, positions, self.runner.backend.build_metadata(meta))
-        return self.runner.model.compute_logits(hidden) if self.returns_logits(n) else hidden
+        hidden = self.runner.model(b.input_ids[:bs], b.positions[:bs], self.runner.backend.build_metadata(meta))
+        out = self.runner.model.compute_logits(hidden) if self.returns_logits(n) else hidden
+        return out[:n]
 
 
 def test_decode_only_steps_replay_graphs_others_run_eager(tiny_runner: ModelRunner, rt: SimpleNamespace) -> None:
