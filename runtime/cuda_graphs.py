@@ -160,6 +160,24 @@ class GraphInputs:
             self.context_lens[n:padded_to].zero_()
             self.block_tables[n:padded_to, 0].zero_()
 
+    def metadata(self, n: int, width: int, seq_lens: list[int]) -> AttentionMetadata:
+        """Unbuilt metadata of ``n`` decode rows over these buffers (block-table columns [0, width));
+        ``seq_lens``: their lengths on the host."""
+        return AttentionMetadata(
+            num_tokens=n,
+            num_decodes=n,
+            num_decode_tokens=n,
+            slot_mapping=self.slot_mapping[:n],
+            query_start_loc=self.query_start_loc[: n + 1],
+            seq_lens=self.seq_lens[:n],
+            context_lens=self.context_lens[:n],
+            block_tables=self.block_tables[:n, :width],
+            max_query_len=1,
+            max_seq_len=max(seq_lens),
+            query_lens_list=[1] * n,
+            seq_lens_list=seq_lens,
+        )
+
     def stage(
         self,
         input_ids: Sequence[int],
@@ -329,23 +347,9 @@ class CudaGraphRunner:
 
     def static_metadata(self, bs: int) -> AttentionMetadata:
         """The metadata a graph of size ``bs`` is captured with: views of the static buffers."""
-        b = self.inputs
-        meta = AttentionMetadata(
-            num_tokens=bs,
-            num_decodes=bs,
-            num_decode_tokens=bs,
-            slot_mapping=b.slot_mapping[:bs],
-            query_start_loc=b.query_start_loc[: bs + 1],
-            seq_lens=b.seq_lens[:bs],
-            context_lens=b.context_lens[:bs],
-            block_tables=b.block_tables[:bs],
-            max_query_len=1,
-            # Python-side values are frozen into the graph: decode paths must not depend on them.
-            max_seq_len=self.max_blocks_per_seq * self.block_size,
-            query_lens_list=[1] * bs,
-            seq_lens_list=[self.max_blocks_per_seq * self.block_size] * bs,
-        )
-        return self.backend.build_metadata(meta)
+        # Python-side values are frozen into the graph: decode paths must not depend on them.
+        longest = self.max_blocks_per_seq * self.block_size
+        return self.backend.build_metadata(self.inputs.metadata(bs, self.max_blocks_per_seq, [longest] * bs))
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -458,7 +458,7 @@ class ModelRunner:
         if self.graph_runner is not None and self.graph_runner.can_run(len(decodes), num_tokens, width):
             return self._stage_graph_step(
                 input_ids, positions, slots, seq_lens, flat_tables, width, pending_at, pending_from,
-                order, sample_rows, sample_items, max_seq_len,
+                order, sample_rows, sample_items,
             )  # fmt: skip
 
         dev = self.device
@@ -507,7 +507,6 @@ class ModelRunner:
         order: list[int],
         sample_rows: list[int],
         sample_items: list[int],
-        max_seq_len: int,
     ) -> StepInputs:
         """A decode-only step staged into the graphs' input buffers (``GraphInputs.stage``); its
         tensors are views of them, valid until the next step is prepared."""
@@ -523,20 +522,7 @@ class ModelRunner:
             sample_rows_t = buf.rows[:n]
         else:
             sample_rows_t = _to_device((sample_rows,), torch.int64, self.device)[0]
-        meta = AttentionMetadata(
-            num_tokens=n,
-            num_decodes=n,
-            num_decode_tokens=n,
-            slot_mapping=buf.slot_mapping[:n],
-            query_start_loc=buf.query_start_loc[: n + 1],
-            seq_lens=buf.seq_lens[:n],
-            context_lens=buf.context_lens[:n],
-            block_tables=buf.block_tables[:n, :width],
-            max_query_len=1,
-            max_seq_len=max_seq_len,
-            query_lens_list=[1] * n,
-            seq_lens_list=seq_lens,
-        )
+        meta = buf.metadata(n, width, seq_lens)
         return StepInputs(
             input_ids=buf.input_ids[:n],
             positions=buf.positions[:n],
