@@ -93,8 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--skip",
         action="append",
         default=[],
-        choices=["logits", "greedy", "paging", "graphs", "profile", "throughput", "gemv", "sweep", "budget", "rerun"],
-        help="skip a section (repeatable)",
+        choices=["exact", "logits", "greedy", "paging", "graphs", "profile", "throughput", "gemv", "sweep", "budget", "rerun"],
+        help="skip a section (repeatable); exact: the whole float32 engine (its load and checks) of a bf16/fp16 run",
     )
     return p.parse_args(argv)
 
@@ -200,29 +200,32 @@ def main(argv: list[str] | None = None) -> int:
         if refs is None:
             return finish(report, args, started)
         hf_low, ref = refs
-        exact = section("load it into servelm in float32 (Engine)", report, lambda: load("float32", kv_cache_memory=plan.exact_kv_bytes))
-        if exact is None:
-            return finish(report, args, started)
         tol = 1e-3
-        if "logits" not in args.skip:
-            tol = section("float32 prefill logits vs HF", report, lambda: check_logits_exact(exact.runner, ref, prompts, report)) or tol
-        print(f"   near-tie tolerance for float32 token comparisons: {tol:.3g}")
-        if "greedy" not in args.skip:
-            section(
-                "float32 greedy decoding vs HF generate",
-                report,
-                lambda: check_greedy_vs_hf(exact, hf, prompts, plan.greedy_tokens, tol, device, report),
-            )
+        if "exact" in args.skip and low:
+            print("\n== float32 engine and its checks: skipped (--skip exact)")
+        else:
+            exact = section("load it into servelm in float32 (Engine)", report, lambda: load("float32", kv_cache_memory=plan.exact_kv_bytes))
+            if exact is None:
+                return finish(report, args, started)
+            if "logits" not in args.skip:
+                tol = section("float32 prefill logits vs HF", report, lambda: check_logits_exact(exact.runner, ref, prompts, report)) or tol
+            print(f"   near-tie tolerance for float32 token comparisons: {tol:.3g}")
+            if "greedy" not in args.skip:
+                section(
+                    "float32 greedy decoding vs HF generate",
+                    report,
+                    lambda: check_greedy_vs_hf(exact, hf, prompts, plan.greedy_tokens, tol, device, report),
+                )
         del hf
         hf = None
         free_memory(device)
-        if "paging" not in args.skip:
+        if exact is not None and "paging" not in args.skip:
             section(
                 "float32 paged / prefix-cached / chunked / preempted runs",
                 report,
                 lambda: check_paging_variants(exact, exact.runner, model_dir, plan, "float32", vocab, tol, report),
             )
-        if "graphs" not in args.skip and device.type == "cuda":
+        if exact is not None and "graphs" not in args.skip and device.type == "cuda":
             section(
                 "float32 fused few-row projections (runtime.triton_gemv)",
                 report,

@@ -45,3 +45,24 @@ def test_dry_run_on_cpu_passes_every_check(tmp_path: Path, dtype: str) -> None:
     assert "batch 1: ms per output token" in rows  # and the concurrent throughput and the long prefill:
     assert any(r.endswith("output tok/s") for r in rows) and any(r.startswith("prefill of one") for r in rows)
     assert not (tmp_path / "work" / "model").exists()  # the scratch model is removed
+
+
+def test_skip_exact_leaves_out_the_float32_engine(tmp_path: Path) -> None:
+    """A performance-minded rerun (``--skip exact``): no float32 engine, the bf16 checks and numbers still."""
+    report = tmp_path / "report.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "scripts/device_check.py", "--dry-run", "--device", "cpu", "--tiny", "--json", str(report),
+         "--workdir", str(tmp_path / "work"), "--dtype", "bfloat16", "--skip", "exact", "--skip", "throughput"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    got = json.loads(report.read_text())
+    names = {c["name"] for c in got["checks"]}
+    assert got["ok"] and "float32 prefill logits vs HF float32" not in names
+    assert "torch.bfloat16 prefill logits: distance from HF float32 vs HF torch.bfloat16's own" in names
+    assert "load it into servelm in float32 (Engine)" not in proc.stdout and "skipped (--skip exact)" in proc.stdout
