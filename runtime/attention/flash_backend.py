@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -107,8 +108,14 @@ def decode_gemv_mode() -> str:
 
 
 def flash_attn_importable() -> bool:
-    """True when the ``flash_attn`` package is installed (checked without importing it)."""
-    return importlib.util.find_spec("flash_attn") is not None
+    """True when flash-attn 2 is installed: a ``flash_attn`` package with its ``flash_attn_interface``
+    (checked without importing it). flash-attn-4 alone installs only ``flash_attn.cute``, without the
+    paged-KV functions this backend calls; a package that is there but does not load is caught when the
+    backend is built (``runtime.attention.selector``)."""
+    spec = importlib.util.find_spec("flash_attn")
+    if spec is None:
+        return False
+    return any(Path(p, "flash_attn_interface.py").is_file() for p in spec.submodule_search_locations or [])
 
 
 def triton_importable() -> bool:
@@ -196,7 +203,7 @@ class FlashAttentionBackend(PagedCudaBackend):
     def supports(cls, dtype: torch.dtype, head_dim: int, block_size: int | None = None) -> str | None:
         """None when this backend can serve the configuration, else the reason it cannot."""
         if not flash_attn_importable():
-            return "flash_attn is not installed"
+            return "flash_attn 2 is not installed (flash-attn-4's flash_attn.cute alone does not count)"
         if not triton_importable():
             return "triton is not installed (needed for the KV store kernel)"
         if dtype not in (torch.float16, torch.bfloat16):

@@ -61,12 +61,25 @@ def test_cuda_modules_import_without_cuda_packages() -> None:
     assert got["block"] == (256 if got["flash"] else 16)
 
 
+def _install_fake(root: Path, files: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    monkeypatch.syspath_prepend(str(root))
+    for m in [m for m in sys.modules if m.split(".")[0] == "flash_attn"]:
+        monkeypatch.delitem(sys.modules, m)
+
+
+FA2_INTERFACE = "def flash_attn_varlen_func(*a, **k): ...\ndef flash_attn_with_kvcache(*a, **k): ...\n"
+
+
 @pytest.fixture
 def fake_flash_attn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make ``flash_attn`` findable (an empty package) so availability checks can be exercised."""
-    (tmp_path / "flash_attn").mkdir()
-    (tmp_path / "flash_attn" / "__init__.py").write_text("")
-    monkeypatch.syspath_prepend(str(tmp_path))
+    """Make flash-attn 2 findable (its two entry points, doing nothing) so availability checks can be exercised."""
+    _install_fake(tmp_path, {
+        "flash_attn/__init__.py": "from flash_attn.flash_attn_interface import flash_attn_varlen_func, flash_attn_with_kvcache\n",
+        "flash_attn/flash_attn_interface.py": FA2_INTERFACE,
+    }, monkeypatch)  # fmt: skip
 
 
 def test_flash_backend_states_why_it_cannot_serve(fake_flash_attn: None) -> None:
@@ -91,3 +104,40 @@ def test_without_flash_attn_the_block_size_is_tritons(monkeypatch: pytest.Monkey
     monkeypatch.setattr(flash_backend, "flash_attn_importable", lambda: False)
     assert "not installed" in (flash_backend.FlashAttentionBackend.supports(torch.bfloat16, 128) or "")
     assert flash_backend.default_cuda_block_size(torch.bfloat16, 128) == flash_backend.TRITON_BLOCK_SIZE
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the fallback needs triton")
+def test_flash_attn_4_alone_or_a_broken_install_falls_back_to_triton(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """flash-attn-4 installs only ``flash_attn.cute`` (a namespace package without the paged-KV
+    functions): not taken for flash-attn 2. An install that is there but does not load (an extension
+    built for another torch) is reported and the server still starts, on the Triton fallback."""
+    from runtime.attention import flash_backend
+    from runtime.attention.selector import select_backend
+
+    _install_fake(tmp_path / "fa4", {"flash_attn/cute/__init__.py": ""}, monkeypatch)
+    assert importlib.util.find_spec("flash_attn") is not None and not flash_backend.flash_attn_importable()
+    assert "flash-attn-4" in (flash_backend.FlashAttentionBackend.supports(torch.bfloat16, 128) or "")
+    assert flash_backend.default_cuda_block_size(torch.bfloat16, 128) == flash_backend.TRITON_BLOCK_SIZE
+    # Selection builds no CUDA tensors: it runs here for a CUDA device.
+    assert isinstance(select_backend("cuda", block_size=16, dtype=torch.bfloat16, head_dim=128), flash_backend.TritonPagedBackend)
+
+    _install_fake(tmp_path / "broken", {
+        "flash_attn/__init__.py": "raise ImportError('flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDevice')\n",
+        "flash_attn/flash_attn_interface.py": FA2_INTERFACE,
+    }, monkeypatch)  # fmt: skip
+    assert flash_backend.flash_attn_importable()
+    with caplog.at_level("WARNING"):
+        backend = select_backend("cuda", block_size=256, dtype=torch.bfloat16, head_dim=128)
+    assert isinstance(backend, flash_backend.TritonPagedBackend) and backend.block_size == 256
+    assert "does not load" in caplog.text and "undefined symbol" in caplog.text
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the backend's store kernel needs triton")
+def test_a_loadable_flash_attn_2_is_chosen(fake_flash_attn: None) -> None:
+    from runtime.attention import flash_backend
+    from runtime.attention.selector import select_backend
+
+    backend = select_backend("cuda", block_size=256, dtype=torch.bfloat16, head_dim=128)
+    assert isinstance(backend, flash_backend.FlashAttentionBackend)
