@@ -6,6 +6,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
 
+import time
+
 import pytest
 import torch
 import transformers
@@ -360,3 +362,101 @@ def test_fused_decode_path_is_taken_for_decode_only_steps(
     assert greedy_loop(fused_runner, rt, prompts, **run) == greedy_loop(plain_runner, rt, prompts, **run)
     layers = fused_runner.model_config.num_layers
     assert calls == [2] * (3 * layers)  # 1 prefill step (not fused), then 3 decode steps of 2
+
+
+class _ClockEvent:
+    """torch.cuda.Event stand-in (the capture-time A/B times replays with it): every replay 'takes' 1 ms."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.t = 0.0
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: "_ClockEvent") -> float:
+        return (end.t - self.t) * 1e3
+
+
+def test_the_real_graph_runner_with_capture_emulated_gives_the_eager_tokens(
+    tiny_llama_dir: Path, build_runner: Callable[..., ModelRunner], rt: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``CudaGraphRunner`` as the runner builds it on CUDA (few-row kernels and their A/B, PDL, the head
+    inside batch 1's graph), on CPU: a 'graph' replays the forward it was captured with, frozen as CUDA
+    would freeze it (the few-row switch, PDL). The capture, its A/B on real decodes, the staging of
+    each step and the sampling from the graphs' logits must give the eager engine's tokens."""
+    import torch.nn.functional as F
+
+    from runtime import cpu_linear, pdl
+    from runtime.cuda_graphs import CudaGraphRunner
+    from runtime.models.llama import FewRowKernels
+
+    def norm_linear(x, residual, nw, eps, w, b=None):  # type: ignore[no-untyped-def]
+        h = x if residual is None else x + residual
+        return F.linear(F.rms_norm(h, nw.shape, nw, eps), w, b), h
+
+    def silu_linear(gu, w, b=None):  # type: ignore[no-untyped-def]
+        g, u = gu.chunk(2, dim=-1)
+        return F.linear(F.silu(g) * u, w, b)
+
+    with monkeypatch.context() as m:
+        m.setattr(cpu_linear, "onednn_linear_available", lambda dtype: False)  # dense weights, as on CUDA
+        runner = build_runner(tiny_llama_dir, num_blocks=128, backend=TorchAttentionBackend(16, use_kernel=False))
+    prompts = [random_ids(n, seed=70 + n) for n in (9, 23, 17)]
+    run = dict(max_new_tokens=6, token_budget=64, eos_ids=())
+    eager = greedy_loop(runner, rt, prompts, **run)
+
+    kernels = FewRowKernels(F.linear, norm_linear, silu_linear, max_rows=0)
+    runner.model.use_few_row_kernels(kernels)
+    replays: list[tuple[int, int, bool]] = []
+
+    def capture_one(self, bs, meta):  # type: ignore[no-untyped-def]
+        ids, pos = self.inputs.input_ids[:bs], self.inputs.positions[:bs]
+        head = self.head if bs <= self.head_max else None
+        frozen_rows, frozen_pdl = kernels.max_rows, pdl.active()
+
+        def step() -> torch.Tensor:
+            # The CPU attention backend reads host-side lengths, which a CUDA backend never does inside
+            # a graph: rebuilt from the staged buffers at each "replay" (device-side, the same views).
+            now = self.backend.build_metadata(self.inputs.metadata(bs, self.max_blocks_per_seq, self.inputs.seq_lens[:bs].tolist()))
+            saved, kernels.max_rows = kernels.max_rows, frozen_rows
+            try:
+                h = self.model(ids, pos, now)
+                return head(h) if head is not None else h
+            finally:
+                kernels.max_rows = saved
+
+        out = step().clone()
+
+        class Graph:
+            def replay(self) -> None:
+                replays.append((bs, frozen_rows, frozen_pdl))
+                out.copy_(step())
+
+        return Graph(), out
+
+    monkeypatch.setattr(CudaGraphRunner, "_capture_one", capture_one)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "Event", _ClockEvent)
+    graphs = CudaGraphRunner(
+        runner.model, runner.backend, 4, 8, runner.block_size, runner.device, few_rows=kernels, few_rows_max=1,
+        pdl=True, num_kv_blocks=runner.kv_pool.num_blocks, head=runner.model.compute_logits,
+    )  # fmt: skip
+    graphs.capture()
+    v = graphs.variants[1]
+    assert v.rel_diff < 1e-5 and v.pdl_identical  # same math three ways, on real decodes
+    assert graphs.returns_logits(1) and not graphs.returns_logits(2) and kernels.max_rows == 0
+    runner.graph_runner = graphs
+    try:
+        replays.clear()
+        # Batch 1 (the head in its graph), then 3 rows padded to 4 (hidden states out).
+        single = greedy_loop(runner, rt, prompts[:1], **run)
+        assert {r[0] for r in replays} == {1}
+        replays.clear()
+        graphed = greedy_loop(runner, rt, prompts, **run)
+        assert {r[0] for r in replays} == {4}
+    finally:
+        runner.graph_runner = None
+    assert graphed == eager and single == eager[:1]
