@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
-
-import time
 
 import pytest
 import torch
