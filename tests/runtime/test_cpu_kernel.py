@@ -208,7 +208,8 @@ def test_query_split_from_a_fused_projection(kernel):
 
 
 def test_same_result_on_one_and_two_threads(kernel):
-    # Each (sequence, KV head) is computed by one thread start to end: the result is bitwise stable.
+    # With enough (sequence, KV head) pairs each is computed by one thread start to end: the result
+    # is bitwise stable.
     case = random_cases(5, 64, 16, 3, draws=1)[0]
     before = torch.get_num_threads()
     try:
@@ -219,6 +220,25 @@ def test_same_result_on_one_and_two_threads(kernel):
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("lens", [[500], [700, 1], [64, 900], [1000, 1000, 3]], ids=str)
+def test_few_sequences_are_split_over_their_context_and_merged(kernel, lens):
+    """Batch 1-2 on two threads: too few (sequence, KV head) pairs to share evenly, so each context is
+    cut into slices computed apart and merged (a 1-token sequence among them: empty slices)."""
+    # 3 KV heads for one sequence, 1 for more: fewer pairs than twice the threads either way.
+    case = Case(torch.Generator().manual_seed(len(lens) * 7 + lens[0]), lens, 3, 3 if len(lens) == 1 else 1, 64, 16)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = kernel(*case.args())
+        torch.set_num_threads(1)
+        one = kernel(*case.args())  # whole contexts, one thread
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(two.double(), case.naive().double(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(two, one, atol=2e-6, rtol=0)  # another summation order, same result
+    assert not torch.equal(two, one)  # ... and so not the same bits: the slices did run
 
 
 def test_empty_batch(kernel):

@@ -3,7 +3,9 @@
 //
 // Pool layout (flash-attn's paged layout): k_cache, v_cache [num_blocks, block_size, KVH, D].
 // Work is split over (sequence, KV head) pairs; each pair handles its whole group of H/KVH query
-// heads so every K/V row is fetched from memory once per call. Tokens are taken in tiles of 16:
+// heads so every K/V row is fetched from memory once per call. When there are too few pairs to keep
+// the threads evenly busy (batch 1), each pair's context is also cut into slices whose softmax
+// states are merged at the end. Tokens are taken in tiles of 16:
 // the tile's scores are computed, the running max / denominator are updated once per tile
 // (online softmax in float32), then the tile's V rows are accumulated.
 //
@@ -41,7 +43,12 @@ namespace {
 
 constexpr int kTile = 16;  // tokens per online-softmax update; also the AVX-512 lane count
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-constexpr int64_t kMinRowsToParallelise = 2048;  // K/V rows (token x KV head): ~45 us on one core
+// K/V rows (token x KV head) below which a call stays on one thread: ~10 us with warm caches. A decode
+// step's are cold (the layer's K/V was last read a whole step of weights ago): 600 rows took 61 us
+// on one core, and two balanced threads ran 1.6x faster.
+constexpr int64_t kMinRowsToParallelise = 512;
+// A sequence's context is cut into slices (merged afterwards) only down to this many tokens.
+constexpr int64_t kMinSliceTokens = 64;
 
 // Everything a worker needs, resolved once per call.
 struct Problem {
@@ -158,18 +165,17 @@ inline void store_group(const Problem& p, T* out, int64_t b, int64_t kvh, int64_
 // Portable implementation. kD > 0 fixes head_dim at compile time (64, 128) so the inner loops
 // have known trip counts; kD == 0 reads it from the problem.
 template <typename T, int kD>
-void attend_portable(const Problem& p, const T* q, const T* k, const T* v, T* out, int64_t b,
-                     int64_t kvh, Scratch& w) {
+void attend_portable(const Problem& p, const T* q, const T* k, const T* v, int64_t b, int64_t kvh,
+                     int64_t begin, int64_t n, Scratch& w) {
   const int64_t D = kD > 0 ? kD : p.head_dim;
   const int64_t G = p.group;
   const int32_t* table = p.block_tables + b * p.max_blocks;
-  const int64_t n = p.seq_lens[b];
   load_group(p, q, b, kvh, D, w);
   int64_t offs_a[kTile], offs_b[kTile];
   int64_t* offs = offs_a;
   int64_t* next_offs = offs_b;
-  tile_offsets(p, table, kvh, 0, static_cast<int>(std::min<int64_t>(kTile, n)), offs);
-  for (int64_t t0 = 0; t0 < n; t0 += kTile) {
+  if (begin < n) tile_offsets(p, table, kvh, begin, static_cast<int>(std::min<int64_t>(kTile, n - begin)), offs);
+  for (int64_t t0 = begin; t0 < n; t0 += kTile) {
     const int nt = static_cast<int>(std::min<int64_t>(kTile, n - t0));
     if (t0 + kTile < n) {
       const int nn = static_cast<int>(std::min<int64_t>(kTile, n - t0 - kTile));
@@ -211,7 +217,6 @@ void attend_portable(const Problem& p, const T* q, const T* k, const T* v, T* ou
     }
     std::swap(offs, next_offs);
   }
-  store_group(p, out, b, kvh, D, w);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -266,21 +271,20 @@ inline __m512 exp16_nonpositive(__m512 x) {
 
 // kC = head_dim / 16 at compile time (4, 8), or 0 for any other multiple of 16.
 template <typename T, int kC>
-void attend_avx512(const Problem& p, const T* q, const T* k, const T* v, T* out, int64_t b,
-                   int64_t kvh, Scratch& w) {
+void attend_avx512(const Problem& p, const T* q, const T* k, const T* v, int64_t b, int64_t kvh,
+                   int64_t begin, int64_t n, Scratch& w) {
   const int64_t D = p.head_dim;
   const int C = kC > 0 ? kC : static_cast<int>(D / 16);
   const int64_t G = p.group;
   const int32_t* table = p.block_tables + b * p.max_blocks;
-  const int64_t n = p.seq_lens[b];
   load_group(p, q, b, kvh, D, w);
   int64_t offs_a[kTile], offs_b[kTile];
   int64_t* offs = offs_a;
   int64_t* next_offs = offs_b;
   __m512 parts[kTile];
   alignas(64) float probs[kTile];
-  tile_offsets(p, table, kvh, 0, static_cast<int>(std::min<int64_t>(kTile, n)), offs);
-  for (int64_t t0 = 0; t0 < n; t0 += kTile) {
+  if (begin < n) tile_offsets(p, table, kvh, begin, static_cast<int>(std::min<int64_t>(kTile, n - begin)), offs);
+  for (int64_t t0 = begin; t0 < n; t0 += kTile) {
     const int nt = static_cast<int>(std::min<int64_t>(kTile, n - t0));
     const __mmask16 valid = static_cast<__mmask16>((1u << nt) - 1u);
     if (t0 + kTile < n) {
@@ -336,29 +340,38 @@ void attend_avx512(const Problem& p, const T* q, const T* k, const T* v, T* out,
     }
     std::swap(offs, next_offs);
   }
-  store_group(p, out, b, kvh, D, w);
 }
 #endif  // SERVELM_HAVE_AVX512
 
 // ---------------------------------------------------------------------------------------------
-using AttendFn = void (*)(const Problem&, const void*, const void*, const void*, void*, int64_t,
-                          int64_t, Scratch&);
+// Attention of sequence b's query group for KV head kvh over its tokens [begin, end): the softmax
+// state (running max, denominator, unnormalised output) is left in the scratch.
+using AttendFn = void (*)(const Problem&, const void*, const void*, const void*, int64_t, int64_t,
+                          int64_t, int64_t, Scratch&);
 
 template <typename T, int kD>
-void portable_entry(const Problem& p, const void* q, const void* k, const void* v, void* out,
-                    int64_t b, int64_t kvh, Scratch& w) {
+void portable_entry(const Problem& p, const void* q, const void* k, const void* v, int64_t b,
+                    int64_t kvh, int64_t begin, int64_t end, Scratch& w) {
   attend_portable<T, kD>(p, static_cast<const T*>(q), static_cast<const T*>(k),
-                         static_cast<const T*>(v), static_cast<T*>(out), b, kvh, w);
+                         static_cast<const T*>(v), b, kvh, begin, end, w);
 }
 
 #if SERVELM_HAVE_AVX512
 template <typename T, int kC>
-void avx512_entry(const Problem& p, const void* q, const void* k, const void* v, void* out,
-                  int64_t b, int64_t kvh, Scratch& w) {
+void avx512_entry(const Problem& p, const void* q, const void* k, const void* v, int64_t b,
+                  int64_t kvh, int64_t begin, int64_t end, Scratch& w) {
   attend_avx512<T, kC>(p, static_cast<const T*>(q), static_cast<const T*>(k),
-                       static_cast<const T*>(v), static_cast<T*>(out), b, kvh, w);
+                       static_cast<const T*>(v), b, kvh, begin, end, w);
 }
 #endif
+
+// Writes a pair's normalised output (acc / l) from the scratch.
+using StoreFn = void (*)(const Problem&, void*, int64_t, int64_t, const Scratch&);
+
+template <typename T>
+void store_entry(const Problem& p, void* out, int64_t b, int64_t kvh, const Scratch& w) {
+  store_group(p, static_cast<T*>(out), b, kvh, p.head_dim, w);
+}
 
 template <typename T>
 AttendFn choose(int64_t head_dim, bool allow_simd) {
@@ -454,23 +467,71 @@ at::Tensor run(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tens
   const void* vp = v_cache.data_ptr();
   void* op = dst.data_ptr();
 
-  // Dynamic scheduling over (sequence, KV head) items: context lengths differ, so a static
-  // split would leave threads idle. at::parallel_for runs on torch's own thread pool, sized by
-  // torch.get_num_threads().
-  // Small calls stay on the calling thread: waking the pool costs microseconds on an idle machine
-  // and milliseconds on a busy one, more than a few thousand rows take to read.
-  const int64_t items = B * KVH;
-  const int64_t workers =
-      total_tokens * KVH < kMinRowsToParallelise ? 1 : std::min<int64_t>(items, at::get_num_threads());
+  // Dynamic scheduling over (sequence, KV head) pairs: context lengths differ, so a static split
+  // would leave threads idle. at::parallel_for runs on torch's own thread pool, sized by
+  // torch.get_num_threads(). Small calls stay on the calling thread: waking the pool costs
+  // microseconds on an idle machine and milliseconds on a busy one.
+  const int64_t threads = at::get_num_threads();
+  const int64_t pairs = B * KVH;
+  const bool parallel = threads > 1 && total_tokens * KVH >= kMinRowsToParallelise;
+  // Too few pairs to keep the threads evenly busy (batch 1: 3 KV heads on 2 threads): each pair's
+  // context is cut into slices ("split-K"), whose softmax states are merged afterwards.
+  int64_t splits = 1;
+  if (parallel && pairs < 2 * threads) {
+    int64_t longest = 0;
+    for (int64_t b = 0; b < B; ++b) longest = std::max<int64_t>(longest, p.seq_lens[b]);
+    splits = std::max<int64_t>(1, std::min<int64_t>((2 * threads + pairs - 1) / pairs, longest / kMinSliceTokens));
+  }
+  const int64_t items = pairs * splits;
+  const int64_t workers = parallel ? std::min<int64_t>(items, threads) : 1;
+  const StoreFn store = dtype == at::kFloat ? store_entry<float> : store_entry<c10::BFloat16>;
+  const int64_t G = p.group, state = G * (D + 2);  // a slice's m [G], l [G], acc [G, D]
+  std::vector<float> slices(splits > 1 ? items * state : 0);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Scratch w(p);
     for (;;) {
       const int64_t item = next.fetch_add(1, std::memory_order_relaxed);
       if (item >= items) break;
-      fn(p, qp, kp, vp, op, item / KVH, item % KVH, w);
+      const int64_t pair = item / splits, b = pair / KVH, kvh = pair % KVH;
+      const int64_t n = p.seq_lens[b];
+      if (splits == 1) {
+        fn(p, qp, kp, vp, b, kvh, 0, n, w);
+        store(p, op, b, kvh, w);
+        continue;
+      }
+      // Slices of whole tiles; the last ones may be empty (m = -inf, l = 0: no weight in the merge).
+      const int64_t chunk = ((n + splits - 1) / splits + kTile - 1) / kTile * kTile;
+      const int64_t begin = std::min(n, (item % splits) * chunk);
+      fn(p, qp, kp, vp, b, kvh, begin, std::min(n, begin + chunk), w);
+      float* st = slices.data() + item * state;
+      std::copy(w.m, w.m + G, st);
+      std::copy(w.l, w.l + G, st + G);
+      std::copy(w.acc, w.acc + G * D, st + 2 * G);
     }
   });
+  if (splits > 1) {
+    Scratch w(p);
+    for (int64_t pair = 0; pair < pairs; ++pair) {
+      const float* first = slices.data() + pair * splits * state;
+      for (int64_t g = 0; g < G; ++g) {
+        float m = kNegInf;
+        for (int64_t s = 0; s < splits; ++s) m = std::max(m, first[s * state + g]);
+        float l = 0.0f;
+        float* acc = w.acc + g * D;
+        std::fill(acc, acc + D, 0.0f);
+        for (int64_t s = 0; s < splits; ++s) {
+          const float* st = first + s * state;
+          const float weight = std::exp(st[g] - m);  // 0 for an empty slice (m_s = -inf)
+          l += st[G + g] * weight;
+          const float* a = st + 2 * G + g * D;
+          for (int64_t d = 0; d < D; ++d) acc[d] += a[d] * weight;
+        }
+        w.l[g] = l;
+      }
+      store(p, op, pair / KVH, pair % KVH, w);
+    }
+  }
 
   if (out.has_value() && !dst.is_same(*out)) out->copy_(dst);
   return out.has_value() ? *out : dst;
