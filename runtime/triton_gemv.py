@@ -14,14 +14,18 @@ every row: it streams those weight rows once, in ``BLOCK_K``-wide contiguous til
 them against the input tile (recomputed from the L2-resident input, with the fused op applied). Two
 tile kinds: element-wise for one row (products accumulate in float32 registers, summed once at the
 end), and ``tl.dot`` with the rows padded to 16 (the tensor cores do the multiply; Triton pipelines the
-weight loads). There is no split over K, hence no reduce kernel. For the norm, each program first
-reads the whole input row to get its inverse RMS (a few KB; every program reads the same row from
-L2), and program 0 writes the residual sum.
+weight loads). There is no split over K, hence no reduce kernel. For the norm, each program sums the
+squares of the input tiles it reads anyway and applies the inverse RMS once, after the dot products
+(it is the same factor for every k), so no pass over the row comes before the weights stream; program
+0 writes the residual sum as it goes.
 
 The inputs are rounded where the unfused path rounds them (``runtime.triton_ops``, i.e. Hugging
-Face's Llama): ``x + residual`` to the activation dtype, the normalised value before the weight
-scale, the scaled value, ``silu(gate)`` and its product with ``up``. The results differ from
-``F.linear`` only by the order of the float32 sums.
+Face's Llama): ``x + residual`` to the activation dtype, ``silu(gate)`` and its product with ``up``.
+The norm is the exception: HF rounds the normalised value, then its product with the weight scale, to
+the activation dtype; here ``weight scale * x`` stays in float32 (rounded once for the ``tl.dot``
+tiles) and ``1/RMS`` multiplies the sum. In float32 the results differ from the unfused path only by
+the order of operations; in bfloat16 also by those two roundings, well inside the tolerance of the
+capture-time A/B (``runtime.cuda_graphs.few_row_tolerance``).
 
 On CUDA the tile shape is picked per (rows, N, K, op) by Triton's autotuner on first use (the
 runner's warm-up forwards, before graph capture); under ``TRITON_INTERPRET=1`` (the CPU tests) one
@@ -78,7 +82,6 @@ def _decode_gemv_kernel(
     HAS_RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     M_PAD: tl.constexpr,
-    K_PAD: tl.constexpr,
     USE_DOT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -105,20 +108,7 @@ def _decode_gemv_kernel(
         w_next = tl.load(w_rows + k_first[None, :], mask=n_ok[:, None] & (k_first < K)[None, :], other=0.0)
     wait_then_release(PDL)
     if PROLOGUE == 1:
-        # The whole input row once: its inverse RMS, and (program 0) the residual sum.
-        m = tl.arange(0, M_PAD)
-        kk = tl.arange(0, K_PAD)
-        row_mask = (m < M)[:, None] & (kk < K)[None, :]
-        h = tl.load(x_ptr + m[:, None] * stride_xm + kk[None, :], mask=row_mask, other=0.0)
-        if HAS_RESIDUAL:
-            row_res = tl.load(res_ptr + m[:, None] * stride_rm + kk[None, :], mask=row_mask, other=0.0)
-            h = (h.to(tl.float32) + row_res.to(tl.float32)).to(h.dtype)
-            if pid == 0:
-                tl.store(res_out_ptr + m[:, None] * stride_rom + kk[None, :], h, mask=row_mask)
-        hf = h.to(tl.float32)
-        rstd_m = tl.math.rsqrt(tl.sum(hf * hf, axis=1) / K + eps)
-        # Spread over the tile's rows (rows >= M get 0: their inputs are masked to 0 anyway).
-        rstd = tl.sum(tl.where(r[:, None] == m[None, :], rstd_m[None, :], 0.0), axis=1)
+        sq = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)  # the rows' squares, summed by column
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
     else:
@@ -147,10 +137,12 @@ def _decode_gemv_kernel(
                 if HAS_RESIDUAL:
                     rk = tl.load(res_ptr + r[:, None] * stride_rm + k[None, :], mask=x_mask, other=0.0)
                     xk = (xk.to(tl.float32) + rk.to(tl.float32)).to(xk.dtype)
-                # HF: weight * (x * rsqrt(var + eps)).to(dtype), each product rounded.
-                normed = (xk.to(tl.float32) * rstd[:, None]).to(xk.dtype).to(tl.float32)
+                    if pid == 0:
+                        tl.store(res_out_ptr + r[:, None] * stride_rom + k[None, :], xk, mask=x_mask)
+                hf = xk.to(tl.float32)
+                sq += hf * hf
                 nw = tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-                xk = (nw[None, :] * normed).to(xk.dtype)
+                xk = nw[None, :] * hf  # times 1/RMS after the sum
         if USE_DOT:
             acc = tl.dot(w, tl.trans(xk.to(w.dtype)), acc, input_precision=DOT_PRECISION)
         else:
@@ -159,6 +151,9 @@ def _decode_gemv_kernel(
         y = acc
     else:
         y = tl.sum(acc, axis=1)[:, None]
+    if PROLOGUE == 1:
+        # Padding rows (r >= M) read zeros: their sum is 0 and so is their output.
+        y = y * tl.math.rsqrt(tl.sum(sq, axis=1) / K + eps)[None, :]
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     tl.store(y_ptr + r[None, :] * stride_ym + n[:, None], y.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & r_ok[None, :])
@@ -286,7 +281,6 @@ def _launch(
         HAS_RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None,
         M_PAD=rows_pad,
-        K_PAD=triton.next_power_of_2(k) if prologue == _RMS_NORM else 1,  # the norm's whole-row pass only
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         **pdl.launch_kwargs(),
     )

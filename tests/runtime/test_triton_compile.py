@@ -116,7 +116,7 @@ COMPILE = textwrap.dedent(
         for rows_pad in (1, 4):
             for cfg in tg._configs(rows_pad):
                 consts = dict(PROLOGUE=prologue, HAS_RESIDUAL=has_res, HAS_BIAS=has_bias, M_PAD=rows_pad,
-                              K_PAD=4096, DOT_PRECISION="tf32", **cfg.kwargs)
+                              DOT_PRECISION="tf32", **cfg.kwargs)
                 compile_kernel(tg._decode_gemv_kernel, gemv, consts, 90, cfg.num_warps, cfg.num_stages)
 
     # Programmatic dependent launch (runtime.pdl): every kernel of a fused decode step.
@@ -133,7 +133,7 @@ COMPILE = textwrap.dedent(
     check_pdl(tk._paged_decode_reduce_kernel, reduce, dict(NUM_HEADS=32, HEAD_DIM=128, HEAD_DIM_PAD=128, NUM_SPLITS=32))
     for tile in tg.ELEMENTWISE_TILES:  # a prefetch tile loads its first weight tile before the wait
         for prologue, has_res in ((0, False), (1, True), (2, False)):
-            consts = dict(PROLOGUE=prologue, HAS_RESIDUAL=has_res, HAS_BIAS=False, M_PAD=1, K_PAD=4096,
+            consts = dict(PROLOGUE=prologue, HAS_RESIDUAL=has_res, HAS_BIAS=False, M_PAD=1,
                           DOT_PRECISION="tf32", **tile.kwargs())
             check_pdl(tg._decode_gemv_kernel, gemv, consts, 90, tile.warps, tile.stages, loads_before_wait=tile.prefetch)
     print("compiled")
