@@ -13,13 +13,13 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_dry_run_on_cpu_passes_every_check(tmp_path: Path, dtype: str) -> None:
+def dry_run(tmp_path: Path, dtype: str, *extra: str) -> tuple[dict, str]:
+    """The device check on CPU with a tiny model: (its JSON report, its stdout)."""
     report = tmp_path / "report.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
         [sys.executable, "scripts/device_check.py", "--dry-run", "--device", "cpu", "--tiny", "--json", str(report),
-         "--workdir", str(tmp_path / "work"), "--dtype", dtype],
+         "--workdir", str(tmp_path / "work"), "--dtype", dtype, *extra],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -27,7 +27,12 @@ def test_dry_run_on_cpu_passes_every_check(tmp_path: Path, dtype: str) -> None:
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    got = json.loads(report.read_text())
+    return json.loads(report.read_text()), proc.stdout
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dry_run_on_cpu_passes_every_check(tmp_path: Path, dtype: str) -> None:
+    got, _ = dry_run(tmp_path, dtype)
     assert got["ok"]
     names = {c["name"] for c in got["checks"]}
     for expected in (
@@ -49,20 +54,8 @@ def test_dry_run_on_cpu_passes_every_check(tmp_path: Path, dtype: str) -> None:
 
 def test_skip_exact_leaves_out_the_float32_engine(tmp_path: Path) -> None:
     """A performance-minded rerun (``--skip exact``): no float32 engine, the bf16 checks and numbers still."""
-    report = tmp_path / "report.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, "scripts/device_check.py", "--dry-run", "--device", "cpu", "--tiny", "--json", str(report),
-         "--workdir", str(tmp_path / "work"), "--dtype", "bfloat16", "--skip", "exact", "--skip", "throughput"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    got = json.loads(report.read_text())
+    got, stdout = dry_run(tmp_path, "bfloat16", "--skip", "exact", "--skip", "throughput")
     names = {c["name"] for c in got["checks"]}
     assert got["ok"] and "float32 prefill logits vs HF float32" not in names
     assert "torch.bfloat16 prefill logits: distance from HF float32 vs HF torch.bfloat16's own" in names
-    assert "load it into servelm in float32 (Engine)" not in proc.stdout and "skipped (--skip exact)" in proc.stdout
+    assert "load it into servelm in float32 (Engine)" not in stdout and "skipped (--skip exact)" in stdout
