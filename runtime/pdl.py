@@ -75,6 +75,11 @@ def launching(on: bool = True) -> Iterator[None]:
         _active = saved
 
 
+_ON: dict[str, Any] = {"PDL": True, "launch_pdl": True}
+_OFF: dict[str, Any] = {"PDL": False}
+
+
 def launch_kwargs() -> dict[str, Any]:
-    """What a PDL-aware Triton kernel's launch adds: its ``PDL`` constexpr, and Triton's launch option."""
-    return {"PDL": True, "launch_pdl": True} if _active else {"PDL": False}
+    """What a PDL-aware Triton kernel's launch adds (``**launch_kwargs()``; do not modify it): its
+    ``PDL`` constexpr, and Triton's launch option. Called at every launch, so nothing is built here."""
+    return _ON if _active else _OFF
