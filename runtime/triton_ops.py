@@ -10,9 +10,9 @@ gap even inside a CUDA graph. These kernels do each group in one pass:
 - ``rope_store``: RoPE of q and k from the fused q/k/v projection, q written out, k and v stored into
   their pool slots (slot -1 skipped).
 
-All three are PDL-aware (``runtime.pdl``). Each rounds where the eager torch code rounds (results are cast to the activation dtype at the same
+Each rounds where the eager torch code rounds (results are cast to the activation dtype at the same
 points as Hugging Face's Llama), so in bfloat16 they differ from the eager path only by the order of
-the RMSNorm sum. This module imports triton at import time: only CUDA code imports it. Tests run the
+the RMSNorm sum. All three are PDL-aware (``runtime.pdl``). This module imports triton at import time: only CUDA code imports it. Tests run the
 kernels on CPU tensors under ``TRITON_INTERPRET=1``.
 """
 

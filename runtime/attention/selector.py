@@ -34,16 +34,15 @@ def select_backend(
             why_not = FlashAttentionBackend.supports(dtype, head_dim, block_size)
         else:
             why_not = FlashAttentionBackend.supports(torch.bfloat16, 128, block_size)
-        backend_or_none: AttentionBackend | None = None
+        flash: AttentionBackend | None = None
         if why_not is None:
             try:
-                backend_or_none = FlashAttentionBackend(block_size)
+                flash = FlashAttentionBackend(block_size)
             except Exception as exc:  # installed but not loadable: built for another torch / CUDA, say
                 why_not = f"it is installed but does not load: {type(exc).__name__}: {exc}"
-        if backend_or_none is None:
+        if flash is None:
             log.warning("not using flash-attn (%s); using the Triton paged-attention fallback", why_not)
-            backend_or_none = TritonPagedBackend(block_size)
-        backend = backend_or_none
+        backend = flash if flash is not None else TritonPagedBackend(block_size)
     elif device.type == "cpu":
         from runtime.attention.torch_backend import TorchAttentionBackend
 
