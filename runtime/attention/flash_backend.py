@@ -284,6 +284,28 @@ class TritonPagedBackend(PagedCudaBackend):
     def build_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
         return split_metadata(meta, cu_seqlens=False)
 
+    def forward_from_qkv(
+        self,
+        qkv: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        num_heads: int,
+    ) -> torch.Tensor | None:
+        """A decode-only step small enough for split-KV decode does RoPE, the K/V store and attention in
+        one launch (``triton_kernels.rope_paged_decode``, plus its merge): one kernel a layer fewer."""
+        if self.fused_rope and isinstance(meta, CudaAttentionMetadata) and meta.num_prefills == 0 and meta.num_decodes:
+            cos, sin = cos_sin  # [T, 1, D / 2] rows of the step
+            out = self._kernels.rope_paged_decode(
+                qkv, cos[:, 0], sin[:, 0], k_cache, v_cache, meta.slot_mapping,
+                meta.decode_block_tables, meta.decode_seq_lens, scale, num_heads,
+            )  # fmt: skip
+            if out is not None:
+                return out
+        return super().forward_from_qkv(qkv, cos_sin, k_cache, v_cache, meta, scale, num_heads)
+
     def _attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:

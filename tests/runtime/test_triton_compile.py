@@ -84,10 +84,13 @@ COMPILE = textwrap.dedent(
 
     split = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "part_acc_ptr": "*fp32",
              "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
-             "softmax_scale_log2": "fp32", "stride_qt": "i32", "stride_qh": "i32", "stride_cache_block": "i32",
-             "stride_cache_slot": "i32", "stride_cache_head": "i32", "stride_bt": "i32"}
-    compile_kernel(tk._paged_decode_split_kernel, split, dict(NUM_HEADS=32, GROUP=4, BLOCK_M=16, BLOCK_N=64,
-                   HEAD_DIM=128, HEAD_DIM_PAD=128, PAGE=16, NUM_SPLITS=32, DOT_PRECISION="ieee"), 90)
+             "cos_ptr": "*bf16", "sin_ptr": "*bf16", "slot_ptr": "*i64",
+             "softmax_scale_log2": "fp32", "stride_qt": "i32", "stride_qh": "i32", "stride_cos": "i32",
+             "stride_cache_block": "i32", "stride_cache_slot": "i32", "stride_cache_head": "i32", "stride_bt": "i32"}
+    split_consts = dict(NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, BLOCK_M=16, BLOCK_N=64, HEAD_DIM=128,
+                        HEAD_DIM_PAD=128, PAGE=16, NUM_SPLITS=32, DOT_PRECISION="ieee")
+    for rope_in in (False, True):  # q given, or RoPE + K/V store folded in (rope_paged_decode)
+        compile_kernel(tk._paged_decode_split_kernel, split, dict(split_consts, ROPE=rope_in), 90)
     reduce = {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "out_ptr": "*bf16",
               "stride_ot": "i32", "stride_oh": "i32"}
     compile_kernel(tk._paged_decode_reduce_kernel, reduce, dict(NUM_HEADS=32, HEAD_DIM=128, HEAD_DIM_PAD=128,
@@ -128,8 +131,8 @@ COMPILE = textwrap.dedent(
     rope = {k: v.replace("fp32", "bf16") for k, v in rope.items()}
     check_pdl(ops._rope_store_kernel, rope, dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF=64, HEADS_PAD=64,
               KV_PAD=8, HALF_PAD=64, DIM_PAD=128, PAGE=16))
-    check_pdl(tk._paged_decode_split_kernel, split, dict(NUM_HEADS=32, GROUP=4, BLOCK_M=16, BLOCK_N=64, HEAD_DIM=128,
-              HEAD_DIM_PAD=128, PAGE=16, NUM_SPLITS=32, DOT_PRECISION="ieee"), loads_before_wait=True)  # older K/V
+    for rope_in in (False, True):  # the older K/V before the wait
+        check_pdl(tk._paged_decode_split_kernel, split, dict(split_consts, ROPE=rope_in), loads_before_wait=True)
     check_pdl(tk._paged_decode_reduce_kernel, reduce, dict(NUM_HEADS=32, HEAD_DIM=128, HEAD_DIM_PAD=128, NUM_SPLITS=32))
     for tile in tg.ELEMENTWISE_TILES:  # a prefetch tile loads its first weight tile before the wait
         for prologue, has_res in ((0, False), (1, True), (2, False)):
@@ -182,9 +185,10 @@ SPECIALIZATION = textwrap.dedent(
     def split(stride_bt, meta_offset):
         m = meta[meta_offset:]
         f = torch.zeros(64, dtype=torch.float32)
-        args = [q, q, q, f, f, f, m, m, 0.1, 4096, 128, 16384, 1024, 128, stride_bt]
-        consts = dict(NUM_HEADS=32, GROUP=4, BLOCK_M=16, BLOCK_N=64, HEAD_DIM=128, HEAD_DIM_PAD=128, PAGE=16,
-                      NUM_SPLITS=8, DOT_PRECISION="ieee", PDL=False)
+        slots = torch.zeros(8, dtype=torch.int64)[meta_offset % 2:]
+        args = [q, q, q, f, f, f, m, m, q, q, slots, 0.1, 4096, 128, 64, 16384, 1024, 128, stride_bt]
+        consts = dict(ROPE=True, NUM_KV_HEADS=8, NUM_HEADS=32, GROUP=4, BLOCK_M=16, BLOCK_N=64, HEAD_DIM=128,
+                      HEAD_DIM_PAD=128, PAGE=16, NUM_SPLITS=8, DOT_PRECISION="ieee", PDL=False)
         return key(tk._paged_decode_split_kernel, args, consts)
 
     # Block-table widths 16 / 17 / 1 and metadata at offsets 0 / 4 / 12 bytes: one variant.

@@ -421,11 +421,14 @@ def test_rope_store_equals_rotation_then_store(dtype: torch.dtype) -> None:
     assert torch.equal(v_cache.view(-1, kvh, d), want_v)
 
 
-def test_model_with_fused_ops_equals_the_eager_model(tiny_llama_dir, build_runner, rt, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("splits", [1, 4], ids=["decode unsplit", "split-KV decode"])
+def test_model_with_fused_ops_equals_the_eager_model(tiny_llama_dir, build_runner, rt, monkeypatch, splits) -> None:  # type: ignore[no-untyped-def]
     """The whole CUDA-path model structure on CPU tensors: Triton backend + fused norms, activation and
-    RoPE/store against the plain torch path, prefill then decode steps."""
+    RoPE/store against the plain torch path, prefill then decode steps. With split-KV decode (as on a
+    GPU a small batch gets) the decode step's RoPE and K/V store run inside the attention kernel."""
     from runtime.attention.torch_backend import TorchAttentionBackend
 
+    monkeypatch.setattr(tk, "decode_splits", lambda num_seqs, num_kv_heads, device: splits)
     fused = build_runner(tiny_llama_dir, backend=flash_backend.TritonPagedBackend(16, fused_rope=True))
     calls = {"rope_store": 0, "rms_norm": 0}
     for name in calls:
@@ -433,11 +436,58 @@ def test_model_with_fused_ops_equals_the_eager_model(tiny_llama_dir, build_runne
             calls[_n] += 1
             return _f(*a)
         monkeypatch.setattr(ops, name, counted)
+    folded = []
+    monkeypatch.setattr(tk, "rope_paged_decode", lambda *a, _f=tk.rope_paged_decode, **kw: folded.append(1) or _f(*a, **kw))
     fused.model.use_fused_ops(ops.rms_norm, ops.silu_mul)
     plain = build_runner(tiny_llama_dir, backend=TorchAttentionBackend(16, use_kernel=False))
     # Both prompts but the last token as one prefill step, then a decode step for each.
     outs = [prefill_then_decode(runner, rt, [7, 8], [[0, 1]]) for runner in (fused, plain)]
     torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=1e-5)
     layers = len(fused.model.model.layers)
-    # Two steps: one RoPE/store per layer each; two norms per layer plus the final one each.
-    assert calls == {"rope_store": 2 * layers, "rms_norm": 2 * (2 * layers + 1)}
+    # Two steps: one RoPE/store per layer each (the decode step's inside split-KV attention when it
+    # splits); two norms per layer plus the final one each.
+    in_attention = layers if splits > 1 else 0
+    assert calls == {"rope_store": 2 * layers - in_attention, "rms_norm": 2 * (2 * layers + 1)}
+    assert len(folded) == layers  # asked every decode layer; served it only when splitting
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_splits", [2, 8])
+def test_rope_paged_decode_equals_rope_store_then_split_decode(dtype: torch.dtype, num_splits: int) -> None:
+    """The decode step's RoPE + K/V store folded into the split-KV kernel: the same output and the same
+    pool as ``rope_store`` followed by split-KV decode. Contexts of 1 token (the newest is the only one),
+    long ones (the newest in a later tile of its slice), and a padding row (slot -1: nothing stored)."""
+    gen = torch.Generator().manual_seed(11 + num_splits)
+    heads, kvh, d, page = 6, 2, 32, 4
+    seq_lens = [1, 70, 200, 33, 9]
+    slots_known = [True, True, True, True, False]  # the last row is padding
+    num_blocks = 128
+    width = max(-(-n // page) for n in seq_lens) + 1
+    tables = scattered_tables(num_blocks, page, seq_lens, width, gen)
+    k_cache = torch.randn(num_blocks, page, kvh, d, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, page, kvh, d, generator=gen).to(dtype)
+    slots = torch.tensor(
+        [int(tables[i, (n - 1) // page]) * page + (n - 1) % page if known else -1
+         for i, (n, known) in enumerate(zip(seq_lens, slots_known))]
+    )  # fmt: skip
+    qkv = torch.randn(len(seq_lens), (heads + 2 * kvh) * d + 4, generator=gen)[:, : (heads + 2 * kvh) * d].to(dtype)
+    freqs = torch.tensor(seq_lens).float()[:, None] - 1  # each new token sits at position seq_len - 1
+    freqs = freqs * (1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)))[None, :]
+    cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+    seq = torch.tensor(seq_lens, dtype=torch.int32)
+    qsl = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
+
+    kc_a, vc_a = k_cache.clone(), v_cache.clone()
+    q = ops.rope_store(qkv, cos, sin, kc_a, vc_a, slots, heads)
+    want = tk.paged_attention(q, kc_a, vc_a, tables, seq, qsl, seq - 1, 0.3, max_query_len=1, num_splits=num_splits)
+
+    kc_b, vc_b = k_cache.clone(), v_cache.clone()
+    got = tk.rope_paged_decode(qkv, cos, sin, kc_b, vc_b, slots, tables, seq, 0.3, heads, num_splits=num_splits)
+    assert got is not None
+    assert torch.equal(kc_b, kc_a) and torch.equal(vc_b, vc_a)  # the same K/V stored, nothing else
+    # The padding row attends over its own (unstored) newest key from registers; the two-kernel path
+    # reads whatever its slot held: only the real rows are comparable.
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(got[:4], want[:4], **tol)
+    # A batch that fills the GPU unsplit is left to the two-kernel path.
+    assert tk.rope_paged_decode(qkv, cos, sin, kc_b, vc_b, slots, tables, seq, 0.3, heads, num_splits=1) is None
