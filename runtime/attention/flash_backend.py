@@ -268,10 +268,11 @@ class TritonPagedBackend(PagedCudaBackend):
 
     def __init__(self, block_size: int = TRITON_BLOCK_SIZE, fused_rope: bool | None = None) -> None:
         self.block_size = block_size
-        from runtime.attention import triton_kernels
+        from runtime.attention import triton_decode, triton_kernels
 
         super().__init__(fused_rope)
         self._kernels: Any = triton_kernels
+        self._decode: Any = triton_decode
 
     @classmethod
     def supports(cls, dtype: torch.dtype, head_dim: int, block_size: int | None = None) -> str | None:
@@ -295,10 +296,10 @@ class TritonPagedBackend(PagedCudaBackend):
         num_heads: int,
     ) -> torch.Tensor | None:
         """A decode-only step small enough for split-KV decode does RoPE, the K/V store and attention in
-        one launch (``triton_kernels.rope_paged_decode``, plus its merge): one kernel a layer fewer."""
+        one launch (``triton_decode.rope_paged_decode``, plus its merge): one kernel a layer fewer."""
         if self.fused_rope and isinstance(meta, CudaAttentionMetadata) and meta.num_prefills == 0 and meta.num_decodes:
             cos, sin = cos_sin  # [T, 1, D / 2] rows of the step
-            out = self._kernels.rope_paged_decode(
+            out = self._decode.rope_paged_decode(
                 qkv, cos[:, 0], sin[:, 0], k_cache, v_cache, meta.slot_mapping,
                 meta.decode_block_tables, meta.decode_seq_lens, scale, num_heads,
             )  # fmt: skip

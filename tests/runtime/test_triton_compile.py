@@ -27,7 +27,7 @@ COMPILE = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from runtime.attention import triton_kernels as tk
+    from runtime.attention import triton_decode as td, triton_kernels as tk
 
     def compile_kernel(fn, args, constexprs, arch, num_warps=4, num_stages=3, pdl=False):
         if "PDL" in fn.arg_names:  # the PDL-aware kernels (runtime.pdl)
@@ -90,10 +90,10 @@ COMPILE = textwrap.dedent(
     split_consts = dict(NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, BLOCK_M=16, BLOCK_N=64, HEAD_DIM=128,
                         HEAD_DIM_PAD=128, PAGE=16, NUM_SPLITS=32, DOT_PRECISION="ieee")
     for rope_in in (False, True):  # q given, or RoPE + K/V store folded in (rope_paged_decode)
-        compile_kernel(tk._paged_decode_split_kernel, split, dict(split_consts, ROPE=rope_in), 90)
+        compile_kernel(td._paged_decode_split_kernel, split, dict(split_consts, ROPE=rope_in), 90)
     reduce = {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "out_ptr": "*bf16",
               "stride_ot": "i32", "stride_oh": "i32"}
-    compile_kernel(tk._paged_decode_reduce_kernel, reduce, dict(NUM_HEADS=32, HEAD_DIM=128, HEAD_DIM_PAD=128,
+    compile_kernel(td._paged_decode_reduce_kernel, reduce, dict(NUM_HEADS=32, HEAD_DIM=128, HEAD_DIM_PAD=128,
                    NUM_SPLITS=32), 90)
 
     # runtime.triton_ops at the Llama-3-8B shape (hidden 4096, intermediate 14336, 32/8 heads of 128).
@@ -132,8 +132,8 @@ COMPILE = textwrap.dedent(
     check_pdl(ops._rope_store_kernel, rope, dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF=64, HEADS_PAD=64,
               KV_PAD=8, HALF_PAD=64, DIM_PAD=128, PAGE=16))
     for rope_in in (False, True):  # the older K/V before the wait
-        check_pdl(tk._paged_decode_split_kernel, split, dict(split_consts, ROPE=rope_in), loads_before_wait=True)
-    check_pdl(tk._paged_decode_reduce_kernel, reduce, dict(NUM_HEADS=32, HEAD_DIM=128, HEAD_DIM_PAD=128, NUM_SPLITS=32))
+        check_pdl(td._paged_decode_split_kernel, split, dict(split_consts, ROPE=rope_in), loads_before_wait=True)
+    check_pdl(td._paged_decode_reduce_kernel, reduce, dict(NUM_HEADS=32, HEAD_DIM=128, HEAD_DIM_PAD=128, NUM_SPLITS=32))
     for tile in tg.ELEMENTWISE_TILES:  # a prefetch tile loads its first weight tile before the wait
         for prologue, has_res in ((0, False), (1, True), (2, False)):
             consts = dict(PROLOGUE=prologue, HAS_RESIDUAL=has_res, HAS_BIAS=False, M_PAD=1,
@@ -163,7 +163,7 @@ SPECIALIZATION = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
-    from runtime.attention import triton_kernels as tk
+    from runtime.attention import triton_decode as td, triton_kernels as tk
 
     backend = make_backend(GPUTarget("cuda", 90, 32))
 
@@ -189,7 +189,7 @@ SPECIALIZATION = textwrap.dedent(
         args = [q, q, q, f, f, f, m, m, q, q, slots, 0.1, 4096, 128, 64, 16384, 1024, 128, stride_bt]
         consts = dict(ROPE=True, NUM_KV_HEADS=8, NUM_HEADS=32, GROUP=4, BLOCK_M=16, BLOCK_N=64, HEAD_DIM=128,
                       HEAD_DIM_PAD=128, PAGE=16, NUM_SPLITS=8, DOT_PRECISION="ieee", PDL=False)
-        return key(tk._paged_decode_split_kernel, args, consts)
+        return key(td._paged_decode_split_kernel, args, consts)
 
     # Block-table widths 16 / 17 / 1 and metadata at offsets 0 / 4 / 12 bytes: one variant.
     assert attention(16, 0) == attention(17, 1) == attention(1, 3), (attention(16, 0), attention(17, 1))

@@ -6,7 +6,7 @@ import math
 import sys
 import types
 
-from triton_interp import flash_backend, ops, prefill_then_decode, tk, torch_rms_norm  # first: sets the interpreter
+from triton_interp import flash_backend, ops, prefill_then_decode, td, tk, torch_rms_norm  # first: sets the interpreter
 
 import pytest
 import torch
@@ -135,7 +135,7 @@ def test_split_kv_decode_matches_reference(num_splits: int) -> None:
 
 
 def test_decode_splits_by_occupancy() -> None:
-    assert tk.decode_splits(1, 8, torch.device("cpu")) == 1  # off CUDA: the one-pass kernel
+    assert td.decode_splits(1, 8, torch.device("cpu")) == 1  # off CUDA: the one-pass kernel
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,block_size", [(6, 2, 4), (8, 2, 16)])
@@ -428,7 +428,7 @@ def test_model_with_fused_ops_equals_the_eager_model(tiny_llama_dir, build_runne
     GPU a small batch gets) the decode step's RoPE and K/V store run inside the attention kernel."""
     from runtime.attention.torch_backend import TorchAttentionBackend
 
-    monkeypatch.setattr(tk, "decode_splits", lambda num_seqs, num_kv_heads, device: splits)
+    monkeypatch.setattr(td, "decode_splits", lambda num_seqs, num_kv_heads, device: splits)
     fused = build_runner(tiny_llama_dir, backend=flash_backend.TritonPagedBackend(16, fused_rope=True))
     calls = {"rope_store": 0, "rms_norm": 0}
     for name in calls:
@@ -437,7 +437,7 @@ def test_model_with_fused_ops_equals_the_eager_model(tiny_llama_dir, build_runne
             return _f(*a)
         monkeypatch.setattr(ops, name, counted)
     folded = []
-    monkeypatch.setattr(tk, "rope_paged_decode", lambda *a, _f=tk.rope_paged_decode, **kw: folded.append(1) or _f(*a, **kw))
+    monkeypatch.setattr(td, "rope_paged_decode", lambda *a, _f=td.rope_paged_decode, **kw: folded.append(1) or _f(*a, **kw))
     fused.model.use_fused_ops(ops.rms_norm, ops.silu_mul)
     plain = build_runner(tiny_llama_dir, backend=TorchAttentionBackend(16, use_kernel=False))
     # Both prompts but the last token as one prefill step, then a decode step for each.
@@ -482,7 +482,7 @@ def test_rope_paged_decode_equals_rope_store_then_split_decode(dtype: torch.dtyp
     want = tk.paged_attention(q, kc_a, vc_a, tables, seq, qsl, seq - 1, 0.3, max_query_len=1, num_splits=num_splits)
 
     kc_b, vc_b = k_cache.clone(), v_cache.clone()
-    got = tk.rope_paged_decode(qkv, cos, sin, kc_b, vc_b, slots, tables, seq, 0.3, heads, num_splits=num_splits)
+    got = td.rope_paged_decode(qkv, cos, sin, kc_b, vc_b, slots, tables, seq, 0.3, heads, num_splits=num_splits)
     assert got is not None
     assert torch.equal(kc_b, kc_a) and torch.equal(vc_b, vc_a)  # the same K/V stored, nothing else
     # The padding row attends over its own (unstored) newest key from registers; the two-kernel path
@@ -490,4 +490,4 @@ def test_rope_paged_decode_equals_rope_store_then_split_decode(dtype: torch.dtyp
     tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(got[:4], want[:4], **tol)
     # A batch that fills the GPU unsplit is left to the two-kernel path.
-    assert tk.rope_paged_decode(qkv, cos, sin, kc_b, vc_b, slots, tables, seq, 0.3, heads, num_splits=1) is None
+    assert td.rope_paged_decode(qkv, cos, sin, kc_b, vc_b, slots, tables, seq, 0.3, heads, num_splits=1) is None

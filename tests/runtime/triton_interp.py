@@ -38,6 +38,7 @@ def load(name: str):  # type: ignore[no-untyped-def]
     # Imported earlier in this process without the interpreter: re-decorate the kernels under it.
     first_kernel = {
         "runtime.attention.triton_kernels": "_store_kv_kernel",
+        "runtime.attention.triton_decode": "_paged_decode_split_kernel",
         "runtime.triton_ops": "_rms_norm_kernel",
         "runtime.triton_gemv": "_decode_gemv_kernel",
     }
@@ -47,6 +48,7 @@ def load(name: str):  # type: ignore[no-untyped-def]
 
 
 tk = load("runtime.attention.triton_kernels")
+td = load("runtime.attention.triton_decode")  # after tk: it imports tk's helpers
 ops = load("runtime.triton_ops")
 gemv = load("runtime.triton_gemv")
 flash_backend = importlib.import_module("runtime.attention.flash_backend")
