@@ -20,13 +20,17 @@ but not the small-batch kernel (lower memory).
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import torch
 
 from runtime import cpu_ops
 from runtime.cpu_ops import SmallMLinear, SmallMLinearInt8
 
-__all__ = ["ENV", "SmallMLinear", "linear", "onednn_linear_available", "pack", "small_m_int8_kernel", "small_m_kernel"]
+__all__ = [
+    "ENV", "SmallMLinear", "linear", "onednn_linear_available", "pack", "quantized_kernels", "small_m_int8_kernel",
+    "small_m_kernel",
+]
 
 ENV = "SERVELM_CPU_LINEAR"  # "auto" (default) | "onednn" | "torch"
 
@@ -84,3 +88,14 @@ def small_m_int8_kernel() -> tuple[SmallMLinearInt8, int] | None:
     if module is None:
         return None
     return module.linear_small_m_int8, int(module.int8_max_rows)
+
+
+def quantized_kernels() -> dict[str, tuple[Callable[..., torch.Tensor], int]]:
+    """The compiled few-row kernels of the quantized schemes (``runtime.quantization``), by scheme, with
+    their row limit: per-row int8, int4 groups, int8 groups. Empty where ``small_m_int8_kernel`` is None."""
+    int8 = small_m_int8_kernel()
+    module = cpu_ops.load()
+    if int8 is None or module is None:
+        return {}
+    rows = int(module.int8_max_rows)
+    return {"int8": int8, "int4": (module.linear_small_m_int4, rows), "int8_groups": (module.linear_small_m_int8_grouped, rows)}

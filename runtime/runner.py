@@ -16,7 +16,7 @@ import logging
 from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -30,7 +30,7 @@ from runtime.config import ModelConfig
 from runtime.cuda_graphs import CudaGraphRunner
 from runtime.kv_cache import KVPool
 from runtime.models.llama import FewRowKernels
-from runtime.quantization import check_quantization
+from runtime.quantization import QUANTIZATION_LABELS, check_group_widths, check_quantization
 from runtime.sampler import Sampler, SampledRows
 from runtime.weights import load_model
 
@@ -127,10 +127,13 @@ class ModelRunner:
         ``num_blocks=None`` loads the weights only: measure what is left with ``measure_kv_budget``,
         then call ``allocate_kv_pool`` before the first ``execute``.
 
-        ``quantization="int8"`` (CPU, float32): weight-only int8 projections and head
+        ``quantization="int8"`` or ``"int4"`` (CPU, float32): weight-only quantized projections and head
         (``runtime.quantization``).
         """
         check_quantization(quantization, torch.device(device), dtype)
+        # The projections' input widths: hidden (q/k/v, gate/up, head), heads x head_dim (o), intermediate (down).
+        widths = [model_config.hidden_size, model_config.num_heads * model_config.head_dim, model_config.intermediate_size]
+        check_group_widths(widths, quantization)
         self.model_config = model_config
         self.device = torch.device(device)
         self.dtype = dtype
@@ -146,22 +149,24 @@ class ModelRunner:
         if backend_bs != block_size:
             raise ValueError(f"attention backend expects block_size {backend_bs}, the pool uses {block_size}")
         self.model = load_model(model_dir, model_config, self.backend, dtype=dtype, device=self.device)
-        self.int8_linear = None
-        if quantization == "int8":
-            self.int8_linear = cpu_linear.small_m_int8_kernel()
-            if self.int8_linear is None:
+        self.quantized_kernels: dict[str, tuple[Callable[..., torch.Tensor], int]] = {}
+        if quantization is not None:
+            self.quantized_kernels = cpu_linear.quantized_kernels()
+            if not self.quantized_kernels:
                 log.warning(
-                    "--quantization int8: the int8 kernel is unavailable here (no AVX-512, no compiler, or "
-                    "SERVELM_CPU_LINEAR set), so the quantized weights run dequantized: same tokens, no speed-up"
+                    "--quantization %s: the quantized kernels are unavailable here (no AVX-512, no compiler, or "
+                    "SERVELM_CPU_LINEAR set), so the quantized weights run dequantized: same tokens, no speed-up",
+                    quantization,
                 )
-            self.model.quantize_int8(self.int8_linear)
-        # What a decode step reads (MBU, the device check's floor): int8 projections count one byte a weight.
+            self.model.quantize(quantization, self.quantized_kernels)
+        quant_rows = self.quantized_kernels[quantization][1] if quantization and self.quantized_kernels else 0
+        # What a decode step reads (MBU, the device check's floor): quantized weights count their own bytes.
         self.weight_bytes = self.model.weight_bytes_read()
         self.packed_linears = self.device.type == "cpu" and cpu_linear.onednn_linear_available(dtype)
         self.small_m_linear = None
         if self.packed_linears:
-            # With the int8 kernel serving few-row steps, the dense float copies are not needed.
-            self.small_m_linear = None if self.int8_linear is not None else cpu_linear.small_m_kernel(dtype)
+            # With a quantized kernel serving few-row steps, the dense float copies are not needed.
+            self.small_m_linear = None if quant_rows else cpu_linear.small_m_kernel(dtype)
             self.model.pack_cpu_weights(self.small_m_linear)
         cpu_norm = self.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
         rms_norm = cpu_ops.rms_norm_kernel() if cpu_norm else None
@@ -210,8 +215,8 @@ class ModelRunner:
             self.backend.name,
             ("oneDNN (packed weights)" if self.packed_linears else "torch")
             + (f" + few-row kernel (<= {self.small_m_linear[1]} rows)" if self.small_m_linear else "")
-            + (f" + int8 few-row kernel (<= {self.int8_linear[1]} rows)" if self.int8_linear else "")
-            + ("; weights int8 (per-row scales)" if quantization else "")
+            + (f" + {quantization} few-row kernel (<= {quant_rows} rows)" if quant_rows else "")
+            + (f"; weights {QUANTIZATION_LABELS[quantization]}" if quantization else "")
             + ("; fused Triton norms/activation/RoPE" if self.fused_ops else "")
             + (f"; fused few-row projections: {self.few_rows_mode}" if self.few_rows is not None else ""),
         )

@@ -25,6 +25,6 @@ class EngineConfig:
     max_waiting_requests: int = 1024
     enforce_eager: bool = False  # CUDA: no CUDA graphs
     async_scheduling: bool | None = None  # schedule step k+1 before step k's tokens reach the host; None => on CUDA only
-    quantization: str | None = None  # "int8": weight-only int8 projections and head (CPU, float32)
+    quantization: str | None = None  # "int8" | "int4": weight-only quantized projections and head (CPU, float32)
     num_threads: int | None = None  # CPU: torch intra-op threads (None => torch's default)
     seed: int = 0  # for requests without a seed

@@ -1,15 +1,16 @@
-"""``--quantization int8`` against float32 on the default model (CPU): speed and what it costs in accuracy.
+"""``--quantization int8`` / ``int4`` against float32 on the default model (CPU): speed and what each
+costs in accuracy.
 
-    .venv/bin/python scripts/bench_quantization.py [--rounds 5] [--tokens 128] [--batches 1 4 16]
+    .venv/bin/python scripts/bench_quantization.py [--schemes int8 int4] [--rounds 5] [--tokens 128] [--batches 1 4 16]
 
 Speed: one engine of each kind in this process; ``--rounds`` times, each runs ``B`` requests of a
-64-token prompt -> ``--tokens`` tokens (ignore_eos) for every ``--batches`` entry, float32 and int8 in
-turn (so a noisy neighbour hits both); the median decode step (no prompt tokens in it) is reported.
+64-token prompt -> ``--tokens`` tokens (ignore_eos) for every ``--batches`` entry, float32 and each
+scheme in turn (so a noisy neighbour hits all); the median decode step (no prompt tokens in it) is reported.
 
 Accuracy, on 8 chat prompts: the float32 model's greedy 96-token answers are scored teacher-forced by
-both models: how often int8's top token is float32's, the mean KL(float32 || int8) of the next-token
-distributions, and the perplexity of float32's own answers under each model. Then each model answers
-greedily: how many tokens int8's answer shares with float32's before they part.
+every model: how often a scheme's top token is float32's, the mean KL(float32 || scheme) of the
+next-token distributions, and the perplexity of float32's own answers under each model. Then each model
+answers greedily: how many tokens a scheme's answer shares with float32's before they part.
 """
 
 from __future__ import annotations
@@ -98,10 +99,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--answer-tokens", type=int, default=96)
+    ap.add_argument("--schemes", nargs="+", choices=["int8", "int4"], default=["int8", "int4"])
     args = ap.parse_args()
 
     engines: dict[str, tuple[Engine, Steps]] = {}
-    for name, q in (("float32", None), ("int8", "int8")):
+    for name, q in [("float32", None)] + [(s, s) for s in args.schemes]:
         obs = Steps()
         t = time.perf_counter()
         engines[name] = (Engine(EngineConfig(quantization=q, max_model_len=1024, kv_cache_memory=512 << 20), obs), obs)
@@ -118,41 +120,47 @@ def main() -> None:
                 times.setdefault((name, b), []).append(decode_ms(engine, obs, b, args.tokens))
     print(f"\ndecode step, median of {args.rounds} rounds (each the median step of {args.tokens} tokens):")
     for b in args.batches:
-        f, q = statistics.median(times[("float32", b)]), statistics.median(times[("int8", b)])
-        print(f"  batch {b:3d}: float32 {f:6.1f} ms ({b / f * 1e3:6.1f} tok/s)  int8 {q:6.1f} ms "
-              f"({b / q * 1e3:6.1f} tok/s)  int8 speed-up x{f / q:.2f}")  # fmt: skip
+        f = statistics.median(times[("float32", b)])
+        line = f"  batch {b:3d}: float32 {f:6.1f} ms ({b / f * 1e3:6.1f} tok/s)"
+        for name in args.schemes:
+            q = statistics.median(times[(name, b)])
+            line += f"  {name} {q:6.1f} ms ({b / q * 1e3:6.1f} tok/s, x{f / q:.2f})"
+        print(line)
 
     # Accuracy.
     f32, _ = engines["float32"]
-    q8, _ = engines["int8"]
     greedy = SamplingParams(temperature=0.0, max_tokens=args.answer_tokens)
     prompts = [chat(f32, p) for p in PROMPTS]
     answers = {name: [r.outputs[0].token_ids for r in e.generate(prompts, greedy)] for name, (e, _) in engines.items()}
-    agree = kl = nll_f = nll_q = 0.0
-    n = 0
-    for prompt, ans in zip(prompts, answers["float32"]):
-        seq = prompt + ans
-        lf = prefill_logits(f32, seq)[len(prompt) - 1 : len(seq) - 1]
-        lq = prefill_logits(q8, seq)[len(prompt) - 1 : len(seq) - 1]
-        target = torch.tensor(ans)
-        agree += (lq.argmax(-1) == lf.argmax(-1)).sum().item()
-        kl += (lf.exp() * (lf - lq)).sum(-1).sum().item()
-        nll_f -= lf.gather(1, target[:, None]).sum().item()
-        nll_q -= lq.gather(1, target[:, None]).sum().item()
-        n += len(ans)
-    shared = []
-    for a, b in zip(answers["float32"], answers["int8"]):
-        k = 0
-        while k < min(len(a), len(b)) and a[k] == b[k]:
-            k += 1
-        shared.append(k)
-    print(f"\naccuracy over {len(PROMPTS)} chat prompts, {n} answer tokens of the float32 model (teacher-forced):")
-    print(f"  int8's top token is float32's at {agree / n:.1%} of positions; mean KL(float32 || int8) {kl / n:.4f} nats")
-    print(f"  perplexity of those answers: float32 {torch.tensor(nll_f / n).exp():.3f}, int8 {torch.tensor(nll_q / n).exp():.3f}")
-    print(f"  greedy answers token-identical for the first {statistics.median(shared):.0f} tokens (median; "
-          f"{sum(a == b for a, b in zip(answers['float32'], answers['int8']))}/{len(PROMPTS)} identical throughout): {shared}")
-    print("  first answer: float32", repr(f32.tokenizer.decode(answers["float32"][0])), "| int8",
-          repr(f32.tokenizer.decode(answers["int8"][0])))  # fmt: skip
+    reference = [
+        (prefill_logits(f32, prompt + ans)[len(prompt) - 1 : len(prompt) + len(ans) - 1], torch.tensor(ans))
+        for prompt, ans in zip(prompts, answers["float32"])
+    ]
+    n = sum(len(ans) for ans in answers["float32"])
+    nll_f = -sum(lf.gather(1, target[:, None]).sum().item() for lf, target in reference)
+    print(f"\naccuracy over {len(PROMPTS)} chat prompts, {n} answer tokens of the float32 model (teacher-forced); "
+          f"float32's perplexity of them {torch.tensor(nll_f / n).exp():.3f}:")  # fmt: skip
+    for name in args.schemes:
+        engine, _ = engines[name]
+        agree = kl = nll_q = 0.0
+        for prompt, ans, (lf, target) in zip(prompts, answers["float32"], reference):
+            lq = prefill_logits(engine, prompt + ans)[len(prompt) - 1 : len(prompt) + len(ans) - 1]
+            agree += (lq.argmax(-1) == lf.argmax(-1)).sum().item()
+            kl += (lf.exp() * (lf - lq)).sum(-1).sum().item()
+            nll_q -= lq.gather(1, target[:, None]).sum().item()
+        shared = []
+        for a, b in zip(answers["float32"], answers[name]):
+            k = 0
+            while k < min(len(a), len(b)) and a[k] == b[k]:
+                k += 1
+            shared.append(k)
+        identical = sum(a == b for a, b in zip(answers["float32"], answers[name]))
+        print(f"  {name}: top token is float32's at {agree / n:.1%} of positions; mean KL(float32 || {name}) "
+              f"{kl / n:.2e} nats; perplexity {torch.tensor(nll_q / n).exp():.3f}; greedy answers token-identical "
+              f"for the first {statistics.median(shared):.0f} tokens (median; {identical}/{len(PROMPTS)} identical "
+              f"throughout): {shared}")  # fmt: skip
+        print(f"    first answer: {engine.tokenizer.decode(answers[name][0])!r}")
+    print(f"  float32's first answer: {f32.tokenizer.decode(answers['float32'][0])!r}")
 
 
 if __name__ == "__main__":

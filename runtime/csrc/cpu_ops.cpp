@@ -4,6 +4,8 @@
 //   * linear_small_m_int8: the same with int8 weights and a float32 scale per output row
 //     (weight-only quantization): y[m, n] = scale[n] * sum_k x[m, k] * q[n, k] (+ bias), float32 x,
 //     up to 8 rows;
+//   * linear_small_m_int4 / linear_small_m_int8_grouped: the same over weights quantized in groups of
+//     32 along K (int4 with an fp16 scale and minimum a group, int8 with an fp16 scale a group);
 //   * rms_norm: y = x * rsqrt(mean(x^2) + eps) * w over the last dimension (float32, or bfloat16 with
 //     Hugging Face's roundings).
 //
@@ -23,12 +25,14 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -179,6 +183,152 @@ void run_i8(const float* x, const int8_t* w, const float* scale, float* y, const
 }
 #endif
 
+#if SERVELM_HAVE_AVX512
+// Weights in groups of 32 along K, each group with an fp16 scale d (and, for int4, an fp16 minimum m):
+//   int4:  w[n, k] = d[n, g] * q[n, k] + m[n, g], q in 0..15, two per byte: byte j of a group's 16
+//          holds q[j] (low nibble) and q[j + 16] (high nibble);
+//   int8g: w[n, k] = d[n, g] * q[n, k], q in -127..127.
+// (llama.cpp's Q4_1 and Q8_0 layouts, which the default model ships in, are exactly these values.)
+// Per group the kernel forms p = sum_k q[k] * x[k] in float32 and adds d * p; for int4 the minimum
+// term sum_g m[g] * sum_{k in g} x[k] uses the x group sums computed once per call. float32 throughout:
+// the result equals x @ dequantized(W)^T up to summation order.
+constexpr int kGroup = 32;
+constexpr int kGroupChunk = 64;  // scales converted to float32 for this many groups at a time
+
+void halves_to_floats(const uint16_t* src, float* dst, int64_t n) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16)
+    _mm512_storeu_ps(dst + j, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j))));
+  for (; j < n; ++j) dst[j] = _cvtsh_ss(src[j]);
+}
+
+struct Int4Groups {
+  static constexpr int64_t kGroupBytes = kGroup / 2;
+  static constexpr bool kHasMin = true;
+  static inline void unpack(const uint8_t* p, __m512& w0, __m512& w1) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    w0 = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xF)));
+    w1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+  }
+};
+
+struct Int8Groups {
+  static constexpr int64_t kGroupBytes = kGroup;
+  static constexpr bool kHasMin = false;
+  static inline void unpack(const uint8_t* p, __m512& w0, __m512& w1) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
+    w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
+  }
+};
+
+// R weight rows (n0 ..) x M rows of x. xsum: [M, G rounded up to 16] group sums of x (int4 only).
+template <typename Kind, int R, int M>
+void block_dot_g32(const float* x, const float* xsum, const uint8_t* w, const uint16_t* d16, const uint16_t* m16,
+                   float* y, const float* bias, int64_t n0, int64_t N, int64_t K) {
+  const int64_t G = K / kGroup;
+  const int64_t row_bytes = G * Kind::kGroupBytes;
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  alignas(64) float dsc[R][kGroupChunk];
+  for (int64_t gc = 0; gc < G; gc += kGroupChunk) {
+    const int64_t gn = std::min<int64_t>(kGroupChunk, G - gc);
+    for (int r = 0; r < R; ++r) halves_to_floats(d16 + (n0 + r) * G + gc, dsc[r], gn);
+    for (int64_t j = 0; j < gn; ++j) {
+      const int64_t g = gc + j;
+      __m512 x0[M], x1[M];
+      for (int m = 0; m < M; ++m) {
+        x0[m] = _mm512_loadu_ps(x + m * K + g * kGroup);
+        x1[m] = _mm512_loadu_ps(x + m * K + g * kGroup + 16);
+      }
+      // Short rows (288 or 576 bytes at K = 576) are too short a stream for the hardware prefetcher: fetch
+      // the next block's rows at the same offset, a cache line at a time (as the int8 kernel does).
+      if ((g * Kind::kGroupBytes) % 64 == 0)
+        for (int r = 0; r < R; ++r)
+          if (n0 + R + r < N) _mm_prefetch(reinterpret_cast<const char*>(w + (n0 + R + r) * row_bytes + g * Kind::kGroupBytes), _MM_HINT_T0);
+      for (int r = 0; r < R; ++r) {
+        __m512 w0, w1;
+        Kind::unpack(w + (n0 + r) * row_bytes + g * Kind::kGroupBytes, w0, w1);
+        const __m512 d = _mm512_set1_ps(dsc[r][j]);
+        if constexpr (M <= 2) {
+          // Few x rows: scale each row's group sum (3 operations a row and group).
+          for (int m = 0; m < M; ++m) {
+            const __m512 p = _mm512_fmadd_ps(w1, x1[m], _mm512_mul_ps(w0, x0[m]));
+            acc[r][m] = _mm512_fmadd_ps(d, p, acc[r][m]);
+          }
+        } else {
+          // More x rows: scale the weights once (2 operations), then 2 a row. The minimum is added
+          // after the loop either way.
+          w0 = _mm512_mul_ps(w0, d);
+          w1 = _mm512_mul_ps(w1, d);
+          for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(w1, x1[m], _mm512_fmadd_ps(w0, x0[m], acc[r][m]));
+        }
+      }
+    }
+  }
+  if constexpr (Kind::kHasMin) {
+    // sum_g m[g] * xsum[g], 16 groups a step into the same accumulators (xsum is zero-padded to a
+    // multiple of 16 groups; the minimums' tail is copied out so nothing past the tensor is read).
+    const int64_t G16 = (G + 15) / 16 * 16;
+    for (int64_t g = 0; g < G16; g += 16) {
+      for (int r = 0; r < R; ++r) {
+        const uint16_t* mp = m16 + (n0 + r) * G + g;
+        __m256i mh;
+        if (g + 16 <= G) {
+          mh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(mp));
+        } else {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+          mh = _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << (G - g)) - 1u), mp);
+#else
+          alignas(32) uint16_t tail[16] = {0};
+          std::copy(mp, mp + (G - g), tail);
+          mh = _mm256_load_si256(reinterpret_cast<const __m256i*>(tail));
+#endif
+        }
+        const __m512 mv = _mm512_cvtph_ps(mh);
+        for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(xsum + m * G16 + g), acc[r][m]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float b = bias ? bias[n0 + r] : 0.0f;
+    for (int m = 0; m < M; ++m) y[m * N + n0 + r] = _mm512_reduce_add_ps(acc[r][m]) + b;
+  }
+}
+
+template <typename Kind, int M>
+void run_g32(const float* x, const uint8_t* w, const uint16_t* d16, const uint16_t* m16, float* y, const float* bias,
+             int64_t N, int64_t K) {
+  // R x M accumulators plus 2M x vectors must fit the 32 registers.
+  constexpr int R = M <= 2 ? 8 : (M <= 4 ? 4 : 2);
+  const int64_t G = K / kGroup;
+  std::vector<float> xsum;
+  if constexpr (Kind::kHasMin) {
+    const int64_t G16 = (G + 15) / 16 * 16;  // padded with zeros: the kernel reads 16 groups at a time
+    xsum.assign(M * G16, 0.0f);
+    for (int m = 0; m < M; ++m)
+      for (int64_t g = 0; g < G; ++g) {
+        const float* xg = x + m * K + g * kGroup;
+        xsum[m * G16 + g] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(xg), _mm512_loadu_ps(xg + 16)));
+      }
+  }
+  const float* xs = xsum.data();
+  const int64_t blocks = (N + R - 1) / R;
+  // ~512 weight rows a piece at least, as the int8 kernel: smaller pieces cost more to fork than they read.
+  at::parallel_for(0, blocks, std::max<int64_t>(1, 512 / R), [&](int64_t begin, int64_t end) {
+    for (int64_t bl = begin; bl < end; ++bl) {
+      const int64_t n0 = bl * R;
+      if (n0 + R <= N) {
+        block_dot_g32<Kind, R, M>(x, xs, w, d16, m16, y, bias, n0, N, K);
+      } else {
+        for (int64_t n = n0; n < N; ++n) block_dot_g32<Kind, 1, M>(x, xs, w, d16, m16, y, bias, n, N, K);
+      }
+    }
+  });
+}
+#endif
+
 #if SERVELM_HAVE_AVX512_BF16
 // bfloat16 weights and inputs, float32 accumulation: vdpbf16ps multiplies 32 bf16 pairs per step.
 template <int M>
@@ -315,6 +465,58 @@ at::Tensor linear_small_m_int8(const at::Tensor& x, const at::Tensor& weight, co
   return y;
 }
 
+// The group-quantized weights' shared checks: x [M <= 8, K] float32 with K a multiple of 32, and
+// [N, K / 32] fp16 scales (and minimums).
+void check_groups(const at::Tensor& x, const at::Tensor& weight, int64_t row_bytes, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x [M, K] float32 contiguous expected");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxMInt8, "1..", kMaxMInt8, " rows expected, got ", x.size(0));
+  const int64_t K = x.size(1);
+  TORCH_CHECK(K % kGroup == 0, "K must be a multiple of ", kGroup, ", got ", K);
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == row_bytes, "weight [N, ", row_bytes,
+              "] contiguous expected");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
+                  scales.size(0) == weight.size(0) && scales.size(1) == K / kGroup,
+              "scales [N, K / 32] float16 contiguous expected");
+}
+
+const uint16_t* halves(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); }
+
+at::Tensor linear_small_m_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                               const at::Tensor& mins, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(SERVELM_HAVE_AVX512, "linear_small_m_int4 was built without AVX-512");
+  TORCH_CHECK(packed.scalar_type() == at::kByte, "int4 weights come packed two to a uint8");
+  check_groups(x, packed, x.size(1) / 2, scales);
+  TORCH_CHECK(mins.sizes() == scales.sizes() && mins.scalar_type() == at::kHalf && mins.is_contiguous(),
+              "mins must be like scales");
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
+  const float* b = float_bias(bias, N);
+  at::Tensor y = at::empty({M, N}, x.options());
+#if SERVELM_HAVE_AVX512
+  with_rows<true>(M, [&](auto rows) {
+    run_g32<Int4Groups, decltype(rows)::value>(x.data_ptr<float>(), packed.data_ptr<uint8_t>(), halves(scales),
+                                               halves(mins), y.data_ptr<float>(), b, N, K);
+  });
+#endif
+  return y;
+}
+
+at::Tensor linear_small_m_int8_grouped(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                                       const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(SERVELM_HAVE_AVX512, "linear_small_m_int8_grouped was built without AVX-512");
+  TORCH_CHECK(q.scalar_type() == at::kChar, "int8 weights expected");
+  check_groups(x, q, x.size(1), scales);
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
+  const float* b = float_bias(bias, N);
+  at::Tensor y = at::empty({M, N}, x.options());
+#if SERVELM_HAVE_AVX512
+  with_rows<true>(M, [&](auto rows) {
+    run_g32<Int8Groups, decltype(rows)::value>(x.data_ptr<float>(), reinterpret_cast<const uint8_t*>(q.data_ptr<int8_t>()),
+                                               halves(scales), nullptr, y.data_ptr<float>(), b, N, K);
+  });
+#endif
+  return y;
+}
+
 #if SERVELM_HAVE_AVX512
 void rms_norm_row(const float* x, const float* w, float* y, int64_t H, float eps) {
   const int64_t h_main = H - H % 16;
@@ -395,6 +597,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_small_m_int8", &linear_small_m_int8, "x [M<=8, K] float32 @ (scale[:, None] * W[N, K] int8)^T (+ bias)",
         py::arg("x"), py::arg("weight"), py::arg("scale"), py::arg("bias") = py::none(),
         py::call_guard<py::gil_scoped_release>());
+  m.def("linear_small_m_int4", &linear_small_m_int4,
+        "x [M<=8, K] float32 @ W^T, W int4 in groups of 32 (packed uint8 [N, K/2], fp16 scales and mins [N, K/32])",
+        py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("mins"), py::arg("bias") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("linear_small_m_int8_grouped", &linear_small_m_int8_grouped,
+        "x [M<=8, K] float32 @ W^T, W int8 [N, K] with an fp16 scale per group of 32 ([N, K/32])", py::arg("x"),
+        py::arg("weight"), py::arg("scales"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "x * rsqrt(mean(x^2, -1) + eps) * weight, float32 or bfloat16", py::arg("x"),
         py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
   m.attr("max_rows") = kMaxM;

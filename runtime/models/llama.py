@@ -123,11 +123,8 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None  # the oneDNN copy of ``weight`` once packed
         self.small_m: cpu_linear.SmallMLinear | None = None  # few-row kernel over the dense weight
         self.small_m_rows = 0
-        # --quantization int8: the int8 weight, its row scales, and the few-row kernel over them
-        self.q8: torch.Tensor | None = None
-        self.q8_scale: torch.Tensor | None = None
-        self.q8_linear: cpu_ops.SmallMLinearInt8 | None = None
-        self.q8_rows = 0
+        # --quantization: the quantized copy and the few-row kernel over it
+        self.quant: quantization.QuantizedWeight | None = None
         self.bias = _param((self.out_features,), dtype, device) if bias else None
         self.few_rows: FewRowKernels | None = None
         if len(shards) > 1:
@@ -153,19 +150,22 @@ class Linear(nn.Module):
         else:
             self.small_m, self.small_m_rows = small_m
 
-    def quantize_int8(self, kernel: tuple[cpu_ops.SmallMLinearInt8, int] | None) -> None:
+    @property
+    def quant_rows(self) -> int:
+        """Most rows the quantized few-row kernel takes (0: not quantized, or no kernel)."""
+        return self.quant.max_rows if self.quant is not None else 0
+
+    def quantize(self, scheme: str, kernels: dict[str, tuple[quantization.QuantizedKernel, int]]) -> None:
         """Quantize the weight (``runtime.quantization``): the parameter becomes its dequantized value,
-        and steps of up to ``kernel``'s rows run the int8 kernel over the int8 copy."""
+        and steps of up to the scheme's kernel's rows run that kernel over the quantized copy."""
         assert self.weight is not None and self.packed is None, "quantize before packing"
-        self.q8, self.q8_scale = quantization.quantize_rows(self.weight)
+        self.quant = quantization.quantize(self.weight, scheme, kernels)
         with torch.no_grad():
-            self.weight.copy_(quantization.dequantize_rows(self.q8, self.q8_scale, self.weight.dtype))
-        if kernel is not None:
-            self.q8_linear, self.q8_rows = kernel
+            self.weight.copy_(self.quant.dequantize(self.weight.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.q8_rows:
-            return self.q8_linear(x.contiguous(), self.q8, self.q8_scale, self.bias)  # type: ignore[misc]
+        if x.shape[0] <= self.quant_rows:
+            return self.quant.linear(x, self.bias)  # type: ignore[union-attr]
         if self.packed is not None:
             if x.shape[0] <= self.small_m_rows:
                 return self.small_m(x.contiguous(), self.weight, self.bias)  # type: ignore[misc]
@@ -316,7 +316,7 @@ class MLP(nn.Module):
         if self.act_mul is not None:
             return self.down_proj.forward(self.act_mul(self.gate_up_proj.forward(x)))
         proj = self.gate_up_proj
-        if proj.packed is None and proj.q8_rows < x.shape[0] <= self.split_max_rows:
+        if proj.packed is None and proj.quant_rows < x.shape[0] <= self.split_max_rows:
             w = proj.weight
             gate = F.linear(x, w[: self.intermediate])
             up = F.linear(x, w[self.intermediate :])
@@ -426,12 +426,9 @@ class CausalLM(nn.Module):
         self.lm_head_packed: torch.Tensor | None = None
         self.lm_head_small_m: cpu_linear.SmallMLinear | None = None
         self.lm_head_small_m_rows = 0
-        # --quantization int8: the head's int8 copy, row scales, kernel; and, for a tied head, its
-        # dequantized float copy (the embedding itself stays as loaded)
-        self.lm_head_q8: torch.Tensor | None = None
-        self.lm_head_q8_scale: torch.Tensor | None = None
-        self.lm_head_q8_linear: cpu_ops.SmallMLinearInt8 | None = None
-        self.lm_head_q8_rows = 0
+        # --quantization: the head's quantized copy and kernel; and, for a tied head, its dequantized
+        # float copy (the embedding itself stays as loaded)
+        self.lm_head_quant: quantization.QuantizedWeight | None = None
         self._lm_head_dequantized: torch.Tensor | None = None
         self.few_rows: FewRowKernels | None = None  # the head of a few rows too (CUDA graphs)
         if not cfg.tie_word_embeddings:
@@ -480,36 +477,35 @@ class CausalLM(nn.Module):
         elif not self.config.tie_word_embeddings:
             self.lm_head.weight = None
 
-    def quantize_int8(self, kernel: tuple[cpu_ops.SmallMLinearInt8, int] | None) -> None:
-        """Weight-only int8 (``runtime.quantization``) for every projection and the vocabulary head,
-        after loading and before ``pack_cpu_weights``; ``kernel`` (the int8 few-row kernel and its row
-        limit) serves steps of that many rows, larger ones use the dequantized weights."""
+    def quantize(self, quantization_name: str, kernels: dict[str, tuple[quantization.QuantizedKernel, int]]) -> None:
+        """Weight-only quantization (``runtime.quantization``: ``int8`` or ``int4``) of every projection
+        and the vocabulary head, after loading and before ``pack_cpu_weights``. ``kernels`` maps a scheme
+        to its few-row kernel and row limit: steps of that many rows use it, larger ones the dequantized
+        weights."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.quantize_int8(kernel)
-        self.lm_head_q8, self.lm_head_q8_scale = quantization.quantize_rows(self.lm_head_weight)
-        head = quantization.dequantize_rows(self.lm_head_q8, self.lm_head_q8_scale, self.lm_head_weight.dtype)
+                module.quantize(quantization_name, kernels)
+        self.lm_head_quant = quantization.quantize(self.lm_head_weight, quantization.head_scheme(quantization_name), kernels)
+        head = self.lm_head_quant.dequantize(self.lm_head_weight.dtype)
         if self.config.tie_word_embeddings:
             self._lm_head_dequantized = head
         else:
             with torch.no_grad():
                 self.lm_head.weight.copy_(head)
-        if kernel is not None:
-            self.lm_head_q8_linear, self.lm_head_q8_rows = kernel
 
     def weight_bytes_read(self) -> int:
         """Bytes of weight a decode step reads: every parameter once (a tied embedding as the head),
-        quantized projections and head at one byte a weight plus a float32 scale a row. Call before
-        ``pack_cpu_weights`` (which may drop dense weights)."""
+        quantized projections and head as their codes plus scales. Call before ``pack_cpu_weights``
+        (which may drop dense weights)."""
         total = sum(p.numel() * p.element_size() for p in self.parameters())
-        # (dense weight, its int8 copy, scales) of every projection and the head; int8 None: unquantized
-        weights: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = [
-            (m.weight, m.q8, m.q8_scale) for m in self.modules() if isinstance(m, Linear) and m.weight is not None
+        # (dense weight, its quantized copy) of every projection and the head
+        weights: list[tuple[torch.Tensor, quantization.QuantizedWeight | None]] = [
+            (m.weight, m.quant) for m in self.modules() if isinstance(m, Linear) and m.weight is not None
         ]
-        weights.append((self.lm_head_weight, self.lm_head_q8, self.lm_head_q8_scale))
-        for dense, q8, scale in weights:
-            if q8 is not None and scale is not None:
-                total += q8.numel() + scale.numel() * scale.element_size() - dense.numel() * dense.element_size()
+        weights.append((self.lm_head_weight, self.lm_head_quant))
+        for dense, quant in weights:
+            if quant is not None:
+                total += quant.nbytes - dense.numel() * dense.element_size()
         return total
 
     def use_cpu_rms_norm(self, kernel: cpu_ops.RmsNorm) -> None:
@@ -539,8 +535,8 @@ class CausalLM(nn.Module):
         """``[R, hidden]`` -> ``[R, vocab]``; the runner passes only the rows it samples."""
         if self.few_rows is not None and self.few_rows.applies(hidden.shape[0]):
             return self.few_rows.linear(hidden, self.lm_head_weight, None)
-        if hidden.shape[0] <= self.lm_head_q8_rows:
-            return self.lm_head_q8_linear(hidden.contiguous(), self.lm_head_q8, self.lm_head_q8_scale, None)  # type: ignore[misc]
+        if self.lm_head_quant is not None and hidden.shape[0] <= self.lm_head_quant.max_rows:
+            return self.lm_head_quant.linear(hidden, None)
         if self.lm_head_packed is not None:
             if hidden.shape[0] <= self.lm_head_small_m_rows:
                 return self.lm_head_small_m(hidden.contiguous(), self.lm_head_weight, None)  # type: ignore[misc]

@@ -40,3 +40,37 @@ def test_int8_engine_answers_and_batching_does_not_change_its_tokens() -> None:
     observer = create_prometheus_observer(engine)
     assert observer is not None
     assert 'quantization="int8"' in generate_latest(observer.registry).decode()
+
+
+def test_int4_is_the_default_models_own_precision_same_weights_and_tokens_as_float32() -> None:
+    """The default model ships as Q4_1 projections and a Q8_0 embedding: ``--quantization int4``
+    (int4 groups of 32 with fp16 scale and minimum, head in int8 groups) holds exactly those weights, so
+    every dequantized projection equals the float32 checkpoint's bit for bit and the greedy tokens are
+    the float32 engine's, at a sixth of the bytes a step reads."""
+    if not cpu_linear.quantized_kernels():
+        pytest.skip("no quantized kernels here (the dequantized path is covered by tests/runtime/test_quantization.py)")
+    import torch
+
+    from runtime.models.llama import Linear
+
+    f32 = Engine(EngineConfig(kv_cache_memory=64 * 2**20, max_model_len=1024))
+    q4 = Engine(EngineConfig(quantization="int4", kv_cache_memory=64 * 2**20, max_model_len=1024))
+    assert q4.runner.weight_bytes < 0.2 * f32.runner.weight_bytes
+    dense = {n: m for n, m in f32.runner.model.named_modules() if isinstance(m, Linear)}
+    quantized = {n: m for n, m in q4.runner.model.named_modules() if isinstance(m, Linear)}
+    assert dense.keys() == quantized.keys() and len(quantized) == 4 * 30
+    for name, module in quantized.items():
+        assert module.quant is not None and module.quant.scheme == "int4"
+        reference = dense[name].weight  # kept beside the packed copy for the few-row kernel
+        assert reference is not None and torch.equal(module.quant.dequantize(), reference), name
+    head = q4.runner.model.lm_head_quant
+    assert head is not None and head.scheme == "int8_groups"
+    assert torch.equal(head.dequantize(), f32.runner.model.model.embed_tokens.weight)
+    prompts = [_chat(q4, q) for q in QUESTIONS]
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+    want = [r.outputs[0].token_ids for r in f32.generate(prompts, params)]
+    del f32
+    together = [r.outputs[0].token_ids for r in q4.generate(prompts, params)]
+    alone = [q4.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    assert together == want and alone == want
+    assert q4.block_manager.num_used_blocks == 0
