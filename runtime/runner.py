@@ -172,6 +172,10 @@ class ModelRunner:
         rms_norm = cpu_ops.rms_norm_kernel() if cpu_norm else None
         if rms_norm is not None:
             self.model.use_cpu_rms_norm(rms_norm)
+        fused_cpu = cpu_ops.fused_ops() if self.device.type == "cpu" and dtype == torch.float32 else None
+        if fused_cpu is not None:
+            # One compiled call for each residual add + norm and for SiLU x up: same values, fewer calls.
+            self.model.use_fused_ops(*fused_cpu)
         self.fused_ops = False
         self.few_rows: FewRowKernels | None = None
         self.few_rows_mode = "off"

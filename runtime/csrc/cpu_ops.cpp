@@ -6,6 +6,7 @@
 //     up to 8 rows;
 //   * linear_small_m_int4 / linear_small_m_int8_grouped: the same over weights quantized in groups of
 //     32 along K (int4 with an fp16 scale and minimum a group, int8 with an fp16 scale a group);
+//   * add_rms_norm / silu_mul: the residual add and the norm after it, and SiLU x up, one call each;
 //   * rms_norm: y = x * rsqrt(mean(x^2) + eps) * w over the last dimension (float32, or bfloat16 with
 //     Hugging Face's roundings).
 //
@@ -23,6 +24,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/silu.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -31,6 +33,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -587,6 +590,30 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return y;
 }
 
+// The residual add before a norm and the norm in one call (float32): residual += x in place, then
+// (rms_norm(residual) * weight, residual). Without a residual: (rms_norm(x) * weight, None). The same
+// arithmetic as ``x + residual`` followed by ``rms_norm``; a decode step makes 61 such calls, and one
+// call instead of two saves the per-call cost of the second.
+std::tuple<at::Tensor, c10::optional<at::Tensor>> add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                                               const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "add_rms_norm takes float32");
+  if (!residual.has_value() || !residual->defined()) return {rms_norm(x, weight, eps), c10::nullopt};
+  TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() && residual->scalar_type() == at::kFloat,
+              "residual must be a contiguous float32 tensor shaped like x");
+  at::Tensor r = *residual;
+  r.add_(x);
+  return {rms_norm(r, weight, eps), r};
+}
+
+// silu(gate) * up of a fused [T, 2I] gate/up projection -> [T, I], with ATen's own kernels (so the
+// same values as F.silu then mul_), in one call from Python instead of four.
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up [T, 2I] expected");
+  const int64_t inter = gate_up.size(1) / 2;
+  at::Tensor act = at::silu(gate_up.narrow(1, 0, inter));
+  return act.mul_(gate_up.narrow(1, inter, inter));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -604,6 +631,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_small_m_int8_grouped", &linear_small_m_int8_grouped,
         "x [M<=8, K] float32 @ W^T, W int8 [N, K] with an fp16 scale per group of 32 ([N, K/32])", py::arg("x"),
         py::arg("weight"), py::arg("scales"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("add_rms_norm", &add_rms_norm, "(rms_norm(x + residual) * weight, x + residual), the sum in place in residual",
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
+  m.def("silu_mul", &silu_mul, "silu(gate_up[:, :I]) * gate_up[:, I:]", py::arg("gate_up"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "x * rsqrt(mean(x^2, -1) + eps) * weight, float32 or bfloat16", py::arg("x"),
         py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
   m.attr("max_rows") = kMaxM;

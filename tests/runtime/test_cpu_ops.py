@@ -78,7 +78,31 @@ def test_runner_routes_rms_norm_and_env_switches_it_off(
     without = build_runner(tiny_model_dir("qwen3"), num_blocks=16)
     assert all(m.kernel is None for m in without.model.modules() if isinstance(m, RMSNorm))
     assert without.small_m_linear is None  # the same extension
+    # float32 on CPU: the hidden-size norms take the fused residual add + norm, the MLP the fused SiLU x up.
+    layer = with_ops.model.model.layers[0]
+    assert layer.input_layernorm.fused is not None and layer.mlp.act_mul is not None
+    assert layer.self_attn.q_norm.fused is None  # per-head q/k norms keep the plain kernel
+    assert without.model.model.layers[0].input_layernorm.fused is None
     torch.testing.assert_close(logits(with_ops), logits(without), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 70])
+def test_fused_add_norm_and_silu_mul_equal_the_separate_ops(rms_norm: cpu_ops.RmsNorm, rows: int) -> None:
+    ops = cpu_ops.fused_ops()
+    assert ops is not None
+    add_rms_norm, silu_mul = ops
+    g = torch.Generator().manual_seed(rows)
+    x, residual, w = torch.randn(rows, 576, generator=g), torch.randn(rows, 576, generator=g), torch.randn(576, generator=g)
+    want_sum = x + residual
+    out, r = add_rms_norm(x, residual, w, 1e-5)
+    assert r is residual and torch.equal(residual, want_sum)  # the sum, in place
+    assert torch.equal(out, rms_norm(want_sum, w, 1e-5))
+    alone, none = add_rms_norm(x, None, w, 1e-5)
+    assert none is None and torch.equal(alone, rms_norm(x, w, 1e-5))
+    with pytest.raises(RuntimeError, match="residual"):
+        add_rms_norm(x, residual[:, :100], w, 1e-5)
+    gate_up = torch.randn(rows, 2 * 1536, generator=g)
+    assert torch.equal(silu_mul(gate_up), F.silu(gate_up[:, :1536]) * gate_up[:, 1536:])
 
 
 @pytest.mark.parametrize("shape", [(1, 576), (3, 64), (70, 576), (2, 7, 17)])
