@@ -1,8 +1,9 @@
 """All of one forward's projections on the default model's shapes: ``F.linear`` vs oneDNN-packed weights
 (and, for 1-4 rows, the few-row AVX-512 kernel of ``runtime.cpu_ops`` on the dense weights; for 1-8 rows
-its int8 sibling on the weights ``--quantization int8`` makes).
+its int8 sibling on the weights ``--quantization int8`` makes, and the int4 kernel with the int8-group
+head on those ``--quantization int4`` makes).
 
-    .venv/bin/python scripts/bench_linear.py [--rows 1 8 32 128 512] [--threads 2] [--bf16]
+    .venv/bin/python scripts/bench_linear.py [--rows 1 8 32 128 512] [--threads 2] [--bf16] [--skip-dense]
 
 Every layer gets its own weights (30 x qkv, o, gate_up, down: 425 MB in float32), so the numbers include
 streaming them from memory as a real decode step must; the vocabulary head (49152 x 576) is timed apart.
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime import cpu_linear
+from runtime import quantization as qz
 from runtime.quantization import quantize_rows
 
 LAYERS = 30
@@ -45,6 +47,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--bf16", action="store_true", help="also time bfloat16 weights")
+    ap.add_argument("--skip-dense", action="store_true", help="only the quantized kernels (float32 x)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
@@ -63,6 +66,10 @@ def main() -> None:
             q_layers = [[quantize_rows(w) for w in ws] for ws in dense]
             q_head = quantize_rows(head)
             q_bytes = sum(q.numel() for ws in q_layers for q, _ in ws)
+            kernels = cpu_linear.quantized_kernels()
+            q4_layers = [[qz.quantize(w, "int4", kernels) for w in ws] for ws in dense]
+            q4_head = qz.quantize(head, "int8_groups", kernels)
+            q4_bytes = sum(q.nbytes for ws in q4_layers for q in ws)
         for rows in args.rows:
             xs = [torch.randn(rows, i, generator=g).to(dtype) for _, i in SHAPES]
             h = torch.randn(rows, HIDDEN, generator=g).to(dtype)
@@ -73,13 +80,15 @@ def main() -> None:
                     for w, x in zip(ws, xs):
                         F.linear(x, w)
 
-            t_layers = median_ms(torch_layers, args.reps)
-            t_head = median_ms(lambda: F.linear(h, head), args.reps)
-            line = (
-                f"{name:8s} rows {rows:4d} | F.linear: layers {t_layers:7.2f} ms "
-                f"({layer_bytes / t_layers / 1e6:5.1f} GB/s, {flops / t_layers / 1e6:4.0f} GFLOP/s) head {t_head:6.2f} ms"
-            )
-            if packed is not None and head_packed is not None:
+            line = f"{name:8s} rows {rows:4d}"
+            if not args.skip_dense:
+                t_layers = median_ms(torch_layers, args.reps)
+                t_head = median_ms(lambda: F.linear(h, head), args.reps)
+                line += (
+                    f" | F.linear: layers {t_layers:7.2f} ms "
+                    f"({layer_bytes / t_layers / 1e6:5.1f} GB/s, {flops / t_layers / 1e6:4.0f} GFLOP/s) head {t_head:6.2f} ms"
+                )
+            if packed is not None and head_packed is not None and not args.skip_dense:
                 pk = packed
 
                 def onednn_layers() -> None:
@@ -95,7 +104,7 @@ def main() -> None:
                     f"({head_bytes / p_head / 1e6:5.1f} GB/s) | speed-up {(t_layers + t_head) / (p_layers + p_head):.2f}x"
                 )
             small = cpu_linear.small_m_kernel() if dtype == torch.float32 else None
-            if small is not None and rows <= small[1]:
+            if small is not None and rows <= small[1] and not args.skip_dense:
                 fn = small[0]
 
                 def small_layers() -> None:
@@ -122,6 +131,18 @@ def main() -> None:
                 line += (
                     f" | int8 kernel: layers {i_layers:7.2f} ms ({q_bytes / i_layers / 1e6:5.1f} GB/s of int8) "
                     f"head {i_head:6.2f} ms"
+                )
+
+                def int4_layers() -> None:
+                    for ws in q4_layers:
+                        for q4, x in zip(ws, xs):
+                            q4.linear(x, None)
+
+                f_layers = median_ms(int4_layers, args.reps)
+                f_head = median_ms(lambda: q4_head.linear(h, None), args.reps)
+                line += (
+                    f" | int4 kernel: layers {f_layers:7.2f} ms ({q4_bytes / f_layers / 1e6:5.1f} GB/s) "
+                    f"int8-group head {f_head:6.2f} ms"
                 )
             print(line, flush=True)
 

