@@ -54,6 +54,7 @@ namespace {
 constexpr int kRows = 8;   // weight rows per block
 constexpr int kMaxM = 4;   // x rows handled in one pass over W
 constexpr int kMaxMInt8 = 8;  // the same for int8 weights: converting a weight is dearer, more rows share it
+constexpr int kGroup = 32;    // weights per group of the grouped int4 / int8 layouts
 
 #if SERVELM_HAVE_AVX512
 template <int M>
@@ -196,7 +197,6 @@ void run_i8(const float* x, const int8_t* w, const float* scale, float* y, const
 // the minimum term sum_g m[g] * sum_{k in g} x[k] uses the x group sums computed once per call. With
 // more, it multiplies by the weights themselves (int4: looked up, see kUseLut). float32 throughout: the
 // result equals x @ dequantized(W)^T up to summation order.
-constexpr int kGroup = 32;
 constexpr int kGroupChunk = 64;  // scales converted to float32 for this many groups at a time
 
 void halves_to_floats(const uint16_t* src, float* dst, int64_t n) {
@@ -235,7 +235,6 @@ struct Int8Groups {
   }
 };
 
-// R weight rows (n0 ..) x M rows of x. xsum: [M, G rounded up to 16] group sums of x (int4 only).
 // Int4 with 2+ x rows looks each code's weight up in a 16-entry table built per group (d * q + m for
 // q = 0..15): two permutes replace two conversions, the scale multiplies and the minimum term; at 4 to
 // 8 rows that made the projections 1.1-1.4x faster. One x row keeps the conversions and scales the
@@ -243,6 +242,7 @@ struct Int8Groups {
 template <typename Kind, int M>
 constexpr bool kUseLut = Kind::kLut && M >= 2;
 
+// R weight rows (n0 ..) x M rows of x. xsum: [M, G rounded up to 16] group sums of x (int4, one row).
 template <typename Kind, int R, int M>
 void block_dot_g32(const float* x, const float* xsum, const uint8_t* w, const uint16_t* d16, const uint16_t* m16,
                    float* y, const float* bias, int64_t n0, int64_t N, int64_t K) {
@@ -293,8 +293,8 @@ void block_dot_g32(const float* x, const float* xsum, const uint8_t* w, const ui
               acc[r][m] = _mm512_fmadd_ps(d, p, acc[r][m]);
             }
           } else {
-            // More x rows: scale the weights once (2 operations), then 2 a row. An int4 minimum is
-            // added after the loop.
+            // More x rows (int8 groups; int4 looks its weights up): scale the weights once (2
+            // operations), then 2 a row.
             w0 = _mm512_mul_ps(w0, d);
             w1 = _mm512_mul_ps(w1, d);
             for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(w1, x1[m], _mm512_fmadd_ps(w0, x0[m], acc[r][m]));
@@ -305,7 +305,7 @@ void block_dot_g32(const float* x, const float* xsum, const uint8_t* w, const ui
   }
   if constexpr (Kind::kHasMin && !lut) {
     // sum_g m[g] * xsum[g], 16 groups a step into the same accumulators (xsum is zero-padded to a
-    // multiple of 16 groups; the minimums' tail is copied out so nothing past the tensor is read).
+    // multiple of 16 groups; the minimums' tail is loaded masked, so nothing past the tensor is read).
     const int64_t G16 = (G + 15) / 16 * 16;
     for (int64_t g = 0; g < G16; g += 16) {
       for (int r = 0; r < R; ++r) {
