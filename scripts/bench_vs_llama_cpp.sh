@@ -9,7 +9,9 @@
 # Workloads (servelm bench, token-id prompts, ignore_eos, greedy): one request at a time (8 x 128 -> 128),
 # then 64 x 128 -> 128 at concurrency 32; servelm in each of $VARIANTS (default "float32 int8 int4":
 # float32, then --quantization int8, then --quantization int4), then llama-server. Results go to $OUT_DIR
-# (default /tmp/servelm-vs-llama-cpp).
+# (default /tmp/servelm-vs-llama-cpp). ROUNDS=N (default 1) repeats the whole sequence N times, so that
+# every server runs in every round, and ends with each server's medians over the rounds (a shared host
+# drifts: compare servers within rounds, quote medians).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,6 +21,7 @@ PEERS="$CACHE/peers"
 OUT_DIR="${OUT_DIR:-/tmp/servelm-vs-llama-cpp}"
 THREADS="${THREADS:-2}"
 VARIANTS="${VARIANTS:-float32 int8 int4}"
+ROUNDS="${ROUNDS:-1}"
 PY=.venv/bin/python
 mkdir -p "$PEERS" "$OUT_DIR"
 
@@ -48,10 +51,10 @@ wait_healthy() {
 bench() {  # NAME PORT
     for conc in 1 32; do
         n=$([ "$conc" = 1 ] && echo 8 || echo 64)
-        echo "== $1, concurrency $conc ($n x 128 -> 128)"
+        echo "== $1, concurrency $conc ($n x 128 -> 128), round $round"
         .venv/bin/servelm bench --base-url "http://127.0.0.1:$2" --endpoint completions --token-ids \
             --input-len 128 --output-len 128 --ignore-eos --temperature 0 --disable-tqdm \
-            --num-prompts "$n" --max-concurrency "$conc" --result-json "$OUT_DIR/$1-c$conc.json" \
+            --num-prompts "$n" --max-concurrency "$conc" --result-json "$OUT_DIR/$1-c$conc-r$round.json" \
             | grep -E "Output token throughput|Median TTFT|P99 TTFT|Median ITL|Median TPOT"
     done
 }
@@ -66,15 +69,34 @@ servelm() {  # NAME [servelm serve flags]: serve on :8301, bench, stop
     kill "$pid"; wait "$pid" 2> /dev/null || true
 }
 trap 'kill ${pid:-} 2> /dev/null || true' EXIT
-for variant in $VARIANTS; do
-    case "$variant" in
-        float32) servelm servelm ;;
-        int8|int4) servelm "servelm-$variant" --quantization "$variant" ;;
-        *) echo "unknown variant $variant (float32, int8, int4)" >&2; exit 2 ;;
-    esac
+for round in $(seq "$ROUNDS"); do
+    for variant in $VARIANTS; do
+        case "$variant" in
+            float32) servelm servelm ;;
+            int8|int4) servelm "servelm-$variant" --quantization "$variant" ;;
+            *) echo "unknown variant $variant (float32, int8, int4)" >&2; exit 2 ;;
+        esac
+    done
+    "$bin" -m "$gguf" -t "$THREADS" -np 32 -c 32768 -fa on --host 127.0.0.1 --port 8302 > "$OUT_DIR/llama-server.log" 2>&1 &
+    pid=$!
+    wait_healthy 8302
+    bench llama-server 8302
+    kill "$pid"; wait "$pid" 2> /dev/null || true
 done
 
-"$bin" -m "$gguf" -t "$THREADS" -np 32 -c 32768 -fa on --host 127.0.0.1 --port 8302 > "$OUT_DIR/llama-server.log" 2>&1 &
-pid=$!
-wait_healthy 8302
-bench llama-server 8302
+# Each server's medians over the rounds (from the result files of this run).
+"$PY" - "$OUT_DIR" "$ROUNDS" <<'PY'
+import json, statistics, sys
+from pathlib import Path
+
+out, rounds = Path(sys.argv[1]), int(sys.argv[2])
+names = sorted({p.name.rsplit("-c", 1)[0] for p in out.glob("*-c*-r*.json")})
+print(f"\nmedians over {rounds} round(s): output tok/s | median TTFT ms | median ITL ms")
+for conc in (1, 32):
+    for name in names:
+        runs = [json.loads(p.read_text()) for r in range(1, rounds + 1) if (p := out / f"{name}-c{conc}-r{r}.json").exists()]
+        if runs:
+            med = {k: statistics.median(run[k] for run in runs) for k in ("output_throughput", "median_ttft_ms", "median_itl_ms")}
+            print(f"  concurrency {conc:2d}  {name:14s} {med['output_throughput']:7.1f} | {med['median_ttft_ms']:8.1f} | "
+                  f"{med['median_itl_ms']:6.2f}   ({len(runs)} runs)")
+PY
