@@ -164,8 +164,9 @@ class Linear(nn.Module):
             self.weight.copy_(self.quant.dequantize(self.weight.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.quant_rows:
-            return self.quant.linear(x, self.bias)  # type: ignore[union-attr]
+        quant = self.quant
+        if quant is not None and x.shape[0] <= quant.max_rows:
+            return quant.linear(x, self.bias)
         if self.packed is not None:
             if x.shape[0] <= self.small_m_rows:
                 return self.small_m(x.contiguous(), self.weight, self.bias)  # type: ignore[misc]
