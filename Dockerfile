@@ -130,4 +130,4 @@ RUN python -m runtime.model_files \
 EXPOSE 8000
 HEALTHCHECK --interval=30s --timeout=5s --start-period=120s --retries=3 \
     CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)"]
-ENTRYPOINT ["servelm", "serve", "--host", "0.0.0.0", "--port", "8000"]
+ENTRYPOINT ["servelm", "serve", "--host", "0.0.0.0", "--port", "8000", "--quantization", "auto"]

@@ -20,7 +20,7 @@ model: $(STAMP)
 	$(VPY) -m runtime.model_files
 
 serve: model
-	$(VENV)/bin/servelm serve $(ARGS)
+	$(VENV)/bin/servelm serve --quantization auto $(ARGS)
 
 test: model
 	$(VPY) -m pytest -q $(ARGS)

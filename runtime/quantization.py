@@ -29,7 +29,10 @@ from typing import Callable, Optional
 
 import torch
 
-QUANTIZATIONS = ("int8", "int4")
+QUANTIZATIONS = ("int8", "int4", "auto")
+# "auto": int4 where it is exact for the checkpoint (every projection and the head already on its grid,
+# as for a model dequantized from a Q4_1 GGUF with a Q8_0 embedding), else none; CPU float32 only.
+AUTO = "auto"
 # What the start-up log says of each.
 QUANTIZATION_LABELS = {
     "int8": "int8 (per-row scales)",
@@ -58,8 +61,8 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
 
 def check_quantization(quantization: str | None, device: torch.device, dtype: torch.dtype) -> None:
     """Refuse what is not implemented, at start-up, with the reason."""
-    if quantization is None:
-        return
+    if quantization is None or quantization == AUTO:
+        return  # auto decides at load time, and says no where int4 cannot run
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; supported: {', '.join(QUANTIZATIONS)}")
     if device.type != "cpu":

@@ -88,6 +88,9 @@ def create_prometheus_observer(engine: Any) -> Any | None:
         return None
     cfg = engine.config
     cap = getattr(engine, "capacity", None)
+    # What runs: the runner resolves ``--quantization auto`` at load.
+    runner = getattr(engine, "runner", None)
+    quantization = runner.quantization if hasattr(runner, "quantization") else getattr(cfg, "quantization", None)
     info = {
         "model": str(getattr(cfg, "model", None) or engine.served_model_name),
         "dtype": str(cfg.dtype),
@@ -95,7 +98,7 @@ def create_prometheus_observer(engine: Any) -> Any | None:
         "block_size": str(getattr(cap, "block_size", cfg.block_size)),
         "num_blocks": str(getattr(cap, "num_blocks", "")),
         "max_model_len": str(cfg.max_model_len),
-        "quantization": str(getattr(cfg, "quantization", None) or "none"),
+        "quantization": str(quantization or "none"),
     }
     try:
         from metrics.roofline import device_peaks

@@ -14,7 +14,7 @@ from scheduler.config import EngineConfig
 
 # runtime.quantization.QUANTIZATIONS, spelled out here: this module must not import torch (`servelm bench`
 # and `--help` stay light); a test keeps the two equal.
-QUANTIZATIONS = ("int8", "int4")
+QUANTIZATIONS = ("int8", "int4", "auto")
 
 log = logging.getLogger("servelm")
 
@@ -94,7 +94,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--max-waiting-requests", type=_positive_int, default=d.max_waiting_requests, help="queue bound in sequences: beyond it requests get 503 with Retry-After (default: %(default)s)")
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: do not capture CUDA graphs")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None, help="schedule the next step while the device computes this one; its host work (outputs, detokenization) then overlaps the device (default: on for CUDA, off for CPU, where nothing runs in the background)")
-    g.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help="weight-only quantization (CPU, float32 activations). int8: projections and vocabulary head in int8, one float32 scale per output row: a quarter of the weight bytes a decode step reads; tokens differ from the float32 model's. int4: projections in 4 bits, groups of 32 with an fp16 scale and minimum (llama.cpp's Q4_1), head in int8 groups of 32 (Q8_0): a sixth of the bytes; exact for the default model, which ships in those formats (default: none)")
+    g.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help="weight-only quantization (CPU, float32 activations). int8: projections and vocabulary head in int8, one float32 scale per output row: a quarter of the weight bytes a decode step reads; tokens differ from the float32 model's. int4: projections in 4 bits, groups of 32 with an fp16 scale and minimum (llama.cpp's Q4_1), head in int8 groups of 32 (Q8_0): a sixth of the bytes; exact for the default model, which ships in those formats. auto: int4 where that is exact for the checkpoint's weights (checked at load: the default model, or a model dequantized from such a GGUF file), else none (default: none; `make serve` passes auto)")
     g.add_argument("--num-threads", type=_positive_int, default=None, help="CPU: torch intra-op threads (default: torch's choice)")
     g.add_argument("--seed", type=int, default=d.seed, help="sampling seed for requests without one (default: %(default)s)")
 

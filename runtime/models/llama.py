@@ -494,6 +494,26 @@ class CausalLM(nn.Module):
             with torch.no_grad():
                 self.lm_head.weight.copy_(head)
 
+    def quantize_if_exact(self, kernels: dict[str, tuple[quantization.QuantizedKernel, int]]) -> str | None:
+        """``--quantization auto``: int4 (``quantize("int4", ...)``) only if it is lossless here, that is
+        if every projection and the head dequantize to exactly the loaded weights. Returns None when
+        applied, else the first weight that is not on the grid (the model is then left as it was)."""
+        plan: list[tuple[Linear, quantization.QuantizedWeight]] = []
+        for name, module in self.named_modules():
+            if isinstance(module, Linear):
+                assert module.weight is not None and module.packed is None, "quantize before packing"
+                quant = quantization.quantize(module.weight, "int4", kernels)
+                if not torch.equal(quant.dequantize(module.weight.dtype), module.weight):
+                    return name
+                plan.append((module, quant))
+        head = quantization.quantize(self.lm_head_weight, quantization.head_scheme("int4"), kernels)
+        if not torch.equal(head.dequantize(self.lm_head_weight.dtype), self.lm_head_weight):
+            return "lm_head"
+        for module, quant in plan:
+            module.quant = quant  # its weight already equals the dequantized values
+        self.lm_head_quant = head  # likewise the head (for a tied one, the embedding itself)
+        return None
+
     def weight_bytes_read(self) -> int:
         """Bytes of weight a decode step reads: every parameter once (a tied embedding as the head),
         quantized projections and head as their codes plus scales. Call before ``pack_cpu_weights``

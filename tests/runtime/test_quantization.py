@@ -44,6 +44,8 @@ def test_only_cpu_float32_int8_is_accepted() -> None:
     check_quantization("int4", torch.device("cpu"), torch.float32)
     with pytest.raises(ValueError, match="CPU path only"):
         check_quantization("int4", torch.device("cuda"), torch.float32)
+    check_quantization("auto", torch.device("cuda"), torch.bfloat16)  # auto decides at load, never refuses
+    qz.check_group_widths([576, 100], "auto")
     with pytest.raises(ValueError, match="unknown quantization"):
         check_quantization("int3", torch.device("cpu"), torch.float32)
     # int4 works in groups of 32 along K: a model with another width is refused before loading.
@@ -276,3 +278,48 @@ def test_without_onednn_the_int8_kernel_still_serves_every_few_row_projection(
     assert calls == [2] * per_step  # the decode step only, every projection and the head
     with_onednn = rt.prefill_then_decode(build_runner(tiny_llama_dir, quantization="int8"), [8, 9], [[0, 1]])
     torch.testing.assert_close(got, with_onednn, atol=1e-4, rtol=1e-4)
+
+
+def _on_the_int4_grid(src: Path, dst: Path) -> Path:
+    """A copy of the model folder ``src`` whose projections sit on int4's grid and whose embedding sits on
+    the int8-group grid: what a checkpoint dequantized from a Q4_1 GGUF with a Q8_0 embedding looks like."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    (path,) = dst.glob("*.safetensors")
+    tensors = load_file(str(path))
+    for name, t in tensors.items():
+        if t.dim() == 2 and "embed" in name:
+            tensors[name] = qz.dequantize_int8_groups(*qz.quantize_int8_groups(t), dtype=t.dtype).contiguous()
+        elif t.dim() == 2:
+            tensors[name] = qz.dequantize_int4_groups(*qz.quantize_int4_groups(t), dtype=t.dtype).contiguous()
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return dst
+
+
+def test_auto_takes_int4_only_where_it_is_exact(
+    tiny_llama_dir: Path, tmp_path: Path, build_runner: Any, rt: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``--quantization auto``: random float32 weights are not on int4's grid, so they run as loaded; a
+    checkpoint that is (as the default model is) runs int4, computing with the very same weights."""
+    kernels = _grouped_kernels()
+    with caplog.at_level("INFO", logger="runtime.runner"):
+        plain = build_runner(tiny_llama_dir, quantization="auto")
+    assert plain.quantization is None and plain.quantized_kernels == {}
+    assert all(m.quant is None for m in plain.model.modules() if isinstance(m, Linear))
+    assert "int4 would not be exact" in caplog.text
+    exact_dir = _on_the_int4_grid(tiny_llama_dir, tmp_path / "on-grid")
+    auto = build_runner(exact_dir, quantization="auto")
+    f32 = build_runner(exact_dir)
+    assert auto.quantization == "int4" and auto.quantized_kernels == kernels
+    assert all(m.quant.scheme == "int4" for m in auto.model.modules() if isinstance(m, Linear))
+    assert auto.model.lm_head_quant.scheme == "int8_groups"
+    assert auto.weight_bytes < f32.weight_bytes / 3  # the tiny model is mostly its int8-group head
+    calls = _count_int8_calls(auto)
+    steps = [[0, 1, 2], [1]]
+    got = rt.prefill_then_decode(auto, [8, 9, 10], steps)
+    assert calls  # the decode steps ran the int4 kernels
+    # The same weights as float32: only the summation order differs.
+    torch.testing.assert_close(got, rt.prefill_then_decode(f32, [8, 9, 10], steps), atol=1e-4, rtol=1e-4)

@@ -43,10 +43,10 @@ def test_int8_engine_answers_and_batching_does_not_change_its_tokens() -> None:
 
 
 def test_int4_is_the_default_models_own_precision_same_weights_and_tokens_as_float32() -> None:
-    """The default model ships as Q4_1 projections and a Q8_0 embedding: ``--quantization int4``
-    (int4 groups of 32 with fp16 scale and minimum, head in int8 groups) holds exactly those weights, so
-    every dequantized projection equals the float32 checkpoint's bit for bit and the greedy tokens are
-    the float32 engine's, at a sixth of the bytes a step reads."""
+    """The default model ships as Q4_1 projections and a Q8_0 embedding: int4 (groups of 32 with fp16
+    scale and minimum, head in int8 groups) holds exactly those weights, so ``--quantization auto``
+    takes it, every dequantized projection equals the float32 checkpoint's bit for bit, and the greedy
+    tokens are the float32 engine's, at a sixth of the bytes a step reads."""
     if not cpu_linear.quantized_kernels():
         pytest.skip("no quantized kernels here (the dequantized path is covered by tests/runtime/test_quantization.py)")
     import torch
@@ -54,7 +54,9 @@ def test_int4_is_the_default_models_own_precision_same_weights_and_tokens_as_flo
     from runtime.models.llama import Linear
 
     f32 = Engine(EngineConfig(kv_cache_memory=64 * 2**20, max_model_len=1024))
-    q4 = Engine(EngineConfig(quantization="int4", kv_cache_memory=64 * 2**20, max_model_len=1024))
+    # auto (what `make serve` and the CPU image pass) finds the weights on int4's grid and takes it.
+    q4 = Engine(EngineConfig(quantization="auto", kv_cache_memory=64 * 2**20, max_model_len=1024))
+    assert q4.runner.quantization == "int4" and f32.runner.quantization is None
     assert q4.runner.weight_bytes < 0.2 * f32.runner.weight_bytes
     dense = {n: m for n, m in f32.runner.model.named_modules() if isinstance(m, Linear)}
     quantized = {n: m for n, m in q4.runner.model.named_modules() if isinstance(m, Linear)}
@@ -74,3 +76,10 @@ def test_int4_is_the_default_models_own_precision_same_weights_and_tokens_as_flo
     alone = [q4.generate([p], params)[0].outputs[0].token_ids for p in prompts]
     assert together == want and alone == want
     assert q4.block_manager.num_used_blocks == 0
+    from prometheus_client import generate_latest
+
+    from server.app import create_prometheus_observer
+
+    observer = create_prometheus_observer(q4)
+    assert observer is not None
+    assert 'quantization="int4"' in generate_latest(observer.registry).decode()  # what runs, not "auto"

@@ -72,7 +72,7 @@ def test_serve_args_build_one_engine_config() -> None:
     assert engine_config_from_args(defaults).async_scheduling is None
     off = build_parser().parse_args(["serve", "--no-async-scheduling"])
     assert engine_config_from_args(off).async_scheduling is False
-    for scheme in ("int8", "int4"):
+    for scheme in ("int8", "int4", "auto"):
         assert engine_config_from_args(build_parser().parse_args(["serve", "--quantization", scheme])).quantization == scheme
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--quantization", "int3"])
