@@ -323,3 +323,17 @@ def test_auto_takes_int4_only_where_it_is_exact(
     assert calls  # the decode steps ran the int4 kernels
     # The same weights as float32: only the summation order differs.
     torch.testing.assert_close(got, rt.prefill_then_decode(f32, [8, 9, 10], steps), atol=1e-4, rtol=1e-4)
+
+
+def test_auto_stays_unquantized_where_int4_cannot_run(
+    tiny_llama_dir: Path, tmp_path: Path, build_runner: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Even on-grid weights run as loaded under ``auto`` when int4 cannot serve them: bfloat16, or no
+    compiled kernels (``auto`` never falls back to dequantized int4, which would only cost start-up)."""
+    _grouped_kernels()
+    exact_dir = _on_the_int4_grid(tiny_llama_dir, tmp_path / "on-grid")
+    assert build_runner(exact_dir, quantization="auto", dtype=torch.bfloat16).quantization is None
+    monkeypatch.setattr(cpu_linear, "quantized_kernels", lambda: {})
+    runner = build_runner(exact_dir, quantization="auto")
+    assert runner.quantization is None
+    assert all(m.quant is None for m in runner.model.modules() if isinstance(m, Linear))
