@@ -16,7 +16,7 @@ import logging
 from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -30,7 +30,13 @@ from runtime.config import ModelConfig
 from runtime.cuda_graphs import CudaGraphRunner
 from runtime.kv_cache import KVPool
 from runtime.models.llama import FewRowKernels
-from runtime.quantization import AUTO, GROUP, QUANTIZATION_LABELS, check_group_widths, check_quantization
+from runtime.quantization import (
+    QUANTIZATION_LABELS,
+    check_group_widths,
+    check_quantization,
+    projection_widths,
+    quantize_model,
+)
 from runtime.sampler import Sampler, SampledRows
 from runtime.weights import load_model
 
@@ -132,8 +138,7 @@ class ModelRunner:
         (``self.quantization`` says which runs).
         """
         check_quantization(quantization, torch.device(device), dtype)
-        # The projections' input widths: hidden (q/k/v, gate/up, head), heads x head_dim (o), intermediate (down).
-        widths = [model_config.hidden_size, model_config.num_heads * model_config.head_dim, model_config.intermediate_size]
+        widths = projection_widths(model_config)
         check_group_widths(widths, quantization)
         self.model_config = model_config
         self.device = torch.device(device)
@@ -150,18 +155,9 @@ class ModelRunner:
         if backend_bs != block_size:
             raise ValueError(f"attention backend expects block_size {backend_bs}, the pool uses {block_size}")
         self.model = load_model(model_dir, model_config, self.backend, dtype=dtype, device=self.device)
-        self.quantized_kernels: dict[str, tuple[Callable[..., torch.Tensor], int]] = {}
-        if quantization == AUTO:
-            quantization = self._quantize_if_exact(widths)
-        elif quantization is not None:
-            self.quantized_kernels = cpu_linear.quantized_kernels()
-            if not self.quantized_kernels:
-                log.warning(
-                    "--quantization %s: the quantized kernels are unavailable here (no AVX-512, no compiler, or "
-                    "SERVELM_CPU_LINEAR set), so the quantized weights run dequantized: same tokens, no speed-up",
-                    quantization,
-                )
-            self.model.quantize(quantization, self.quantized_kernels)
+        kernels = cpu_linear.quantized_kernels() if quantization is not None and self.device.type == "cpu" else {}
+        quantization = quantize_model(self.model, quantization, kernels, self.device, dtype, widths)
+        self.quantized_kernels = kernels if quantization else {}
         self.quantization = quantization  # what runs ("auto" resolved): "int8", "int4" or None
         quant_rows = self.quantized_kernels[quantization][1] if quantization and self.quantized_kernels else 0
         # What a decode step reads (MBU, the device check's floor): quantized weights count their own bytes.
@@ -228,28 +224,6 @@ class ModelRunner:
             + ("; fused Triton norms/activation/RoPE" if self.fused_ops else "")
             + (f"; fused few-row projections: {self.few_rows_mode}" if self.few_rows is not None else ""),
         )
-
-    def _quantize_if_exact(self, widths: list[int]) -> str | None:
-        """``--quantization auto``: int4 where it is lossless for these weights (CPU, float32, with the
-        compiled kernels), else nothing; says which and why in the log. Returns what now runs."""
-        if self.device.type != "cpu" or self.dtype != torch.float32:
-            log.info("--quantization auto: no quantization (it is for CPU float32; here %s %s)", self.device.type, self.dtype)
-            return None
-        kernels = cpu_linear.quantized_kernels()
-        if not kernels or any(k % GROUP for k in widths):
-            why = "no quantized kernels here" if not kernels else f"input widths {widths} not all multiples of {GROUP}"
-            log.info("--quantization auto: no quantization (%s)", why)
-            return None
-        try:
-            off_grid = self.model.quantize_if_exact(kernels)
-        except ValueError as e:  # e.g. a weight beyond float16's range: not int4's grid either
-            off_grid = str(e)
-        if off_grid is not None:
-            log.info("--quantization auto: float32 weights (int4 would not be exact: %s is off its grid)", off_grid)
-            return None
-        self.quantized_kernels = kernels
-        log.info("--quantization auto: int4, exact for these weights (every projection and the head on its grid)")
-        return "int4"
 
     # ---- the KV pool -----------------------------------------------------------------------------
     def _new_pool(self, num_blocks: int) -> KVPool:

@@ -305,7 +305,7 @@ def test_auto_takes_int4_only_where_it_is_exact(
     """``--quantization auto``: random float32 weights are not on int4's grid, so they run as loaded; a
     checkpoint that is (as the default model is) runs int4, computing with the very same weights."""
     kernels = _grouped_kernels()
-    with caplog.at_level("INFO", logger="runtime.runner"):
+    with caplog.at_level("INFO", logger="runtime.quantization"):
         plain = build_runner(tiny_llama_dir, quantization="auto")
     assert plain.quantization is None and plain.quantized_kernels == {}
     assert all(m.quant is None for m in plain.model.modules() if isinstance(m, Linear))
