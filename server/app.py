@@ -29,18 +29,25 @@ from server.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from server.serving_chat import create_chat_completion
 from server.serving_common import ServingContext
 from server.serving_completions import create_completion
+from server.serving_tokenize import detokenize, tokenize
 
 log = logging.getLogger(__name__)
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 # The largest /v1 request body read (413 beyond): 256 prompts of 8k token ids are ~13 MB of JSON.
 DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
+# Outside /v1 but gated like it (they take request bodies and use the tokenizer thread).
+GATED_PATHS = frozenset({"/tokenize", "/detokenize"})
 
 
 def servelm_version() -> str:
@@ -135,8 +142,8 @@ def _render_metrics(registry: Any, async_engine: AsyncEngine) -> tuple[bytes, st
 
 
 class GateMiddleware:
-    """API-key check, availability check and body-size limit for ``/v1/*`` (pure ASGI: no per-chunk
-    overhead on responses).
+    """API-key check, availability check and body-size limit for ``/v1/*``, ``/tokenize`` and
+    ``/detokenize`` (pure ASGI: no per-chunk overhead on responses).
 
     ``/health``, ``/version`` and ``/metrics`` stay open (probes and scrapers carry no key), as do
     the docs. A dead engine or a draining server answers 503 before any body is parsed, and a POST
@@ -156,7 +163,7 @@ class GateMiddleware:
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and (scope["path"].startswith("/v1/") or scope["path"] in GATED_PATHS):
             err = self._check(scope)
             if err is None and scope["method"] == "POST":
                 scope = _as_json(scope)
@@ -277,6 +284,14 @@ def build_app(
         if model_id != ctx.served_model_name:
             raise model_not_found(model_id)
         return model_card()
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=error_responses(400, 401, 404, 413, 503))
+    async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:
+        return await tokenize(ctx, body)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=error_responses(400, 401, 404, 413, 503))
+    async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:
+        return await detokenize(ctx, body)
 
     @app.head("/health", include_in_schema=False)
     @app.get("/health", responses=error_responses(503))

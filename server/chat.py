@@ -56,13 +56,15 @@ def _content_text(m: ChatMessage, where: str) -> str:
     return "\n".join(texts)
 
 
-def render_chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Apply the chat template (``add_generation_prompt=True``) and tokenize the result.
+def render_chat_prompt(
+    tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool = True, add_special_tokens: bool = False
+) -> list[int]:
+    """Apply the chat template and tokenize the result.
 
     The template writes the special tokens (BOS, role markers) itself, so the text is encoded
-    without adding special tokens again.
+    without adding special tokens again (unless ``add_special_tokens``, for /tokenize).
     """
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("This model has no chat template; use /v1/completions instead.", param="messages")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))

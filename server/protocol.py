@@ -177,6 +177,42 @@ class ChatCompletionRequest(GenerationRequest):
     web_search_options: Any | None = None
 
 
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's): a ``prompt`` as /v1/completions would encode it, or chat ``messages``
+    through the chat template as /v1/chat/completions would; exactly one of the two."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    # Default: the prompt gets the tokenizer's special tokens (as /v1/completions); the chat template
+    # writes its own.
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True  # messages only: end with the assistant's turn marker
+    return_token_strs: bool = False  # also the vocabulary strings of the ids
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's): token ids -> text, special tokens included."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 # -------------------------------------------------------------------------------------------- responses
 
 

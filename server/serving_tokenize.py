@@ -1,0 +1,55 @@
+"""``POST /tokenize`` and ``POST /detokenize`` (vLLM's): the server's own tokenization, so a client can
+count a prompt's tokens (or see where a chat template puts them) exactly as generation would encode it.
+
+Same checks as the generation endpoints: the model name, the chat messages, a prompt's characters
+against what ``max_model_len`` tokens can spell (tokenizing an unbounded text would hold the
+tokenizer thread), token ids inside the vocabulary. The work runs in the tokenizer thread.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from server.chat import normalize_messages, render_chat_prompt
+from server.errors import bad_request
+from server.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from server.serving_common import ServingContext, check_token_ids
+
+
+def _encode_prompt(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+async def tokenize(ctx: ServingContext, req: TokenizeRequest) -> TokenizeResponse:
+    ctx.check_model(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("Give exactly one of 'prompt' and 'messages'.", param="prompt" if req.prompt is None else "messages")
+    run = ctx.async_engine.run_blocking
+    if req.prompt is not None:
+        ctx.check_prompt_chars(len(req.prompt), "prompt")
+        special = True if req.add_special_tokens is None else req.add_special_tokens
+        ids = await run(_encode_prompt, ctx.tokenizer, req.prompt, special)
+    else:
+        assert req.messages is not None
+        messages = normalize_messages(req.messages)
+        ctx.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages", "the messages' text")
+        ids = await run(
+            lambda: render_chat_prompt(
+                ctx.tokenizer,
+                messages,
+                add_generation_prompt=req.add_generation_prompt,
+                add_special_tokens=bool(req.add_special_tokens),
+            )
+        )
+    strs = await run(ctx.tokenizer.convert_ids_to_tokens, ids) if req.return_token_strs else None
+    return TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids, token_strs=strs)
+
+
+async def detokenize(ctx: ServingContext, req: DetokenizeRequest) -> DetokenizeResponse:
+    ctx.check_model(req.model)
+    check_token_ids([req.tokens], ctx.vocab_size, param="tokens")
+    text = await ctx.async_engine.run_blocking(ctx.tokenizer.decode, req.tokens)
+    return DetokenizeResponse(prompt=text)
+
+
+__all__ = ["detokenize", "tokenize"]
