@@ -11,7 +11,8 @@
 # float32, then --quantization int8, then --quantization int4), then llama-server. Results go to $OUT_DIR
 # (default /tmp/servelm-vs-llama-cpp). ROUNDS=N (default 1) repeats the whole sequence N times, so that
 # every server runs in every round, and ends with each server's medians over the rounds (a shared host
-# drifts: compare servers within rounds, quote medians).
+# drifts: compare servers within rounds, quote medians). LLAMA_ARGS adds llama-server flags (e.g. "-nr":
+# on an Intel Xeon with AMX here, llama-server's weight repacking segfaulted at start-up; -nr skips it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,6 +23,7 @@ OUT_DIR="${OUT_DIR:-/tmp/servelm-vs-llama-cpp}"
 THREADS="${THREADS:-2}"
 VARIANTS="${VARIANTS:-float32 int8 int4}"
 ROUNDS="${ROUNDS:-1}"
+LLAMA_ARGS="${LLAMA_ARGS:-}"
 PY=.venv/bin/python
 mkdir -p "$PEERS" "$OUT_DIR"
 
@@ -77,7 +79,7 @@ for round in $(seq "$ROUNDS"); do
             *) echo "unknown variant $variant (float32, int8, int4)" >&2; exit 2 ;;
         esac
     done
-    "$bin" -m "$gguf" -t "$THREADS" -np 32 -c 32768 -fa on --host 127.0.0.1 --port 8302 > "$OUT_DIR/llama-server.log" 2>&1 &
+    "$bin" -m "$gguf" -t "$THREADS" -np 32 -c 32768 -fa on $LLAMA_ARGS --host 127.0.0.1 --port 8302 > "$OUT_DIR/llama-server.log" 2>&1 &
     pid=$!
     wait_healthy 8302
     bench llama-server 8302
