@@ -31,6 +31,7 @@ class SamplingSpec(Protocol):
     logit_bias: dict[int, float] | None
     min_tokens: int
     logprobs: int | None  # None => none; k => the chosen token's logprob plus the top-k alternatives
+    prompt_logprobs: int | None  # None => none; k => each prompt token's logprob plus the top-k alternatives
 
 
 @dataclass
@@ -50,6 +51,7 @@ class SamplingOptions:
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 class SequenceView(Protocol):
@@ -71,11 +73,16 @@ class BatchItem:
 
     ``sample`` is True when this chunk reaches the end of ``seq.token_ids``: the logits of its last
     position are sampled to produce the next token. A prefill chunk that stops short samples nothing.
+
+    ``score`` ``(lo, hi)``: positions lo..hi-1 of this chunk (absolute, within the prompt's first
+    ``num_prompt_tokens - 1``) whose logits score the prompt token that follows each of them (prompt
+    logprobs, ``seq.params.prompt_logprobs`` alternatives each).
     """
 
     seq: SequenceView
     num_new_tokens: int
     sample: bool
+    score: tuple[int, int] | None = None
 
 
 @dataclass
@@ -89,8 +96,21 @@ class TokenLogprobs:
 
 
 @dataclass
+class PromptLogprobs:
+    """Logprobs of consecutive prompt tokens, ``first`` (its index in the prompt, >= 1) onwards; each
+    from the raw logits of the position before it (no penalties, bias or temperature)."""
+
+    first: int
+    entries: list[TokenLogprobs]
+
+
+@dataclass
 class RunnerOutput:
-    """One entry per ``BatchItem`` in the order given; None where the item did not sample."""
+    """One entry per ``BatchItem`` in the order given; None where the item did not sample.
+
+    ``prompt_logprobs``: one entry per item (None where it scored nothing), or None when no item scored.
+    """
 
     sampled_token_ids: list[int | None]
     logprobs: list[TokenLogprobs | None]
+    prompt_logprobs: list[PromptLogprobs | None] | None = None

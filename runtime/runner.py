@@ -24,7 +24,7 @@ import torch
 from runtime import cpu_linear, cpu_ops, pdl
 from runtime.attention.base import AttentionBackend, AttentionMetadata
 from runtime.attention.selector import select_backend
-from runtime.batch import PENDING_TOKEN, BatchItem, RunnerOutput, SequenceView, TokenLogprobs
+from runtime.batch import PENDING_TOKEN, BatchItem, PromptLogprobs, RunnerOutput, SequenceView, TokenLogprobs
 from runtime.capacity import kv_bytes_per_token
 from runtime.config import ModelConfig
 from runtime.cuda_graphs import CudaGraphRunner
@@ -37,10 +37,13 @@ from runtime.quantization import (
     projection_widths,
     quantize_model,
 )
-from runtime.sampler import Sampler, SampledRows
+from runtime.sampler import LogprobTensors, Sampler, SampledRows, host_to_device, logprob_tensors
 from runtime.weights import load_model
 
 log = logging.getLogger(__name__)
+
+# Prompt rows scored at once (prompt logprobs): their float32 logits take SCORE_ROWS x vocab x 4 bytes.
+SCORE_ROWS = 128
 
 
 @dataclass
@@ -55,6 +58,17 @@ class StepInputs:
     sample_items: list[int]  # caller's item index of each sampled row
     # replay a captured CUDA graph: the tensors are views of its staged inputs, ``meta`` is unbuilt
     graph: bool = False
+    score: PromptScoring | None = None  # prompt rows to score (items with ``score``)
+
+
+@dataclass
+class PromptScoring:
+    """The rows of a step whose logits score prompt tokens: row ``rows[j]`` scores token ``targets[j]``."""
+
+    rows: list[int]
+    targets: list[int]
+    ks: list[int]  # alternatives asked, per row
+    items: list[tuple[int, int, int]]  # (caller's item index, first scored token's index, rows)
 
 
 @dataclass
@@ -78,25 +92,41 @@ class StepOutput:
         sample_items: list[int],
         rows: SampledRows | None,
         ready: torch.cuda.Event | None = None,
+        scored: tuple[PromptScoring, list[LogprobTensors]] | None = None,
     ) -> None:
         self._num_items = num_items
         self._sample_items = sample_items
         self._rows = rows
         self._ready = ready  # recorded after the device-to-host copies (GPU only)
+        self._scored = scored  # prompt logprobs, still where they were computed
 
     def result(self) -> RunnerOutput:
         """One entry per item, in item order (see ``RunnerOutput``)."""
         n = self._num_items
         tokens: list[int | None] = [None] * n
         logprobs: list[TokenLogprobs | None] = [None] * n
+        if self._ready is not None:
+            self._ready.synchronize()  # this step's copies only, not the work issued after them
         if self._rows is not None:
-            if self._ready is not None:
-                self._ready.synchronize()  # this step's copies only, not the work issued after them
             ids, lps = self._rows.resolve()
             for i, tok, lp in zip(self._sample_items, ids, lps):
                 tokens[i] = tok
                 logprobs[i] = lp
-        return RunnerOutput(tokens, logprobs)
+        return RunnerOutput(tokens, logprobs, self._prompt_logprobs())
+
+    def _prompt_logprobs(self) -> list[PromptLogprobs | None] | None:
+        if self._scored is None:
+            return None
+        score, parts = self._scored
+        entries: list[TokenLogprobs | None] = []
+        for part in parts:
+            entries += part.resolve(len(part.rows))
+        out: list[PromptLogprobs | None] = [None] * self._num_items
+        at = 0
+        for i, first, n in score.items:
+            out[i] = PromptLogprobs(first, entries[at : at + n])  # type: ignore[arg-type]  # every row resolves
+            at += n
+        return out
 
 
 def is_decode(item: BatchItem) -> bool:
@@ -340,21 +370,39 @@ class ModelRunner:
         ``PENDING_TOKEN`` by now.
         """
         inputs = step.inputs
-        if not inputs.sample_items:
+        scored = None
+        if inputs.score is not None:
+            scored = (inputs.score, self.score_prompt(inputs.score, step.hidden, step.logits))
+        rows = None
+        if inputs.sample_items:
+            logits = self.sampled_logits(inputs, step.hidden, step.logits)
+            seqs = [step.items[i].seq for i in inputs.sample_items]
+            rows = self.sampler.sample_rows(logits, seqs)
+            self._last_tokens, self._last_seqs, self._last_rows = rows.tokens, seqs, None
+        else:
             self._last_tokens, self._last_seqs, self._last_rows = None, [], None
-            return StepOutput(len(step.items), [], None)
-        logits = self.sampled_logits(inputs, step.hidden, step.logits)
-        seqs = [step.items[i].seq for i in inputs.sample_items]
-        rows = self.sampler.sample_rows(logits, seqs)
-        self._last_tokens, self._last_seqs, self._last_rows = rows.tokens, seqs, None
         ready = None
-        if rows.tokens.device.type == "cuda":
+        if self.device.type == "cuda" and (rows is not None or scored is not None):
             # Into pinned host memory without blocking; ``result`` waits on this event alone.
-            stream = torch.cuda.current_stream(rows.tokens.device)
-            rows = rows.with_tensors([t.to("cpu", non_blocking=True) for t in rows.tensors()])
+            if rows is not None:
+                rows = rows.with_tensors([t.to("cpu", non_blocking=True) for t in rows.tensors()])
+            if scored is not None:
+                scored = (scored[0], [p.with_tensors([t.to("cpu", non_blocking=True) for t in p.tensors()]) for p in scored[1]])
             ready = torch.cuda.Event()
-            ready.record(stream)
-        return StepOutput(len(step.items), inputs.sample_items, rows, ready)
+            ready.record(torch.cuda.current_stream(self.device))
+        return StepOutput(len(step.items), inputs.sample_items, rows, ready, scored)
+
+    def score_prompt(self, score: PromptScoring, out: torch.Tensor, is_logits: bool) -> list[LogprobTensors]:
+        """Logprobs of prompt tokens from the raw logits of the rows before them, in slices of
+        ``SCORE_ROWS`` rows (a 512-token chunk's logits would be 100 MB at a 49k vocabulary)."""
+        parts = []
+        for a in range(0, len(score.rows), SCORE_ROWS):
+            rows = score.rows[a : a + SCORE_ROWS]
+            h = out.index_select(0, host_to_device(rows, out.device))
+            logits = (h if is_logits else self.model.compute_logits(h)).float()
+            targets = host_to_device(score.targets[a : a + SCORE_ROWS], out.device)
+            parts.append(logprob_tensors(logits.log_softmax(-1), targets, list(range(len(rows))), score.ks[a : a + SCORE_ROWS]))
+        return parts
 
     def sampled_logits(self, inputs: StepInputs, out: torch.Tensor, is_logits: bool) -> torch.Tensor:
         """Float32 logits of the rows to sample from ``forward``'s output (hidden states, or logits)."""
@@ -405,6 +453,7 @@ class ModelRunner:
         used_blocks: list[int] = []
         sample_rows: list[int] = []
         sample_items: list[int] = []
+        score: PromptScoring | None = None
         pending_at: list[int] = []  # input rows whose token the last step sampled on the device
         pending_from: list[int] = []  # ... and the row of that step's tokens it is in
         for idx in order:
@@ -445,6 +494,17 @@ class ModelRunner:
             if item.sample:
                 sample_rows.append(len(input_ids) - 1)
                 sample_items.append(idx)
+            if item.score is not None:
+                lo, hi = item.score
+                if not start <= lo < hi <= min(end, seq.num_prompt_tokens - 1):
+                    raise ValueError(f"seq {seq.seq_id}: cannot score positions {lo}..{hi - 1} in tokens {start}..{end - 1}")
+                if score is None:
+                    score = PromptScoring([], [], [], [])
+                row0 = len(input_ids) - n - start
+                score.rows.extend(range(row0 + lo, row0 + hi))
+                score.targets.extend(token_ids[lo + 1 : hi + 1])
+                score.ks.extend([int(seq.params.prompt_logprobs or 0)] * (hi - lo))
+                score.items.append((idx, lo + 1, hi - lo))
 
         num_tokens = len(input_ids)
         if num_tokens > self.max_num_batched_tokens:
@@ -465,10 +525,12 @@ class ModelRunner:
         # A decode-only step that fits the captured shapes replays a graph: staged straight into its
         # input buffers (its metadata was built at capture, so the backend's per-step derivation is skipped).
         if self.graph_runner is not None and self.graph_runner.can_run(len(decodes), num_tokens, width):
-            return self._stage_graph_step(
+            staged = self._stage_graph_step(
                 input_ids, positions, slots, seq_lens, flat_tables, width, pending_at, pending_from,
                 order, sample_rows, sample_items,
             )  # fmt: skip
+            staged.score = score
+            return staged
 
         dev = self.device
         ids_t, positions_t, slots_t, sample_rows_t, pending_at_t, pending_from_t = _to_device(
@@ -501,6 +563,7 @@ class ModelRunner:
             order=order,
             sample_rows=sample_rows_t,
             sample_items=sample_items,
+            score=score,
         )
 
     def _stage_graph_step(

@@ -350,7 +350,7 @@ class Sampler:
 
         out = SampledRows(tokens)
         if logprobs is not None and lp_idx is not None:
-            out.logprobs = _logprob_tensors(
+            out.logprobs = logprob_tensors(
                 logprobs, tokens.index_select(0, lp_idx), lp_rows, [int(params[i].logprobs or 0) for i in lp_rows]
             )
         return out
@@ -535,7 +535,7 @@ class SampledRows:
         return tokens, lps
 
 
-def _logprob_tensors(logprobs: torch.Tensor, chosen: torch.Tensor, rows: list[int], ks: list[int]) -> LogprobTensors:
+def logprob_tensors(logprobs: torch.Tensor, chosen: torch.Tensor, rows: list[int], ks: list[int]) -> LogprobTensors:
     """Logprob tensors for rows of ``logprobs`` [m, V] (log_softmax) given each row's chosen token."""
     chosen_lp = logprobs.gather(1, chosen.unsqueeze(1))  # [m, 1]
     rank = (logprobs > chosen_lp).sum(-1) + 1

@@ -101,10 +101,17 @@ class _Group:
     choices: list[Request]
     num_finished: int = 0
     pending: dict[int, CompletionOutput] = field(default_factory=dict)  # outputs made between steps (abort)
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
         return self.num_finished == len(self.choices)
+
+
+def _complete_prompt_logprobs(group: _Group) -> list[TokenLogprobs | None] | None:
+    """The group's prompt logprobs (choice 0 scores the prompt) once every prompt token has its entry."""
+    lps = group.choices[0].prompt_logprobs
+    return lps if lps is not None and len(lps) == len(group.prompt_token_ids) else None
 
 
 class Engine:
@@ -366,10 +373,17 @@ class Engine:
         result = done.output.result()
         now = time.monotonic()
         num_sampled = 0
-        for item, token, lps in zip(done.items, result.sampled_token_ids, result.logprobs):
+        scored = result.prompt_logprobs or itertools.repeat(None)
+        for item, token, lps, prompt_lps in zip(done.items, result.sampled_token_ids, result.logprobs, scored):
+            req: Request = item.seq  # type: ignore[assignment]
+            if prompt_lps is not None and not req.is_finished:
+                try:
+                    req.add_prompt_logprobs(prompt_lps)
+                except Exception as e:  # one bad request must not take the batch down
+                    self._fail(req, e, changed)
+                    continue
             if token is None:
                 continue
-            req: Request = item.seq  # type: ignore[assignment]
             if req.is_finished:  # a wasted row (see the module docstring), or aborted meanwhile
                 continue
             try:
@@ -502,7 +516,17 @@ class Engine:
         finished = group.finished
         if finished:
             self._groups.pop(group.request_id, None)
-        return RequestOutput(group.request_id, group.prompt_token_ids, outs, finished, error)
+        return RequestOutput(
+            group.request_id, group.prompt_token_ids, outs, finished, error, self._take_prompt_logprobs(group)
+        )
+
+    @staticmethod
+    def _take_prompt_logprobs(group: _Group) -> list[TokenLogprobs | None] | None:
+        """Choice 0's prompt logprobs, once, as soon as the whole prompt is scored."""
+        lps = None if group.prompt_logprobs_sent else _complete_prompt_logprobs(group)
+        if lps is not None:
+            group.prompt_logprobs_sent = True
+        return lps
 
     # -- metrics -------------------------------------------------------------------------------------
     def _observe_step(
@@ -579,6 +603,7 @@ class Engine:
                     )
                     for r in g.choices
                 ],
+                _complete_prompt_logprobs(g),
             )
             for g in groups
         ]

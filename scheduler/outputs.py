@@ -29,6 +29,9 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)  # only choices that changed
     finished: bool = False  # every choice has finished
     error: str | None = None  # set when the request failed inside the engine (finish_reason "error")
+    # Asked with ``prompt_logprobs``: one entry per prompt token (the first None), in the first output
+    # after the whole prompt was scored (no later than the first generated token's).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -51,3 +54,4 @@ class GenerationResult:
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[GeneratedChoice] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from runtime.batch import PENDING_TOKEN, TokenLogprobs
+from runtime.batch import PENDING_TOKEN, PromptLogprobs, TokenLogprobs
 from scheduler.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # runtime-free imports only for type checkers
@@ -107,6 +107,11 @@ class Request:
         self.stop_reason: str | int | None = None
         self.error: str | None = None
         self.output_logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        # One entry per prompt token, the first None (nothing precedes it), filled as chunks are
+        # computed. Only choice 0 scores the prompt: its siblings share it.
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = (
+            [None] if params.prompt_logprobs is not None and parent is None else None
+        )
         self.num_preemptions = 0
 
         # Timestamps (time.monotonic()) from which every latency metric is derived.
@@ -147,6 +152,12 @@ class Request:
         return self.status.finish_reason
 
     @property
+    def num_prompt_scored(self) -> int:
+        """Prompt positions whose logits have scored the token after them (all when none are asked)."""
+        lps = self.prompt_logprobs
+        return self.num_prompt_tokens - 1 if lps is None else len(lps) - 1
+
+    @property
     def is_decoding(self) -> bool:
         """True when the next computed token is a generated one (one new token per step)."""
         return self.num_output_tokens > 0 and self.num_computed_tokens == len(self.token_ids) - 1
@@ -160,6 +171,17 @@ class Request:
             self.token_ids.append(token_id)
         if self.output_logprobs is not None and logprobs is not None:
             self.output_logprobs.append(logprobs)
+
+    def add_prompt_logprobs(self, scored: PromptLogprobs) -> None:
+        """Keep the entries that extend ``prompt_logprobs``; positions scored again after a preemption
+        (recomputed before the engine read their first scores) are dropped."""
+        lps = self.prompt_logprobs
+        if lps is None:
+            return
+        skip = len(lps) - scored.first
+        if skip < 0:
+            raise ValueError(f"prompt logprobs from token {scored.first} leave a gap after token {len(lps) - 1}")
+        lps.extend(scored.entries[skip:])
 
     def drop_pending_token(self) -> None:
         """Forget a pending token whose value will not be read (the sequence finished meanwhile)."""

@@ -63,6 +63,7 @@ RANGES: dict[str, Range] = {
     "repetition_penalty": Range(0, 10, low_open=True),
     "min_tokens": Range(0),
     "logprobs": Range(0, 20),
+    "prompt_logprobs": Range(0, 20),
 }
 
 
@@ -85,6 +86,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
     logprobs: int | None = None  # number of top alternatives (0 = only the chosen token)
+    # The same for every prompt token after the first (``echo`` with ``logprobs`` on /v1/completions).
+    prompt_logprobs: int | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False

@@ -174,7 +174,8 @@ class Scheduler:
                     # Share choice 0's full prompt blocks (all but the last prompt token): no copies.
                     req.block_table = self.bm.fork(fork_from.block_table, req.num_prompt_tokens - 1)
                     req.num_computed_tokens = len(req.block_table) * self.bm.block_size
-                else:
+                elif req.num_prompt_scored >= req.num_prompt_tokens - 1:
+                    # (A prompt still to score must compute every position: its cached blocks are not adopted.)
                     prefix = self.bm.lookup(req)
             num_cached = prefix.num_cached_tokens if prefix is not None else 0
             num_new = min(len(req.token_ids) - req.num_computed_tokens - num_cached, budget)
@@ -198,8 +199,14 @@ class Scheduler:
         return budget
 
     def _schedule(self, req: Request, num_new: int, out: SchedulerOutput) -> None:
-        sample = req.num_computed_tokens + num_new == len(req.token_ids)
-        out.items.append(BatchItem(req, num_new, sample))
+        start = req.num_computed_tokens
+        sample = start + num_new == len(req.token_ids)
+        score = None
+        if req.prompt_logprobs is not None:
+            lo, hi = max(start, req.num_prompt_scored), min(start + num_new, req.num_prompt_tokens - 1)
+            if lo < hi:
+                score = (lo, hi)
+        out.items.append(BatchItem(req, num_new, sample, score))
         if req.is_decoding:
             out.num_decode_tokens += num_new
         else:

@@ -99,19 +99,44 @@ def completion_logprobs(
     ``top_logprobs`` holds the requested alternatives plus the chosen token (as OpenAI does).
     Returns the object and the text offset after these tokens.
     """
+    return _legacy_logprobs(strings, [e.token_id for e in entries], entries, text_offset)
+
+
+def prompt_logprobs_object(
+    strings: TokenStrings, prompt_ids: Sequence[int], entries: Sequence[TokenLogprobs | None]
+) -> dict[str, Any]:
+    """The legacy object for an echoed prompt (``echo`` with ``logprobs``): one entry per prompt token,
+    the first with ``null`` logprob and alternatives (nothing precedes it); offsets from 0."""
+    return _legacy_logprobs(strings, prompt_ids, entries, 0)[0]
+
+
+def join_logprobs(first: dict[str, Any] | None, then: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Two legacy logprobs objects as one (an echoed prompt's, then the completion's)."""
+    if first is None or then is None:
+        return first if then is None else then
+    return {key: first[key] + then[key] for key in first}
+
+
+def _legacy_logprobs(
+    strings: TokenStrings, token_ids: Sequence[int], entries: Sequence[TokenLogprobs | None], text_offset: int
+) -> tuple[dict[str, Any], int]:
     tokens: list[str] = []
-    token_logprobs: list[float] = []
-    tops: list[dict[str, float]] = []
+    token_logprobs: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
     offsets: list[int] = []
-    for e in entries:
-        text = strings.text(e.token_id)
+    for token_id, e in zip(token_ids, entries):
+        text = strings.text(token_id)
         tokens.append(text)
+        offsets.append(text_offset)
+        text_offset += len(text)
+        if e is None:
+            token_logprobs.append(None)
+            tops.append(None)
+            continue
         token_logprobs.append(json_logprob(e.logprob))
         top = {strings.text(t): json_logprob(lp) for t, lp in e.top}
         top.setdefault(text, json_logprob(e.logprob))
         tops.append(top)
-        offsets.append(text_offset)
-        text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}, text_offset
 
 

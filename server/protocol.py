@@ -54,6 +54,8 @@ def _document_checks(schema: dict[str, Any]) -> None:
             prop.update(allowed.json_schema())
     if "prompt" in schema["properties"]:
         _non_empty_prompt(schema["properties"]["prompt"])
+        # /v1/completions: max_tokens 0 with echo returns the prompt alone (scoring it with logprobs).
+        schema["properties"]["max_tokens"]["minimum"] = 0
     for branch in schema["properties"].get("stop", {}).get("anyOf", []):
         if branch.get("type") == "string":
             branch.update(minLength=1, maxLength=MAX_STOP_CHARS)

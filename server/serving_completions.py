@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from scheduler.sampling_params import SamplingParams
 from server.async_engine import RequestGroup
 from server.errors import bad_request, unsupported
-from server.logprobs import completion_logprobs
+from server.logprobs import completion_logprobs, join_logprobs, prompt_logprobs_object
 from server.protocol import CompletionRequest, sse
 from server.serving_common import (
     ServingContext,
@@ -64,8 +64,12 @@ def _refuse_unsupported(req: CompletionRequest, n: int) -> None:
         raise unsupported("suffix", "'suffix' (insertion) is not supported by this server")
     if req.best_of is not None and req.best_of != n:
         raise unsupported("best_of", f"'best_of' must equal 'n' ({n}) or be omitted: best-of-n selection is not supported")
-    if req.echo and req.logprobs is not None:
-        raise unsupported("logprobs", "'logprobs' together with 'echo' (prompt logprobs) is not supported")
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request(
+            "max_tokens must be at least 1, got 0 (0 is allowed only with 'echo': the prompt alone, "
+            "with its logprobs if 'logprobs' is set).",
+            param="max_tokens",
+        )
 
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request) -> Response:
@@ -74,7 +78,12 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     ctx.check_model(req.model)
     n = req.n if req.n is not None else 1
     _refuse_unsupported(req, n)
-    params = common_sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs, vocab_size=ctx.vocab_size)
+    # max_tokens 0 with echo: score the prompt, generate nothing (the engine samples one token, unused).
+    prompt_only = req.max_tokens == 0
+    max_tokens = 1 if prompt_only else req.max_tokens
+    params = common_sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, vocab_size=ctx.vocab_size)
+    if req.echo and req.logprobs is not None:
+        params.prompt_logprobs = req.logprobs  # range checked with logprobs
     texts, given_ids = _split_prompt(req.prompt)
     ctx.check_sequences(len(texts), n)
     for i, text in enumerate(texts):
@@ -91,7 +100,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     request_id = random_id("cmpl")
     sub_ids = [f"{request_id}-{i}" for i in range(len(prompt_ids))]
     group = await add_requests(ctx, [(sid, ids, params) for sid, ids in zip(sub_ids, prompt_ids)], arrival)
-    job = _Completion(ctx, req, params, request_id, created, sub_ids, prompt_ids, echo_texts, group)
+    job = _Completion(ctx, req, params, request_id, created, sub_ids, prompt_ids, echo_texts, group, prompt_only)
     if req.stream:
         return event_stream(job.stream, group)
     body = await until_disconnect(raw, job.collect(), group)
@@ -112,6 +121,7 @@ class _Completion:
         prompt_ids: list[list[int]],
         echo_texts: list[str],
         group: RequestGroup,
+        prompt_only: bool = False,
     ) -> None:
         self.ctx = ctx
         self.req = req
@@ -124,6 +134,10 @@ class _Completion:
         self.echo_texts = echo_texts
         self.group = group
         self.want_logprobs = params.logprobs is not None
+        self.prompt_only = prompt_only  # echo the prompt, drop the one token the engine made
+        # Per prompt: its tokens' legacy logprobs object, once the engine has scored it (echo + logprobs).
+        self.want_prompt_logprobs = params.prompt_logprobs is not None
+        self.prompt_logprobs: list[dict[str, Any] | None] = [None] * len(prompt_ids)
         num_choices = len(prompt_ids) * self.n
         self.num_output_tokens = [0] * num_choices
         # Where the next token's text starts in the choice's text (logprobs.text_offset).
@@ -131,7 +145,7 @@ class _Completion:
 
     def _usage(self) -> dict[str, int]:
         prompt = sum(len(ids) for ids in self.prompt_ids)
-        completion = sum(self.num_output_tokens)
+        completion = 0 if self.prompt_only else sum(self.num_output_tokens)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     async def collect(self) -> dict[str, Any]:
@@ -141,14 +155,16 @@ class _Completion:
         finish: list[str | None] = [None] * num_choices
         async for out in self.group:
             check_output_error(out)
+            self._take_prompt_logprobs(out)
             base = self.prompt_index[out.request_id] * self.n
             for c in out.outputs:
                 i = base + c.index
-                texts[i].append(c.new_text)
-                if c.new_logprobs:
-                    logprobs[i].extend(c.new_logprobs)
+                if not self.prompt_only:
+                    texts[i].append(c.new_text)
+                    if c.new_logprobs:
+                        logprobs[i].extend(c.new_logprobs)
                 if c.finish_reason is not None:
-                    finish[i] = c.finish_reason
+                    finish[i] = self._finish_reason(c.finish_reason)
                 self.num_output_tokens[i] = c.num_output_tokens
         choices = []
         for i in range(num_choices):
@@ -158,6 +174,7 @@ class _Completion:
             lp = None
             if self.want_logprobs:
                 lp, _ = completion_logprobs(self.ctx.token_strings, logprobs[i], self.offsets[i])
+                lp = join_logprobs(self.prompt_logprobs[i // self.n], None if self.prompt_only else lp)
             choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": finish[i]})
         return {
             "id": self.id,
@@ -169,23 +186,35 @@ class _Completion:
             "system_fingerprint": None,
         }
 
+    def _finish_reason(self, reason: str | None) -> str | None:
+        # max_tokens 0 ends by length, whatever stopped the token the engine made and we dropped.
+        return "length" if self.prompt_only and reason == "stop" else reason
+
+    def _take_prompt_logprobs(self, out: Any) -> None:
+        if out.prompt_logprobs is not None and self.want_prompt_logprobs:
+            p = self.prompt_index[out.request_id]
+            self.prompt_logprobs[p] = prompt_logprobs_object(self.ctx.token_strings, self.prompt_ids[p], out.prompt_logprobs)
+
     async def stream(self) -> AsyncIterator[bytes]:
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
         echo_pending = [bool(self.echo_texts)] * len(self.num_output_tokens)
         model = self.ctx.served_model_name
         async for out in self.group:
             check_output_error(out)
+            self._take_prompt_logprobs(out)
             base = self.prompt_index[out.request_id] * self.n
             for c in out.outputs:
                 i = base + c.index
                 self.num_output_tokens[i] = c.num_output_tokens
-                text = c.new_text
-                if echo_pending[i]:
-                    text = self.echo_texts[i // self.n] + text
-                    echo_pending[i] = False
+                text = "" if self.prompt_only else c.new_text
                 lp = None
-                if self.want_logprobs and c.new_logprobs:
+                if self.want_logprobs and c.new_logprobs and not self.prompt_only:
                     lp, self.offsets[i] = completion_logprobs(self.ctx.token_strings, c.new_logprobs, self.offsets[i])
+                if echo_pending[i]:
+                    # The engine sends a prompt's logprobs no later than its first choice output.
+                    text = self.echo_texts[i // self.n] + text
+                    lp = join_logprobs(self.prompt_logprobs[i // self.n], lp)
+                    echo_pending[i] = False
                 if not text and lp is None and c.finish_reason is None:
                     continue  # text held back (a possible stop string): nothing to say yet
                 chunk: dict[str, Any] = {
@@ -193,7 +222,7 @@ class _Completion:
                     "object": "text_completion",
                     "created": self.created,
                     "model": model,
-                    "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}],
+                    "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": self._finish_reason(c.finish_reason)}],
                 }
                 if include_usage:
                     chunk["usage"] = None

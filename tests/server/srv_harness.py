@@ -33,6 +33,7 @@ class _FakeRequest:
     params: SamplingParams
     choices: list[_Choice]
     fail: bool = False
+    prompt_logprobs_sent: bool = False
 
 
 class FakeEngine:
@@ -158,15 +159,31 @@ class FakeEngine:
                     )
                 )
             finished = all(c.finish_reason is not None for c in req.choices)
+            prompt_lps = None
+            if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent and not req.fail:
+                prompt_lps = self.prompt_logprobs(req.prompt, req.params.prompt_logprobs)
+                req.prompt_logprobs_sent = True
             outputs.append(
-                RequestOutput(req.request_id, req.prompt, outs, finished=finished, error="boom" if req.fail else None)
-            )
+                RequestOutput(
+                    req.request_id, req.prompt, outs, finished=finished, error="boom" if req.fail else None,
+                    prompt_logprobs=prompt_lps,
+                )
+            )  # fmt: skip
             if finished:
                 del self._reqs[req.request_id]
         self._update_blocks()
         return outputs
 
     # -- what a test expects ---------------------------------------------------------------------------
+    @staticmethod
+    def prompt_logprobs(prompt: list[int], k: int) -> list[TokenLogprobs | None]:
+        """Scripted prompt logprobs: token j (j >= 1) gets -j / 10, rank j, and itself then token 0 as
+        alternatives (k of them)."""
+        out: list[TokenLogprobs | None] = [None]
+        for j, t in enumerate(prompt[1:], start=1):
+            out.append(TokenLogprobs(t, -j / 10, j, [(t, -j / 10), (prompt[0], -0.05)][:k]))
+        return out
+
     def expected_text(self, n_tokens: int, index: int = 0) -> str:
         ids = [self.script[(index + k) % len(self.script)] for k in range(n_tokens)]
         return "".join(self.tokenizer.decode([t]) for t in ids)

@@ -84,6 +84,87 @@ def test_completion_echo_and_logprobs(fake_server: Any) -> None:
     assert [list(d) for d in lp["top_logprobs"]] == [[t] for t in toks]
 
 
+def _echo_logprobs(eng: Any, prompt: list[int], k: int, generated: int, index: int = 0) -> dict[str, Any]:
+    """What echo + logprobs=k must return: the prompt's tokens (the first with null) then the tokens
+    generated, offsets running over the echoed text."""
+    texts = [eng.tokenizer.decode([t]) for t in prompt]
+    gen = [eng.script[(index + j) % len(eng.script)] for j in range(generated)]
+    gen_texts = [eng.tokenizer.decode([t]) for t in gen]
+    prompt_lps = eng.prompt_logprobs(prompt, k)
+    tops: list[Any] = [None]
+    for e in prompt_lps[1:]:
+        top = {eng.tokenizer.decode([t]): lp for t, lp in e.top}
+        top.setdefault(eng.tokenizer.decode([e.token_id]), e.logprob)
+        tops.append(top)
+    for j, t in enumerate(gen_texts):
+        alt = eng.script[(index + j + 1) % len(eng.script)]
+        tops.append(dict([(t, -0.25), (eng.tokenizer.decode([alt]), -1.75)][: max(k, 1)]))
+    offsets = [sum(len(x) for x in texts[:j]) for j in range(len(texts))]
+    base = len("".join(texts))
+    offsets += [base + sum(len(x) for x in gen_texts[:j]) for j in range(generated)]
+    return {
+        "tokens": texts + gen_texts,
+        "token_logprobs": [None] + [e.logprob for e in prompt_lps[1:]] + [-0.25] * generated,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_echo_with_logprobs_scores_the_prompt(fake_server: Any, stream: bool) -> None:
+    srv, eng, _ = fake_server()
+    prompts = [[1000, 2000, 3000], [4000, 5000]]
+    body = {"prompt": prompts, "max_tokens": 2, "echo": True, "logprobs": 2, "n": 2, "stream": stream}
+    choices: dict[int, dict[str, Any]] = {}
+    if stream:
+        with http.stream("POST", f"{srv.url}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            events = parse_sse(r.read())
+        for chunk in (json.loads(e)["choices"][0] for e in events[:-1]):
+            c = choices.setdefault(chunk["index"], {"text": "", "logprobs": None})
+            c["text"] += chunk["text"]
+            if chunk["logprobs"] is not None:
+                prev = c["logprobs"]
+                c["logprobs"] = chunk["logprobs"] if prev is None else {k: prev[k] + chunk["logprobs"][k] for k in prev}
+    else:
+        r = http.post(f"{srv.url}/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        choices = {c["index"]: c for c in r.json()["choices"]}
+        assert r.json()["usage"] == {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}
+    assert sorted(choices) == [0, 1, 2, 3]
+    for i, c in choices.items():
+        prompt = prompts[i // 2]
+        assert c["text"] == eng.tokenizer.decode(prompt) + eng.expected_text(2, index=i % 2)
+        assert c["logprobs"] == _echo_logprobs(eng, prompt, 2, 2, index=i % 2), i
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_max_tokens_0_with_echo_returns_the_prompt_alone(fake_server: Any, stream: bool) -> None:
+    srv, eng, _ = fake_server()
+    body = {"prompt": "Say it", "max_tokens": 0, "echo": True, "logprobs": 1, "stream": stream}
+    prompt = eng.tokenizer.encode("Say it")
+    expected = _echo_logprobs(eng, prompt, 1, 0)
+    if stream:
+        with http.stream("POST", f"{srv.url}/v1/completions", json={**body, "stream_options": {"include_usage": True}}) as r:
+            events = parse_sse(r.read())
+        *content, usage = [json.loads(e) for e in events[:-1]]
+        assert [c["choices"][0] for c in content] == [
+            {"index": 0, "text": "Say it", "logprobs": expected, "finish_reason": "length"}
+        ]
+        assert usage["usage"]["completion_tokens"] == 0
+    else:
+        r = http.post(f"{srv.url}/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        (c,) = r.json()["choices"]
+        assert c == {"index": 0, "text": "Say it", "logprobs": expected, "finish_reason": "length"}
+        assert r.json()["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 0, "total_tokens": len(prompt)}
+    # Without logprobs: the prompt, no logprobs; without echo: refused.
+    r = http.post(f"{srv.url}/v1/completions", json={"prompt": "Say it", "max_tokens": 0, "echo": True})
+    assert r.json()["choices"][0]["text"] == "Say it" and r.json()["choices"][0]["logprobs"] is None
+    err = assert_error(http.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 0}), 400, param="max_tokens")
+    assert "echo" in err["message"]
+
+
 def test_chat_shape_and_logprobs(fake_server: Any) -> None:
     srv, eng, _ = fake_server()
     r = http.post(
@@ -225,7 +306,6 @@ def test_stream_without_usage_has_no_usage_key(fake_server: Any) -> None:
         ("/v1/completions", {"prompt": "x", "frobnicate": 1}, "frobnicate"),
         ("/v1/completions", {"prompt": "x", "suffix": "end"}, "suffix"),
         ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
-        ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, "logprobs"),
         ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
         ("/v1/completions", {"prompt": [1, 999999]}, "prompt"),
         ("/v1/completions", {"prompt": []}, "prompt"),

@@ -220,6 +220,36 @@ def test_sdk_logprobs(live: Live) -> None:
         assert len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob == pytest.approx(e.logprob)
 
 
+def test_sdk_echo_scores_a_completion_as_generation_did(live: Live) -> None:
+    """Scoring prompt + greedy completion (echo, max_tokens 0, as lm-evaluation-harness does) gives the
+    completion's tokens the logprobs and alternatives generation gave them, from prefill rows instead
+    of decode steps."""
+    c = live.client()
+    tok = live.engine.tokenizer
+    prompt = tok.encode(COMPLETION_PROMPT)
+    gen = c.completions.create(
+        model=live.model, prompt=prompt, max_tokens=8, temperature=0, logprobs=3, extra_body={"ignore_eos": True}
+    ).choices[0]
+    gen_ids = tok.encode(gen.text, add_special_tokens=False)
+    assert tok.decode(gen_ids) == gen.text and len(gen_ids) == 8  # re-encodes to the tokens generated
+    scored = c.completions.create(model=live.model, prompt=prompt + gen_ids, max_tokens=0, echo=True, logprobs=3)
+    choice = scored.choices[0]
+    assert choice.text == tok.decode(prompt) + gen.text and choice.finish_reason == "length"
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == len(prompt) + 8
+    lp = choice.logprobs
+    n = len(prompt)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n + 8
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x <= 0 for x in lp.token_logprobs[1:])
+    assert lp.tokens[n:] == gen.logprobs.tokens
+    assert lp.token_logprobs[n:] == pytest.approx(gen.logprobs.token_logprobs, abs=1e-3)
+    for mine, theirs in zip(lp.top_logprobs[n:], gen.logprobs.top_logprobs):
+        assert set(mine) == set(theirs)
+        assert list(mine.values()) == pytest.approx(list(theirs.values()), abs=1e-3)
+    assert lp.text_offset[n] == len(tok.decode(prompt))
+    _idle_and_free(live)
+
+
 def test_sdk_stop_strings(live: Live) -> None:
     c = live.client()
     r = c.chat.completions.create(
