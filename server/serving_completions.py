@@ -80,6 +80,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     _refuse_unsupported(req, n)
     # max_tokens 0 with echo: score the prompt, generate nothing (the engine samples one token, unused).
     prompt_only = req.max_tokens == 0
+    if prompt_only and req.min_tokens:
+        raise bad_request(f"min_tokens ({req.min_tokens}) must not exceed max_tokens (0).", param="min_tokens")
     max_tokens = 1 if prompt_only else req.max_tokens
     params = common_sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, vocab_size=ctx.vocab_size)
     if req.echo and req.logprobs is not None:

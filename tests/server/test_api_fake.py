@@ -163,6 +163,8 @@ def test_completion_max_tokens_0_with_echo_returns_the_prompt_alone(fake_server:
     assert r.json()["choices"][0]["text"] == "Say it" and r.json()["choices"][0]["logprobs"] is None
     err = assert_error(http.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 0}), 400, param="max_tokens")
     assert "echo" in err["message"]
+    body = {"prompt": "x", "max_tokens": 0, "echo": True, "min_tokens": 2}
+    assert "(0)" in assert_error(http.post(f"{srv.url}/v1/completions", json=body), 400, param="min_tokens")["message"]
 
 
 def test_chat_shape_and_logprobs(fake_server: Any) -> None:
