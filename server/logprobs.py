@@ -103,11 +103,28 @@ def completion_logprobs(
 
 
 def prompt_logprobs_object(
-    strings: TokenStrings, prompt_ids: Sequence[int], entries: Sequence[TokenLogprobs | None]
+    strings: TokenStrings, prompt_ids: Sequence[int], entries: Sequence[TokenLogprobs | None], k: int
 ) -> dict[str, Any]:
-    """The legacy object for an echoed prompt (``echo`` with ``logprobs``): one entry per prompt token,
+    """The legacy object for an echoed prompt (``echo`` with ``logprobs`` k): one entry per prompt token,
     the first with ``null`` logprob and alternatives (nothing precedes it); offsets from 0."""
-    return _legacy_logprobs(strings, prompt_ids, entries, 0)[0]
+    return _legacy_logprobs(strings, prompt_ids, entries, 0, k)[0]
+
+
+def vllm_prompt_logprobs(
+    strings: TokenStrings, entries: Sequence[TokenLogprobs | None], k: int
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token (the first None), ``{token id: {logprob, rank,
+    decoded_token}}`` for the prompt's own token, then its k most likely alternatives."""
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        d = {str(e.token_id): {"logprob": json_logprob(e.logprob), "rank": e.rank, "decoded_token": strings.text(e.token_id)}}
+        for rank, (t, lp) in enumerate(e.top[:k], start=1):
+            d.setdefault(str(t), {"logprob": json_logprob(lp), "rank": rank, "decoded_token": strings.text(t)})
+        out.append(d)
+    return out
 
 
 def join_logprobs(first: dict[str, Any] | None, then: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -118,7 +135,11 @@ def join_logprobs(first: dict[str, Any] | None, then: dict[str, Any] | None) -> 
 
 
 def _legacy_logprobs(
-    strings: TokenStrings, token_ids: Sequence[int], entries: Sequence[TokenLogprobs | None], text_offset: int
+    strings: TokenStrings,
+    token_ids: Sequence[int],
+    entries: Sequence[TokenLogprobs | None],
+    text_offset: int,
+    k: int | None = None,  # alternatives to keep (None: all there are)
 ) -> tuple[dict[str, Any], int]:
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
@@ -134,7 +155,7 @@ def _legacy_logprobs(
             tops.append(None)
             continue
         token_logprobs.append(json_logprob(e.logprob))
-        top = {strings.text(t): json_logprob(lp) for t, lp in e.top}
+        top = {strings.text(t): json_logprob(lp) for t, lp in (e.top if k is None else e.top[:k])}
         top.setdefault(text, json_logprob(e.logprob))
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}, text_offset

@@ -37,6 +37,7 @@ class SamplingExtensions(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and this many alternatives
 
 
 # Request fields whose range is SamplingParams' under another name.
@@ -233,11 +234,24 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry of ``prompt_logprobs`` (keyed by token id): the prompt's own token and the alternatives."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# One per prompt token, the first null (nothing precedes it); present only when asked.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -286,6 +300,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ModelCard(BaseModel):

@@ -13,7 +13,7 @@ from scheduler.sampling_params import SamplingParams
 from server.async_engine import RequestGroup
 from server.chat import normalize_messages, render_chat_prompt
 from server.errors import bad_request, unsupported
-from server.logprobs import chat_logprobs_content
+from server.logprobs import chat_logprobs_content, vllm_prompt_logprobs
 from server.protocol import ChatCompletionRequest, sse
 from server.serving_common import (
     ServingContext,
@@ -120,8 +120,11 @@ class _ChatCompletion:
         texts: list[list[str]] = [[] for _ in range(self.n)]
         logprobs: list[list[Any]] = [[] for _ in range(self.n)]
         finish: list[str | None] = [None] * self.n
+        prompt_entries = None
         async for out in self.group:
             check_output_error(out)
+            if out.prompt_logprobs is not None:
+                prompt_entries = out.prompt_logprobs
             for c in out.outputs:
                 texts[c.index].append(c.new_text)
                 if c.new_logprobs:
@@ -142,7 +145,7 @@ class _ChatCompletion:
                     "finish_reason": finish[i],
                 }
             )
-        return {
+        body = {
             "id": self.id,
             "object": "chat.completion",
             "created": self.created,
@@ -151,6 +154,12 @@ class _ChatCompletion:
             "usage": self._usage(),
             "system_fingerprint": None,
         }
+        k = self.req.prompt_logprobs
+        if k is not None:  # vLLM's extension, over the rendered prompt's tokens
+            body["prompt_logprobs"] = (
+                None if prompt_entries is None else vllm_prompt_logprobs(self.ctx.token_strings, prompt_entries, k)
+            )
+        return body
 
     def _chunk(self, choice: dict[str, Any] | None, include_usage: bool) -> bytes:
         chunk: dict[str, Any] = {

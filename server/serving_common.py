@@ -125,6 +125,8 @@ def common_sampling_params(
     """The SamplingParams both endpoints build from their shared fields (400 naming the param if bad)."""
     if req.stream_options is not None and not req.stream:
         raise bad_request("'stream_options' is only allowed when 'stream' is true.", param="stream_options")
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("'prompt_logprobs' is not supported with 'stream'.", param="prompt_logprobs")
     bias: dict[int, float] | None = None
     if req.logit_bias:
         bias = {}
@@ -151,6 +153,7 @@ def common_sampling_params(
             logit_bias=bias,
             min_tokens=_opt(req.min_tokens, 0),
             logprobs=logprobs,
+            prompt_logprobs=req.prompt_logprobs,
             ignore_eos=bool(req.ignore_eos),
             skip_special_tokens=_opt(req.skip_special_tokens, True),
             include_stop_str_in_output=bool(req.include_stop_str_in_output),

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from scheduler.sampling_params import SamplingParams
 from server.async_engine import RequestGroup
 from server.errors import bad_request, unsupported
-from server.logprobs import completion_logprobs, join_logprobs, prompt_logprobs_object
+from server.logprobs import completion_logprobs, join_logprobs, prompt_logprobs_object, vllm_prompt_logprobs
 from server.protocol import CompletionRequest, sse
 from server.serving_common import (
     ServingContext,
@@ -85,7 +85,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     max_tokens = 1 if prompt_only else req.max_tokens
     params = common_sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, vocab_size=ctx.vocab_size)
     if req.echo and req.logprobs is not None:
-        params.prompt_logprobs = req.logprobs  # range checked with logprobs
+        # Scored once for both views (the echoed legacy object, vLLM's prompt_logprobs); ranges checked already.
+        params.prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
     texts, given_ids = _split_prompt(req.prompt)
     ctx.check_sequences(len(texts), n)
     for i, text in enumerate(texts):
@@ -137,8 +138,10 @@ class _Completion:
         self.group = group
         self.want_logprobs = params.logprobs is not None
         self.prompt_only = prompt_only  # echo the prompt, drop the one token the engine made
-        # Per prompt: its tokens' legacy logprobs object, once the engine has scored it (echo + logprobs).
-        self.want_prompt_logprobs = params.prompt_logprobs is not None
+        # Per prompt: its tokens' logprobs once the engine has scored them (echo + logprobs, or
+        # vLLM's prompt_logprobs), and the echoed legacy object made of them.
+        self.echo_logprobs = bool(req.echo) and req.logprobs is not None
+        self.prompt_entries: list[list[Any] | None] = [None] * len(prompt_ids)
         self.prompt_logprobs: list[dict[str, Any] | None] = [None] * len(prompt_ids)
         num_choices = len(prompt_ids) * self.n
         self.num_output_tokens = [0] * num_choices
@@ -177,7 +180,13 @@ class _Completion:
             if self.want_logprobs:
                 lp, _ = completion_logprobs(self.ctx.token_strings, logprobs[i], self.offsets[i])
                 lp = join_logprobs(self.prompt_logprobs[i // self.n], None if self.prompt_only else lp)
-            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": finish[i]})
+            choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": finish[i]}
+            if self.req.prompt_logprobs is not None:
+                entries = self.prompt_entries[i // self.n]
+                choice["prompt_logprobs"] = (
+                    None if entries is None else vllm_prompt_logprobs(self.ctx.token_strings, entries, self.req.prompt_logprobs)
+                )
+            choices.append(choice)
         return {
             "id": self.id,
             "object": "text_completion",
@@ -193,9 +202,14 @@ class _Completion:
         return "length" if self.prompt_only and reason == "stop" else reason
 
     def _take_prompt_logprobs(self, out: Any) -> None:
-        if out.prompt_logprobs is not None and self.want_prompt_logprobs:
-            p = self.prompt_index[out.request_id]
-            self.prompt_logprobs[p] = prompt_logprobs_object(self.ctx.token_strings, self.prompt_ids[p], out.prompt_logprobs)
+        if out.prompt_logprobs is None:
+            return
+        p = self.prompt_index[out.request_id]
+        self.prompt_entries[p] = out.prompt_logprobs
+        if self.echo_logprobs:
+            self.prompt_logprobs[p] = prompt_logprobs_object(
+                self.ctx.token_strings, self.prompt_ids[p], out.prompt_logprobs, int(self.req.logprobs or 0)
+            )
 
     async def stream(self) -> AsyncIterator[bytes]:
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)

@@ -167,6 +167,51 @@ def test_completion_max_tokens_0_with_echo_returns_the_prompt_alone(fake_server:
     assert "(0)" in assert_error(http.post(f"{srv.url}/v1/completions", json=body), 400, param="min_tokens")["message"]
 
 
+def _vllm_prompt_logprobs(eng: Any, prompt: list[int], k: int) -> list[Any]:
+    out: list[Any] = [None]
+    for e in eng.prompt_logprobs(prompt, k)[1:]:
+        d = {str(e.token_id): {"logprob": e.logprob, "rank": e.rank, "decoded_token": eng.tokenizer.decode([e.token_id])}}
+        for r, (t, lp) in enumerate(e.top, start=1):
+            d.setdefault(str(t), {"logprob": lp, "rank": r, "decoded_token": eng.tokenizer.decode([t])})
+        out.append(d)
+    return out
+
+
+def test_vllm_prompt_logprobs_extension(fake_server: Any) -> None:
+    srv, eng, _ = fake_server()
+    prompt = [1000, 2000, 3000]
+    r = http.post(f"{srv.url}/v1/completions", json={"prompt": prompt, "max_tokens": 2, "prompt_logprobs": 2})
+    assert r.status_code == 200, r.text
+    (c,) = r.json()["choices"]
+    assert c["prompt_logprobs"] == _vllm_prompt_logprobs(eng, prompt, 2)
+    assert c["logprobs"] is None and c["text"] == eng.expected_text(2)
+    # With echo + logprobs too: one scoring (the larger k), each view cut to its own k.
+    r = http.post(
+        f"{srv.url}/v1/completions",
+        json={"prompt": prompt, "max_tokens": 2, "prompt_logprobs": 2, "echo": True, "logprobs": 1},
+    )
+    (c,) = r.json()["choices"]
+    assert c["prompt_logprobs"] == _vllm_prompt_logprobs(eng, prompt, 2)
+    assert c["logprobs"] == _echo_logprobs(eng, prompt, 1, 2)
+    # Not asked: no key.
+    r = http.post(f"{srv.url}/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+    assert "prompt_logprobs" not in r.json()["choices"][0]
+    # Chat: at the top level, over the rendered prompt's tokens.
+    r = http.post(
+        f"{srv.url}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "prompt_logprobs": 0},
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["prompt_logprobs"] == _vllm_prompt_logprobs(eng, eng.prompts[-1], 0)
+    assert len(r.json()["prompt_logprobs"]) == r.json()["usage"]["prompt_tokens"]
+    for path, body in (
+        ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}),
+        ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1, "stream": True}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": -1}),
+    ):
+        assert_error(http.post(f"{srv.url}{path}", json=body), 400, param="prompt_logprobs")
+
+
 def test_chat_shape_and_logprobs(fake_server: Any) -> None:
     srv, eng, _ = fake_server()
     r = http.post(

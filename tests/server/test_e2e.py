@@ -232,7 +232,9 @@ def test_sdk_echo_scores_a_completion_as_generation_did(live: Live) -> None:
     ).choices[0]
     gen_ids = tok.encode(gen.text, add_special_tokens=False)
     assert tok.decode(gen_ids) == gen.text and len(gen_ids) == 8  # re-encodes to the tokens generated
-    scored = c.completions.create(model=live.model, prompt=prompt + gen_ids, max_tokens=0, echo=True, logprobs=3)
+    scored = c.completions.create(
+        model=live.model, prompt=prompt + gen_ids, max_tokens=0, echo=True, logprobs=3, extra_body={"prompt_logprobs": 3}
+    )
     choice = scored.choices[0]
     assert choice.text == tok.decode(prompt) + gen.text and choice.finish_reason == "length"
     assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == len(prompt) + 8
@@ -247,6 +249,14 @@ def test_sdk_echo_scores_a_completion_as_generation_did(live: Live) -> None:
         assert set(mine) == set(theirs)
         assert list(mine.values()) == pytest.approx(list(theirs.values()), abs=1e-3)
     assert lp.text_offset[n] == len(tok.decode(prompt))
+    # vLLM's prompt_logprobs view of the same scores: the prompt's token, then the 3 alternatives.
+    vllm = choice.model_extra["prompt_logprobs"]
+    assert len(vllm) == n + 8 and vllm[0] is None
+    for j, (tid, entry) in enumerate(zip(prompt + gen_ids, vllm)):
+        if j == 0:
+            continue
+        assert entry[str(tid)]["logprob"] == lp.token_logprobs[j]
+        assert {v["decoded_token"] for v in entry.values()} == set(lp.top_logprobs[j])
     _idle_and_free(live)
 
 
