@@ -151,7 +151,9 @@ def check_greedy_vs_hf(
     engine: Any, hf: Any, prompts: list[list[int]], steps: int, tol: float, device: torch.device, report: Report
 ) -> None:
     hf_tokens, hf_gaps = hf_greedy(hf, prompts, steps, device)
-    results = engine.generate(prompts, greedy_params(steps))
+    params = greedy_params(steps)
+    params.prompt_logprobs = 1  # the prompt scored in the same run (echo + logprobs on /v1/completions)
+    results = engine.generate(prompts, params)
     ours = [r.outputs[0].token_ids for r in results]
     compare_runs(f"greedy {steps} tokens x {len(prompts)} prompts (batched) vs HF generate", hf_tokens, hf_gaps, ours, tol, report)
     # Our logprobs vs HF's log-softmax along *our* tokens (teacher forcing: valid even past a near-tie).
@@ -166,6 +168,24 @@ def check_greedy_vs_hf(
         "chosen-token logprobs vs HF (teacher-forced)",
         worst < tol,
         f"max |d logprob| {worst:.3g} (tolerance {tol:.3g})",
+        max_abs=worst,
+    )
+    # Prompt logprobs: token j of each prompt from HF's row j - 1 (the first has none).
+    worst, complete = 0.0, True
+    for i, (p, r) in enumerate(zip(prompts, results)):
+        lps = r.prompt_logprobs
+        if lps is None or len(lps) != len(p) or lps[0] is not None:
+            complete = False
+            continue
+        for j in range(1, len(p)):
+            e = lps[j]
+            complete &= e is not None and e.token_id == p[j]
+            if e is not None:
+                worst = max(worst, abs(e.logprob - ref_lp[i, j - 1, p[j]].item()))
+    report.check(
+        "prompt logprobs vs HF (prefill rows scored)",
+        complete and worst < tol,
+        f"{'every prompt token scored' if complete else 'MISSING or misplaced entries'}; max |d logprob| {worst:.3g} (tolerance {tol:.3g})",
         max_abs=worst,
     )
 

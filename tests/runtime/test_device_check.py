@@ -38,6 +38,7 @@ def test_dry_run_on_cpu_passes_every_check(tmp_path: Path, dtype: str) -> None:
     for expected in (
         "float32 prefill logits vs HF float32",
         "chosen-token logprobs vs HF (teacher-forced)",
+        "prompt logprobs vs HF (prefill rows scored)",
         "prefix cache hits on the second pass",
         "preemption happened",
         "imports nothing the GPU machine lacks",
