@@ -54,6 +54,14 @@ class SamplingOptions:
     prompt_logprobs: int | None = None
 
 
+class TokenMask(Protocol):
+    """A sequence's structured-output state: which tokens may come next."""
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Set bit t % 32 of ``bitmask[row, t // 32]`` (int32, CPU) for every allowed token t, clear the rest."""
+        ...
+
+
 class SequenceView(Protocol):
     """What the runner reads of one sequence (a ``scheduler.Request``)."""
 
@@ -65,6 +73,7 @@ class SequenceView(Protocol):
     params: SamplingSpec
     generator: torch.Generator | None  # set when the request has a seed
     stop_token_ids_for_min_tokens: Sequence[int]  # suppressed while fewer than min_tokens were generated
+    grammar: TokenMask | None  # structured output: tokens outside the mask get -inf
 
 
 @dataclass

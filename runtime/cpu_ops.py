@@ -9,7 +9,8 @@
 * ``add_rms_norm`` / ``silu_mul``: the residual add with the norm after it, and SiLU x up, each one
   call (``CausalLM.use_fused_ops``; the same values as the separate ops);
 * ``rms_norm``: one pass per row instead of ``F.rms_norm``'s five ops (~26 us per call at batch 1 on
-  this CPU, 61 calls per step: ~1.6 ms of a ~22 ms batch-1 forward).
+  this CPU, 61 calls per step: ~1.6 ms of a ~22 ms batch-1 forward);
+* ``apply_token_bitmask``: a structured output's mask on the logits (``runtime.sampler``).
 
 Built on first use and cached under ``$SERVELM_CACHE/torch_extensions`` (``runtime.cpu_extension``);
 ``load()`` is None where it cannot be built, the CPU lacks AVX-512, or the self-check fails, and every
@@ -100,6 +101,16 @@ def _self_check(module: ModuleType) -> str | None:
         want = wb * F.rms_norm(xb.float(), (h,), None, 1e-5).bfloat16()
         if not torch.allclose(module.rms_norm(xb, wb, 1e-5).float(), want.float(), atol=2e-2, rtol=1e-2):
             return f"bfloat16 rms_norm self-check failed (rows {rows}, H {h})"
+    logits = torch.randn(3, 70, generator=gen)
+    bitmask = torch.tensor([[-1, 0, 5], [0x0F0F0F0F, -(2**31), 0]], dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).view(2, -1)[:, :70].bool()
+    want = logits.clone()
+    want[2] = want[2].masked_fill(~allowed[0], float("-inf"))
+    want[0] = want[0].masked_fill(~allowed[1], float("-inf"))
+    got = logits.clone()
+    module.apply_token_bitmask(got, torch.tensor([2, 0]), bitmask)
+    if not torch.equal(got, want):
+        return "apply_token_bitmask self-check failed"
     return None
 
 
@@ -118,6 +129,12 @@ def fused_ops() -> tuple[FusedAddRmsNorm, Callable[[torch.Tensor], torch.Tensor]
     """``(add_rms_norm, silu_mul)`` (float32) for ``CausalLM.use_fused_ops``, or None."""
     module = load()
     return None if module is None else (module.add_rms_norm, module.silu_mul)
+
+
+def token_bitmask_kernel() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None:
+    """``apply_token_bitmask(logits, rows, bitmask)`` (float32 CPU logits, in place), or None."""
+    module = load()
+    return None if module is None else module.apply_token_bitmask
 
 
 def rms_norm_kernel() -> RmsNorm | None:

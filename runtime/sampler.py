@@ -3,7 +3,8 @@
 One call per step, one row per sequence that samples. The work is split in two:
 
 1. ``process_logits`` edits the logits in place, in the order OpenAI/vLLM users expect:
-   logit_bias -> min_tokens -> repetition penalty -> presence/frequency penalties. Every one of
+   structured-output mask -> logit_bias -> min_tokens -> repetition penalty -> presence/frequency
+   penalties. Every one of
    these touches only the (row, token) positions concerned (gathered/scattered through flat
    indices built in one go), so its cost follows the number of tokens involved, not the vocabulary,
    and a batch that uses none of them pays nothing.
@@ -32,6 +33,7 @@ from typing import Sequence
 
 import torch
 
+from runtime import cpu_ops
 from runtime.batch import SequenceView, TokenLogprobs
 
 # Temperatures below this are treated as greedy (dividing by ~0 would overflow the logits).
@@ -283,6 +285,23 @@ def host_to_device(
     return t.to(device)
 
 
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set ``logits[rows[j], t]`` to -inf wherever bit t % 32 of ``bitmask[j, t // 32]`` is clear.
+
+    ``bitmask`` [len(rows), ceil(V / 32)] int32, on the logits' device (one bit per token: 6 KB a row
+    for 49,152 tokens, where a boolean mask would be 48 KB to copy to a GPU).
+    """
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        kernel = cpu_ops.token_bitmask_kernel()
+        if kernel is not None:
+            kernel(logits, rows, bitmask)
+            return
+    n, v = len(rows), logits.shape[1]
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # made there: no host copy to wait for
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).view(n, -1)[:, :v].bool()
+    logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill_(~allowed, float("-inf")))
+
+
 def _flat_token_positions(
     seqs: Sequence[SequenceView], rows: list[int], vocab_size: int, output_only: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -371,7 +390,10 @@ class Sampler:
         suppress: list[int] = []
         rep_rows: list[int] = []
         pf_rows: list[int] = []
+        masked: list[int] = []
         for i, (s, p) in enumerate(zip(seqs, params)):
+            if s.grammar is not None:
+                masked.append(i)
             if p.logit_bias:
                 for tok, bias in p.logit_bias.items():
                     tok = int(tok)
@@ -385,6 +407,11 @@ class Sampler:
             if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
                 pf_rows.append(i)
 
+        if masked:
+            bitmask = torch.empty(len(masked), (vocab + 31) // 32, dtype=torch.int32)
+            for j, i in enumerate(masked):
+                seqs[i].grammar.fill_bitmask(bitmask, j)  # type: ignore[union-attr]
+            apply_token_bitmask(logits, host_to_device(masked, device), host_to_device(bitmask, device))
         if bias_pos:
             flat.index_add_(
                 0,

@@ -49,6 +49,7 @@ from scheduler.startup import (
     resolve_max_model_len,
 )
 from scheduler.stop import StopChecker, check_model_len, check_token_stop
+from scheduler.structured_output import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +195,8 @@ class Engine:
         self.eos_token_ids = eos_ids(model_dir, mc, self.tokenizer)
         # Shared by every request's detokenizer (by skip_special_tokens): they memoise single tokens.
         self._text_decoders = {skip: TextDecoder(self.tokenizer, skip) for skip in (True, False)}
+        # Structured outputs the edge did not compile (offline use); reads the vocabulary on first use.
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)
 
         num_blocks = self.capacity.num_blocks
         if runner is not None:
@@ -270,6 +273,9 @@ class Engine:
         if request_id in self._groups:
             raise InvalidParameterError("request_id", f"request id {request_id!r} is already in use")
         max_tokens = check_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
+        so = params.structured_output
+        if so is not None and so.compiled is None:
+            self.grammar_compiler.compile(so)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         choices: list[Request] = []
         for i in range(params.n):
@@ -418,6 +424,9 @@ class Engine:
         req.append_token(token, lps)
         status = check_token_stop(req, token) or check_model_len(req, self.max_model_len)
         stopped_by_token = status == RequestStatus.FINISHED_STOPPED
+        if req.grammar is not None and req.grammar.accept(token) and status is None:
+            # The structure is complete: only EOS could follow. Its last token's text is kept.
+            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None
         detok, checker = req.detokenizer, req.stop_checker
         if detok is None or checker is None:  # no text state (scheduler-level use)
             if status is not None:

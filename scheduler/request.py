@@ -14,6 +14,7 @@ from scheduler.sampling_params import SamplingParams
 if TYPE_CHECKING:  # runtime-free imports only for type checkers
     from scheduler.detokenizer import IncrementalDetokenizer
     from scheduler.stop import StopChecker
+    from scheduler.structured_output import GrammarMatcher
 
 _SEED_MASK = (1 << 64) - 1
 
@@ -112,6 +113,13 @@ class Request:
         self.prompt_logprobs: list[TokenLogprobs | None] | None = (
             [None] if params.prompt_logprobs is not None and parent is None else None
         )
+        # Structured output: this choice's own position in the grammar (dropped when it finishes).
+        self.grammar: GrammarMatcher | None = None
+        so = params.structured_output
+        if so is not None:
+            if so.compiled is None:
+                raise ValueError("a structured output must be compiled before its request is made")
+            self.grammar = so.compiled.matcher()
         self.num_preemptions = 0
 
         # Timestamps (time.monotonic()) from which every latency metric is derived.

@@ -103,6 +103,7 @@ class Scheduler:
                     pass
         self.bm.free(req)
         req.drop_pending_token()
+        req.grammar = None  # a finished row the engine scheduled ahead samples unconstrained (and is dropped)
         req.status = status
         req.finished_time = time.monotonic() if now is None else now
 

@@ -17,6 +17,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -50,6 +51,7 @@ class Seq:
     params: Greedy = field(default_factory=Greedy)
     generator: torch.Generator | None = None
     stop_token_ids_for_min_tokens: tuple[int, ...] = ()
+    grammar: Any = None  # runtime.batch.TokenMask
 
 
 class Blocks:

@@ -26,6 +26,39 @@ class StreamOptions(BaseModel):
     include_obfuscation: bool | None = None  # we never obfuscate; accepted so SDK defaults pass
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: OpenAI's structured outputs."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # None: any JSON value
+    strict: bool | None = None  # the output always follows the schema, strict or not
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: plain text, any JSON object, or JSON following a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(BaseModel):
+    """vLLM's ``structured_outputs`` extension: exactly one of the constraints."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")  # a JSON schema (or its text)
+    regex: str | None = None  # the whole output matches it
+    choice: list[str] | None = Field(default=None, min_length=1)  # the output is one of these
+    grammar: str | None = None  # Lark (llguidance's dialect) or GBNF (llama.cpp's)
+    json_object: bool | None = None  # any JSON object
+    disable_any_whitespace: bool | None = None  # JSON: no whitespace outside strings
+
+
 class SamplingExtensions(BaseModel):
     """vLLM-style extensions shared by both endpoints (not in OpenAI's API)."""
 
@@ -96,6 +129,8 @@ class GenerationRequest(SamplingExtensions):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # accepted, ignored
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None  # vLLM's extension
 
 
 # Token ids before strings: pydantic's smart union validates every member, and a member that fails
@@ -172,7 +207,6 @@ class ChatCompletionRequest(GenerationRequest):
     tool_choice: Any | None = None
     functions: list[Any] | None = None
     function_call: Any | None = None
-    response_format: dict[str, Any] | None = None
     audio: Any | None = None
     prediction: Any | None = None
     reasoning_effort: str | None = None

@@ -40,10 +40,6 @@ def _refuse_unsupported(req: ChatCompletionRequest) -> None:
         raise unsupported("functions", "'functions' (function calling) is not supported by this server")
     if req.function_call not in (None, "none"):
         raise unsupported("function_call", "'function_call' is not supported by this server")
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise unsupported(
-            "response_format", f"response_format type '{req.response_format.get('type')}' is not supported (only 'text')"
-        )
     if req.modalities is not None and any(m != "text" for m in req.modalities):
         raise unsupported("modalities", "only the 'text' modality is supported")
     for name in ("audio", "prediction", "reasoning_effort", "verbosity", "web_search_options"):
@@ -73,6 +69,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             e.param = "top_logprobs"  # type: ignore[attr-defined]
         raise
     ctx.check_sequences(1, params.n)
+    await ctx.add_structured_output(req, params)
     # The template adds to the messages' text, never removes from it.
     ctx.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages", "the messages' text")
     prompt_ids = await ctx.async_engine.run_blocking(render_chat_prompt, ctx.tokenizer, messages)

@@ -16,10 +16,12 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from scheduler.sampling_params import InvalidParameterError, SamplingParams
+from scheduler.structured_output import GrammarCompiler
 from server.async_engine import AsyncEngine, EngineDeadError, EngineStoppedError, QueueFullError, RequestGroup
 from server.errors import APIError, bad_request, internal_error, model_not_found, queue_full, unavailable
 from server.logprobs import TokenStrings
 from server.protocol import SSE_DONE, GenerationRequest, sse
+from server.structured_outputs import structured_output_spec
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +42,24 @@ class ServingContext:
     tokenizer: Any  # the server's own copy (the engine thread detokenizes with the engine's)
     created: int = field(default_factory=lambda: int(time.time()))
     model_path: str | None = None
+    eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self.token_strings = TokenStrings(self.tokenizer)
         self.max_prompt_chars = prompt_char_limit(self.tokenizer, self.max_model_len)
+        # Structured outputs are compiled here, in the tokenizer thread (it owns ``tokenizer``).
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+
+    async def add_structured_output(self, req: GenerationRequest, params: SamplingParams) -> None:
+        """Set ``params.structured_output`` from the request and compile it (400 if it does not compile)."""
+        spec = structured_output_spec(req)
+        if spec is None:
+            return
+        try:
+            await self.async_engine.run_blocking(self.grammars.compile, spec)
+        except InvalidParameterError as e:
+            raise bad_request(str(e), param=e.param) from None
+        params.structured_output = spec
 
     def check_sequences(self, prompts: int, n: int) -> None:
         """Refuse, before tokenizing, a request of more sequences than the queue can ever hold: a 503
@@ -84,6 +100,7 @@ class ServingContext:
             vocab_size=int(getattr(mc, "vocab_size", 0) or len(tok)),
             tokenizer=tok,
             model_path=str(getattr(engine.config, "model", None) or "") or None,
+            eos_token_ids=tuple(getattr(engine, "eos_token_ids", ())),
         )
 
     def check_model(self, model: str | None) -> None:

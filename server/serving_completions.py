@@ -89,6 +89,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         params.prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
     texts, given_ids = _split_prompt(req.prompt)
     ctx.check_sequences(len(texts), n)
+    await ctx.add_structured_output(req, params)
     for i, text in enumerate(texts):
         if text is not None:
             ctx.check_prompt_chars(len(text), "prompt", "your prompt" if len(texts) == 1 else f"prompt {i}")

@@ -155,6 +155,7 @@ class FakeSeq:
     params: GreedySpec = field(default_factory=GreedySpec)
     generator: torch.Generator | None = None
     stop_token_ids_for_min_tokens: tuple[int, ...] = ()
+    grammar: Any = None  # runtime.batch.TokenMask
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

@@ -8,7 +8,8 @@
 //     32 along K (int4 with an fp16 scale and minimum a group, int8 with an fp16 scale a group);
 //   * add_rms_norm / silu_mul: the residual add and the norm after it, and SiLU x up, one call each;
 //   * rms_norm: y = x * rsqrt(mean(x^2) + eps) * w over the last dimension (float32, or bfloat16 with
-//     Hugging Face's roundings).
+//     Hugging Face's roundings);
+//   * apply_token_bitmask: structured outputs' mask, -inf for every token whose bit is clear.
 //
 // linear_small_m is the decode-latency matmul.
 // With one to four rows a projection is a pass over the weight: it is memory-bound, and what matters
@@ -33,6 +34,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -647,6 +649,45 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return act.mul_(gate_up.narrow(1, inter, inter));
 }
 
+// logits[rows[i], t] = -inf wherever bit t % 32 of bitmask[i, t / 32] is clear (tokens past the
+// mask's 32 * W included). A word decides 32 tokens at once: all set (inside a JSON string, say) costs
+// one compare, none set one run of stores. torch's masked_fill over the unpacked mask took ~3 ms for
+// 32 rows of 49,152 here; this writes only the masked entries.
+void apply_token_bitmask(at::Tensor& logits, const at::Tensor& rows, const at::Tensor& bitmask) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == at::kFloat,
+              "logits must be a contiguous float32 [R, V] tensor");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_contiguous(), "rows must be int64 [n]");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt && bitmask.is_contiguous() &&
+                  bitmask.size(0) == rows.size(0),
+              "bitmask must be a contiguous int32 [n, W] tensor, one row per entry of rows");
+  const int64_t R = logits.size(0), V = logits.size(1), W = bitmask.size(1), n = rows.size(0);
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(0 <= rp[i] && rp[i] < R, "row ", rp[i], " outside the logits' ", R);
+  float* lp = logits.data_ptr<float>();
+  const uint32_t* bp = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  const float ninf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* row = lp + rp[i] * V;
+      const uint32_t* words = bp + i * W;
+      const int64_t covered = std::min<int64_t>(W, (V + 31) / 32);
+      for (int64_t w = 0; w < covered; ++w) {
+        const uint32_t bits = words[w];
+        if (bits == 0xFFFFFFFFu) continue;
+        float* out = row + w * 32;
+        const int k_end = static_cast<int>(std::min<int64_t>(32, V - w * 32));
+        if (bits == 0) {
+          std::fill(out, out + k_end, ninf);
+          continue;
+        }
+        for (int k = 0; k < k_end; ++k)
+          if (!((bits >> k) & 1u)) out[k] = ninf;
+      }
+      if (32 * W < V) std::fill(row + 32 * W, row + V, ninf);
+    }
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -670,6 +711,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "x * rsqrt(mean(x^2, -1) + eps) * weight, float32 or bfloat16", py::arg("x"),
         py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
+  m.def("apply_token_bitmask", &apply_token_bitmask,
+        "logits[rows[i], t] = -inf where bit t % 32 of bitmask[i, t // 32] is clear (in place)", py::arg("logits"),
+        py::arg("rows"), py::arg("bitmask"), py::call_guard<py::gil_scoped_release>());
   m.attr("max_rows") = kMaxM;
   m.attr("int8_max_rows") = kMaxMInt8;
   m.attr("has_avx512") = py::bool_(SERVELM_HAVE_AVX512 != 0);

@@ -151,6 +151,7 @@ class SeqView:
     params: Any
     generator: Any = None
     stop_token_ids_for_min_tokens: tuple[int, ...] = ()
+    grammar: Any = None  # runtime.batch.TokenMask
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -6,6 +6,7 @@ import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import pytest
 import torch
@@ -34,6 +35,7 @@ class Seq:
     params: Spec = field(default_factory=Spec)
     generator: torch.Generator | None = None
     stop_token_ids_for_min_tokens: tuple[int, ...] = ()
+    grammar: Any = None  # runtime.batch.TokenMask
     seq_id: int = 0
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
@@ -532,3 +534,44 @@ def test_spec_helper_matches_the_contract() -> None:
         assert hasattr(real, name), name
     tokens, _ = Sampler(seed=0).sample(torch.randn(1, 50), [replace(Seq(), params=SamplingParams(temperature=0.0))])
     assert len(tokens) == 1
+
+
+class BitMask:
+    """A ``runtime.batch.TokenMask`` allowing a fixed set of tokens."""
+
+    def __init__(self, allowed: set[int]) -> None:
+        self.allowed = allowed
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        words = [0] * bitmask.shape[1]
+        for t in self.allowed:
+            words[t // 32] |= 1 << (t % 32)
+        bitmask[row] = torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_grammar_mask_leaves_only_allowed_tokens_and_other_rows_alone(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from runtime import cpu_ops
+
+    if path == "torch":
+        monkeypatch.setattr(cpu_ops, "token_bitmask_kernel", lambda: None)
+    elif cpu_ops.token_bitmask_kernel() is None:
+        pytest.skip("the CPU ops extension is not available here")
+    vocab = 1000  # not a multiple of 32: the last word is partly past the vocabulary
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, vocab, generator=g)
+    allowed = [{3, 31, 32, 999}, {0}, set(range(500, 1000, 7))]
+    seqs = [Seq(params=GREEDY, grammar=BitMask(allowed[0])), Seq(params=GREEDY), Seq(params=Spec(), grammar=BitMask(allowed[1])),
+            Seq(params=GREEDY, grammar=BitMask(allowed[2]))]
+    x = logits.clone()
+    Sampler(seed=0).process_logits(x, seqs)
+    assert torch.equal(x[1], logits[1])  # no grammar: untouched
+    for row, ok in zip((0, 2, 3), allowed):
+        keep = torch.zeros(vocab, dtype=torch.bool)
+        keep[list(ok)] = True
+        assert torch.equal(x[row][keep], logits[row][keep])
+        assert bool((x[row][~keep] == float("-inf")).all())
+    tokens, _ = Sampler(seed=0).sample(logits.clone(), seqs)
+    assert tokens[0] == max(allowed[0], key=lambda t: logits[0, t].item())
+    assert tokens[2] == 0  # sampled (temperature 1) from a single allowed token
+    assert tokens[3] in allowed[2] and tokens[1] == int(logits[1].argmax())

@@ -111,6 +111,7 @@ class FakeEngine:
         )
         self.added.append(request_id)
         self.prompts.append(list(prompt_token_ids))
+        self.last_params = params
         self._update_blocks()
 
     def abort(self, request_id: str) -> None:

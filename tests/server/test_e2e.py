@@ -276,6 +276,50 @@ def test_sdk_stop_strings(live: Live) -> None:
     assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == live.chat_text.split(" Paris")[0]
 
 
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "country": {"type": "string"}, "population": {"type": "integer"}},
+    "required": ["city", "country", "population"],
+    "additionalProperties": False,
+}
+
+
+def test_sdk_structured_outputs(live: Live) -> None:
+    """response_format (json_schema, json_object; streamed too) and vLLM's structured_outputs
+    (choice) on the real model: the text parses and follows the spec, greedy answers are stable."""
+    c = live.client()
+    msgs = [{"role": "user", "content": "Describe Paris as JSON with city, country and population."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA, "strict": True}}
+    r = c.chat.completions.create(model=live.model, messages=msgs, temperature=0, max_tokens=100, response_format=fmt)
+    obj = json.loads(r.choices[0].message.content)
+    assert set(obj) == {"city", "country", "population"} and isinstance(obj["population"], int)
+    assert (obj["city"], obj["country"]) == ("Paris", "France")
+    assert r.choices[0].finish_reason == "stop"
+    ask = [{"role": "user", "content": "Give me a JSON object about France."}]
+    whole = c.chat.completions.create(
+        model=live.model, messages=ask, temperature=0, max_tokens=150, response_format={"type": "json_object"}
+    )
+    parts = list(
+        c.chat.completions.create(
+            model=live.model, messages=ask, temperature=0, max_tokens=150, response_format={"type": "json_object"},
+            stream=True,
+        )
+    )
+    text = "".join(p.choices[0].delta.content or "" for p in parts if p.choices)
+    assert isinstance(json.loads(text), dict) and text == whole.choices[0].message.content
+    r = c.completions.create(
+        model=live.model, prompt="Is Paris the capital of France? Answer:", max_tokens=10, n=3, temperature=1.0,
+        seed=11, extra_body={"structured_outputs": {"choice": [" yes", " no"]}},
+    )
+    assert all(ch.text in (" yes", " no") and ch.finish_reason == "stop" for ch in r.choices)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(
+            model=live.model, messages=msgs, max_tokens=5, extra_body={"structured_outputs": {"regex": "(unclosed"}}
+        )
+    assert e.value.body["param"] == "structured_outputs.regex"
+    _idle_and_free(live)
+
+
 def test_sdk_models_and_errors(live: Live) -> None:
     c = live.client()
     models = c.models.list()
