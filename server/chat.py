@@ -6,38 +6,63 @@ work is queued; rendering and tokenizing run in the tokenizer thread (``render_c
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from server.errors import bad_request, unsupported
 from server.protocol import CHAT_ROLES, ChatMessage
+from server.tools import calls_as_content, describe_tools, template_knows_tools
 
 # OpenAI's "developer" role is the newer name for "system"; chat templates only know "system".
 _ROLE_MAP = {role: "system" if role == "developer" else role for role in CHAT_ROLES}
 
 
-def normalize_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Plain ``{"role", "content"}`` dicts for the chat template; 400 naming the field otherwise."""
-    out: list[dict[str, str]] = []
+def normalize_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """``{"role", "content"}`` dicts for the chat template (plus ``tool_calls`` on an assistant message
+    that made calls, ``tool_call_id`` on a tool result); 400 naming the field otherwise."""
+    out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         role = _ROLE_MAP.get(m.role)
         if role is None:
-            if m.role in ("tool", "function"):
-                raise unsupported(f"{where}.role", f"'{m.role}' messages are not supported (this server has no tool calling)")
+            if m.role == "function":
+                raise unsupported(f"{where}.role", "'function' messages (the deprecated function calling) are not supported; use 'tool'")
             raise bad_request(
-                f"Invalid value for '{where}.role': '{m.role}' (expected system, developer, user or assistant)",
+                f"Invalid value for '{where}.role': '{m.role}' (expected system, developer, user, assistant or tool)",
                 param=f"{where}.role",
             )
-        for field in ("tool_calls", "tool_call_id", "function_call", "audio"):
+        for field in ("function_call", "audio"):
             if getattr(m, field) not in (None, []):
-                raise unsupported(f"{where}.{field}", f"'{where}.{field}' is not supported (no tool calling or audio)")
-        out.append({"role": role, "content": _content_text(m, where)})
+                raise unsupported(f"{where}.{field}", f"'{where}.{field}' is not supported")
+        if m.tool_calls and role != "assistant":
+            raise bad_request(f"'{where}.tool_calls' is only allowed on assistant messages.", param=f"{where}.tool_calls")
+        if m.tool_call_id is not None and role != "tool":
+            raise bad_request(f"'{where}.tool_call_id' is only allowed on tool messages.", param=f"{where}.tool_call_id")
+        msg: dict[str, Any] = {"role": role, "content": _content_text(m, where)}
+        if m.tool_calls:
+            msg["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments, f"{where}.tool_calls[{j}].function.arguments")}}
+                for j, c in enumerate(m.tool_calls)
+            ]
+        if role == "tool":
+            if m.tool_call_id is None:
+                raise bad_request(f"Missing required parameter: '{where}.tool_call_id'.", param=f"{where}.tool_call_id")
+            msg["tool_call_id"] = m.tool_call_id
+        out.append(msg)
     return out
+
+
+def _arguments(text: str, where: str) -> Any:
+    """A call's arguments as templates read them (the JSON object, not its text)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise bad_request(f"'{where}' is not valid JSON.", param=where) from None
 
 
 def _content_text(m: ChatMessage, where: str) -> str:
     if m.content is None:
-        if m.role == "assistant":
+        if m.role == "assistant":  # (one that only made tool calls, say)
             return ""
         raise bad_request(f"Missing required parameter: '{where}.content'.", param=f"{where}.content")
     if isinstance(m.content, str):
@@ -57,14 +82,32 @@ def _content_text(m: ChatMessage, where: str) -> str:
 
 
 def render_chat_prompt(
-    tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool = True, add_special_tokens: bool = False
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    add_special_tokens: bool = False,
+    tools: list[dict[str, Any]] | None = None,
+    named_tool: str | None = None,
 ) -> list[int]:
     """Apply the chat template and tokenize the result.
 
     The template writes the special tokens (BOS, role markers) itself, so the text is encoded
-    without adding special tokens again (unless ``add_special_tokens``, for /tokenize).
+    without adding special tokens again (unless ``add_special_tokens``, for /tokenize). ``tools`` go to
+    a template that reads them, else into the system message (``server.tools.describe_tools``).
     """
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("This model has no chat template; use /v1/completions instead.", param="messages")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    kwargs: dict[str, Any] = {}
+    if template_knows_tools(tokenizer):
+        if tools:
+            kwargs["tools"] = tools
+    else:
+        messages = calls_as_content(messages)
+        if tools:
+            messages = describe_tools(messages, tools, named_tool)
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs)
+    except Exception as e:  # jinja2's TemplateError, or a template that raises on what it does not expect
+        raise bad_request(f"The model's chat template cannot render these messages: {e}", param="messages") from None
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))

@@ -168,7 +168,55 @@ class TextPart(BaseModel):
 
 
 # The roles a chat message may have ("developer" is OpenAI's newer name for "system").
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    """An assistant message's earlier tool call (in the history a client sends back)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: any object
+    strict: bool | None = None  # the arguments always follow the schema, strict or not
+
+
+class ChatTool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` naming the one function to call."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatMessage(BaseModel):
@@ -178,9 +226,9 @@ class ChatMessage(BaseModel):
     role: str = Field(json_schema_extra={"enum": list(CHAT_ROLES)})
     content: str | list[TextPart] | None = None
     name: str | None = None  # accepted; the chat template has no place for it
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
     # Declared so they are refused by name:
-    tool_calls: list[Any] | None = None
-    tool_call_id: str | None = None
     function_call: Any | None = None
     refusal: str | None = None
     audio: Any | None = None
@@ -202,9 +250,9 @@ class ChatCompletionRequest(GenerationRequest):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     modalities: list[str] | None = None
+    tools: list[ChatTool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     # Declared so they are refused by name when set:
-    tools: list[Any] | None = None
-    tool_choice: Any | None = None
     functions: list[Any] | None = None
     function_call: Any | None = None
     audio: Any | None = None
@@ -317,6 +365,7 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):

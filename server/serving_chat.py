@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import Request
@@ -15,6 +16,7 @@ from server.chat import normalize_messages, render_chat_prompt
 from server.errors import bad_request, unsupported
 from server.logprobs import chat_logprobs_content, vllm_prompt_logprobs
 from server.protocol import ChatCompletionRequest, sse
+from server.tools import ToolMode, tool_mode, tools_for_template
 from server.serving_common import (
     ServingContext,
     add_requests,
@@ -32,10 +34,6 @@ def _dumps(obj: Any) -> str:
 
 def _refuse_unsupported(req: ChatCompletionRequest) -> None:
     """Fields that would change the answer and that we cannot honour: 400 naming the field."""
-    if req.tools:
-        raise unsupported("tools", "'tools' (tool calling) is not supported by this server")
-    if req.tool_choice not in (None, "none"):
-        raise unsupported("tool_choice", "'tool_choice' is not supported by this server (no tool calling)")
     if req.functions:
         raise unsupported("functions", "'functions' (function calling) is not supported by this server")
     if req.function_call not in (None, "none"):
@@ -54,6 +52,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     created = int(time.time())
     ctx.check_model(req.model)
     _refuse_unsupported(req)
+    tools = tool_mode(req)
     messages = normalize_messages(req.messages)
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -69,16 +68,23 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             e.param = "top_logprobs"  # type: ignore[attr-defined]
         raise
     ctx.check_sequences(1, params.n)
-    await ctx.add_structured_output(req, params)
+    await ctx.add_structured_output(req, params, tools.structured_output() if tools is not None else None)
     # The template adds to the messages' text, never removes from it.
     ctx.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages", "the messages' text")
-    prompt_ids = await ctx.async_engine.run_blocking(render_chat_prompt, ctx.tokenizer, messages)
+    prompt_ids = await ctx.async_engine.run_blocking(
+        lambda: render_chat_prompt(
+            ctx.tokenizer,
+            messages,
+            tools=tools_for_template(tools.tools) if tools is not None else None,
+            named_tool=tools.name if tools is not None else None,
+        )
+    )
 
     request_id = random_id("chatcmpl")
     group = await add_requests(
         ctx, [(request_id, prompt_ids, params)], arrival, param_map={"max_tokens": max_param, "prompt": "messages"}
     )
-    job = _ChatCompletion(ctx, req, params, request_id, created, prompt_ids, group)
+    job = _ChatCompletion(ctx, req, params, request_id, created, prompt_ids, group, tools)
     if req.stream:
         return event_stream(job.stream, group)
     body = await until_disconnect(raw, job.collect(), group)
@@ -97,9 +103,11 @@ class _ChatCompletion:
         created: int,
         prompt_ids: list[int],
         group: RequestGroup,
+        tools: ToolMode | None = None,
     ) -> None:
         self.ctx = ctx
         self.req = req
+        self.tools = tools
         self.n = params.n
         self.want_logprobs = params.logprobs is not None
         self.id = request_id
@@ -134,14 +142,13 @@ class _ChatCompletion:
             lp = None
             if self.want_logprobs:
                 lp = {"content": chat_logprobs_content(self.ctx.token_strings, logprobs[i]), "refusal": None}
-            choices.append(
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": "".join(texts[i]), "refusal": None},
-                    "logprobs": lp,
-                    "finish_reason": finish[i],
-                }
-            )
+            message: dict[str, Any] = {"role": "assistant", "content": "".join(texts[i]), "refusal": None}
+            reason = finish[i]
+            calls = self.tools.parse(message["content"]) if self.tools is not None else None
+            if calls is not None:
+                message["content"], message["tool_calls"] = None, calls
+                reason = self._call_finish_reason(reason)
+            choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason})
         body = {
             "id": self.id,
             "object": "chat.completion",
@@ -157,6 +164,11 @@ class _ChatCompletion:
                 None if prompt_entries is None else vllm_prompt_logprobs(self.ctx.token_strings, prompt_entries, k)
             )
         return body
+
+    def _call_finish_reason(self, reason: str | None) -> str | None:
+        """OpenAI's: "tool_calls" when the model chose to call, "stop" for a named (forced) function."""
+        assert self.tools is not None
+        return reason if reason != "stop" or self.tools.name is not None else "tool_calls"
 
     def _chunk(self, choice: dict[str, Any] | None, include_usage: bool) -> bytes:
         chunk: dict[str, Any] = {
@@ -176,6 +188,7 @@ class _ChatCompletion:
         for i in range(self.n):
             role = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
             yield self._chunk(role, include_usage)
+        calls = _StreamedCalls(self.tools, self.n) if self.tools is not None else None
         async for out in self.group:
             check_output_error(out)
             for c in out.outputs:
@@ -184,11 +197,18 @@ class _ChatCompletion:
                 lp = None
                 if self.want_logprobs and c.new_logprobs:
                     lp = {"content": chat_logprobs_content(self.ctx.token_strings, c.new_logprobs), "refusal": None}
-                if c.new_text or lp is not None:
-                    choice = {"index": i, "delta": {"content": c.new_text}, "logprobs": lp, "finish_reason": None}
-                    yield self._chunk(choice, include_usage)
-                if c.finish_reason is not None:
-                    done = {"index": i, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason}
+                reason = c.finish_reason
+                delta: dict[str, Any] | None = {"content": c.new_text} if c.new_text or lp is not None else None
+                if calls is not None:
+                    delta, called = calls.delta(i, c.new_text, finished=reason is not None)
+                    if reason is not None and called:
+                        reason = self._call_finish_reason(reason)
+                    if delta is None and lp is not None:
+                        delta = {}
+                if delta is not None:
+                    yield self._chunk({"index": i, "delta": delta, "logprobs": lp, "finish_reason": None}, include_usage)
+                if reason is not None:
+                    done = {"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}
                     yield self._chunk(done, include_usage)
         if include_usage:
             chunk = {
@@ -200,3 +220,37 @@ class _ChatCompletion:
                 "usage": self._usage(),
             }
             yield sse(_dumps(chunk))
+
+
+class _StreamedCalls:
+    """Tool calls as stream deltas. A named function's arguments stream as they come (its first delta
+    carries the call's id and name); calls of ``"required"`` are sent whole when the choice finishes,
+    once the array they are written in has parsed (text that does not parse, cut by ``max_tokens``,
+    is sent as content then)."""
+
+    def __init__(self, tools: ToolMode, n: int) -> None:
+        self.tools = tools
+        self.texts: list[list[str]] = [[] for _ in range(n)]
+        self.ids = [f"call_{uuid.uuid4().hex[:24]}" for _ in range(n)]
+        self.started = [False] * n
+
+    def delta(self, i: int, text: str, finished: bool) -> tuple[dict[str, Any] | None, bool]:
+        """(the delta to send for choice i, or None; whether its output was a call)."""
+        tools = self.tools
+        if tools.name is not None:
+            call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+            if not self.started[i]:
+                self.started[i] = True
+                call.update(id=self.ids[i], type="function")
+                call["function"] = {"name": tools.name, "arguments": text}
+            elif not text:
+                return None, True
+            return {"tool_calls": [call]}, True
+        self.texts[i].append(text)
+        if not finished:
+            return None, False
+        whole = "".join(self.texts[i])
+        calls = tools.parse(whole)
+        if calls is None:
+            return ({"content": whole} if whole else None), False
+        return {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}, True

@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from scheduler.sampling_params import InvalidParameterError, SamplingParams
-from scheduler.structured_output import GrammarCompiler
+from scheduler.structured_output import GrammarCompiler, StructuredOutput
 from server.async_engine import AsyncEngine, EngineDeadError, EngineStoppedError, QueueFullError, RequestGroup
 from server.errors import APIError, bad_request, internal_error, model_not_found, queue_full, unavailable
 from server.logprobs import TokenStrings
@@ -50,9 +50,13 @@ class ServingContext:
         # Structured outputs are compiled here, in the tokenizer thread (it owns ``tokenizer``).
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
-    async def add_structured_output(self, req: GenerationRequest, params: SamplingParams) -> None:
-        """Set ``params.structured_output`` from the request and compile it (400 if it does not compile)."""
-        spec = structured_output_spec(req)
+    async def add_structured_output(
+        self, req: GenerationRequest, params: SamplingParams, spec: StructuredOutput | None = None
+    ) -> None:
+        """Set ``params.structured_output`` (``spec``, else what the request asks) and compile it (400 if
+        it does not compile)."""
+        if spec is None:
+            spec = structured_output_spec(req)
         if spec is None:
             return
         try:

@@ -358,14 +358,14 @@ def test_stream_without_usage_has_no_usage_key(fake_server: Any) -> None:
         ("/v1/completions", {"prompt": []}, "prompt"),
         ("/v1/completions", {}, "prompt"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
-        ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
         (
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]},
             "messages[0].content[0].type",
         ),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0].function"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "tool_choice"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}, "functions"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
@@ -510,7 +510,7 @@ def test_the_openapi_schema_documents_what_the_server_returns(fake_server: Any) 
     assert sorted(schema["paths"]["/v1/models/{model_id}"]["get"]["responses"]) == ["200", "401", "404", "503"]
     assert list(schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
     role = schema["components"]["schemas"]["ChatMessage"]["properties"]["role"]
-    assert role["enum"] == ["system", "developer", "user", "assistant"]
+    assert role["enum"] == ["system", "developer", "user", "assistant", "tool"]
     branches = schema["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]["anyOf"]
     assert [b.get("minLength", b.get("minItems")) for b in branches] == [1, 1, 1, 1]
     assert [b["items"].get("minLength", b["items"].get("minItems")) for b in branches[1:]] == [None, 1, 1]

@@ -320,6 +320,81 @@ def test_sdk_structured_outputs(live: Live) -> None:
     _idle_and_free(live)
 
 
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"], "additionalProperties": False},
+    },
+}
+
+
+def test_sdk_tool_calls(live: Live) -> None:
+    """tool_choice "required" and a named function on the real model, streamed and not: well-formed
+    calls to the declared tools, the same calls either way, and a second turn with the result."""
+    c = live.client()
+    ask = [{"role": "user", "content": "What's the weather like in Paris?"}]
+    tools = [WEATHER_TOOL, TIME_TOOL]
+    r = c.chat.completions.create(model=live.model, messages=ask, tools=tools, tool_choice="required", temperature=0, max_tokens=100)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content is None and ch.message.tool_calls
+    for call in ch.message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        args = json.loads(call.function.arguments)
+        if call.function.name == "get_weather":
+            assert isinstance(args["city"], str) and set(args) <= {"city", "unit"}
+        else:
+            assert call.function.name == "get_time" and set(args) == {"tz"}
+    streamed = list(
+        c.chat.completions.create(
+            model=live.model, messages=ask, tools=tools, tool_choice="required", temperature=0, max_tokens=100, stream=True
+        )
+    )
+    deltas = [d for p in streamed if p.choices for d in (p.choices[0].delta.tool_calls or [])]
+    assert [(d.function.name, d.function.arguments) for d in deltas] == [
+        (t.function.name, t.function.arguments) for t in ch.message.tool_calls
+    ]
+    assert streamed[-1].choices[0].finish_reason == "tool_calls"
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = c.chat.completions.create(model=live.model, messages=ask, tools=tools, tool_choice=named, temperature=0, max_tokens=60)
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "stop" and call.function.name == "get_weather"
+    assert "city" in json.loads(call.function.arguments)
+    parts = list(
+        c.chat.completions.create(
+            model=live.model, messages=ask, tools=tools, tool_choice=named, temperature=0, max_tokens=60, stream=True
+        )
+    )
+    deltas = [d for p in parts if p.choices for d in (p.choices[0].delta.tool_calls or [])]
+    assert deltas[0].function.name == "get_weather" and deltas[0].id
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+
+    history = ask + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True)]},
+        {"role": "tool", "tool_call_id": call.id, "content": "12 degrees celsius, cloudy"},
+    ]
+    r = c.chat.completions.create(model=live.model, messages=history, temperature=0, max_tokens=40)
+    assert r.choices[0].message.content and r.choices[0].message.tool_calls is None
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=live.model, messages=ask, tools=tools, max_tokens=5)  # "auto"
+    assert e.value.body["param"] == "tool_choice"
+    _idle_and_free(live)
+
+
 def test_sdk_models_and_errors(live: Live) -> None:
     c = live.client()
     models = c.models.list()

@@ -71,7 +71,7 @@ def test_bad_requests_get_openai_errors(shared_fake_server: Any) -> None:
         ("/tokenize", {"prompt": "a", "bogus": 1}, 400, "__any__"),
         ("/tokenize", {"prompt": 5}, 400, "__any__"),
         ("/tokenize", {"messages": []}, 400, "__any__"),
-        ("/tokenize", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role"),
+        ("/tokenize", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].tool_call_id"),
         ("/detokenize", {"tokens": [1, vocab]}, 400, "tokens"),
         ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
         ("/detokenize", {"tokens": "abc"}, 400, "__any__"),

@@ -1,0 +1,157 @@
+"""Tool calling (OpenAI's ``tools`` / ``tool_choice``) on top of structured outputs.
+
+With ``tool_choice: "required"`` the output is constrained to a JSON array of one or more calls, each
+``{"name": <one of the tools>, "parameters": <that tool's parameters schema>}``; with a named function,
+to that function's parameters. The text is then parsed into ``message.tool_calls`` (ids are ours), so
+the calls are always well-formed: which tool and what arguments stay the model's choice. ``"auto"``
+would need a parser of each model family's own tool-call syntax, which this server does not have: it
+is refused, as vLLM refuses it without a tool-call parser.
+
+The tools reach the model through its chat template (``tools=``) when the template uses them; otherwise
+(the default model's does not) they are described in the system message, and earlier assistant calls
+in the history are written as the same JSON the model is constrained to produce.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from scheduler.structured_output import StructuredOutput
+from server.errors import bad_request, unsupported
+from server.protocol import ChatCompletionRequest, ChatTool
+
+# Any JSON object: a function declared without parameters takes any.
+_ANY_PARAMETERS: dict[str, Any] = {"type": "object"}
+
+
+@dataclass
+class ToolMode:
+    """The tools a request forces the model to call: ``name`` set for one named function."""
+
+    tools: list[ChatTool]
+    name: str | None = None
+    parallel: bool = True  # "required": more than one call allowed (OpenAI's parallel_tool_calls)
+
+    def schema(self) -> dict[str, Any]:
+        if self.name is not None:
+            return _parameters(self._tool(self.name))
+        calls = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": t.function.name}, "parameters": _parameters(t)},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for t in self.tools
+        ]
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+        if not self.parallel:
+            schema["maxItems"] = 1
+        return schema
+
+    def structured_output(self) -> StructuredOutput:
+        return StructuredOutput("json", json.dumps(self.schema(), ensure_ascii=False), param="tools")
+
+    def _tool(self, name: str) -> ChatTool:
+        return next(t for t in self.tools if t.function.name == name)
+
+    def parse(self, text: str) -> list[dict[str, Any]] | None:
+        """The OpenAI ``tool_calls`` the constrained text spells, or None where it does not parse
+        (the output was cut by ``max_tokens``)."""
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return None
+        if self.name is not None:
+            return [_call(self.name, value)]
+        if not isinstance(value, list):
+            return None
+        return [_call(c["name"], c["parameters"]) for c in value if isinstance(c, dict) and "name" in c]
+
+
+def _parameters(tool: ChatTool) -> dict[str, Any]:
+    return tool.function.parameters if tool.function.parameters is not None else _ANY_PARAMETERS
+
+
+def _call(name: str, arguments: Any) -> dict[str, Any]:
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
+    }
+
+
+def tool_mode(req: ChatCompletionRequest) -> ToolMode | None:
+    """The forced tool calls of ``req``, None when it uses no tools; 400 for what cannot be served."""
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none"):
+            raise bad_request("'tool_choice' is set but 'tools' is empty or missing.", param="tool_choice")
+        return None
+    names = [t.function.name for t in req.tools]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:
+        raise bad_request(f"Two tools are named '{dup}': tool names must be unique.", param="tools")
+    if choice == "none":
+        return None
+    if choice in (None, "auto"):
+        raise unsupported(
+            "tool_choice",
+            "tool_choice 'auto' (the default when tools are given) is not supported: this server has no parser "
+            "for the model's own tool-call syntax. Use tool_choice 'required', or name a function "
+            '({"type": "function", "function": {"name": ...}}), and the output is constrained to a valid call.',
+        )
+    if req.response_format is not None and req.response_format.type != "text" or req.structured_outputs is not None:
+        raise bad_request("Tool calls and 'response_format' / 'structured_outputs' cannot be combined.", param="tool_choice")
+    if choice == "required":
+        return ToolMode(list(req.tools), parallel=req.parallel_tool_calls is not False)
+    assert not isinstance(choice, str)
+    if choice.function.name not in names:
+        raise bad_request(f"tool_choice names '{choice.function.name}', which is not among the tools.", param="tool_choice")
+    return ToolMode(list(req.tools), choice.function.name)
+
+
+def tools_for_template(tools: list[ChatTool]) -> list[dict[str, Any]]:
+    """Tools as chat templates read them (OpenAI's JSON shape)."""
+    return [t.model_dump(exclude_none=True) for t in tools]
+
+
+def template_knows_tools(tokenizer: Any) -> bool:
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return isinstance(template, str) and "tools" in template
+
+
+def describe_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]], named: str | None) -> list[dict[str, Any]]:
+    """For a template without tools: the tools described in the system message (added when absent)."""
+    what = (
+        f"Call the function {named} by answering with its arguments as a JSON object."
+        if named is not None
+        else 'Call one or more of them by answering with a JSON array of {"name": ..., "parameters": {...}} objects.'
+    )
+    text = "You can call these functions:\n" + json.dumps([t["function"] for t in tools], ensure_ascii=False) + "\n" + what
+    out = [dict(m) for m in messages]
+    if out and out[0]["role"] == "system":
+        out[0]["content"] = f"{out[0]['content']}\n\n{text}" if out[0]["content"] else text
+    else:
+        out.insert(0, {"role": "system", "content": text})
+    return out
+
+
+def calls_as_content(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For a template without tool calls: each assistant message's calls written into its content as the
+    JSON array a "required" call is constrained to, and tool results as the text they hold."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if calls:
+            spelled = json.dumps(
+                [{"name": c["function"]["name"], "parameters": c["function"]["arguments"]} for c in calls], ensure_ascii=False
+            )
+            m = {"role": m["role"], "content": f"{m['content']}\n{spelled}" if m["content"] else spelled}
+        elif "tool_call_id" in m:
+            m = {"role": m["role"], "content": m["content"]}
+        out.append(m)
+    return out

@@ -1,0 +1,143 @@
+"""Tool calling at the edge (a scripted engine): what is refused, what reaches the engine, how the
+history and the tools are rendered, and how constrained text becomes ``tool_calls``."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from server.protocol import ChatCompletionRequest
+from server.serving_chat import _StreamedCalls
+from server.tools import ToolMode, tool_mode
+from srv_harness import assert_error
+
+http = httpx.Client(timeout=30)
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+CLOCK = {"type": "function", "function": {"name": "get_time"}}
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def chat(srv: Any, **body: Any) -> httpx.Response:
+    return http.post(srv.url + "/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **body})
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"tools": [WEATHER]}, "tool_choice"),  # the default is "auto"
+        ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "has space"}}], "tool_choice": "required"}, "tools[0].function.name"),
+        ({"tools": [{"type": "retrieval"}], "tool_choice": "required"}, "tools[0].type"),
+        ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "florp"}}}], "tool_choice": "required"},
+            "tools",
+        ),
+        ({"messages": [{"role": "tool", "content": "12 C"}]}, "messages[0].tool_call_id"),
+        ({"messages": [{"role": "user", "content": "x", "tool_call_id": "c1"}]}, "messages[0].tool_call_id"),
+        (
+            {"messages": [{"role": "user", "content": "x", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+            "messages[0].tool_calls",
+        ),
+        (
+            {"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{nope"}}]}]},
+            "messages[0].tool_calls[0].function.arguments",
+        ),
+        ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
+    ],
+)
+def test_what_cannot_be_served_is_400_naming_the_field(shared_fake_server: Any, body: dict, param: str) -> None:
+    srv, eng, _ = shared_fake_server
+    before = len(eng.added)
+    assert_error(chat(srv, **body), 400, param=param)
+    assert len(eng.added) == before
+
+
+def test_tool_choice_none_ignores_the_tools(shared_fake_server: Any) -> None:
+    srv, eng, _ = shared_fake_server
+    r = chat(srv, tools=[WEATHER], tool_choice="none")
+    assert r.status_code == 200 and eng.last_params.structured_output is None
+    assert "get_weather" not in eng.tokenizer.decode(eng.prompts[-1])
+    assert r.json()["choices"][0]["message"]["content"]
+
+
+def test_required_and_named_calls_constrain_the_output_and_describe_the_tools(shared_fake_server: Any) -> None:
+    srv, eng, _ = shared_fake_server
+    assert chat(srv, tools=[WEATHER, CLOCK], tool_choice="required").status_code == 200
+    so = eng.last_params.structured_output
+    schema = json.loads(so.value)
+    assert so.compiled is not None and schema["type"] == "array" and schema["minItems"] == 1
+    names = [alt["properties"]["name"]["const"] for alt in schema["items"]["anyOf"]]
+    assert names == ["get_weather", "get_time"]
+    # The default model's template has no tools: they are described in the system message.
+    prompt = eng.tokenizer.decode(eng.prompts[-1])
+    assert prompt.startswith("<|im_start|>system\nYou can call these functions:") and '"get_time"' in prompt
+    assert chat(srv, tools=[WEATHER, CLOCK], tool_choice="required", parallel_tool_calls=False).status_code == 200
+    assert json.loads(eng.last_params.structured_output.value)["maxItems"] == 1
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert chat(srv, tools=[WEATHER, CLOCK], tool_choice=named).status_code == 200
+    assert json.loads(eng.last_params.structured_output.value) == WEATHER["function"]["parameters"]
+    assert "Call the function get_weather" in eng.tokenizer.decode(eng.prompts[-1])
+
+
+def test_history_with_calls_and_results_is_rendered(shared_fake_server: Any) -> None:
+    srv, eng, _ = shared_fake_server
+    history = ASK + [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "12 C, cloudy"},
+    ]
+    r = chat(srv, messages=history, tools=[WEATHER], tool_choice="none")
+    assert r.status_code == 200, r.text
+    prompt = eng.tokenizer.decode(eng.prompts[-1])
+    assert '<|im_start|>assistant\n[{"name": "get_weather", "parameters": {"city": "Paris"}}]<|im_end|>' in prompt
+    assert "<|im_start|>tool\n12 C, cloudy<|im_end|>" in prompt
+
+
+def _mode(body: dict) -> ToolMode:
+    mode = tool_mode(ChatCompletionRequest(messages=ASK, **body))
+    assert mode is not None
+    return mode
+
+
+def test_constrained_text_parses_into_openai_tool_calls() -> None:
+    required = _mode({"tools": [WEATHER, CLOCK], "tool_choice": "required"})
+    calls = required.parse('[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]')
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls) and calls[0]["id"] != calls[1]["id"]
+    assert required.parse('[{"name": "get_weather", "param') is None  # cut by max_tokens
+    named = _mode({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    (call,) = named.parse('{"city": "Rome"}')
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+
+
+def test_streamed_calls() -> None:
+    named = _StreamedCalls(_mode({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}), 1)
+    first, called = named.delta(0, '{"ci', finished=False)
+    (c,) = first["tool_calls"]
+    assert called and c["id"].startswith("call_") and c["function"] == {"name": "get_weather", "arguments": '{"ci'}
+    nxt, _ = named.delta(0, 'ty": "Rome"}', finished=True)
+    assert nxt == {"tool_calls": [{"index": 0, "function": {"arguments": 'ty": "Rome"}'}}]}
+    required = _StreamedCalls(_mode({"tools": [WEATHER], "tool_choice": "required"}), 2)
+    assert required.delta(0, '[{"name": "get_weather", ', finished=False) == (None, False)
+    done, called = required.delta(0, '"parameters": {"city": "Oslo"}}]', finished=True)
+    assert called and done["tool_calls"][0]["index"] == 0 and done["tool_calls"][0]["function"]["name"] == "get_weather"
+    cut, called = required.delta(1, '[{"na', finished=True)
+    assert not called and cut == {"content": '[{"na'}
