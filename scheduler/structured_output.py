@@ -9,8 +9,10 @@ the output inside the grammar (``GrammarMatcher.fill_bitmask``: ~10 us for a JSO
 "stop", as EOS would.
 
 Compiling can take long for a large schema, so the server compiles at the edge, in a worker thread
-(``GrammarCompiler.compile``: a bad spec is a 400 there), and hands the result to the engine inside
-``SamplingParams``; the engine thread only copies it (microseconds) for each choice.
+(``GrammarCompiler.compile``: a bad spec is a 400 there, and so is one whose first mask takes longer
+than ``MAX_FIRST_MASK_S``), and hands the result to the engine inside ``SamplingParams``; the engine
+thread only copies it (microseconds) for each choice. The copies share the lexer states the first
+mask built, so the engine's first mask of a request is as cheap as the later ones.
 
 The library is imported on first use: a server that never sees a constrained request does not need it.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Sequence
@@ -33,6 +36,11 @@ Kind = Literal["json", "regex", "choice", "grammar"]
 # JSON whitespace between tokens: none, one space, or a newline and up to 20 spaces or tabs (llama.cpp's
 # choice). Unbounded whitespace lets a model that is unsure what comes next emit it forever.
 JSON_WHITESPACE = r"(?: |\n[ \t]{0,20})?"
+
+# A spec whose first token mask takes longer than this is refused: every constrained step waits for its
+# masks, batchmates included. Typical specs take 0.02-2 ms (JSON schemas, regexes, grammars); a huge
+# counted repetition (a{100000}) ~90 ms, then ~25 ms every step.
+MAX_FIRST_MASK_S = 0.05
 
 # Distinct specs kept compiled (an agent sends the same few schemas again and again).
 CACHE_SIZE = 256
@@ -179,6 +187,20 @@ class GrammarCompiler:
         template = llg.LLMatcher(vocab, text, log_level=0)
         if template.is_error():
             raise InvalidParameterError(spec.param, f"Invalid {_WHAT[spec.kind]}: {template.get_error().strip()}")
+        # The first mask here, in the caller's thread: it is the dearest (the lexer builds its states,
+        # which every copy shares), so the engine thread no longer pays it, and it measures the spec.
+        t0 = time.perf_counter()
+        template.compute_bitmask()
+        took = time.perf_counter() - t0
+        if template.is_error():
+            raise InvalidParameterError(spec.param, f"Invalid {_WHAT[spec.kind]}: {template.get_error().strip()}")
+        if took > MAX_FIRST_MASK_S:
+            raise InvalidParameterError(
+                spec.param,
+                f"This {_WHAT[spec.kind]} is too complex to follow at serving speed: its first token mask took "
+                f"{took * 1e3:.0f} ms (the limit is {MAX_FIRST_MASK_S * 1e3:.0f} ms; every step of a batch waits for "
+                "its masks). Large counted repetitions such as a{100000} are the usual cause.",
+            )
         compiled = CompiledGrammar(template)
         with self._lock:
             self._cache[spec.key] = compiled

@@ -199,6 +199,8 @@ def test_unconstrained_rows_in_the_same_batch_are_untouched(eng: Engine, prompts
         (StructuredOutput("grammar", 'start: "a" undefined_rule'), "structured_outputs"),
         (StructuredOutput("grammar", 'root ::= "a" missing'), "structured_outputs"),
         (StructuredOutput("grammar", 'root ::= ("a"'), "structured_outputs"),
+        # Valid, but its first mask takes ~0.3 s here (limit 50 ms): refused as too complex.
+        (StructuredOutput("regex", "a{300000}"), "structured_outputs"),
     ],
 )
 def test_invalid_specs_are_refused_naming_their_param(eng: Engine, bad: StructuredOutput, param: str) -> None:
@@ -209,6 +211,11 @@ def test_invalid_specs_are_refused_naming_their_param(eng: Engine, bad: Structur
     with pytest.raises(InvalidParameterError):
         eng.add_request("bad", [1, 2, 3], SamplingParams(structured_output=StructuredOutput(bad.kind, bad.value)))
     assert not eng.has_unfinished_requests()
+
+
+def test_too_complex_is_named_as_such(eng: Engine) -> None:
+    with pytest.raises(InvalidParameterError, match="too complex to follow at serving speed"):
+        eng.grammar_compiler.compile(StructuredOutput("regex", "a{300000}"))
 
 
 def test_compiled_specs_are_cached_and_matchers_independent(eng: Engine) -> None:
