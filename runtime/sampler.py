@@ -4,10 +4,10 @@ One call per step, one row per sequence that samples. The work is split in two:
 
 1. ``process_logits`` edits the logits in place, in the order OpenAI/vLLM users expect:
    structured-output mask -> logit_bias -> min_tokens -> repetition penalty -> presence/frequency
-   penalties. Every one of
-   these touches only the (row, token) positions concerned (gathered/scattered through flat
-   indices built in one go), so its cost follows the number of tokens involved, not the vocabulary,
-   and a batch that uses none of them pays nothing.
+   penalties. The mask reads one bit per token of each constrained row; every other step touches
+   only the (row, token) positions concerned (gathered/scattered through flat indices built in one
+   go), so its cost follows the number of tokens involved, not the vocabulary. A batch that uses
+   none of them pays nothing.
 2. ``sample`` then takes logprobs (of the processed logits, before temperature) where asked, the
    argmax of the greedy rows, and for the others: temperature -> top-k -> top-p -> min-p -> a draw.
 

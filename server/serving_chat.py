@@ -16,7 +16,6 @@ from server.chat import normalize_messages, render_chat_prompt
 from server.errors import bad_request, unsupported
 from server.logprobs import chat_logprobs_content, vllm_prompt_logprobs
 from server.protocol import ChatCompletionRequest, sse
-from server.tools import ToolMode, tool_mode, tools_for_template
 from server.serving_common import (
     ServingContext,
     add_requests,
@@ -26,6 +25,7 @@ from server.serving_common import (
     random_id,
     until_disconnect,
 )
+from server.tools import ToolMode, tool_mode, tools_for_template
 
 
 def _dumps(obj: Any) -> str:

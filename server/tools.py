@@ -69,7 +69,7 @@ class ToolMode:
             return [_call(self.name, value)]
         if not isinstance(value, list):
             return None
-        return [_call(c["name"], c["parameters"]) for c in value if isinstance(c, dict) and "name" in c]
+        return [_call(c["name"], c.get("parameters", {})) for c in value if isinstance(c, dict) and "name" in c]
 
 
 def _parameters(tool: ChatTool) -> dict[str, Any]:
