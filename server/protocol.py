@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from scheduler.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, RANGES
 
@@ -51,7 +51,8 @@ class StructuredOutputsParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
-    json_: dict[str, Any] | str | None = Field(default=None, alias="json")  # a JSON schema (or its text)
+    # A JSON schema, its text, or a boolean schema (true: any JSON value; false: nothing, refused).
+    json_: dict[str, Any] | StrictBool | str | None = Field(default=None, alias="json")
     regex: str | None = None  # the whole output matches it
     choice: list[str] | None = Field(default=None, min_length=1)  # the output is one of these
     grammar: str | None = None  # Lark (llguidance's dialect) or GBNF (llama.cpp's)

@@ -68,7 +68,11 @@ def _from_structured_outputs(so: StructuredOutputsParams) -> StructuredOutput | 
                 value = json.loads(value)
             except ValueError as e:
                 raise bad_request(f"'structured_outputs.json' is not valid JSON: {e}", param=param) from None
-        if not isinstance(value, (dict, bool)):
+        if value is False:
+            raise bad_request("'structured_outputs.json' is the schema false, which no output satisfies.", param=param)
+        if value is True:
+            value = {}  # the same schema: any JSON value (llguidance takes objects only)
+        if not isinstance(value, dict):
             raise bad_request("'structured_outputs.json' must be a JSON schema (an object).", param=param)
         return StructuredOutput("json", json.dumps(value, ensure_ascii=False), param, flexible)
     if kind == "json_object":

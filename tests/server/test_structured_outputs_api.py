@@ -39,6 +39,7 @@ def _post(srv: Any, path: str, body: dict) -> httpx.Response:
         ("/v1/chat/completions", {"structured_outputs": {"choice": ["yes", "no"]}}, "choice", ["yes", "no"]),
         ("/v1/completions", {"structured_outputs": {"grammar": 'root ::= "a"'}}, "grammar", 'root ::= "a"'),
         ("/v1/completions", {"structured_outputs": {"json_object": True}}, "json", {"type": "object"}),
+        ("/v1/completions", {"structured_outputs": {"json": True}}, "json", {}),
     ],
 )
 def test_specs_reach_the_engine_compiled(shared_fake_server: Any, path: str, extra: dict, kind: str, value: Any) -> None:
@@ -86,6 +87,8 @@ def test_disable_any_whitespace(shared_fake_server: Any) -> None:
         ("/v1/completions", {"structured_outputs": {"grammar": 'start: "a" nowhere'}}, "structured_outputs.grammar"),
         ("/v1/completions", {"structured_outputs": {"json": "{not json"}}, "structured_outputs.json"),
         ("/v1/completions", {"structured_outputs": {"json": "[1, 2]"}}, "structured_outputs.json"),
+        ("/v1/completions", {"structured_outputs": {"json": False}}, "structured_outputs.json"),
+        ("/v1/completions", {"structured_outputs": {"json": 1}}, "structured_outputs.json"),
         ("/v1/completions", {"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
         ("/v1/completions", {"structured_outputs": {"choice": ["a", ""]}}, "structured_outputs.choice"),
         ("/v1/completions", {"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
