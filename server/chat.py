@@ -89,23 +89,25 @@ def render_chat_prompt(
     add_special_tokens: bool = False,
     tools: list[dict[str, Any]] | None = None,
     named_tool: str | None = None,
+    describe: bool = False,
 ) -> list[int]:
     """Apply the chat template and tokenize the result.
 
     The template writes the special tokens (BOS, role markers) itself, so the text is encoded
     without adding special tokens again (unless ``add_special_tokens``, for /tokenize). ``tools`` go to
-    a template that reads them, else into the system message (``server.tools.describe_tools``).
+    a template that reads them, unless ``describe``, else into the system message
+    (``server.tools.describe_tools``: ``describe`` words them for "auto").
     """
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("This model has no chat template; use /v1/completions instead.", param="messages")
     kwargs: dict[str, Any] = {}
-    if template_knows_tools(tokenizer):
+    if template_knows_tools(tokenizer) and not describe:
         if tools:
             kwargs["tools"] = tools
     else:
         messages = calls_as_content(messages)
         if tools:
-            messages = describe_tools(messages, tools, named_tool)
+            messages = describe_tools(messages, tools, named_tool, auto=describe)
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs)
     except Exception as e:  # jinja2's TemplateError, or a template that raises on what it does not expect

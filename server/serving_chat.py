@@ -77,6 +77,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             messages,
             tools=tools_for_template(tools.tools) if tools is not None else None,
             named_tool=tools.name if tools is not None else None,
+            describe=tools is not None and not tools.template_tools,
         )
     )
 
@@ -224,19 +225,24 @@ class _ChatCompletion:
 
 class _StreamedCalls:
     """Tool calls as stream deltas. A named function's arguments stream as they come (its first delta
-    carries the call's id and name); calls of ``"required"`` are sent whole when the choice finishes,
-    once the array they are written in has parsed (text that does not parse, cut by ``max_tokens``,
-    is sent as content then)."""
+    carries the call's id and name); an array of calls is sent whole when the choice finishes, once it
+    has parsed (text that does not parse, cut by ``max_tokens``, is sent as content then). Under
+    "auto", a choice whose first text does not start the array is a text answer, streamed as usual."""
 
     def __init__(self, tools: ToolMode, n: int) -> None:
         self.tools = tools
         self.texts: list[list[str]] = [[] for _ in range(n)]
         self.ids = [f"call_{uuid.uuid4().hex[:24]}" for _ in range(n)]
         self.started = [False] * n
+        self.calling: list[bool | None] = [None] * n  # undecided until a choice's first text
 
     def delta(self, i: int, text: str, finished: bool) -> tuple[dict[str, Any] | None, bool]:
         """(the delta to send for choice i, or None; whether its output was a call)."""
         tools = self.tools
+        if self.calling[i] is None and text:
+            self.calling[i] = tools.is_call(text)
+        if self.calling[i] is False:
+            return ({"content": text} if text else None), False
         if tools.name is not None:
             call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
             if not self.started[i]:

@@ -3,13 +3,18 @@
 With ``tool_choice: "required"`` the output is constrained to a JSON array of one or more calls, each
 ``{"name": <one of the tools>, "parameters": <that tool's parameters schema>}``; with a named function,
 to that function's parameters. The text is then parsed into ``message.tool_calls`` (ids are ours), so
-the calls are always well-formed: which tool and what arguments stay the model's choice. ``"auto"``
-would need a parser of each model family's own tool-call syntax, which this server does not have: it
-is refused, as vLLM refuses it without a tool-call parser.
+the calls are always well-formed: which tool and what arguments stay the model's choice.
 
-The tools reach the model through its chat template (``tools=``) when the template uses them; otherwise
-(the default model's does not) they are described in the system message, and earlier assistant calls
-in the history are written as the same JSON the model is constrained to produce.
+``"auto"`` (OpenAI's default when tools are given) lets the first character decide: an answer that
+starts with ``[`` is constrained to that same array of calls; any other answer is free text (which
+therefore cannot start with ``[``, nor with whitespace). One convention for every model, rather than
+a parser for each model family's own tool-call syntax (vLLM's approach), and the calls stay
+well-formed.
+
+The tools reach the model through its chat template (``tools=``) when the template uses them, for
+"required" and named calls; otherwise (the default model's template, and "auto" always, whose
+convention is ours) they are described in the system message, and earlier assistant calls in the
+history are written as the same JSON the model is constrained to produce.
 """
 
 from __future__ import annotations
@@ -19,21 +24,25 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from scheduler.structured_output import StructuredOutput
-from server.errors import bad_request, unsupported
+from scheduler.structured_output import JSON_WHITESPACE, StructuredOutput
+from server.errors import bad_request
 from server.protocol import ChatCompletionRequest, ChatTool
 
 # Any JSON object: a function declared without parameters takes any.
 _ANY_PARAMETERS: dict[str, Any] = {"type": "object"}
 
+# "auto": free text is anything that does not start with "[" (the calls' array) or with whitespace.
+_FREE_TEXT = r"/[^\[ \t\n\r](.|\n)*/"
+
 
 @dataclass
 class ToolMode:
-    """The tools a request forces the model to call: ``name`` set for one named function."""
+    """The tools a request may (``auto``) or must call: ``name`` set for one named function."""
 
     tools: list[ChatTool]
     name: str | None = None
-    parallel: bool = True  # "required": more than one call allowed (OpenAI's parallel_tool_calls)
+    parallel: bool = True  # more than one call allowed (OpenAI's parallel_tool_calls)
+    auto: bool = False  # the model chooses between a text answer and calls
 
     def schema(self) -> dict[str, Any]:
         if self.name is not None:
@@ -53,14 +62,30 @@ class ToolMode:
         return schema
 
     def structured_output(self) -> StructuredOutput:
-        return StructuredOutput("json", json.dumps(self.schema(), ensure_ascii=False), param="tools")
+        if not self.auto:
+            return StructuredOutput("json", json.dumps(self.schema(), ensure_ascii=False), param="tools")
+        # The calls' JSON gets the whitespace bounds a "json" spec gets (through its own options).
+        schema = {**self.schema(), "x-guidance": {"whitespace_flexible": True, "whitespace_pattern": JSON_WHITESPACE}}
+        lark = f"start: calls | TEXT\ncalls: %json {json.dumps(schema, ensure_ascii=False)}\nTEXT: {_FREE_TEXT}\n"
+        return StructuredOutput("grammar", lark, param="tools")
+
+    @property
+    def template_tools(self) -> bool:
+        """Whether a chat template that reads tools gets them (else they are described by us)."""
+        return not self.auto
+
+    def is_call(self, text: str) -> bool:
+        """Whether an output that begins with ``text`` (non-empty) is calls rather than a text answer."""
+        return not self.auto or text.startswith("[")
 
     def _tool(self, name: str) -> ChatTool:
         return next(t for t in self.tools if t.function.name == name)
 
     def parse(self, text: str) -> list[dict[str, Any]] | None:
-        """The OpenAI ``tool_calls`` the constrained text spells, or None where it does not parse
-        (the output was cut by ``max_tokens``)."""
+        """The OpenAI ``tool_calls`` the constrained text spells, or None where it is not calls (a text
+        answer under "auto") or does not parse (the output was cut by ``max_tokens``)."""
+        if self.auto and not text.startswith("["):
+            return None
         try:
             value = json.loads(text)
         except ValueError:
@@ -97,17 +122,11 @@ def tool_mode(req: ChatCompletionRequest) -> ToolMode | None:
         raise bad_request(f"Two tools are named '{dup}': tool names must be unique.", param="tools")
     if choice == "none":
         return None
-    if choice in (None, "auto"):
-        raise unsupported(
-            "tool_choice",
-            "tool_choice 'auto' (the default when tools are given) is not supported: this server has no parser "
-            "for the model's own tool-call syntax. Use tool_choice 'required', or name a function "
-            '({"type": "function", "function": {"name": ...}}), and the output is constrained to a valid call.',
-        )
     if req.response_format is not None and req.response_format.type != "text" or req.structured_outputs is not None:
         raise bad_request("Tool calls and 'response_format' / 'structured_outputs' cannot be combined.", param="tool_choice")
-    if choice == "required":
-        return ToolMode(list(req.tools), parallel=req.parallel_tool_calls is not False)
+    parallel = req.parallel_tool_calls is not False
+    if choice in (None, "auto", "required"):
+        return ToolMode(list(req.tools), parallel=parallel, auto=choice != "required")
     assert not isinstance(choice, str)
     if choice.function.name not in names:
         raise bad_request(f"tool_choice names '{choice.function.name}', which is not among the tools.", param="tool_choice")
@@ -124,13 +143,18 @@ def template_knows_tools(tokenizer: Any) -> bool:
     return isinstance(template, str) and "tools" in template
 
 
-def describe_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]], named: str | None) -> list[dict[str, Any]]:
-    """For a template without tools: the tools described in the system message (added when absent)."""
-    what = (
-        f"Call the function {named} by answering with its arguments as a JSON object."
-        if named is not None
-        else 'Call one or more of them by answering with a JSON array of {"name": ..., "parameters": {...}} objects.'
-    )
+def describe_tools(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]], named: str | None, auto: bool = False
+) -> list[dict[str, Any]]:
+    """The tools described in the system message (added when absent), for a template without tools or
+    for "auto"."""
+    calls = 'a JSON array of {"name": ..., "parameters": {...}} objects'
+    if named is not None:
+        what = f"Call the function {named} by answering with its arguments as a JSON object."
+    elif auto:
+        what = f"To call one or more of them, answer with only {calls}; otherwise answer normally."
+    else:
+        what = f"Call one or more of them by answering with {calls}."
     text = "You can call these functions:\n" + json.dumps([t["function"] for t in tools], ensure_ascii=False) + "\n" + what
     out = [dict(m) for m in messages]
     if out and out[0]["role"] == "system":

@@ -389,9 +389,13 @@ def test_sdk_tool_calls(live: Live) -> None:
     ]
     r = c.chat.completions.create(model=live.model, messages=history, temperature=0, max_tokens=40)
     assert r.choices[0].message.content and r.choices[0].message.tool_calls is None
-    with pytest.raises(openai.BadRequestError) as e:
-        c.chat.completions.create(model=live.model, messages=ask, tools=tools, max_tokens=5)  # "auto"
-    assert e.value.body["param"] == "tool_choice"
+    # "auto" (the default): this small model answers in text; the answer is what it says without tools
+    # unless that would start with "[" (the calls' array).
+    r = c.chat.completions.create(
+        model=live.model, messages=[{"role": "user", "content": CHAT_Q}], tools=tools, temperature=0, max_tokens=40
+    )
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == live.chat_text
     _idle_and_free(live)
 
 

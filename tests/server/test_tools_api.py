@@ -34,9 +34,8 @@ def chat(srv: Any, **body: Any) -> httpx.Response:
 @pytest.mark.parametrize(
     "body, param",
     [
-        ({"tools": [WEATHER]}, "tool_choice"),  # the default is "auto"
-        ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": "auto"}, "tool_choice"),
         ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tools": [{"type": "function", "function": {"name": "has space"}}], "tool_choice": "required"}, "tools[0].function.name"),
@@ -93,6 +92,20 @@ def test_required_and_named_calls_constrain_the_output_and_describe_the_tools(sh
     assert "Call the function get_weather" in eng.tokenizer.decode(eng.prompts[-1])
 
 
+def test_auto_lets_the_first_character_choose_between_text_and_calls(shared_fake_server: Any) -> None:
+    srv, eng, _ = shared_fake_server
+    for extra in ({}, {"tool_choice": "auto"}):  # "auto" is the default with tools
+        r = chat(srv, tools=[WEATHER, CLOCK], **extra)
+        assert r.status_code == 200, r.text
+        so = eng.last_params.structured_output
+        assert so.kind == "grammar" and so.compiled is not None and so.value.startswith("start: calls | TEXT")
+        prompt = eng.tokenizer.decode(eng.prompts[-1])
+        assert "otherwise answer normally" in prompt and '"get_time"' in prompt
+        # The scripted engine's text does not start with "[": a plain answer, no calls.
+        msg = r.json()["choices"][0]
+        assert msg["message"]["content"] and "tool_calls" not in msg["message"] and msg["finish_reason"] != "tool_calls"
+
+
 def test_history_with_calls_and_results_is_rendered(shared_fake_server: Any) -> None:
     srv, eng, _ = shared_fake_server
     history = ASK + [
@@ -126,6 +139,47 @@ def test_constrained_text_parses_into_openai_tool_calls() -> None:
     named = _mode({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
     (call,) = named.parse('{"city": "Rome"}')
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+
+
+def test_auto_parses_an_array_and_leaves_text_alone() -> None:
+    auto = _mode({"tools": [WEATHER]})
+    assert auto.auto and auto.is_call("[{") and not auto.is_call("Sure")
+    assert auto.parse("The weather is fine.") is None
+    (call,) = auto.parse('[{"name": "get_weather", "parameters": {"city": "Oslo"}}]')
+    assert call["function"]["name"] == "get_weather"
+    streamed = _StreamedCalls(auto, 2)
+    assert streamed.delta(0, "It is", finished=False) == ({"content": "It is"}, False)
+    assert streamed.delta(0, " sunny.", finished=True) == ({"content": " sunny."}, False)
+    assert streamed.delta(1, '[{"name": "get_weather", "parameters": ', finished=False) == (None, False)
+    done, called = streamed.delta(1, '{"city": "Oslo"}}]', finished=True)
+    assert called and done["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}'
+
+
+def test_auto_grammar_constrains_calls_and_frees_text(tiny_llama_dir: Any) -> None:
+    """Through the compiler: text answers pass untouched, an answer that starts with "[" must be a
+    valid call, and free text may not start with "[" or whitespace."""
+    from runtime.tokenizer import load_tokenizer
+    from scheduler.structured_output import GrammarCompiler
+
+    tok = load_tokenizer(tiny_llama_dir)
+    matcher = GrammarCompiler(tok, 49152, [2]).compile(_mode({"tools": [WEATHER, CLOCK]}).structured_output()).matcher
+
+    def fits(text: str) -> bool:
+        m = matcher()
+        try:
+            for t in tok.encode(text, add_special_tokens=False):
+                m.accept(t)
+        except ValueError:
+            return False
+        return True
+
+    assert fits("It is sunny in Paris [citation needed].")
+    assert fits('[{"name": "get_weather", "parameters": {"city": "Paris"}}]')
+    assert fits('[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Rome"}}]')
+    assert not fits('[{"name": "get_news", "parameters": {}}]')  # not a declared tool
+    assert not fits('[{"name": "get_weather", "parameters": {}}]')  # its required "city" is missing
+    assert not fits("[1, 2, 3]")
+    assert not fits(" leading space")
 
 
 def test_streamed_calls() -> None:
