@@ -110,7 +110,8 @@ def _call(name: str, arguments: Any) -> dict[str, Any]:
 
 
 def tool_mode(req: ChatCompletionRequest) -> ToolMode | None:
-    """The forced tool calls of ``req``, None when it uses no tools; 400 for what cannot be served."""
+    """The tool calls ``req`` may ("auto") or must make, None when it uses no tools; 400 for what cannot
+    be served."""
     choice = req.tool_choice
     if not req.tools:
         if choice not in (None, "none"):
@@ -166,7 +167,7 @@ def describe_tools(
 
 def calls_as_content(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """For a template without tool calls: each assistant message's calls written into its content as the
-    JSON array a "required" call is constrained to, and tool results as the text they hold."""
+    JSON array the model is constrained to for calls, and tool results as the text they hold."""
     out = []
     for m in messages:
         calls = m.get("tool_calls")
