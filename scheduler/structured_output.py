@@ -176,24 +176,23 @@ class GrammarCompiler:
             vocab = self._vocabulary()
         try:
             text = grammar_text(spec)
-        except (ValueError, TypeError) as e:  # JSON that is not JSON, GBNF the converter cannot read...
-            if isinstance(e, InvalidParameterError):
-                raise
-            raise InvalidParameterError(spec.param, f"Invalid {_WHAT[spec.kind]}: {e}") from None
+        except InvalidParameterError:
+            raise
+        except (ValueError, TypeError) as e:  # JSON that is not JSON...
+            raise _invalid(spec, str(e)) from None
         llg = _llguidance()
         failed, messages = llg.LLMatcher.validate_grammar_with_warnings(text, vocab)
         if failed:
-            raise InvalidParameterError(spec.param, f"Invalid {_WHAT[spec.kind]}: {messages[0].strip()}")
+            raise _invalid(spec, messages[0])
         template = llg.LLMatcher(vocab, text, log_level=0)
-        if template.is_error():
-            raise InvalidParameterError(spec.param, f"Invalid {_WHAT[spec.kind]}: {template.get_error().strip()}")
         # The first mask here, in the caller's thread: it is the dearest (the lexer builds its states,
         # which every copy shares), so the engine thread no longer pays it, and it measures the spec.
         t0 = time.perf_counter()
-        template.compute_bitmask()
+        if not template.is_error():
+            template.compute_bitmask()
         took = time.perf_counter() - t0
         if template.is_error():
-            raise InvalidParameterError(spec.param, f"Invalid {_WHAT[spec.kind]}: {template.get_error().strip()}")
+            raise _invalid(spec, template.get_error())
         if took > MAX_FIRST_MASK_S:
             raise InvalidParameterError(
                 spec.param,
@@ -211,3 +210,7 @@ class GrammarCompiler:
 
 
 _WHAT = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+
+
+def _invalid(spec: StructuredOutput, detail: str) -> InvalidParameterError:
+    return InvalidParameterError(spec.param, f"Invalid {_WHAT[spec.kind]}: {detail.strip()}")

@@ -41,7 +41,11 @@ def normalize_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         msg: dict[str, Any] = {"role": role, "content": _content_text(m, where)}
         if m.tool_calls:
             msg["tool_calls"] = [
-                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments, f"{where}.tool_calls[{j}].function.arguments")}}
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments, f"{where}.tool_calls[{j}].function.arguments")},
+                }
                 for j, c in enumerate(m.tool_calls)
             ]
         if role == "tool":
