@@ -36,7 +36,10 @@ from server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from server.protocol_responses import DeletedResponse, ResponseObject, ResponsesRequest
+from server.response_store import ResponseStore
 from server.serving_chat import create_chat_completion
+from server.serving_responses import create_response, stored_response
 from server.serving_common import ServingContext
 from server.serving_completions import create_completion
 from server.serving_tokenize import detokenize, tokenize
@@ -256,6 +259,7 @@ def build_app(
     app = FastAPI(title="servelm", version=version, lifespan=lifespan)
     ctx = ServingContext.from_engine(async_engine)
     app.state.serving = ctx
+    store = app.state.responses = ResponseStore()
     install_error_handlers(app)
     document_validation_as_400(app)
     app.add_middleware(GateMiddleware, async_engine=async_engine, api_key=api_key, max_body_bytes=max_request_bytes or DEFAULT_MAX_REQUEST_BYTES)
@@ -274,6 +278,20 @@ def build_app(
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=generation_errors)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(ctx, body, raw)
+
+    @app.post("/v1/responses", response_model=ResponseObject, responses=generation_errors)
+    async def responses(body: ResponsesRequest, raw: Request) -> Response:
+        return await create_response(ctx, store, body, raw)
+
+    @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=error_responses(401, 404, 503))
+    async def get_response(response_id: str) -> JSONResponse:
+        return JSONResponse(stored_response(store, response_id))
+
+    @app.delete("/v1/responses/{response_id}", response_model=DeletedResponse, responses=error_responses(401, 404, 503))
+    async def delete_response(response_id: str) -> DeletedResponse:
+        stored_response(store, response_id)  # 404 when unknown
+        store.delete(response_id)
+        return DeletedResponse(id=response_id, deleted=True)
 
     @app.get("/v1/models", response_model=ModelList, responses=error_responses(401, 503))
     async def list_models() -> ModelList:

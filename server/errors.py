@@ -65,7 +65,7 @@ class ErrorResponse(BaseModel):
 _ERROR_DESCRIPTIONS = {
     400: "Invalid request: a malformed body, a field out of range, an unsupported parameter, a prompt too long",
     401: "Missing or wrong API key (with --api-key only)",
-    404: "No such model",
+    404: "No such model (or, for /v1/responses/{id}, no such stored response)",
     413: "The request body is larger than --max-request-bytes",
     500: "Internal error",
     503: "Overloaded (queue full; see Retry-After), shutting down, or the engine has stopped",

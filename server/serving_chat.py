@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import Request
@@ -47,9 +48,19 @@ def _refuse_unsupported(req: ChatCompletionRequest) -> None:
         raise bad_request("'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
 
 
-async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request) -> Response:
-    arrival = time.monotonic()
-    created = int(time.time())
+@dataclass
+class ChatStart:
+    """A chat request validated, rendered and queued: what its response is built from."""
+
+    params: SamplingParams
+    prompt_ids: list[int]
+    tools: ToolMode | None
+    group: RequestGroup
+
+
+async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, arrival: float, request_id: str) -> ChatStart:
+    """Validate ``req``, render its messages through the chat template and queue it (400 naming the
+    field for what cannot be served). Shared by /v1/chat/completions and /v1/responses."""
     ctx.check_model(req.model)
     _refuse_unsupported(req)
     tools = tool_mode(req)
@@ -80,15 +91,21 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             describe=tools is not None and not tools.template_tools,
         )
     )
-
-    request_id = random_id("chatcmpl")
     group = await add_requests(
         ctx, [(request_id, prompt_ids, params)], arrival, param_map={"max_tokens": max_param, "prompt": "messages"}
     )
-    job = _ChatCompletion(ctx, req, params, request_id, created, prompt_ids, group, tools)
+    return ChatStart(params, prompt_ids, tools, group)
+
+
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request) -> Response:
+    arrival = time.monotonic()
+    created = int(time.time())
+    request_id = random_id("chatcmpl")
+    start = await start_chat(ctx, req, arrival, request_id)
+    job = _ChatCompletion(ctx, req, start.params, request_id, created, start.prompt_ids, start.group, start.tools)
     if req.stream:
-        return event_stream(job.stream, group)
-    body = await until_disconnect(raw, job.collect(), group)
+        return event_stream(job.stream, start.group)
+    body = await until_disconnect(raw, job.collect(), start.group)
     return JSONResponse(body)
 
 

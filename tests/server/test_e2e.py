@@ -399,6 +399,62 @@ def test_sdk_tool_calls(live: Live) -> None:
     _idle_and_free(live)
 
 
+def _responses_tool(chat_tool: dict) -> dict:
+    return {"type": "function", **chat_tool["function"]}
+
+
+def test_sdk_responses(live: Live) -> None:
+    """/v1/responses on the real model through the SDK: the greedy chat answer, streamed the same, a
+    JSON-schema answer, required and named calls, and a second turn through previous_response_id."""
+    c = live.client()
+    r = c.responses.create(model=live.model, input=CHAT_Q, temperature=0, max_output_tokens=40)
+    assert r.status == "completed" and r.output_text == live.chat_text
+    assert r.usage.input_tokens == len(live.chat_ids) and r.usage.output_tokens > 0
+    with c.responses.stream(model=live.model, input=CHAT_Q, temperature=0, max_output_tokens=40) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(deltas) == final.output_text == live.chat_text
+    assert c.responses.retrieve(final.id).output_text == live.chat_text
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}
+    r = c.responses.create(
+        model=live.model, input="Name the capital of France as JSON.", temperature=0, max_output_tokens=40,
+        text={"format": {"type": "json_schema", "name": "capital", "schema": schema}},
+    )  # fmt: skip
+    assert set(json.loads(r.output_text)) == {"city"}
+
+    ask = "What's the weather like in Paris?"
+    tools = [_responses_tool(WEATHER_TOOL), _responses_tool(TIME_TOOL)]
+    r = c.responses.create(model=live.model, input=ask, tools=tools, tool_choice="required", temperature=0, max_output_tokens=100)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert calls and len(calls) == len(r.output) and all(o.call_id.startswith("call_") for o in calls)
+    assert {o.name for o in calls} <= {"get_weather", "get_time"}
+    chat = c.chat.completions.create(
+        model=live.model, messages=[{"role": "user", "content": ask}], tools=[WEATHER_TOOL, TIME_TOOL],
+        tool_choice="required", temperature=0, max_tokens=100,
+    )  # fmt: skip
+    assert [(o.name, o.arguments) for o in calls] == [(t.function.name, t.function.arguments) for t in chat.choices[0].message.tool_calls]
+
+    named = {"type": "function", "name": "get_weather"}
+    r = c.responses.create(model=live.model, input=ask, tools=tools, tool_choice=named, temperature=0, max_output_tokens=60)
+    (call,) = r.output
+    assert call.type == "function_call" and call.name == "get_weather" and "city" in json.loads(call.arguments)
+    events = list(c.responses.create(model=live.model, input=ask, tools=tools, tool_choice=named, temperature=0, max_output_tokens=60, stream=True))
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert args == call.arguments and events[-1].type == "response.completed"
+
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "12 degrees celsius, cloudy"}
+    second = c.responses.create(model=live.model, previous_response_id=r.id, input=[result], temperature=0, max_output_tokens=40)
+    history = [
+        {"role": "user", "content": ask},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "12 degrees celsius, cloudy"},
+    ]  # fmt: skip
+    same = c.chat.completions.create(model=live.model, messages=history, temperature=0, max_tokens=40)
+    assert second.output_text and second.output_text == same.choices[0].message.content
+    _idle_and_free(live)
+
+
 def test_sdk_models_and_errors(live: Live) -> None:
     c = live.client()
     models = c.models.list()
