@@ -526,7 +526,8 @@ class Engine:
         if finished:
             self._groups.pop(group.request_id, None)
         return RequestOutput(
-            group.request_id, group.prompt_token_ids, outs, finished, error, self._take_prompt_logprobs(group)
+            group.request_id, group.prompt_token_ids, outs, finished, error, self._take_prompt_logprobs(group),
+            group.choices[0].num_cached_tokens,
         )
 
     @staticmethod

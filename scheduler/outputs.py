@@ -32,6 +32,8 @@ class RequestOutput:
     # Asked with ``prompt_logprobs``: one entry per prompt token (the first None), in the first output
     # after the whole prompt was scored (no later than the first generated token's).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # Prompt tokens served from the prefix cache (choice 0's, known once it is first scheduled).
+    num_cached_tokens: int = 0
 
 
 @dataclass

@@ -125,6 +125,8 @@ class Request:
         # Timestamps (time.monotonic()) from which every latency metric is derived.
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None
+        # Prompt tokens the prefix cache held when the request was first scheduled (usage's cached_tokens).
+        self.num_cached_tokens = 0
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.finished_time: float | None = None

@@ -192,6 +192,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
+                req.num_cached_tokens = num_cached
             self.running.append(req)
             self._schedule(req, num_new, out)
             budget -= num_new

@@ -133,11 +133,17 @@ class _ChatCompletion:
         self.prompt_ids = prompt_ids
         self.group = group
         self.num_output_tokens = [0] * self.n
+        self.num_cached_tokens = 0
 
-    def _usage(self) -> dict[str, int]:
+    def _usage(self) -> dict[str, Any]:
         prompt = len(self.prompt_ids)
         completion = sum(self.num_output_tokens)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
+        }
 
     async def collect(self) -> dict[str, Any]:
         texts: list[list[str]] = [[] for _ in range(self.n)]
@@ -146,6 +152,7 @@ class _ChatCompletion:
         prompt_entries = None
         async for out in self.group:
             check_output_error(out)
+            self.num_cached_tokens = out.num_cached_tokens
             if out.prompt_logprobs is not None:
                 prompt_entries = out.prompt_logprobs
             for c in out.outputs:
@@ -209,6 +216,7 @@ class _ChatCompletion:
         calls = _StreamedCalls(self.tools, self.n) if self.tools is not None else None
         async for out in self.group:
             check_output_error(out)
+            self.num_cached_tokens = out.num_cached_tokens
             for c in out.outputs:
                 i = c.index
                 self.num_output_tokens[i] = c.num_output_tokens

@@ -146,13 +146,19 @@ class _Completion:
         self.prompt_logprobs: list[dict[str, Any] | None] = [None] * len(prompt_ids)
         num_choices = len(prompt_ids) * self.n
         self.num_output_tokens = [0] * num_choices
+        self.num_cached_tokens = [0] * len(prompt_ids)  # per prompt
         # Where the next token's text starts in the choice's text (logprobs.text_offset).
         self.offsets = [len(echo_texts[i // self.n]) if echo_texts else 0 for i in range(num_choices)]
 
-    def _usage(self) -> dict[str, int]:
+    def _usage(self) -> dict[str, Any]:
         prompt = sum(len(ids) for ids in self.prompt_ids)
         completion = 0 if self.prompt_only else sum(self.num_output_tokens)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(self.num_cached_tokens)},
+        }
 
     async def collect(self) -> dict[str, Any]:
         num_choices = len(self.num_output_tokens)
@@ -161,6 +167,7 @@ class _Completion:
         finish: list[str | None] = [None] * num_choices
         async for out in self.group:
             check_output_error(out)
+            self.num_cached_tokens[self.prompt_index[out.request_id]] = out.num_cached_tokens
             self._take_prompt_logprobs(out)
             base = self.prompt_index[out.request_id] * self.n
             for c in out.outputs:
@@ -218,6 +225,7 @@ class _Completion:
         model = self.ctx.served_model_name
         async for out in self.group:
             check_output_error(out)
+            self.num_cached_tokens[self.prompt_index[out.request_id]] = out.num_cached_tokens
             self._take_prompt_logprobs(out)
             base = self.prompt_index[out.request_id] * self.n
             for c in out.outputs:

@@ -296,6 +296,7 @@ class _Response:
         self.group = start.group
         self.num_prompt_tokens = len(start.prompt_ids)
         self.num_output_tokens = 0
+        self.num_cached_tokens = 0
         self.id = response_id
         self.created = created
         self.message_id = _hex_id("msg")
@@ -312,7 +313,7 @@ class _Response:
             p, c = self.num_prompt_tokens, self.num_output_tokens
             usage = {
                 "input_tokens": p,
-                "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                "input_tokens_details": {"cached_tokens": self.num_cached_tokens, "cache_write_tokens": 0},
                 "output_tokens": c,
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": p + c,
@@ -398,6 +399,7 @@ class _Response:
         reason = None
         async for out in self.group:
             check_output_error(out)
+            self.num_cached_tokens = out.num_cached_tokens
             for c in out.outputs:
                 texts.append(c.new_text)
                 if c.new_logprobs:
@@ -422,6 +424,7 @@ class _Response:
         try:
             async for out in self.group:
                 check_output_error(out)
+                self.num_cached_tokens = out.num_cached_tokens
                 for c in out.outputs:
                     self.num_output_tokens = c.num_output_tokens
                     lp = chat_logprobs_content(self.ctx.token_strings, c.new_logprobs) if self.want_logprobs and c.new_logprobs else []

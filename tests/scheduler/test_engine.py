@@ -333,9 +333,11 @@ def test_step_and_request_metrics(tiny_llama_dir: Path) -> None:
     e = scripted_engine(tiny_llama_dir, {3: [10, 11, 12, 13, 14]}, obs, max_num_batched_tokens=16)
     e.add_request("a", [3] * 40, SamplingParams(max_tokens=5, temperature=0))
     e.add_request("b", [3] * 40, SamplingParams(max_tokens=3, temperature=0))
-    drain(e)
+    outs = drain(e)
     steps = obs.steps
     # a is chunked 16 + 16 + 8; b is admitted in the third step and finds a's two full blocks cached.
+    cached = {o.request_id: o.num_cached_tokens for o in outs}
+    assert cached == {"a": 0, "b": 32}  # usage's cached_tokens, per request
     assert [s.num_prompt_tokens for s in steps[:3]] == [16, 16, 16]
     assert sum(s.num_prompt_tokens for s in steps) == 40 + 8
     assert sum(s.prefix_cache_queries for s in steps) == 80 and sum(s.prefix_cache_hits for s in steps) == 32

@@ -19,6 +19,8 @@ from srv_harness import assert_error, parse_sse
 
 # One client for the module: keep-alive connections, no per-call client set-up.
 http = httpx.Client(timeout=30)
+# The scripted engine has no prefix cache.
+NO_CACHED = {"prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def _wait(cond: Any, timeout: float = 5.0) -> None:
@@ -43,7 +45,7 @@ def test_completion_shape_and_text(fake_server: Any) -> None:
     assert body["model"] == "fake-model"
     assert body["choices"] == [{"index": 0, "text": eng.expected_text(5), "logprobs": None, "finish_reason": "length"}]
     n_prompt = len(eng.tokenizer.encode("Hello"))
-    assert body["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 5, "total_tokens": n_prompt + 5}
+    assert body["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 5, "total_tokens": n_prompt + 5, **NO_CACHED}
 
 
 def test_completion_default_max_tokens_is_16_and_model_optional(fake_server: Any) -> None:
@@ -66,7 +68,7 @@ def test_completion_many_prompts_times_n(fake_server: Any) -> None:
     for c in choices:
         # index = prompt_idx * n + i: choice i of every prompt walks the script from offset i
         assert c["text"] == eng.expected_text(3, index=c["index"] % 2)
-    assert r.json()["usage"] == {"prompt_tokens": 6, "completion_tokens": 18, "total_tokens": 24}
+    assert r.json()["usage"] == {"prompt_tokens": 6, "completion_tokens": 18, "total_tokens": 24, **NO_CACHED}
     assert len(eng.added) == 3
 
 
@@ -130,7 +132,7 @@ def test_completion_echo_with_logprobs_scores_the_prompt(fake_server: Any, strea
         r = http.post(f"{srv.url}/v1/completions", json=body)
         assert r.status_code == 200, r.text
         choices = {c["index"]: c for c in r.json()["choices"]}
-        assert r.json()["usage"] == {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}
+        assert r.json()["usage"] == {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13, **NO_CACHED}
     assert sorted(choices) == [0, 1, 2, 3]
     for i, c in choices.items():
         prompt = prompts[i // 2]
@@ -157,7 +159,7 @@ def test_completion_max_tokens_0_with_echo_returns_the_prompt_alone(fake_server:
         assert r.status_code == 200, r.text
         (c,) = r.json()["choices"]
         assert c == {"index": 0, "text": "Say it", "logprobs": expected, "finish_reason": "length"}
-        assert r.json()["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 0, "total_tokens": len(prompt)}
+        assert r.json()["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 0, "total_tokens": len(prompt), **NO_CACHED}
     # Without logprobs: the prompt, no logprobs; without echo: refused.
     r = http.post(f"{srv.url}/v1/completions", json={"prompt": "Say it", "max_tokens": 0, "echo": True})
     assert r.json()["choices"][0]["text"] == "Say it" and r.json()["choices"][0]["logprobs"] is None

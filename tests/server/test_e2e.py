@@ -399,6 +399,24 @@ def test_sdk_tool_calls(live: Live) -> None:
     _idle_and_free(live)
 
 
+def test_usage_counts_prefix_cached_tokens(live: Live) -> None:
+    """usage.prompt_tokens_details.cached_tokens (input_tokens_details on /v1/responses): 0 for a new
+    prompt, its full blocks when the same prompt comes again (the last token is always computed)."""
+    c = live.client()
+    prompt = f"Request {random.random()}: " + "a long shared preamble that fills a few blocks " * 4
+    first = c.completions.create(model=live.model, prompt=prompt, max_tokens=2, temperature=0)
+    again = c.completions.create(model=live.model, prompt=prompt, max_tokens=2, temperature=0)
+    n = first.usage.prompt_tokens
+    assert n > 32 and first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16
+    messages = [{"role": "user", "content": prompt}]
+    chat = c.chat.completions.create(model=live.model, messages=messages, max_tokens=2, temperature=0)
+    resp = c.responses.create(model=live.model, input=prompt, max_output_tokens=16, temperature=0, store=False)
+    assert resp.usage.input_tokens == chat.usage.prompt_tokens
+    assert resp.usage.input_tokens_details.cached_tokens == (chat.usage.prompt_tokens - 1) // 16 * 16
+    _idle_and_free(live)
+
+
 def _responses_tool(chat_tool: dict) -> dict:
     return {"type": "function", **chat_tool["function"]}
 
