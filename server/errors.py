@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 log = logging.getLogger(__name__)
 
@@ -229,6 +230,15 @@ def install_error_handlers(app: FastAPI) -> None:
         resp = err.response()
         for k, v in (getattr(exc, "headers", None) or {}).items():
             resp.headers[k] = v
+        if exc.status_code == 405:
+            # Starlette names the methods of the first route on the path; a path with a route per
+            # method (GET and DELETE /v1/responses/{id}) allows all of theirs.
+            allowed = {
+                m for route in request.app.router.routes if route.matches(request.scope)[0] != Match.NONE
+                for m in getattr(route, "methods", None) or ()
+            }  # fmt: skip
+            if allowed:
+                resp.headers["Allow"] = ", ".join(sorted(allowed))
         return resp
 
     @app.exception_handler(Exception)

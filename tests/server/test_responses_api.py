@@ -180,6 +180,9 @@ def test_previous_response_id_continues_the_stored_conversation(shared_fake_serv
     assert http.delete(f"{srv.url}/v1/responses/{first['id']}").json() == {"id": first["id"], "object": "response", "deleted": True}
     assert_error(http.get(f"{srv.url}/v1/responses/{first['id']}"), 404)
     assert_error(http.delete(f"{srv.url}/v1/responses/{first['id']}"), 404)
+    r = http.put(f"{srv.url}/v1/responses/{first['id']}")
+    assert_error(r, 405)
+    assert r.headers["allow"] == "DELETE, GET"  # both routes' methods
 
 
 @pytest.mark.parametrize(
