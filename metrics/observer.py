@@ -22,7 +22,9 @@ class StepStats:
     flops: float = 0.0  # counted model FLOPs of this step
     bytes_moved: float = 0.0  # weights + KV read/written this step
     time_to_first_tokens: list[float] = field(default_factory=list)  # requests that got their first token
-    inter_token_latencies: list[float] = field(default_factory=list)  # one gap per later token
+    inter_token_latencies: list[float] = field(default_factory=list)  # one gap per later delivery
+    num_draft_tokens: int = 0  # speculative drafts verified this step
+    num_accepted_draft_tokens: int = 0  # of which were kept
 
 
 @dataclass

@@ -250,6 +250,12 @@ class PrometheusObserver:
         self.prefix_cache_queries = counter(
             "servelm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
         ).labels(m)
+        self.spec_draft_tokens = counter(
+            "servelm_spec_decode_num_draft_tokens", "Speculative draft tokens verified (n-gram lookup)."
+        ).labels(m)
+        self.spec_accepted_tokens = counter(
+            "servelm_spec_decode_num_accepted_tokens", "Speculative draft tokens kept (equal to the model's own)."
+        ).labels(m)
         self.prefix_cache_hits = counter(
             "servelm_prefix_cache_hits", "Prompt tokens found in the prefix cache."
         ).labels(m)
@@ -294,6 +300,10 @@ class PrometheusObserver:
             self.prefix_cache_queries.inc(stats.prefix_cache_queries)
         if stats.prefix_cache_hits:
             self.prefix_cache_hits.inc(stats.prefix_cache_hits)
+        if stats.num_draft_tokens:
+            self.spec_draft_tokens.inc(stats.num_draft_tokens)
+        if stats.num_accepted_draft_tokens:
+            self.spec_accepted_tokens.inc(stats.num_accepted_draft_tokens)
         self.ttft.observe_many(stats.time_to_first_tokens)
         self.itl.observe_many(stats.inter_token_latencies)
         self.num_running.set(stats.num_running)

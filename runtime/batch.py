@@ -92,6 +92,10 @@ class BatchItem:
     num_new_tokens: int
     sample: bool
     score: tuple[int, int] | None = None
+    # Speculative decoding: tokens proposed to follow ``seq.token_ids``, computed in this step after
+    # its last token (counted in ``num_new_tokens``); each of their positions is sampled too, and the
+    # caller keeps the drafts that equal what was sampled before them.
+    draft: list[int] | None = None
 
 
 @dataclass
@@ -123,3 +127,6 @@ class RunnerOutput:
     sampled_token_ids: list[int | None]
     logprobs: list[TokenLogprobs | None]
     prompt_logprobs: list[PromptLogprobs | None] | None = None
+    # Items with a ``draft``: the tokens sampled at each draft's position (what follows draft j), with
+    # their logprobs (entries None when not asked); None when no item had one.
+    draft_samples: list[list[tuple[int, TokenLogprobs | None]] | None] | None = None

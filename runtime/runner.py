@@ -107,12 +107,23 @@ class StepOutput:
         logprobs: list[TokenLogprobs | None] = [None] * n
         if self._ready is not None:
             self._ready.synchronize()  # this step's copies only, not the work issued after them
+        drafts: list[list[tuple[int, TokenLogprobs | None]] | None] | None = None
         if self._rows is not None:
             ids, lps = self._rows.resolve()
+            last = -1
             for i, tok, lp in zip(self._sample_items, ids, lps):
-                tokens[i] = tok
-                logprobs[i] = lp
-        return RunnerOutput(tokens, logprobs, self._prompt_logprobs())
+                if i != last:
+                    tokens[i] = tok
+                    logprobs[i] = lp
+                    last = i
+                else:  # a draft's row: what the model samples after that draft
+                    if drafts is None:
+                        drafts = [None] * n
+                    entry = drafts[i]
+                    if entry is None:
+                        entry = drafts[i] = []
+                    entry.append((tok, lp))
+        return RunnerOutput(tokens, logprobs, self._prompt_logprobs(), drafts)
 
     def _prompt_logprobs(self) -> list[PromptLogprobs | None] | None:
         if self._scored is None:
@@ -438,7 +449,8 @@ class ModelRunner:
         decodes: list[int] = []
         prefills: list[int] = []
         for i, it in enumerate(items):
-            (decodes if is_decode(it) else prefills).append(i)
+            # Drafts are verified as decodes: one row per position (see below).
+            (decodes if is_decode(it) or it.draft else prefills).append(i)
         order = decodes + prefills
         if len(order) > self.max_num_seqs:
             raise ValueError(f"step has {len(order)} sequences, max_num_seqs is {self.max_num_seqs}")
@@ -456,6 +468,7 @@ class ModelRunner:
         score: PromptScoring | None = None
         pending_at: list[int] = []  # input rows whose token the last step sampled on the device
         pending_from: list[int] = []  # ... and the row of that step's tokens it is in
+        num_decode_rows = 0
         for idx in order:
             item = items[idx]
             seq = item.seq
@@ -464,6 +477,11 @@ class ModelRunner:
             end = start + n
             token_ids = seq.token_ids
             table = seq.block_table
+            draft = item.draft or ()
+            if draft:  # the sequence's uncomputed tokens, then the drafts after them
+                if not item.sample or end - len(draft) != len(token_ids) or token_ids[-1] == PENDING_TOKEN:
+                    raise ValueError(f"seq {seq.seq_id}: {len(draft)} drafts must follow all of its {len(token_ids)} tokens")
+                token_ids = token_ids + list(draft)  # a copy: the sequence's own list is not touched
             if n < 1 or end > len(token_ids):
                 raise ValueError(
                     f"seq {seq.seq_id}: cannot compute tokens {start}..{end - 1} of {len(token_ids)}"
@@ -471,6 +489,22 @@ class ModelRunner:
             used = -(-end // bs)
             if len(table) < used:
                 raise ValueError(f"seq {seq.seq_id}: {len(table)} blocks cannot hold {end} tokens")
+            if draft:
+                # One decode row per position, each attending up to itself: the decode kernels serve
+                # them (the prefill path would gather the whole context every layer).
+                for pos in range(start, end):
+                    input_ids.append(token_ids[pos])
+                    positions.append(pos)
+                    slots.append(table[pos // bs] * bs + pos % bs)
+                    query_lens.append(1)
+                    seq_lens.append(pos + 1)
+                    context_lens.append(pos)
+                    tables.append(table)
+                    used_blocks.append(-(-(pos + 1) // bs))
+                num_decode_rows += n
+                sample_rows.extend(range(len(input_ids) - n, len(input_ids)))
+                sample_items.extend([idx] * n)
+                continue
             if n == 1:  # a decode (or a one-token chunk): no ranges to build
                 token = token_ids[start]
                 if token == PENDING_TOKEN:
@@ -491,6 +525,8 @@ class ModelRunner:
             context_lens.append(start)
             tables.append(table)
             used_blocks.append(used)
+            if is_decode(item):
+                num_decode_rows += 1
             if item.sample:
                 sample_rows.append(len(input_ids) - 1)
                 sample_items.append(idx)
@@ -524,7 +560,8 @@ class ModelRunner:
 
         # A decode-only step that fits the captured shapes replays a graph: staged straight into its
         # input buffers (its metadata was built at capture, so the backend's per-step derivation is skipped).
-        if self.graph_runner is not None and self.graph_runner.can_run(len(decodes), num_tokens, width):
+        shared = num_decode_rows != len(decodes)  # drafts' rows
+        if self.graph_runner is not None and not shared and self.graph_runner.can_run(len(decodes), num_tokens, width):
             staged = self._stage_graph_step(
                 input_ids, positions, slots, seq_lens, flat_tables, width, pending_at, pending_from,
                 order, sample_rows, sample_items,
@@ -544,17 +581,18 @@ class ModelRunner:
         )
         meta = AttentionMetadata(
             num_tokens=num_tokens,
-            num_decodes=len(decodes),
-            num_decode_tokens=len(decodes),
+            num_decodes=num_decode_rows,
+            num_decode_tokens=num_decode_rows,
             slot_mapping=slots_t,
             query_start_loc=query_start_t,
             seq_lens=seq_lens_t,
             context_lens=context_lens_t,
-            block_tables=tables_t.view(len(order), width),
+            block_tables=tables_t.view(len(tables), width),
             max_query_len=max(query_lens),
             max_seq_len=max_seq_len,
             query_lens_list=query_lens,
             seq_lens_list=seq_lens,
+            decode_rows_share_sequences=shared,
         )
         return StepInputs(
             input_ids=ids_t,

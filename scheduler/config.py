@@ -28,3 +28,5 @@ class EngineConfig:
     quantization: str | None = None  # "int8" | "int4": weight-only quantized projections and head (CPU, float32)
     num_threads: int | None = None  # CPU: torch intra-op threads (None => torch's default)
     seed: int = 0  # for requests without a seed
+    # Speculative decoding, vLLM's JSON: '{"method": "ngram", "num_speculative_tokens": 3, ...}' (None => off)
+    speculative_config: str | None = None

@@ -37,6 +37,7 @@ from scheduler.outputs import CompletionOutput, GeneratedChoice, GenerationResul
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import InvalidParameterError, SamplingParams, check_request
 from scheduler.scheduler import Scheduler, SchedulerOutput
+from scheduler.speculative import NgramProposer, SpeculativeConfig
 from scheduler.startup import (
     CPU_DEFAULT_BLOCK_SIZE,
     CPU_DEFAULT_KV_MEMORY,
@@ -210,11 +211,16 @@ class Engine:
                     f"the runner's KV pool has {pool.num_blocks} blocks, the KV budget asks for {num_blocks}"
                 )
         self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
+        self.proposer: NgramProposer | None = None
+        if config.speculative_config:
+            self.proposer = NgramProposer(SpeculativeConfig.parse(config.speculative_config))
+            log.info("speculative decoding: %s", self.proposer.config)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=max_batched,
             policy=config.scheduling_policy,
+            proposer=self.proposer,
         )
         if unpooled is not None:
             unpooled.allocate_kv_pool(num_blocks)
@@ -228,6 +234,8 @@ class Engine:
         # Default: on for CUDA (the forward runs in the background there), off elsewhere.
         ahead = config.async_scheduling
         self.async_scheduling = device.type == "cuda" if ahead is None else ahead
+        if self.async_scheduling and self.proposer is not None:
+            log.warning("speculative decoding needs each step's tokens before the next is scheduled: off while scheduling ahead")
         if self.async_scheduling and device.type != "cuda":
             log.warning(
                 "--async-scheduling on %s: the forward does not run in the background here, so every token "
@@ -244,6 +252,8 @@ class Engine:
         self._seq_ids = itertools.count()
         self._generate_ids = itertools.count()
         self._pending_groups: dict[str, _Group] = {}  # groups with outputs made outside step()
+        self.drafts_verified = 0  # speculative decoding, cumulative: drafts computed ...
+        self.num_accepted_drafts = 0  # ... and kept
 
     # -- state ---------------------------------------------------------------------------------------
     @property
@@ -319,7 +329,11 @@ class Engine:
         step's forward runs.
         """
         t0 = time.perf_counter()
+        # Drafts follow the tokens sampled last step: not while they are still in flight.
+        self.scheduler.proposer = None if self.async_scheduling else self.proposer
+        accepted_before = self.num_accepted_drafts
         sched = self.scheduler.schedule()
+        self.drafts_verified += sched.num_draft_tokens
         cost = self._step_cost(sched.items)  # before the counts below move on
         launched = self._steps.launch(sched.items) if sched.items else None
 
@@ -348,7 +362,8 @@ class Engine:
 
         outputs = [self._request_output(g) for g in changed.values()]
         if sched.items or changed:
-            self._observe_step(sched, time.perf_counter() - t0, num_sampled, ttfts, itls, cost)
+            accepted = self.num_accepted_drafts - accepted_before
+            self._observe_step(sched, time.perf_counter() - t0, num_sampled, ttfts, itls, cost, accepted)
         return outputs
 
     def _sample(self, items: list[BatchItem], launched: Any, changed: dict[str, _Group]) -> _Sampled:
@@ -361,7 +376,8 @@ class Engine:
             if req.is_finished:  # stopped by its previous token, or aborted, while this step ran
                 continue
             try:
-                req.num_computed_tokens += item.num_new_tokens
+                # A draft's K/V counts only once the draft is kept (``_accept_drafts``).
+                req.num_computed_tokens += item.num_new_tokens - len(item.draft or ())
                 self.block_manager.cache_full_blocks(req)
             except Exception as e:  # one bad request must not take the batch down
                 self._fail(req, e, changed)
@@ -380,7 +396,10 @@ class Engine:
         now = time.monotonic()
         num_sampled = 0
         scored = result.prompt_logprobs or itertools.repeat(None)
-        for item, token, lps, prompt_lps in zip(done.items, result.sampled_token_ids, result.logprobs, scored):
+        drafts = result.draft_samples or itertools.repeat(None)
+        for item, token, lps, prompt_lps, draft_samples in zip(
+            done.items, result.sampled_token_ids, result.logprobs, scored, drafts
+        ):
             req: Request = item.seq  # type: ignore[assignment]
             if prompt_lps is not None and not req.is_finished:
                 try:
@@ -401,6 +420,10 @@ class Engine:
                     itls.append(now - req.last_token_time)  # type: ignore[operator]
                 req.last_token_time = now
                 text = self._process_token(req, token, lps, now)
+                if item.draft and draft_samples:
+                    kept, more = self._accept_drafts(req, item.draft, draft_samples, now)
+                    num_sampled += kept
+                    text += more
             except Exception as e:  # one bad request must not take the batch down
                 self._fail(req, e, changed)
                 continue
@@ -408,6 +431,23 @@ class Engine:
             self._report(group, req, text)
             changed[req.request_id] = group
         return num_sampled
+
+    def _accept_drafts(
+        self, req: Request, draft: list[int], samples: list[tuple[int, TokenLogprobs | None]], now: float
+    ) -> tuple[int, str]:
+        """Keep the drafts that equal the token sampled before them, each followed by the token sampled
+        at its position; returns how many tokens that added and their text."""
+        kept, texts = 0, []
+        for d, (token, lps) in zip(draft, samples):
+            if req.is_finished or req.token_ids[-1] != d:
+                break
+            req.num_computed_tokens += 1  # d's K/V, written this step, is the real token's
+            self.num_accepted_drafts += 1
+            texts.append(self._process_token(req, token, lps, now))
+            kept += 1
+        if not req.is_finished:
+            self.block_manager.cache_full_blocks(req)
+        return kept, "".join(texts)
 
     def _fail(self, req: Request, e: Exception, changed: dict[str, _Group]) -> None:
         """Finish ``req`` with an error raised while the engine handled its step; report it."""
@@ -547,6 +587,7 @@ class Engine:
         ttfts: list[float],
         itls: list[float],
         cost: tuple[float, float],
+        num_accepted_drafts: int = 0,
     ) -> None:
         flops, moved = cost
         self.observer.on_step(
@@ -564,6 +605,8 @@ class Engine:
                 bytes_moved=moved,
                 time_to_first_tokens=ttfts,
                 inter_token_latencies=itls,
+                num_draft_tokens=sched.num_draft_tokens,
+                num_accepted_draft_tokens=num_accepted_drafts,
             )
         )
 

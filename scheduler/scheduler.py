@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from runtime.batch import PENDING_TOKEN, BatchItem
 from scheduler.block_manager import BlockManager, PrefixMatch
 from scheduler.request import Request, RequestStatus
+from scheduler.speculative import NgramProposer
 
 
 @dataclass
@@ -24,7 +25,8 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)  # sent back to waiting this step
     errored: list[Request] = field(default_factory=list)  # finished with an error (can never fit)
     num_prompt_tokens: int = 0  # prefill / chunk / recompute tokens scheduled
-    num_decode_tokens: int = 0  # single generated tokens scheduled
+    num_decode_tokens: int = 0  # single generated tokens scheduled (and the drafts verified with them)
+    num_draft_tokens: int = 0  # speculative drafts scheduled for verification
     prefix_cache_queries: int = 0  # tokens looked up on admission this step
     prefix_cache_hits: int = 0  # of which were cached
 
@@ -57,6 +59,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         policy: str = "fcfs",
+        proposer: NgramProposer | None = None,
     ) -> None:
         if policy not in ("fcfs", "static"):
             raise ValueError(f"unknown scheduling policy {policy!r} (fcfs or static)")
@@ -66,6 +69,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
+        self.proposer = proposer  # speculative decoding: drafts for eligible decodes
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
         # static policy: the admitted batch's members that are not running yet.
@@ -102,6 +106,7 @@ class Scheduler:
                 except ValueError:
                     pass
         self.bm.free(req)
+        req.ngram_index = None
         req.drop_pending_token()
         req.grammar = None  # a finished row the engine scheduled ahead samples unconstrained (and is dropped)
         req.status = status
@@ -113,6 +118,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
 
         # 1. Running requests, in admission order.
+        speculate = self.proposer is not None and len(self.running) <= self.proposer.config.max_running
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -120,6 +126,13 @@ class Scheduler:
             if num_new <= 0:  # nothing to compute: its last token is being sampled (engine scheduling ahead)
                 i += 1
                 continue
+            draft: list[int] = []
+            if speculate and num_new == 1 and req.token_ids[-1] != PENDING_TOKEN:
+                # No more drafts than tokens it may still produce (the step adds one of its own).
+                limit = min(budget - 1, req.max_tokens - req.num_output_tokens - 1)
+                draft = self.proposer.propose(req, limit)  # type: ignore[union-attr]
+                if draft and not self.bm.allocate_slots(req, 1 + len(draft)):
+                    draft = []  # no room for the drafts: a plain decode (which may preempt)
             if req.token_ids[-1] == PENDING_TOKEN and not self.bm.allocate_slots(req, num_new):
                 # Its input is a token not read yet, and the request may stop on it: such a row never
                 # preempts anyone. It waits one step, until the token is known.
@@ -135,8 +148,8 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                self._schedule(req, num_new, out)
-                budget -= num_new
+                self._schedule(req, num_new, out, draft)
+                budget -= num_new + len(draft)
                 i += 1
                 continue
             # ``req`` left ``running`` (preempted or failed): the next one slid into index i.
@@ -200,9 +213,14 @@ class Scheduler:
             queue.appendleft(r)
         return budget
 
-    def _schedule(self, req: Request, num_new: int, out: SchedulerOutput) -> None:
+    def _schedule(self, req: Request, num_new: int, out: SchedulerOutput, draft: list[int] | None = None) -> None:
         start = req.num_computed_tokens
         sample = start + num_new == len(req.token_ids)
+        if draft:
+            out.items.append(BatchItem(req, num_new + len(draft), sample, draft=draft))
+            out.num_decode_tokens += num_new + len(draft)
+            out.num_draft_tokens += len(draft)
+            return
         score = None
         if req.prompt_logprobs is not None:
             lo, hi = max(start, req.num_prompt_scored), min(start + num_new, req.num_prompt_tokens - 1)

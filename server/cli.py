@@ -57,6 +57,16 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _speculative_config(text: str) -> str:
+    from scheduler.speculative import SpeculativeConfig
+
+    try:
+        SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def _fraction(text: str) -> float:
     v = float(text)
     if not 0.0 < v <= 1.0:
@@ -97,6 +107,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help="weight-only quantization (CPU, float32 activations). int8: projections and vocabulary head in int8, one float32 scale per output row: a quarter of the weight bytes a decode step reads; tokens differ from the float32 model's. int4: projections in 4 bits, groups of 32 with an fp16 scale and minimum (llama.cpp's Q4_1), head in int8 groups of 32 (Q8_0): a sixth of the bytes; exact for the default model, which ships in those formats. auto: int4 where that is exact for the checkpoint's weights (checked at load: the default model, or a model dequantized from such a GGUF file), else none (default: none; `make serve` passes auto)")
     g.add_argument("--num-threads", type=_positive_int, default=None, help="CPU: torch intra-op threads (default: torch's choice)")
     g.add_argument("--seed", type=int, default=d.seed, help="sampling seed for requests without one (default: %(default)s)")
+    g.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON", help='speculative decoding by n-gram lookup, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2, "max_running": 1}\' (greedy requests; drafts only while at most max_running requests run; off while scheduling ahead) (default: off)')
 
     g = p.add_argument_group("HTTP")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for all interfaces (default: %(default)s)")
@@ -131,6 +142,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         quantization=args.quantization,
         num_threads=args.num_threads,
         seed=args.seed,
+        speculative_config=args.speculative_config,
     )
 
 

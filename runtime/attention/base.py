@@ -38,6 +38,10 @@ class AttentionMetadata:
     # Python copies the CPU paths use to slice without a device sync.
     query_lens_list: list[int]
     seq_lens_list: list[int]
+    # Several decode rows are positions of one sequence (speculative drafts verified as decodes, each
+    # attending up to its own position): every row's K/V must be stored before any row attends, so
+    # kernels that store and attend row by row must not run.
+    decode_rows_share_sequences: bool = False
 
     @property
     def num_seqs(self) -> int:

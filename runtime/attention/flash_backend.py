@@ -297,7 +297,13 @@ class TritonPagedBackend(PagedCudaBackend):
     ) -> torch.Tensor | None:
         """A decode-only step small enough for split-KV decode does RoPE, the K/V store and attention in
         one launch (``triton_decode.rope_paged_decode``, plus its merge): one kernel a layer fewer."""
-        if self.fused_rope and isinstance(meta, CudaAttentionMetadata) and meta.num_prefills == 0 and meta.num_decodes:
+        if (
+            self.fused_rope
+            and isinstance(meta, CudaAttentionMetadata)
+            and meta.num_prefills == 0
+            and meta.num_decodes
+            and not meta.decode_rows_share_sequences
+        ):
             cos, sin = cos_sin  # [T, 1, D / 2] rows of the step
             out = self._decode.rope_paged_decode(
                 qkv, cos[:, 0], sin[:, 0], k_cache, v_cache, meta.slot_mapping,

@@ -179,6 +179,7 @@ class TorchAttentionBackend(AttentionBackend):
             or meta.num_decode_tokens != meta.num_tokens
             or not isinstance(meta, TorchAttentionMetadata)
             or meta.write_rows is not None
+            or meta.decode_rows_share_sequences
         ):
             return None
         assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None

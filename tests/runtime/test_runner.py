@@ -459,3 +459,44 @@ def test_the_real_graph_runner_with_capture_emulated_gives_the_eager_tokens(
     finally:
         runner.graph_runner = None
     assert graphed == eager and single == eager[:1]
+
+
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["cpp-decode", "torch-decode"])
+def test_drafts_are_verified_as_one_decode_row_per_position(
+    tiny_llama_dir: Path, build_runner: Callable[..., ModelRunner], rt: SimpleNamespace, use_kernel: bool
+) -> None:
+    """A sequence's last token and 3 drafts after it, computed in one step beside a decode and a prefill
+    chunk: each row's logits equal feeding those tokens one step at a time, and each row is sampled."""
+    runner = build_runner(tiny_llama_dir, num_blocks=64, backend=TorchAttentionBackend(16, use_kernel=use_kernel))
+    ids, draft = random_ids(40, seed=3), [11, 4000, 11]
+    blocks = rt.ScatteredBlocks(runner.kv_pool.num_blocks, runner.block_size, seed=5)
+
+    def seq(i: int, tokens: list[int], computed: int) -> Any:
+        s = rt.FakeSeq(seq_id=i, token_ids=list(tokens))
+        blocks.grow(s, len(tokens) + len(draft))
+        if computed:
+            rt.step_logits(runner, [BatchItem(s, computed, sample=False)])
+        return s
+
+    alone = seq(0, ids, 39)
+    want = [rt.step_logits(runner, [BatchItem(alone, 1, sample=True)])[0]]
+    for t in draft:  # one decode step at a time
+        alone.token_ids.append(t)
+        want.append(rt.step_logits(runner, [BatchItem(alone, 1, sample=True)])[0])
+    want = torch.cat(want)
+
+    spec, other, fresh = seq(1, ids, 39), seq(2, ids[:20], 19), seq(3, ids[:25], 0)
+    items = [BatchItem(other, 1, sample=True), BatchItem(spec, 1 + len(draft), sample=True, draft=list(draft)),
+             BatchItem(fresh, 25, sample=True)]  # fmt: skip
+    inputs = runner.prepare(items)
+    assert inputs.meta.num_decodes == 1 + 4 and inputs.meta.decode_rows_share_sequences
+    assert inputs.sample_items == [0, 1, 1, 1, 1, 2]
+    got = rt.step_logits(runner, items)
+    # step_logits advanced them: run the same step once more, for its samples.
+    spec.num_computed_tokens, other.num_computed_tokens, fresh.num_computed_tokens = 39, 19, 0
+    torch.testing.assert_close(got[1], want, atol=1e-4, rtol=0)
+    out = runner.execute(items)
+    assert out.sampled_token_ids[1] == int(want[0].argmax())
+    assert [t for t, _ in out.draft_samples[1]] == want[1:].argmax(-1).tolist()
+    assert out.draft_samples[0] is None and out.draft_samples[2] is None
+    assert spec.token_ids == ids  # the drafts are not written into the sequence

@@ -76,6 +76,11 @@ def test_serve_args_build_one_engine_config() -> None:
         assert engine_config_from_args(build_parser().parse_args(["serve", "--quantization", scheme])).quantization == scheme
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--quantization", "int3"])
+    spec = '{"method": "ngram", "num_speculative_tokens": 2}'
+    assert engine_config_from_args(build_parser().parse_args(["serve", "--speculative-config", spec])).speculative_config == spec
+    for bad in ("{", '{"method": "eagle"}', '{"num_speculative_tokens": 0}'):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--speculative-config", bad])
 
 
 def test_the_cli_offers_what_the_runtime_implements_without_importing_torch() -> None:

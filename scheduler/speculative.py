@@ -1,0 +1,128 @@
+"""Speculative decoding by n-gram lookup ("prompt lookup"): drafts from the request's own tokens.
+
+Decode is bound by reading the weights: a step that computes a few more positions of the same
+sequence costs little more than one (on the CPU, int4: 9.0 ms for 1 row, 11.2 for 2, 16.2 for 4).
+When the last n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``) occurred earlier
+in the prompt or the output, the tokens that followed them there are proposed as the next ones; the
+model computes the real next token and the drafts' positions in one step, and every draft that equals
+the token the model would have chosen there is kept. Nothing is proposed when nothing matches, so
+text that does not repeat itself costs nothing.
+
+Only greedy requests speculate (temperature 0, no penalties, no structured output, ``min_tokens``
+met), where verifying is exact: the tokens are those of plain decoding (up to the rounding of the
+few-row vs many-row matmul paths, as in any batch). vLLM's equivalent: ``--speculative-config
+'{"method": "ngram", ...}'``; the same JSON is accepted here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from scheduler.request import Request
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``--speculative-config``: n-gram drafting."""
+
+    num_speculative_tokens: int = 3  # drafts per step at most
+    prompt_lookup_min: int = 2  # shortest suffix looked up
+    prompt_lookup_max: int = 4  # longest suffix looked up (tried first)
+    # No drafts in a step with more running requests than this: a batch's extra rows cost compute
+    # that a single stream gets almost for free (the matmuls are memory-bound only at few rows).
+    max_running: int = 1
+
+    def __post_init__(self) -> None:
+        if self.num_speculative_tokens < 1:
+            raise ValueError("speculative config: num_speculative_tokens must be at least 1")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("speculative config: need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.max_running < 1:
+            raise ValueError("speculative config: max_running must be at least 1")
+
+    @classmethod
+    def parse(cls, text: str) -> "SpeculativeConfig":
+        """From vLLM-style JSON: ``{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max":
+        4, "prompt_lookup_min": 2, "max_running": 1}`` (only ``method`` "ngram"; ``disable_by_batch_size``,
+        vLLM's name, sets ``max_running`` to one less)."""
+        try:
+            raw: Any = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        raw = dict(raw)
+        method = raw.pop("method", "ngram")
+        if method not in ("ngram", "prompt_lookup"):
+            raise ValueError(f"--speculative-config: method {method!r} is not supported (only 'ngram': no draft model is served)")
+        if "disable_by_batch_size" in raw:
+            raw["max_running"] = int(raw.pop("disable_by_batch_size")) - 1
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"--speculative-config: unknown keys {unknown} (known: method, disable_by_batch_size, {', '.join(sorted(known))})")
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in raw.values()):
+            raise ValueError("--speculative-config: values must be integers")
+        return cls(**raw)
+
+
+class NgramIndex:
+    """For each n, the latest position that followed each n-gram of a token list, grown as it grows."""
+
+    def __init__(self, nmin: int, nmax: int) -> None:
+        self.sizes = range(nmax, nmin - 1, -1)
+        self.maps: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
+        self.upto = 1  # continuation positions 1 .. upto-1 are indexed
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the longest suffix of ``tokens`` seen before, or []."""
+        end = len(tokens)
+        # Index the continuations that exist now (position end-1 is the newest; end has none yet).
+        for j in range(self.upto, end):
+            for n, m in self.maps.items():
+                if j >= n:
+                    m[tuple(tokens[j - n : j])] = j
+        self.upto = max(self.upto, end)
+        for n in self.sizes:
+            if end <= n:
+                continue
+            j = self.maps[n].get(tuple(tokens[end - n :]))
+            # j == end would be the suffix itself; only earlier occurrences (j < end) are indexed.
+            if j is not None:
+                return tokens[j : j + k]
+        return []
+
+
+class NgramProposer:
+    """Drafts for the requests that may speculate (see the module docstring)."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        from runtime.sampler import GREEDY_TEMPERATURE  # (not at import: the CLI parses configs without torch)
+
+        self.config = config
+        self.greedy_below = GREEDY_TEMPERATURE
+
+    def eligible(self, req: Request) -> bool:
+        p = req.params
+        return (
+            p.temperature < self.greedy_below
+            and p.repetition_penalty == 1.0
+            and p.presence_penalty == 0.0
+            and p.frequency_penalty == 0.0
+            and req.grammar is None
+            and req.num_output_tokens >= p.min_tokens
+        )
+
+    def propose(self, req: Request, limit: int) -> list[int]:
+        """At most ``limit`` drafts to follow ``req``'s tokens (the last of which is not computed yet)."""
+        k = min(self.config.num_speculative_tokens, limit)
+        if k <= 0 or not self.eligible(req):
+            return []
+        index = req.ngram_index
+        if index is None:
+            c = self.config
+            index = req.ngram_index = NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max)
+        return index.propose(req.token_ids, k)
