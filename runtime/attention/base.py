@@ -12,7 +12,7 @@ The slot of token position ``p`` of a sequence is ``block_table[p // block_size]
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,7 +41,7 @@ class AttentionMetadata:
     # Several decode rows are positions of one sequence (speculative drafts verified as decodes, each
     # attending up to its own position): every row's K/V must be stored before any row attends, so
     # kernels that store and attend row by row must not run.
-    decode_rows_share_sequences: bool = False
+    decode_rows_share_sequences: bool = field(default=False, kw_only=True)  # (keyword-only: subclasses add required fields)
 
     @property
     def num_seqs(self) -> int:
