@@ -277,6 +277,9 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True  # messages only: end with the assistant's turn marker
     return_token_strs: bool = False  # also the vocabulary strings of the ids
+    # messages only: rendered with these tools as /v1/chat/completions would
+    tools: list[ChatTool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
 
 class TokenizeResponse(BaseModel):

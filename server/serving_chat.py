@@ -26,7 +26,7 @@ from server.serving_common import (
     random_id,
     until_disconnect,
 )
-from server.tools import ToolMode, tool_mode, tools_for_template
+from server.tools import ToolMode, render_kwargs, tool_mode
 
 
 def _dumps(obj: Any) -> str:
@@ -82,15 +82,7 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, arrival: f
     await ctx.add_structured_output(req, params, tools.structured_output() if tools is not None else None)
     # The template adds to the messages' text, never removes from it.
     ctx.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages", "the messages' text")
-    prompt_ids = await ctx.async_engine.run_blocking(
-        lambda: render_chat_prompt(
-            ctx.tokenizer,
-            messages,
-            tools=tools_for_template(tools.tools) if tools is not None else None,
-            named_tool=tools.name if tools is not None else None,
-            describe=tools is not None and not tools.template_tools,
-        )
-    )
+    prompt_ids = await ctx.async_engine.run_blocking(lambda: render_chat_prompt(ctx.tokenizer, messages, **render_kwargs(tools)))
     group = await add_requests(
         ctx, [(request_id, prompt_ids, params)], arrival, param_map={"max_tokens": max_param, "prompt": "messages"}
     )

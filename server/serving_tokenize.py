@@ -12,8 +12,9 @@ from typing import Any
 
 from server.chat import normalize_messages, render_chat_prompt
 from server.errors import bad_request
-from server.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from server.protocol import ChatCompletionRequest, DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from server.serving_common import ServingContext, check_token_ids
+from server.tools import render_kwargs, tool_mode
 
 
 def _encode_prompt(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
@@ -24,6 +25,8 @@ async def tokenize(ctx: ServingContext, req: TokenizeRequest) -> TokenizeRespons
     ctx.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("Give exactly one of 'prompt' and 'messages'.", param="prompt" if req.prompt is None else "messages")
+    if req.prompt is not None and (req.tools is not None or req.tool_choice is not None):
+        raise bad_request("'tools' and 'tool_choice' go with 'messages'.", param="tools" if req.tools is not None else "tool_choice")
     run = ctx.async_engine.run_blocking
     if req.prompt is not None:
         ctx.check_prompt_chars(len(req.prompt), "prompt")
@@ -31,6 +34,7 @@ async def tokenize(ctx: ServingContext, req: TokenizeRequest) -> TokenizeRespons
         ids = await run(_encode_prompt, ctx.tokenizer, req.prompt, special)
     else:
         assert req.messages is not None
+        tools = tool_mode(ChatCompletionRequest(messages=req.messages, tools=req.tools, tool_choice=req.tool_choice))
         messages = normalize_messages(req.messages)
         ctx.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages", "the messages' text")
         ids = await run(
@@ -39,6 +43,7 @@ async def tokenize(ctx: ServingContext, req: TokenizeRequest) -> TokenizeRespons
                 messages,
                 add_generation_prompt=req.add_generation_prompt,
                 add_special_tokens=bool(req.add_special_tokens),
+                **render_kwargs(tools),
             )
         )
     strs = await run(ctx.tokenizer.convert_ids_to_tokens, ids) if req.return_token_strs else None

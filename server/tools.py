@@ -134,6 +134,13 @@ def tool_mode(req: ChatCompletionRequest) -> ToolMode | None:
     return ToolMode(list(req.tools), choice.function.name)
 
 
+def render_kwargs(mode: ToolMode | None) -> dict[str, Any]:
+    """``render_chat_prompt``'s tool arguments for a request's tool mode (None: no tools)."""
+    if mode is None:
+        return {}
+    return {"tools": tools_for_template(mode.tools), "named_tool": mode.name, "describe": not mode.template_tools}
+
+
 def tools_for_template(tools: list[ChatTool]) -> list[dict[str, Any]]:
     """Tools as chat templates read them (OpenAI's JSON shape)."""
     return [t.model_dump(exclude_none=True) for t in tools]
