@@ -8,10 +8,15 @@ model computes the real next token and the drafts' positions in one step, and ev
 the token the model would have chosen there is kept. Nothing is proposed when nothing matches, so
 text that does not repeat itself costs nothing.
 
-Only greedy requests speculate (temperature 0, no penalties, no structured output, ``min_tokens``
-met), where verifying is exact: the tokens are those of plain decoding (up to the rounding of the
-few-row vs many-row matmul paths, as in any batch). vLLM's equivalent: ``--speculative-config
-'{"method": "ngram", ...}'``; the same JSON is accepted here.
+Verifying is exact. Each position is sampled as usual (from the distribution given the drafts before
+it), and a draft is kept only if it is what was sampled before it, so every token kept is a draw from
+the right distribution: greedy requests get plain decoding's tokens (up to the rounding of the few-row
+vs many-row matmul paths, as in any batch), sampled ones tokens distributed as plain decoding's. (With
+a draft that is one token rather than a distribution, speculative sampling's accept-with-probability
+p(d), else redraw without d, keeps d just as often and gives the same distribution.) Requests with
+penalties (they depend on the tokens before each position) or a structured output do not speculate,
+nor seeded sampled ones: their draws would depend on whether drafts were made, i.e. on the load.
+vLLM's equivalent: ``--speculative-config '{"method": "ngram", ...}'``; the same JSON is accepted here.
 """
 
 from __future__ import annotations
@@ -108,7 +113,7 @@ class NgramProposer:
     def eligible(self, req: Request) -> bool:
         p = req.params
         return (
-            p.temperature < self.greedy_below
+            (p.temperature < self.greedy_below or req.generator is None)  # see the module docstring
             and p.repetition_penalty == 1.0
             and p.presence_penalty == 0.0
             and p.frequency_penalty == 0.0

@@ -126,10 +126,10 @@ def test_stops_inside_the_drafts_end_as_plain_decoding_does(tiny_llama_dir: Path
     assert spec.num_accepted_drafts > 0 and spec.block_manager.num_used_blocks == 0
 
 
-def test_only_greedy_requests_speculate_and_only_few_at_a_time(tiny_llama_dir: Path, prompts: list[list[int]]) -> None:
+def test_who_speculates_and_when(tiny_llama_dir: Path, prompts: list[list[int]]) -> None:
     e = _engine(tiny_llama_dir, '{"num_speculative_tokens": 4, "prompt_lookup_min": 1}')  # max_running 1
     for p in (
-        SamplingParams(max_tokens=30, temperature=0.8, seed=1, ignore_eos=True),
+        SamplingParams(max_tokens=30, temperature=0.8, seed=1, ignore_eos=True),  # seeded: load-independent draws
         SamplingParams(max_tokens=30, temperature=0, repetition_penalty=1.1, ignore_eos=True),
         SamplingParams(max_tokens=30, temperature=0, frequency_penalty=0.5, ignore_eos=True),
     ):
@@ -139,6 +139,10 @@ def test_only_greedy_requests_speculate_and_only_few_at_a_time(tiny_llama_dir: P
     assert _drafts(e) == (0, 0)  # two running: no drafts
     e.generate([prompts[1]], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
     assert _drafts(e)[1] > 0
+    # Unseeded sampling speculates: each position is drawn as usual and a draft kept when it was drawn.
+    before = _drafts(e)
+    (r,) = e.generate([prompts[1]], SamplingParams(max_tokens=30, temperature=0.05, ignore_eos=True))
+    assert len(r.outputs[0].token_ids) == 30 and _drafts(e)[1] > before[1] and e.block_manager.num_used_blocks == 0
     # Scheduling ahead: drafts would follow tokens still in flight, so none.
     e.async_scheduling = True
     before = _drafts(e)
