@@ -322,3 +322,37 @@ def test_an_array_of_calls_is_announced_when_it_parses() -> None:
     evs, output = _run({"tools": [WEATHER], "tool_choice": "required"}, ['[{"na'], reason="length")
     assert output[0]["type"] == "message" and output[0]["status"] == "incomplete"
     assert output[0]["content"][0]["text"] == '[{"na'
+
+
+def _wait(cond: Any, timeout: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_client_that_leaves_has_its_response_aborted(fake_server: Any) -> None:
+    import socket
+
+    srv, eng, _ = fake_server(step_time=0.01)
+    with http.stream("POST", f"{srv.url}/v1/responses", json={"input": "x", "max_output_tokens": 200, "stream": True}) as r:
+        it = r.iter_raw()
+        next(it)
+    _wait(lambda: len(eng.aborted) == 1)
+    body = json.dumps({"input": "x", "max_output_tokens": 200}).encode()
+    s = socket.create_connection(("127.0.0.1", srv.port))
+    s.sendall(
+        b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+    )  # fmt: skip
+    _wait(lambda: len(eng.added) == 2 and eng.steps > 2)
+    s.close()
+    _wait(lambda: len(eng.aborted) == 2)
+    _wait(lambda: eng.block_manager.num_used_blocks == 0 and not eng.has_unfinished_requests())
+    # An engine failure mid-stream ends the stream with response.failed, and the server stays up.
+    evs = events(post(srv, input="FAIL_ME", stream=True))
+    assert [n for n, _ in evs][-1] == "response.failed" and evs[-1][1]["response"]["error"]["code"] == "server_error"
+    assert_error(post(srv, input="FAIL_ME"), 500)
+    assert http.get(f"{srv.url}/health").status_code == 200
