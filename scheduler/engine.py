@@ -447,6 +447,8 @@ class Engine:
             kept += 1
         if not req.is_finished:
             self.block_manager.cache_full_blocks(req)
+            if self.proposer is not None:
+                self.proposer.observe(req, kept, len(draft))
         return kept, "".join(texts)
 
     def _fail(self, req: Request, e: Exception, changed: dict[str, _Group]) -> None:

@@ -127,7 +127,7 @@ class Request:
         self.first_scheduled_time: float | None = None
         # Prompt tokens the prefix cache held when the request was first scheduled (usage's cached_tokens).
         self.num_cached_tokens = 0
-        self.ngram_index: Any = None  # speculative decoding: a scheduler.speculative.NgramIndex, built on first use
+        self.drafting: Any = None  # speculative decoding: a scheduler.speculative.DraftState, made on first use
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.finished_time: float | None = None

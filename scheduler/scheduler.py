@@ -106,7 +106,7 @@ class Scheduler:
                 except ValueError:
                     pass
         self.bm.free(req)
-        req.ngram_index = None
+        req.drafting = None
         req.drop_pending_token()
         req.grammar = None  # a finished row the engine scheduled ahead samples unconstrained (and is dropped)
         req.status = status

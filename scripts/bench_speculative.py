@@ -1,6 +1,6 @@
 """What n-gram speculative decoding gives one greedy stream: the default model, time per output token
 with and without ``--speculative-config``, on answers that repeat their prompt (rewriting a text,
-editing code) and on one that does not (a story).
+editing code) and on ones that do not (a story, an explanation, a list).
 
     .venv/bin/python scripts/bench_speculative.py [--tokens 128] [--rounds 3] [--k 3]
                                                   [--quantization auto] [--num-threads 2]
@@ -46,6 +46,8 @@ WORKLOADS = {
     "rewrite": f"Rewrite this text, changing 'keeper' to 'guardian' and nothing else:\n\n{TEXT}",
     "code": f"Add type hints to this Python function. Answer with the whole function only.\n\n{CODE}",
     "story": "Write a story about a robot who learns to paint.",
+    "explain": "Explain in a few sentences why the sky is blue and why sunsets are red.",
+    "list": "List five everyday uses of a paperclip, one line each.",
 }
 
 

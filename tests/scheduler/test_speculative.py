@@ -193,3 +193,22 @@ def test_default_model_rewrite_keeps_drafts_and_tokens(default_model_dir: Path) 
         assert e.block_manager.num_used_blocks == 0
     assert outs[None] == outs['{"num_speculative_tokens": 3}']
     assert "The lighthouse stood on a rock at the edge of the bay" in e.tokenizer.decode(outs[None][0])  # (the 135M model copies more than it edits)
+
+
+def test_drafting_backs_off_while_drafts_are_wrong() -> None:
+    from scheduler.request import Request
+    from scheduler.speculative import PROBE_EVERY, NgramProposer
+
+    proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1))
+    req = Request(0, "r", [1, 2, 3, 4, 5, 6, 1, 2, 3], SamplingParams(max_tokens=50, temperature=0))
+    assert proposer.propose(req, 10) == [4, 5, 6]
+    sizes = []
+    for _ in range(12):  # every draft wrong
+        proposer.observe(req, 0, 3)
+        sizes.append(len(proposer.propose(req, 10)))
+    assert sizes[:3] == [3, 1, 1]  # kept rate 1.0 -> 0.7 -> 0.49 -> 0.34: full, then one draft
+    probing = sizes[3:]  # below 0.25: one draft every PROBE_EVERY steps
+    assert set(probing) == {0, 1} and probing.count(1) == len(probing) // PROBE_EVERY
+    for _ in range(6):  # drafts kept again
+        proposer.observe(req, 1, 1)
+    assert len(proposer.propose(req, 10)) == 3
