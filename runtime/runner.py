@@ -477,12 +477,10 @@ class ModelRunner:
             end = start + n
             token_ids = seq.token_ids
             table = seq.block_table
-            draft = item.draft or ()
-            if draft:  # the sequence's uncomputed tokens, then the drafts after them
-                if not item.sample or end - len(draft) != len(token_ids) or token_ids[-1] == PENDING_TOKEN:
-                    raise ValueError(f"seq {seq.seq_id}: {len(draft)} drafts must follow all of its {len(token_ids)} tokens")
-                token_ids = token_ids + list(draft)  # a copy: the sequence's own list is not touched
-            if n < 1 or end > len(token_ids):
+            draft = item.draft
+            if draft and (not item.sample or end - len(draft) != len(token_ids) or token_ids[-1] == PENDING_TOKEN):
+                raise ValueError(f"seq {seq.seq_id}: {len(draft)} drafts must follow all of its {len(token_ids)} tokens")
+            if n < 1 or end > len(token_ids) + len(draft or ()):
                 raise ValueError(
                     f"seq {seq.seq_id}: cannot compute tokens {start}..{end - 1} of {len(token_ids)}"
                 )
@@ -490,10 +488,11 @@ class ModelRunner:
             if len(table) < used:
                 raise ValueError(f"seq {seq.seq_id}: {len(table)} blocks cannot hold {end} tokens")
             if draft:
-                # One decode row per position, each attending up to itself: the decode kernels serve
-                # them (the prefill path would gather the whole context every layer).
-                for pos in range(start, end):
-                    input_ids.append(token_ids[pos])
+                # Its uncomputed tokens, then the drafts: one decode row per position, each attending up
+                # to itself, so the decode kernels serve them (the prefill path would gather the whole
+                # context every layer).
+                for pos, token in enumerate([*token_ids[start:], *draft], start):
+                    input_ids.append(token)
                     positions.append(pos)
                     slots.append(table[pos // bs] * bs + pos % bs)
                     query_lens.append(1)

@@ -508,9 +508,10 @@ class _StreamedOutput:
         job, events = self.job, []
         text = "".join(self.text)
         if self.mode == "named" and self.item is not None:
-            arguments = job._output(text, [], self.reason)
-            if arguments[0]["type"] == "function_call":
-                item = {**self.item, "status": "completed", "arguments": arguments[0]["arguments"]}
+            assert self.tools is not None
+            calls = self.tools.parse(text)
+            if calls is not None:
+                item = {**self.item, "status": "completed", "arguments": calls[0]["function"]["arguments"]}
                 events.append(job._event("response.function_call_arguments.done", item_id=item["id"], output_index=0,
                                          name=item["name"], arguments=item["arguments"]))
                 events.append(job._event("response.output_item.done", output_index=0, item=item))
