@@ -168,6 +168,7 @@ class PrometheusObserver:
         window_s: float = DEFAULT_UTILIZATION_WINDOW_S,
         clock: Callable[[], float] = time.monotonic,
         process_metrics: bool = True,
+        max_loras: int | None = None,
     ) -> None:
         if registry is None:
             registry = CollectorRegistry()
@@ -283,6 +284,21 @@ class PrometheusObserver:
             self.peak_bandwidth
         )
 
+        # LoRA serving (``max_loras`` set): vLLM's ``lora_requests_info``, which gateways read to route by
+        # adapter. One series at a time (cleared when the adapters change, not kept per combination),
+        # its value the Unix time of the last change.
+        self.max_loras = max_loras
+        self._lora_state: tuple[list[str], list[str]] | None = None
+        self.lora_info: Gauge | None = None
+        if max_loras is not None:
+            self.lora_info = Gauge(
+                "servelm_lora_requests_info",
+                "LoRA adapters of running and waiting requests (comma-separated names); value: when they last changed.",
+                labels + ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+                registry=reg,
+            )
+            self._set_lora_info(([], []))
+
         info_labels = {k: str(v) for k, v in info.items() if k != "model_name"}
         Info("servelm_model", "The served model and its KV cache.", labels, registry=reg).labels(m).info(info_labels)
 
@@ -309,9 +325,19 @@ class PrometheusObserver:
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting)
         self.kv_cache_usage.set(stats.kv_cache_usage)
+        if stats.lora_adapters is not None and stats.lora_adapters != self._lora_state:
+            self._set_lora_info(stats.lora_adapters)
         with self._lock:
             self._recent.append((now, stats.duration_s, stats.flops, stats.bytes_moved))
             self._expire(now)
+
+    def _set_lora_info(self, adapters: tuple[list[str], list[str]]) -> None:
+        if self.lora_info is None:
+            return
+        self._lora_state = adapters
+        running, waiting = adapters
+        self.lora_info.clear()
+        self.lora_info.labels(self.model_name, str(self.max_loras), ",".join(running), ",".join(waiting)).set(time.time())
 
     def on_request_finished(self, stats: RequestStats) -> None:
         failure = _FAILURE_OF.get(stats.finish_reason)

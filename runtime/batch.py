@@ -74,6 +74,7 @@ class SequenceView(Protocol):
     generator: torch.Generator | None  # set when the request has a seed
     stop_token_ids_for_min_tokens: Sequence[int]  # suppressed while fewer than min_tokens were generated
     grammar: TokenMask | None  # structured output: tokens outside the mask get -inf
+    lora_id: int  # the LoRA adapter its rows use (``ModelRunner.add_lora``); 0: the base model
 
 
 @dataclass

@@ -21,7 +21,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from runtime import cpu_linear, cpu_ops, pdl
+from runtime import cpu_linear, cpu_ops, lora, pdl
 from runtime.attention.base import AttentionBackend, AttentionMetadata
 from runtime.attention.selector import select_backend
 from runtime.batch import PENDING_TOKEN, BatchItem, PromptLogprobs, RunnerOutput, SequenceView, TokenLogprobs
@@ -59,6 +59,7 @@ class StepInputs:
     # replay a captured CUDA graph: the tensors are views of its staged inputs, ``meta`` is unbuilt
     graph: bool = False
     score: PromptScoring | None = None  # prompt rows to score (items with ``score``)
+    lora: list[tuple[int, torch.Tensor | None]] | None = None  # the LoRAContext plan, when rows use adapters
 
 
 @dataclass
@@ -249,6 +250,8 @@ class ModelRunner:
         if num_blocks is not None:
             self.allocate_kv_pool(num_blocks)
         self.sampler = Sampler(seed)
+        self._lora: lora.LoRAContext | None = None  # set when the first adapter is added
+        self.lora_ids: set[int] = set()
         # The last sampling step's tokens (where they were drawn) and its sequences, row by row: what
         # a PENDING_TOKEN in the next step's inputs stands for.
         self._last_tokens: torch.Tensor | None = None
@@ -359,6 +362,45 @@ class ModelRunner:
             reserve_bytes=reserve_bytes,
         )
 
+    # ---- LoRA adapters ---------------------------------------------------------------------------
+    def add_lora(self, adapter_id: int, adapter: lora.LoRAAdapter) -> None:
+        """Serve ``adapter`` (``runtime.lora.load_lora_adapter``) to sequences whose ``lora_id`` is
+        ``adapter_id`` (> 0). Its tensors are copied to the model's device and dtype."""
+        if adapter_id <= 0 or adapter_id in self.lora_ids:
+            raise ValueError(f"LoRA adapter id {adapter_id} is not positive or already in use")
+        if self._lora is None:
+            self._lora = lora.attach(self.model)
+        lora.add_adapter(self.model, adapter_id, adapter.to(self.device, self.dtype))
+        self.lora_ids.add(adapter_id)
+
+    def remove_lora(self, adapter_id: int) -> None:
+        """Drop an adapter (no running sequence may use it any more)."""
+        if adapter_id in self.lora_ids:
+            lora.remove_adapter(self.model, adapter_id)
+            self.lora_ids.discard(adapter_id)
+
+    def _lora_plan(self, items: list[BatchItem], order: list[int], num_rows: int) -> list[tuple[int, torch.Tensor | None]] | None:
+        """Which adapter owns which rows of the step (each item's rows are consecutive, in ``order``)."""
+        rows: dict[int, list[int]] = {}
+        at = 0
+        for idx in order:
+            item = items[idx]
+            n = item.num_new_tokens
+            adapter_id = item.seq.lora_id
+            if adapter_id:
+                if adapter_id not in self.lora_ids:
+                    raise ValueError(f"seq {item.seq.seq_id}: LoRA adapter {adapter_id} is not loaded")
+                rows.setdefault(adapter_id, []).extend(range(at, at + n))
+            at += n
+        if not rows:
+            return None
+        if len(rows) == 1:
+            ((adapter_id, owned),) = rows.items()
+            if len(owned) == num_rows:
+                return [(adapter_id, None)]
+        ids = list(rows)
+        return list(zip(ids, _to_device([rows[i] for i in ids], torch.int64, self.device)))
+
     # ---- one step ------------------------------------------------------------------------------
     def execute(self, items: list[BatchItem]) -> RunnerOutput:
         """Compute every item's new tokens and sample the items with ``sample=True`` (results in item order)."""
@@ -432,7 +474,15 @@ class ModelRunner:
         if inputs.graph:  # staged by prepare
             assert self.graph_runner is not None
             return self.graph_runner.replay(len(inputs.order))
-        return self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        if inputs.lora is None:
+            return self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        ctx = self._lora
+        assert ctx is not None
+        ctx.plan = inputs.lora
+        try:
+            return self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        finally:
+            ctx.plan = []
 
     def _pending_row(self, seq: SequenceView) -> int:
         """The row of the last sampling step that drew ``seq``'s pending token."""
@@ -557,10 +607,17 @@ class ModelRunner:
             if used < width:
                 flat_tables += [0] * (width - used)
 
+        lora_plan = self._lora_plan(items, order, num_tokens) if self._lora is not None else None
         # A decode-only step that fits the captured shapes replays a graph: staged straight into its
-        # input buffers (its metadata was built at capture, so the backend's per-step derivation is skipped).
+        # input buffers (its metadata was built at capture, so the backend's per-step derivation is
+        # skipped). The graphs hold no LoRA updates.
         shared = num_decode_rows != len(decodes)  # drafts' rows
-        if self.graph_runner is not None and not shared and self.graph_runner.can_run(len(decodes), num_tokens, width):
+        if (
+            self.graph_runner is not None
+            and not shared
+            and lora_plan is None
+            and self.graph_runner.can_run(len(decodes), num_tokens, width)
+        ):
             staged = self._stage_graph_step(
                 input_ids, positions, slots, seq_lens, flat_tables, width, pending_at, pending_from,
                 order, sample_rows, sample_items,
@@ -601,6 +658,7 @@ class ModelRunner:
             sample_rows=sample_rows_t,
             sample_items=sample_items,
             score=score,
+            lora=lora_plan,
         )
 
     def _stage_graph_step(

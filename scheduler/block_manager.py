@@ -3,7 +3,9 @@
 Pure Python, no tensors: the runner owns the pool, this owns the block ids.
 
 Prefix caching: a FULL block (``block_size`` computed tokens) is registered under the hash of
-``(parent block's hash, its token ids)``, so a block's hash stands for its whole prefix. A new or
+``(parent block's hash, its token ids)``, so a block's hash stands for its whole prefix. The first
+block's parent is the sequence's ``hash_seed`` (None for the base model; a LoRA adapter's sequences
+have their own, since the same tokens give other K/V under another adapter). A new or
 recomputed sequence adopts the longest chain of registered blocks matching its tokens. Blocks whose
 last user left keep their hash and wait in an LRU "evictable" list: they still count as free, and
 are handed out again (dropping their hash) only after every never-cached free block is used.
@@ -24,6 +26,7 @@ class BlockSequence(Protocol):
     num_computed_tokens: int
     block_table: list[int]
     block_hashes: list[int]
+    hash_seed: int | None  # the first block's parent hash
 
 
 @dataclass
@@ -40,7 +43,7 @@ class PrefixMatch:
 
 
 def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """Hash of a full block given its parent's hash (None for the first block)."""
+    """Hash of a full block given its parent's hash (the sequence's seed for the first block)."""
     return hash((parent_hash, tuple(token_ids)))
 
 
@@ -91,7 +94,7 @@ class BlockManager:
         hashes = seq.block_hashes
         bs = self.block_size
         toks = seq.token_ids
-        parent = hashes[-1] if hashes else None
+        parent = hashes[-1] if hashes else seq.hash_seed
         for i in range(len(hashes), num_full_blocks):
             parent = hash_block(parent, toks[i * bs : (i + 1) * bs])
             hashes.append(parent)

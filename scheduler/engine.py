@@ -13,6 +13,7 @@ step k finishes by length gets no pending token, so it is not scheduled again.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -27,6 +28,7 @@ from metrics.observer import NullObserver, Observer, RequestStats, StepStats
 from runtime.batch import PENDING_TOKEN, BatchItem, RunnerOutput, TokenLogprobs
 from runtime.capacity import Capacity, StepCostModel, plan_capacity
 from runtime.config import ModelConfig
+from runtime.lora import LoRAAdapter, LoRAError, load_lora_adapter
 from runtime.model_files import resolve_model_path
 from runtime.runner import ModelRunner
 from runtime.tokenizer import load_tokenizer
@@ -35,7 +37,7 @@ from scheduler.config import EngineConfig
 from scheduler.detokenizer import IncrementalDetokenizer, TextDecoder
 from scheduler.outputs import CompletionOutput, GeneratedChoice, GenerationResult, RequestOutput
 from scheduler.request import Request, RequestStatus
-from scheduler.sampling_params import InvalidParameterError, SamplingParams, check_request
+from scheduler.sampling_params import InvalidParameterError, LoRANotFoundError, SamplingParams, check_request
 from scheduler.scheduler import Scheduler, SchedulerOutput
 from scheduler.speculative import NgramProposer, SpeculativeConfig
 from scheduler.startup import (
@@ -53,6 +55,7 @@ from scheduler.stop import StopChecker, check_model_len, check_token_stop
 from scheduler.structured_output import GrammarCompiler
 
 log = logging.getLogger(__name__)
+
 
 class RunnerLike(Protocol):
     """What the engine needs of ``runtime.runner.ModelRunner`` (tests pass fakes).
@@ -215,12 +218,16 @@ class Engine:
         if config.speculative_config:
             self.proposer = NgramProposer(SpeculativeConfig.parse(config.speculative_config))
             log.info("speculative decoding: %s", self.proposer.config)
+        self.enable_lora = config.enable_lora or bool(config.lora_modules)
+        if self.enable_lora and (config.max_loras < 1 or config.max_lora_rank < 1):
+            raise ValueError("max_loras and max_lora_rank must be at least 1")
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=max_batched,
             policy=config.scheduling_policy,
             proposer=self.proposer,
+            max_loras=config.max_loras if self.enable_lora else None,
         )
         if unpooled is not None:
             unpooled.allocate_kv_pool(num_blocks)
@@ -255,6 +262,15 @@ class Engine:
         self.drafts_verified = 0  # speculative decoding, cumulative: drafts computed ...
         self.num_accepted_drafts = 0  # ... and kept
 
+        # LoRA adapters: name -> (id, path); an id is never reused, so cached blocks and requests of
+        # an adapter removed and loaded again under the same name never mix with the new one's.
+        self._loras: dict[str, tuple[int, str]] = {}
+        self._lora_ids = itertools.count(1)
+        self._lora_users: collections.Counter[int] = collections.Counter()  # unfinished choices per id
+        self._lora_removed: set[int] = set()  # unloaded by name, still computing some requests
+        for name, path in config.lora_modules:
+            self.add_lora(name, path)
+
     # -- state ---------------------------------------------------------------------------------------
     @property
     def num_running(self) -> int:
@@ -271,6 +287,63 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending_groups) or self._in_flight is not None
 
+    # -- LoRA adapters -------------------------------------------------------------------------------
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """Served adapters: name -> path."""
+        return {name: path for name, (_, path) in self._loras.items()}
+
+    def read_lora_adapter(self, path: str) -> LoRAAdapter:
+        """Read and check an adapter folder against the model (``runtime.lora.load_lora_adapter``);
+        reads the model's structure only, so it may run outside the engine thread. Raises ``LoRAError``."""
+        if not self.enable_lora:
+            raise LoRAError("LoRA adapters are not enabled on this server (--enable-lora)")
+        return load_lora_adapter(path, self.runner.model, self.config.max_lora_rank)  # type: ignore[attr-defined]
+
+    def add_lora(self, name: str, adapter: str | LoRAAdapter) -> int:
+        """Serve an adapter (a folder, or one read by ``read_lora_adapter``) to requests naming it;
+        returns its id. Raises ``LoRAError`` for a bad adapter or a name in use."""
+        if not self.enable_lora:
+            raise LoRAError("LoRA adapters are not enabled on this server (--enable-lora)")
+        if not name or name == self.served_model_name or name in self._loras:
+            raise LoRAError(f"the name {name!r} is already served" if name else "a LoRA adapter needs a name")
+        if isinstance(adapter, str):
+            adapter = self.read_lora_adapter(adapter)
+        adapter_id = next(self._lora_ids)
+        self.runner.add_lora(adapter_id, adapter)  # type: ignore[attr-defined]
+        self._loras[name] = (adapter_id, adapter.path)
+        log.info("LoRA adapter %r (id %d, rank %d, %d projections, %.1f MB) from %s", name, adapter_id, adapter.rank, len(adapter.modules), adapter.nbytes / 1e6, adapter.path)
+        return adapter_id
+
+    def remove_lora(self, name: str) -> None:
+        """Stop serving an adapter by name (``LoRANotFoundError`` if it is not served). Requests
+        already queued with it finish with it; its weights go when the last of them does."""
+        entry = self._loras.pop(name, None)
+        if entry is None:
+            raise LoRANotFoundError(name)
+        adapter_id = entry[0]
+        if self._lora_users[adapter_id]:
+            self._lora_removed.add(adapter_id)
+        else:
+            self.runner.remove_lora(adapter_id)  # type: ignore[attr-defined]
+        log.info("LoRA adapter %r (id %d) removed", name, adapter_id)
+
+    def _release_lora(self, adapter_id: int) -> None:
+        users = self._lora_users
+        users[adapter_id] -= 1
+        if users[adapter_id] <= 0:
+            del users[adapter_id]
+            if adapter_id in self._lora_removed:
+                self._lora_removed.discard(adapter_id)
+                self.runner.remove_lora(adapter_id)  # type: ignore[attr-defined]
+
+    def lora_request_names(self) -> tuple[list[str], list[str]]:
+        """Names of the adapters of running and of waiting requests (metrics)."""
+        names = {i: n for n, (i, _) in self._loras.items()}
+        running = {r.lora_id for r in self.scheduler.running if r.lora_id}
+        waiting = {r.lora_id for q in (self.scheduler.waiting, self.scheduler._batch) for r in q if r.lora_id}
+        return sorted(names.get(i, f"#{i}") for i in running), sorted(names.get(i, f"#{i}") for i in waiting)
+
     # -- requests ------------------------------------------------------------------------------------
     def add_request(
         self,
@@ -278,10 +351,19 @@ class Engine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        lora_name: str | None = None,
     ) -> None:
-        """Queue a request (its ``params.n`` choices); raises ``InvalidParameterError`` when it cannot be served."""
+        """Queue a request (its ``params.n`` choices), computed with the LoRA adapter ``lora_name`` if
+        given; raises ``InvalidParameterError`` when it cannot be served (``LoRANotFoundError`` for an
+        adapter that is not served)."""
         if request_id in self._groups:
             raise InvalidParameterError("request_id", f"request id {request_id!r} is already in use")
+        lora_id = 0
+        if lora_name is not None:
+            entry = self._loras.get(lora_name)
+            if entry is None:
+                raise LoRANotFoundError(lora_name)
+            lora_id = entry[0]
         max_tokens = check_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
         so = params.structured_output
         if so is not None and so.compiled is None:
@@ -300,12 +382,15 @@ class Engine:
                 eos_token_ids=self.eos_token_ids,
                 device=self.device,
                 parent=choices[0] if choices else None,
+                lora_id=lora_id,
             )
             skip = params.skip_special_tokens
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, skip, decoder=self._text_decoders[skip])
             req.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
             choices.append(req)
         self._groups[request_id] = _Group(request_id, list(prompt_token_ids), choices)
+        if lora_id:
+            self._lora_users[lora_id] += len(choices)
         for req in choices:
             self.scheduler.add(req)
 
@@ -512,6 +597,8 @@ class Engine:
             group.num_finished += 1
 
     def _on_finished(self, req: Request) -> None:
+        if req.lora_id:
+            self._release_lora(req.lora_id)
         self.observer.on_request_finished(
             RequestStats(
                 finish_reason=req.finish_reason or "error",
@@ -609,6 +696,7 @@ class Engine:
                 inter_token_latencies=itls,
                 num_draft_tokens=sched.num_draft_tokens,
                 num_accepted_draft_tokens=num_accepted_drafts,
+                lora_adapters=self.lora_request_names() if self.enable_lora else None,
             )
         )
 
@@ -617,21 +705,29 @@ class Engine:
         self,
         prompts: Sequence[str] | Sequence[Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams],
+        lora_names: str | Sequence[str | None] | None = None,
     ) -> list[GenerationResult]:
-        """Run prompts (texts or token ids) to completion; results in prompt order."""
+        """Run prompts (texts or token ids) to completion, each with its LoRA adapter (one name for
+        all, or one per prompt; None: the base model); results in prompt order."""
         if isinstance(params, SamplingParams):
             plist = [params] * len(prompts)
         else:
             plist = list(params)
             if len(plist) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+        if lora_names is None or isinstance(lora_names, str):
+            loras: list[str | None] = [lora_names] * len(prompts)
+        else:
+            loras = list(lora_names)
+            if len(loras) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA names")
         groups: list[_Group] = []
         try:
-            for prompt, p in zip(prompts, plist):
+            for prompt, p, lora_name in zip(prompts, plist, loras):
                 # Text is tokenized as the tokenizer does by default (BOS where the model expects one).
                 ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
                 rid = f"generate-{next(self._generate_ids)}"
-                self.add_request(rid, ids, p)
+                self.add_request(rid, ids, p, lora_name=lora_name)
                 groups.append(self._groups[rid])
         except Exception:
             for g in groups:

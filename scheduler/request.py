@@ -76,6 +76,7 @@ class Request:
         eos_token_ids: Sequence[int] = (),
         device: str | torch.device = "cpu",
         parent: Request | None = None,
+        lora_id: int = 0,
     ) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
@@ -86,8 +87,12 @@ class Request:
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
-        # Hash chain of this sequence's full blocks (a function of token ids only, so it survives
-        # preemption); extended lazily by the block manager.
+        # The LoRA adapter computing this sequence (0: the base model). Its K/V differ from the base
+        # model's for the same tokens, so its blocks' hash chain starts from its own seed.
+        self.lora_id = lora_id
+        self.hash_seed: int | None = hash(("lora", lora_id)) if lora_id else None
+        # Hash chain of this sequence's full blocks (a function of token ids and ``hash_seed`` only, so
+        # it survives preemption); extended lazily by the block manager.
         self.block_hashes: list[int] = []
         self.max_tokens = max_tokens if max_tokens is not None else (params.max_tokens or 1)
         # Choice 0 of the same client request: choices 1..n-1 share its prompt blocks (fork).

@@ -17,6 +17,14 @@ class InvalidParameterError(ValueError):
         self.param = param
 
 
+class LoRANotFoundError(InvalidParameterError):
+    """A request names a LoRA adapter the engine does not serve (the server's 404)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__("model", f"The model `{name}` does not exist.")
+        self.name = name
+
+
 @dataclass(frozen=True)
 class Range:
     """The values a numeric parameter may take: checked here, written into the API's schema."""

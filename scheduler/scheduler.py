@@ -50,6 +50,10 @@ class Scheduler:
     chunk), then WAITING requests in arrival order, chunking prompts to the remaining token budget.
     When a running request cannot get a block, the most recently admitted running request is
     preempted by recompute (its blocks are freed and it goes back to the front of the queue).
+
+    ``max_loras``: most distinct LoRA adapters among running requests (None: no limit). A waiting
+    request of another adapter keeps its place in the queue until one finishes; requests behind it
+    (the base model's, or a running adapter's) are admitted meanwhile.
     """
 
     def __init__(
@@ -60,6 +64,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         policy: str = "fcfs",
         proposer: NgramProposer | None = None,
+        max_loras: int | None = None,
     ) -> None:
         if policy not in ("fcfs", "static"):
             raise ValueError(f"unknown scheduling policy {policy!r} (fcfs or static)")
@@ -70,6 +75,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
         self.proposer = proposer  # speculative decoding: drafts for eligible decodes
+        self.max_loras = max_loras
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
         # static policy: the admitted batch's members that are not running yet.
@@ -167,9 +173,15 @@ class Scheduler:
         return out
 
     def _admit(self, queue: deque[Request], budget: int, out: SchedulerOutput) -> int:
-        held: list[Request] = []  # n>1 siblings waiting for choice 0's prompt; keep their places
+        # n>1 siblings waiting for choice 0's prompt, and requests of an adapter over max_loras: they keep their places
+        held: list[Request] = []
+        loras = {r.lora_id for r in self.running if r.lora_id} if self.max_loras is not None else None
         while queue and budget > 0 and len(self.running) < self.max_num_seqs:
             req = queue.popleft()
+            if loras is not None and req.lora_id and req.lora_id not in loras:
+                if len(loras) >= self.max_loras:  # type: ignore[operator]
+                    held.append(req)
+                    continue
             parent = req.parent
             fork_from: Request | None = None
             if parent is not None and not parent.is_finished:
@@ -203,6 +215,8 @@ class Scheduler:
                 out.prefix_cache_queries += prefix.num_query_tokens
                 out.prefix_cache_hits += prefix.num_cached_tokens
             req.status = RequestStatus.RUNNING
+            if loras is not None and req.lora_id:
+                loras.add(req.lora_id)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
                 req.num_cached_tokens = num_cached

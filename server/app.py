@@ -42,6 +42,13 @@ from server.serving_chat import create_chat_completion
 from server.serving_responses import create_response, stored_response
 from server.serving_common import ServingContext
 from server.serving_completions import create_completion
+from server.serving_lora import (
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+    load_lora_adapter,
+    lora_cards,
+    unload_lora_adapter,
+)
 from server.serving_tokenize import detokenize, tokenize
 
 log = logging.getLogger(__name__)
@@ -117,7 +124,8 @@ def create_prometheus_observer(engine: Any) -> Any | None:
     except Exception as e:  # noqa: BLE001 - utilization gauges are a nicety, serving is not
         log.warning("could not determine device peaks (%s); utilization gauges will read 0", e)
         peak_flops, peak_bw = float("inf"), float("inf")
-    return PrometheusObserver(str(engine.served_model_name), info, peak_flops, peak_bw)
+    max_loras = cfg.max_loras if getattr(engine, "enable_lora", False) else None
+    return PrometheusObserver(str(engine.served_model_name), info, peak_flops, peak_bw, max_loras=max_loras)
 
 
 def _render_metrics(registry: Any, async_engine: AsyncEngine) -> tuple[bytes, str]:
@@ -243,9 +251,11 @@ def build_app(
     metrics_registry: Any = None,
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
     max_request_bytes: int | None = None,
+    allow_runtime_lora_updating: bool = False,
 ) -> FastAPI:
     """The OpenAI-compatible app over ``async_engine`` (started and drained by the app's lifespan).
-    ``max_request_bytes``: the largest /v1 POST body (default ``DEFAULT_MAX_REQUEST_BYTES``)."""
+    ``max_request_bytes``: the largest /v1 POST body (default ``DEFAULT_MAX_REQUEST_BYTES``).
+    ``allow_runtime_lora_updating``: serve ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``."""
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -295,13 +305,26 @@ def build_app(
 
     @app.get("/v1/models", response_model=ModelList, responses=error_responses(401, 503))
     async def list_models() -> ModelList:
-        return ModelList(data=[model_card()])
+        return ModelList(data=[model_card(), *lora_cards(ctx)])
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=error_responses(401, 404, 503))
     async def get_model(model_id: str) -> ModelCard:
-        if model_id != ctx.served_model_name:
-            raise model_not_found(model_id)
-        return model_card()
+        if model_id == ctx.served_model_name:
+            return model_card()
+        for card in lora_cards(ctx):
+            if card.id == model_id:
+                return card
+        raise model_not_found(model_id)
+
+    if allow_runtime_lora_updating:
+
+        @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=error_responses(400, 401, 413, 503))
+        async def load_lora_route(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
+            return await load_lora_adapter(ctx, body)
+
+        @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=error_responses(400, 401, 404, 413, 503))
+        async def unload_lora_route(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
+            return await unload_lora_adapter(ctx, body)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=error_responses(400, 401, 404, 413, 503))
     async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:

@@ -65,7 +65,12 @@ class EngineLike(Protocol):
     """The part of ``scheduler.engine.Engine`` the bridge uses (only ever from the engine thread)."""
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        lora_name: str | None = None,
     ) -> None: ...
 
     def abort(self, request_id: str) -> None: ...
@@ -106,11 +111,20 @@ class _Add:
     requests: list[tuple[str, list[int], SamplingParams]]
     arrival_time: float
     future: asyncio.Future[None]
+    lora_name: str | None = None
 
 
 @dataclass
 class _Abort:
     request_ids: list[str]
+
+
+@dataclass
+class _Call:
+    """Run ``fn(engine)`` in the engine thread between steps (adapter loading...)."""
+
+    fn: Callable[[Any], Any]
+    future: asyncio.Future[Any]
 
 
 class RequestGroup:
@@ -182,7 +196,7 @@ class AsyncEngine:
         )
         self.observer: Observer = observer or NullObserver()
         self._lock = threading.Lock()  # guards the inbox, _pending_adds and _dead
-        self._inbox: list[_Add | _Abort] = []
+        self._inbox: list[_Add | _Abort | _Call] = []
         self._pending_adds = 0  # requests in the inbox not yet handed to the engine
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -261,8 +275,10 @@ class AsyncEngine:
         self,
         requests: Sequence[tuple[str, list[int], SamplingParams]],
         arrival_time: float | None = None,
+        lora_name: str | None = None,
     ) -> RequestGroup:
-        """Hand requests to the engine as one group; returns once the engine accepted them all.
+        """Hand requests to the engine as one group (computed with the LoRA adapter ``lora_name`` if
+        given); returns once the engine accepted them all.
 
         Raises what ``Engine.add_request`` raises (``InvalidParameterError`` for a bad request; the
         earlier requests of the group are then aborted), ``QueueFullError``, ``EngineStoppedError``
@@ -272,7 +288,7 @@ class AsyncEngine:
         assert self._loop is not None
         group = RequestGroup(self)
         fut: asyncio.Future[None] = self._loop.create_future()
-        cmd = _Add(group, list(requests), arrival_time if arrival_time is not None else time.monotonic(), fut)
+        cmd = _Add(group, list(requests), arrival_time if arrival_time is not None else time.monotonic(), fut, lora_name)
         num_seqs = sum(p.n for _, _, p in cmd.requests)
         with self._lock:
             # Counted in sequences, like the engine's waiting queue (n choices are n sequences).
@@ -318,6 +334,18 @@ class AsyncEngine:
         finally:
             group.close()
 
+    async def call(self, fn: Callable[[Any], T]) -> T:
+        """``fn(engine)`` in the engine thread, between two steps; its result or its exception."""
+        self._check_accepting()
+        assert self._loop is not None
+        fut: asyncio.Future[T] = self._loop.create_future()
+        with self._lock:
+            if self._dead is not None:
+                raise EngineDeadError(f"the engine has stopped: {self.dead_reason}")
+            self._inbox.append(_Call(fn, fut))
+        self._wake.set()
+        return await fut
+
     def abort(self, request_ids: Sequence[str]) -> None:
         """Abort requests (thread-safe, non-blocking); applied before the engine's next step."""
         if not request_ids:
@@ -356,18 +384,26 @@ class AsyncEngine:
         if not cmds:
             return stop
         engine = self.engine
-        accepted: list[tuple[asyncio.Future[None], BaseException | None]] = []
+        accepted: list[tuple[asyncio.Future[Any], BaseException | None]] = []
+        called: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
         for cmd in cmds:
             if isinstance(cmd, _Abort):
                 for rid in cmd.request_ids:
                     if self._routes.pop(rid, None) is not None:
                         engine.abort(rid)
                 continue
+            if isinstance(cmd, _Call):
+                try:
+                    called.append((cmd.future, cmd.fn(engine), None))
+                except Exception as exc:  # the call's own failure, reported to its caller
+                    called.append((cmd.future, None, exc))
+                continue
             added: list[str] = []
             error: BaseException | None = None
+            lora = {"lora_name": cmd.lora_name} if cmd.lora_name is not None else {}
             for rid, ids, params in cmd.requests:
                 try:
-                    engine.add_request(rid, ids, params, arrival_time=cmd.arrival_time)
+                    engine.add_request(rid, ids, params, arrival_time=cmd.arrival_time, **lora)
                 except Exception as exc:  # the request is bad, not the engine
                     error = exc
                     break
@@ -386,6 +422,8 @@ class AsyncEngine:
             self.snapshot = snap
         if accepted:
             self._call_soon(self._resolve_adds, accepted)
+        if called:
+            self._call_soon(self._resolve_calls, called)
         return stop
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
@@ -431,7 +469,7 @@ class AsyncEngine:
             self._pending_adds = 0
         groups = {id(g): g for g in self._routes.values()}
         self._routes.clear()
-        futures = [(c.future, exc) for c in cmds if isinstance(c, _Add)]
+        futures = [(c.future, exc) for c in cmds if isinstance(c, (_Add, _Call))]
         for c in cmds:
             if isinstance(c, _Add):
                 groups.pop(id(c.group), None)  # its add fails instead
@@ -455,6 +493,16 @@ class AsyncEngine:
                 continue
             if error is None:
                 fut.set_result(None)
+            else:
+                fut.set_exception(error)
+
+    @staticmethod
+    def _resolve_calls(results: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
+        for fut, value, error in results:
+            if fut.done():
+                continue
+            if error is None:
+                fut.set_result(value)
             else:
                 fut.set_exception(error)
 

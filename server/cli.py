@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import re
@@ -67,6 +68,33 @@ def _speculative_config(text: str) -> str:
     return text
 
 
+def parse_lora_module(text: str) -> tuple[str, str]:
+    """``name=path`` or vLLM's JSON form ``{"name": ..., "path": ...}`` -> (name, path)."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            obj: Any = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"not JSON: {e}") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(obj.get("path"), str):
+            raise ValueError('the JSON form needs string "name" and "path"')
+        name, path = obj["name"], obj["path"]
+    else:
+        name, sep, path = text.partition("=")
+        if not sep:
+            raise ValueError(f"expected name=path, got {text!r}")
+    if not name or not path:
+        raise ValueError(f"empty name or path in {text!r}")
+    return name, path
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    try:
+        return parse_lora_module(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _fraction(text: str) -> float:
     v = float(text)
     if not 0.0 < v <= 1.0:
@@ -109,6 +137,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=d.seed, help="sampling seed for requests without one (default: %(default)s)")
     g.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON", help='speculative decoding by n-gram lookup, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2, "max_running": 1}\' (greedy and unseeded sampled requests without penalties; drafts only while at most max_running requests run; off while scheduling ahead) (default: off)')
 
+    g = p.add_argument_group("LoRA adapters")
+    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT folders) beside the base model, chosen per request by the 'model' field")
+    g.add_argument("--lora-modules", nargs="+", action="extend", type=_lora_module, default=[], metavar="NAME=PATH", help="adapters served from start-up, as name=path or vLLM's JSON '{\"name\": ..., \"path\": ...}' (implies --enable-lora)")
+    g.add_argument("--max-loras", type=_positive_int, default=d.max_loras, help="most distinct adapters among running requests; requests of another adapter wait (default: %(default)s)")
+    g.add_argument("--max-lora-rank", type=_positive_int, default=d.max_lora_rank, help="adapters of a higher rank are refused (default: %(default)s)")
+    g.add_argument("--allow-runtime-lora-updating", action=argparse.BooleanOptionalAction, default=os.environ.get("SERVELM_ALLOW_RUNTIME_LORA_UPDATING", "") not in ("", "0", "false", "False"), help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which read folders of the server's file system: for trusted clients only (default: $SERVELM_ALLOW_RUNTIME_LORA_UPDATING; off)")
+
     g = p.add_argument_group("HTTP")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for all interfaces (default: %(default)s)")
     g.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one and logs it (default: %(default)s)")
@@ -143,6 +178,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.num_threads,
         seed=args.seed,
         speculative_config=args.speculative_config,
+        enable_lora=args.enable_lora or bool(args.lora_modules),
+        lora_modules=tuple(args.lora_modules),
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
     )
 
 
@@ -207,6 +246,7 @@ def run_serve(args: argparse.Namespace) -> int:
         metrics_registry=getattr(observer, "registry", None),
         drain_timeout_s=args.drain_timeout,
         max_request_bytes=args.max_request_bytes,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )
     server = _make_uvicorn_server(app, args, async_engine.stop_accepting)
     # uvicorn re-raises the signal that stopped it once it has shut down, with the handlers it found

@@ -56,12 +56,13 @@ class ChatStart:
     prompt_ids: list[int]
     tools: ToolMode | None
     group: RequestGroup
+    model: str  # the id its response names: the served model's or the LoRA adapter's
 
 
 async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, arrival: float, request_id: str) -> ChatStart:
     """Validate ``req``, render its messages through the chat template and queue it (400 naming the
     field for what cannot be served). Shared by /v1/chat/completions and /v1/responses."""
-    ctx.check_model(req.model)
+    lora = ctx.resolve_model(req.model)
     _refuse_unsupported(req)
     tools = tool_mode(req)
     messages = normalize_messages(req.messages)
@@ -84,9 +85,9 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, arrival: f
     ctx.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages", "the messages' text")
     prompt_ids = await ctx.async_engine.run_blocking(lambda: render_chat_prompt(ctx.tokenizer, messages, **render_kwargs(tools)))
     group = await add_requests(
-        ctx, [(request_id, prompt_ids, params)], arrival, param_map={"max_tokens": max_param, "prompt": "messages"}
+        ctx, [(request_id, prompt_ids, params)], arrival, param_map={"max_tokens": max_param, "prompt": "messages"}, lora_name=lora
     )
-    return ChatStart(params, prompt_ids, tools, group)
+    return ChatStart(params, prompt_ids, tools, group, lora or ctx.served_model_name)
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request) -> Response:
@@ -94,7 +95,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     created = int(time.time())
     request_id = random_id("chatcmpl")
     start = await start_chat(ctx, req, arrival, request_id)
-    job = _ChatCompletion(ctx, req, start.params, request_id, created, start.prompt_ids, start.group, start.tools)
+    job = _ChatCompletion(ctx, req, start.params, request_id, created, start.prompt_ids, start.group, start.tools, start.model)
     if req.stream:
         return event_stream(job.stream, start.group)
     body = await until_disconnect(raw, job.collect(), start.group)
@@ -114,8 +115,10 @@ class _ChatCompletion:
         prompt_ids: list[int],
         group: RequestGroup,
         tools: ToolMode | None = None,
+        model: str | None = None,
     ) -> None:
         self.ctx = ctx
+        self.model = model or ctx.served_model_name
         self.req = req
         self.tools = tools
         self.n = params.n
@@ -170,7 +173,7 @@ class _ChatCompletion:
             "id": self.id,
             "object": "chat.completion",
             "created": self.created,
-            "model": self.ctx.served_model_name,
+            "model": self.model,
             "choices": choices,
             "usage": self._usage(),
             "system_fingerprint": None,
@@ -192,7 +195,7 @@ class _ChatCompletion:
             "id": self.id,
             "object": "chat.completion.chunk",
             "created": self.created,
-            "model": self.ctx.served_model_name,
+            "model": self.model,
             "choices": [choice] if choice is not None else [],
         }
         if include_usage:
@@ -233,7 +236,7 @@ class _ChatCompletion:
                 "id": self.id,
                 "object": "chat.completion.chunk",
                 "created": self.created,
-                "model": self.ctx.served_model_name,
+                "model": self.model,
                 "choices": [],
                 "usage": self._usage(),
             }

@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from scheduler.sampling_params import InvalidParameterError, SamplingParams
+from scheduler.sampling_params import InvalidParameterError, LoRANotFoundError, SamplingParams
 from scheduler.structured_output import GrammarCompiler, StructuredOutput
 from server.async_engine import AsyncEngine, EngineDeadError, EngineStoppedError, QueueFullError, RequestGroup
 from server.errors import APIError, bad_request, internal_error, model_not_found, queue_full, unavailable
@@ -43,6 +43,9 @@ class ServingContext:
     created: int = field(default_factory=lambda: int(time.time()))
     model_path: str | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # LoRA adapters served by name (name -> path); kept in step with the engine's by the handlers
+    # that load and unload them
+    loras: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.token_strings = TokenStrings(self.tokenizer)
@@ -105,11 +108,16 @@ class ServingContext:
             tokenizer=tok,
             model_path=str(getattr(engine.config, "model", None) or "") or None,
             eos_token_ids=tuple(getattr(engine, "eos_token_ids", ())),
+            loras=dict(getattr(engine, "lora_adapters", {})),
         )
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
-            raise model_not_found(model)
+    def resolve_model(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` names, None for the base model; 404 for anything else."""
+        if model is None or model == self.served_model_name:
+            return None
+        if model in self.loras:
+            return model
+        raise model_not_found(model)
 
 
 def prompt_char_limit(tokenizer: Any, max_tokens: int) -> int | None:
@@ -196,6 +204,8 @@ def engine_error(exc: BaseException, param_map: dict[str, str] | None = None) ->
     """The HTTP error for an exception from ``AsyncEngine.add`` or a running request."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, LoRANotFoundError):  # unloaded between the check and the engine
+        return model_not_found(exc.name)
     if isinstance(exc, InvalidParameterError):
         param = (param_map or {}).get(exc.param, exc.param)
         return bad_request(str(exc), param=param)
@@ -235,9 +245,10 @@ async def add_requests(
     requests: list[tuple[str, list[int], SamplingParams]],
     arrival_time: float,
     param_map: dict[str, str] | None = None,
+    lora_name: str | None = None,
 ) -> RequestGroup:
     try:
-        return await ctx.async_engine.add(requests, arrival_time)
+        return await ctx.async_engine.add(requests, arrival_time, lora_name=lora_name)
     except Exception as exc:  # noqa: BLE001 - mapped to the right HTTP error
         raise engine_error(exc, param_map) from None
 

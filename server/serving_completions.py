@@ -75,7 +75,7 @@ def _refuse_unsupported(req: CompletionRequest, n: int) -> None:
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request) -> Response:
     arrival = time.monotonic()
     created = int(time.time())
-    ctx.check_model(req.model)
+    lora = ctx.resolve_model(req.model)
     n = req.n if req.n is not None else 1
     _refuse_unsupported(req, n)
     # max_tokens 0 with echo: score the prompt, generate nothing (the engine samples one token, unused).
@@ -103,8 +103,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
 
     request_id = random_id("cmpl")
     sub_ids = [f"{request_id}-{i}" for i in range(len(prompt_ids))]
-    group = await add_requests(ctx, [(sid, ids, params) for sid, ids in zip(sub_ids, prompt_ids)], arrival)
-    job = _Completion(ctx, req, params, request_id, created, sub_ids, prompt_ids, echo_texts, group, prompt_only)
+    group = await add_requests(ctx, [(sid, ids, params) for sid, ids in zip(sub_ids, prompt_ids)], arrival, lora_name=lora)
+    job = _Completion(ctx, req, params, request_id, created, sub_ids, prompt_ids, echo_texts, group, prompt_only, lora)
     if req.stream:
         return event_stream(job.stream, group)
     body = await until_disconnect(raw, job.collect(), group)
@@ -126,8 +126,10 @@ class _Completion:
         echo_texts: list[str],
         group: RequestGroup,
         prompt_only: bool = False,
+        model: str | None = None,
     ) -> None:
         self.ctx = ctx
+        self.model = model or ctx.served_model_name
         self.req = req
         self.params = params
         self.n = params.n
@@ -199,7 +201,7 @@ class _Completion:
             "id": self.id,
             "object": "text_completion",
             "created": self.created,
-            "model": self.ctx.served_model_name,
+            "model": self.model,
             "choices": choices,
             "usage": self._usage(),
             "system_fingerprint": None,
@@ -222,7 +224,7 @@ class _Completion:
     async def stream(self) -> AsyncIterator[bytes]:
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
         echo_pending = [bool(self.echo_texts)] * len(self.num_output_tokens)
-        model = self.ctx.served_model_name
+        model = self.model
         async for out in self.group:
             check_output_error(out)
             self.num_cached_tokens[self.prompt_index[out.request_id]] = out.num_cached_tokens

@@ -294,6 +294,7 @@ class _Response:
         self.chat = chat
         self.tools = start.tools
         self.group = start.group
+        self.model = start.model
         self.num_prompt_tokens = len(start.prompt_ids)
         self.num_output_tokens = 0
         self.num_cached_tokens = 0
@@ -329,7 +330,7 @@ class _Response:
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens,
-            "model": self.ctx.served_model_name,
+            "model": self.model,
             "output": output,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,

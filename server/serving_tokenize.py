@@ -22,7 +22,7 @@ def _encode_prompt(tokenizer: Any, text: str, add_special_tokens: bool) -> list[
 
 
 async def tokenize(ctx: ServingContext, req: TokenizeRequest) -> TokenizeResponse:
-    ctx.check_model(req.model)
+    ctx.resolve_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("Give exactly one of 'prompt' and 'messages'.", param="prompt" if req.prompt is None else "messages")
     if req.prompt is not None and (req.tools is not None or req.tool_choice is not None):
@@ -51,7 +51,7 @@ async def tokenize(ctx: ServingContext, req: TokenizeRequest) -> TokenizeRespons
 
 
 async def detokenize(ctx: ServingContext, req: DetokenizeRequest) -> DetokenizeResponse:
-    ctx.check_model(req.model)
+    ctx.resolve_model(req.model)
     check_token_ids([req.tokens], ctx.vocab_size, param="tokens")
     text = await ctx.async_engine.run_blocking(ctx.tokenizer.decode, req.tokens)
     return DetokenizeResponse(prompt=text)

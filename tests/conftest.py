@@ -156,6 +156,7 @@ class FakeSeq:
     generator: torch.Generator | None = None
     stop_token_ids_for_min_tokens: tuple[int, ...] = ()
     grammar: Any = None  # runtime.batch.TokenMask
+    lora_id: int = 0
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

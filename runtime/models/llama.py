@@ -28,6 +28,7 @@ from torch import nn
 from runtime import cpu_linear, cpu_ops, quantization
 from runtime.attention.base import AttentionBackend, AttentionMetadata
 from runtime.config import ModelConfig, UnsupportedModelError
+from runtime.lora import LoRAContext, LoRAProjection
 
 
 # Small-batch matmul shapes that MKL's sgemm handles badly (measured with scripts/bench_runner.py's
@@ -127,15 +128,17 @@ class Linear(nn.Module):
         self.quant: quantization.QuantizedWeight | None = None
         self.bias = _param((self.out_features,), dtype, device) if bias else None
         self.few_rows: FewRowKernels | None = None
+        self.lora: LoRAProjection | None = None  # LoRA adapters' updates (runtime.lora.attach)
+        # checkpoint shard name -> our output rows (kept here too: packing may drop the weight)
+        self.shard_rows: dict[str, slice] = {}
         if len(shards) > 1:
-            slices: dict[str, slice] = {}
             start = 0
             for name, n in shards:
-                slices[name] = slice(start, start + n)
+                self.shard_rows[name] = slice(start, start + n)
                 start += n
-            self.weight.shard_slices = slices  # type: ignore[attr-defined]
+            self.weight.shard_slices = self.shard_rows  # type: ignore[attr-defined]
             if self.bias is not None:
-                self.bias.shard_slices = slices  # type: ignore[attr-defined]
+                self.bias.shard_slices = self.shard_rows  # type: ignore[attr-defined]
 
     def pack_for_cpu(self, small_m: tuple[cpu_linear.SmallMLinear, int] | None = None) -> None:
         """Add the oneDNN-packed copy of the weight (``runtime.cpu_linear``); irreversible.
@@ -164,6 +167,14 @@ class Linear(nn.Module):
             self.weight.copy_(self.quant.dequantize(self.weight.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.project(x)
+        lora = self.lora
+        if lora is not None and lora.ctx.plan:
+            lora.apply(x, y)
+        return y
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """The base projection (no LoRA update)."""
         quant = self.quant
         if quant is not None and x.shape[0] <= quant.max_rows:
             return quant.linear(x, self.bias)
@@ -317,7 +328,7 @@ class MLP(nn.Module):
         if self.act_mul is not None:
             return self.down_proj.forward(self.act_mul(self.gate_up_proj.forward(x)))
         proj = self.gate_up_proj
-        if proj.packed is None and proj.quant_rows < x.shape[0] <= self.split_max_rows:
+        if proj.packed is None and proj.lora is None and proj.quant_rows < x.shape[0] <= self.split_max_rows:
             w = proj.weight
             gate = F.linear(x, w[: self.intermediate])
             up = F.linear(x, w[self.intermediate :])
@@ -343,6 +354,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = MLP(cfg, dtype, device)
         self.few_rows: FewRowKernels | None = None
+        self.lora_ctx: LoRAContext | None = None  # set by runtime.lora.attach
+
+    def _few_rows_apply(self, rows: int) -> bool:
+        # The fused kernels take the weights directly: a step with LoRA rows goes through the projections.
+        lora = self.lora_ctx
+        return self.few_rows is not None and self.few_rows.applies(rows) and not (lora is not None and lora.plan)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: CosSin, meta: AttentionMetadata
@@ -351,7 +368,7 @@ class DecoderLayer(nn.Module):
         residual yet); returns this layer's MLP output and the residual stream before it. The residual
         adds happen inside the norms, so a fused norm does each add and its norm in one pass; the sums
         are the same as ``h = h + attn(norm(h)); h = h + mlp(norm(h))``."""
-        if self.few_rows is not None and self.few_rows.applies(x.shape[0]):
+        if self.few_rows is not None and self._few_rows_apply(x.shape[0]):
             return self._forward_few_rows(self.few_rows, x, residual, cos_sin, meta)
         if residual is None:
             residual = x

@@ -216,9 +216,33 @@ def test_observers_are_independent() -> None:
     assert any(name == "process_cpu_seconds_total" for name, _ in samples(a))
 
 
+def lora_series(obs: PrometheusObserver) -> list[tuple[dict[str, str], float]]:
+    return [(dict(labels), v) for (name, labels), v in samples(obs).items() if name == "servelm_lora_requests_info"]
+
+
+def test_lora_info_is_one_series_that_follows_the_adapters(clock: FakeClock) -> None:
+    """vLLM's lora_requests_info: one series (the current adapters), re-labelled when they change."""
+    obs = PrometheusObserver("tiny", INFO, 1e12, 1e11, registry=CollectorRegistry(), clock=clock, max_loras=2)
+    (labels, first), = lora_series(obs)
+    assert labels == {"model_name": "tiny", "max_lora": "2", "running_lora_adapters": "", "waiting_lora_adapters": ""}
+    obs.on_step(StepStats(0.1, 2, 1, 0.1, 0, 1, lora_adapters=(["a", "b"], ["c"])))
+    (labels, changed), = lora_series(obs)
+    assert (labels["running_lora_adapters"], labels["waiting_lora_adapters"]) == ("a,b", "c") and changed >= first
+    obs.on_step(StepStats(0.1, 0, 0, 0.0, 0, 1, lora_adapters=([], [])))
+    (labels, _), = lora_series(obs)
+    assert labels["running_lora_adapters"] == "" and labels["waiting_lora_adapters"] == ""
+    # Without LoRA serving there is no such series, and steps without the field change nothing.
+    plain = PrometheusObserver("tiny", INFO, 1e12, 1e11, registry=CollectorRegistry(), clock=clock)
+    plain.on_step(StepStats(0.1, 1, 0, 0.1, 0, 1))
+    assert lora_series(plain) == []
+
+
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (apt-get install prometheus)")
-def test_exposition_passes_promtool(obs: PrometheusObserver, clock: FakeClock) -> None:
+@pytest.mark.parametrize("max_loras", [None, 2])
+def test_exposition_passes_promtool(clock: FakeClock, max_loras: int | None) -> None:
+    obs = PrometheusObserver("tiny", INFO, 1e12, 1e11, registry=CollectorRegistry(), window_s=10.0, clock=clock, max_loras=max_loras)
     drive(obs, clock)
+    obs.on_step(StepStats(0.1, 1, 1, 0.1, 0, 1, lora_adapters=(["sql"], ["poet"]) if max_loras else None))
     body, _ = render_metrics(obs.registry)
     r = subprocess.run(["promtool", "check", "metrics"], input=body, capture_output=True, timeout=30)
     assert r.returncode == 0, r.stdout.decode() + r.stderr.decode()

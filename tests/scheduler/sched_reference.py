@@ -23,11 +23,18 @@ class GreedyReference:
     top2_gap: list[float]  # per step: logit(best) - logit(runner-up)
 
 
-def hf_greedy_references(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[GreedyReference]:
-    """HF ``generate(do_sample=False)`` per prompt (batch 1, no EOS stop), keeping each step's top two."""
+def hf_greedy_references(
+    model_dir: Path, prompts: list[list[int]], max_new_tokens: int, lora_adapter: Path | None = None
+) -> list[GreedyReference]:
+    """HF ``generate(do_sample=False)`` per prompt (batch 1, no EOS stop), keeping each step's top two;
+    with ``lora_adapter``, through PEFT with that adapter applied (unmerged)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    if lora_adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(lora_adapter)).eval()
     refs: list[GreedyReference] = []
     try:
         with torch.inference_mode():

@@ -21,6 +21,7 @@ class Seq:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
+    hash_seed: int | None = None
 
 
 def compute(bm: BlockManager, seq: Seq, n: int, prefix: PrefixMatch | None = None) -> bool:
@@ -100,6 +101,24 @@ def test_hash_depends_on_the_whole_prefix() -> None:
     b = Seq(1, [9, 9, 3, 4, 5])
     assert bm.lookup(b).blocks == []
     bm.free(a)
+
+
+def test_hash_seed_separates_identical_prompts() -> None:
+    """Sequences of another seed (a LoRA adapter's) never share blocks with the same tokens of the
+    base model or of another seed; the same seed shares as usual."""
+    bm = BlockManager(num_blocks=16, block_size=2)
+    prompt = [1, 2, 3, 4, 5]
+    a = Seq(0, prompt)
+    assert compute(bm, a, 5)
+    assert bm.lookup(Seq(1, prompt, hash_seed=hash(("lora", 1)))).blocks == []
+    b = Seq(2, prompt, hash_seed=hash(("lora", 1)))
+    assert compute(bm, b, 5)
+    assert bm.lookup(Seq(3, prompt, hash_seed=hash(("lora", 2)))).blocks == []
+    assert bm.lookup(Seq(4, prompt, hash_seed=hash(("lora", 1)))).blocks == b.block_table[:2]
+    assert bm.lookup(Seq(5, prompt)).blocks == a.block_table[:2]
+    bm.free(a)
+    bm.free(b)
+    bm.check_invariants()
 
 
 def test_generated_tokens_are_cached_for_the_next_turn() -> None:

@@ -83,6 +83,24 @@ def test_serve_args_build_one_engine_config() -> None:
             build_parser().parse_args(["serve", "--speculative-config", bad])
 
 
+def test_lora_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = build_parser().parse_args(
+        ["serve", "--lora-modules", "sql=/a/sql", '{"name": "poet", "path": "/a/poet", "base_model_name": "x"}',
+         "--lora-modules", "x=/p=q", "--max-loras", "2", "--max-lora-rank", "32"]
+    )  # fmt: skip
+    cfg = engine_config_from_args(args)
+    assert cfg.lora_modules == (("sql", "/a/sql"), ("poet", "/a/poet"), ("x", "/p=q"))
+    assert cfg.enable_lora and (cfg.max_loras, cfg.max_lora_rank) == (2, 32)  # --lora-modules implies --enable-lora
+    assert args.allow_runtime_lora_updating is False
+    assert engine_config_from_args(build_parser().parse_args(["serve", "--enable-lora"])).enable_lora
+    for bad in (["--lora-modules", "noequals"], ["--lora-modules", "=/p"], ["--lora-modules", '{"name": 1}'], ["--max-loras", "0"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", *bad])
+    monkeypatch.setenv("SERVELM_ALLOW_RUNTIME_LORA_UPDATING", "1")
+    assert build_parser().parse_args(["serve"]).allow_runtime_lora_updating is True
+    assert build_parser().parse_args(["serve", "--no-allow-runtime-lora-updating"]).allow_runtime_lora_updating is False
+
+
 def test_the_cli_offers_what_the_runtime_implements_without_importing_torch() -> None:
     from runtime.quantization import QUANTIZATIONS
     from server import cli
@@ -107,7 +125,8 @@ def test_help_documents_every_option(capsys: pytest.CaptureFixture[str]) -> None
         "--kv-cache-memory", "--gpu-memory-utilization", "--block-size", "--dtype", "--device",
         "--enable-prefix-caching", "--no-enable-prefix-caching", "--scheduling-policy", "--max-waiting-requests",
         "--enforce-eager", "--async-scheduling", "--no-async-scheduling", "--quantization", "--num-threads",
-        "--log-level", "--host", "--port",
+        "--log-level", "--host", "--port", "--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank",
+        "--allow-runtime-lora-updating",
     ):  # fmt: skip
         assert re.search(rf"{re.escape(opt)}\b", out), opt
     assert main([]) == 2  # no subcommand: usage, non-zero

@@ -1,0 +1,81 @@
+"""LoRA adapters over HTTP: model cards, and vLLM's ``/v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``.
+
+A request's ``model`` names the base model or one of the adapters (``ServingContext.resolve_model``).
+Adapters come from ``--lora-modules`` at start-up and, with ``--allow-runtime-lora-updating``, from
+these endpoints: the folder is read and checked in a worker thread (the engine keeps stepping), then
+handed to the engine thread between two steps. Unloading stops new requests at once; requests already
+queued with the adapter finish with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel, ConfigDict
+
+from server.errors import APIError, bad_request
+from server.protocol import ModelCard
+from server.serving_common import ServingContext, engine_error
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str
+    lora_int_id: int | None = None  # vLLM's; ignored (names are unique)
+
+
+def lora_cards(ctx: ServingContext) -> list[ModelCard]:
+    return [
+        ModelCard(id=name, created=ctx.created, root=path, parent=ctx.served_model_name, max_model_len=ctx.max_model_len)
+        for name, path in ctx.loras.items()
+    ]
+
+
+async def load_lora_adapter(ctx: ServingContext, req: LoadLoRAAdapterRequest) -> PlainTextResponse:
+    name = req.lora_name
+    if name == ctx.served_model_name or name in ctx.loras:
+        raise bad_request(f"The lora adapter '{name}' has already been loaded.", param="lora_name", code="lora_adapter_exists")
+    engine: Any = ctx.async_engine.engine
+    try:
+        # Files and checks off the event loop and off the engine thread: a big adapter takes seconds.
+        adapter = await asyncio.to_thread(engine.read_lora_adapter, req.lora_path)
+        await ctx.async_engine.call(lambda e: e.add_lora(name, adapter))
+    except ValueError as e:  # runtime.lora.LoRAError: the folder, or the name, is not servable
+        raise bad_request(f"Cannot load LoRA adapter '{name}': {e}", param="lora_path", code="invalid_lora_adapter") from None
+    except APIError:
+        raise
+    except Exception as e:  # noqa: BLE001 - engine gone, shutting down...: the right status
+        raise engine_error(e) from None
+    ctx.loras[name] = adapter.path
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def unload_lora_adapter(ctx: ServingContext, req: UnloadLoRAAdapterRequest) -> PlainTextResponse:
+    name = req.lora_name
+    if name not in ctx.loras:
+        raise APIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name", code="lora_adapter_not_found")
+    del ctx.loras[name]  # new requests naming it get 404 from now on
+    try:
+        await ctx.async_engine.call(lambda e: e.remove_lora(name))
+    except Exception as e:  # noqa: BLE001
+        raise engine_error(e) from None
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+__all__ = [
+    "LoadLoRAAdapterRequest",
+    "UnloadLoRAAdapterRequest",
+    "load_lora_adapter",
+    "lora_cards",
+    "unload_lora_adapter",
+]
