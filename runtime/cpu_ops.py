@@ -10,7 +10,8 @@
   call (``CausalLM.use_fused_ops``; the same values as the separate ops);
 * ``rms_norm``: one pass per row instead of ``F.rms_norm``'s five ops (~26 us per call at batch 1 on
   this CPU, 61 calls per step: ~1.6 ms of a ~22 ms batch-1 forward);
-* ``apply_token_bitmask``: a structured output's mask on the logits (``runtime.sampler``).
+* ``apply_token_bitmask``: a structured output's mask on the logits (``runtime.sampler``);
+* ``lora_apply``: LoRA adapters' updates of a decode step's rows, one call per projection (``runtime.lora``).
 
 Built on first use and cached under ``$SERVELM_CACHE/torch_extensions`` (``runtime.cpu_extension``);
 ``load()`` is None where it cannot be built, the CPU lacks AVX-512, or the self-check fails, and every
@@ -101,6 +102,25 @@ def _self_check(module: ModuleType) -> str | None:
         want = wb * F.rms_norm(xb.float(), (h,), None, 1e-5).bfloat16()
         if not torch.allclose(module.rms_norm(xb, wb, 1e-5).float(), want.float(), atol=2e-2, rtol=1e-2):
             return f"bfloat16 rms_norm self-check failed (rows {rows}, H {h})"
+    # LoRA: rows of two adapters (one with two shards over 21 + 16 outputs, ranks 3 and 5) and none.
+    x = torch.randn(5, 40, generator=gen)
+    y = torch.randn(5, 37, generator=gen)
+    a = [torch.randn(8, 40, generator=gen), torch.randn(4, 40, generator=gen)]
+    blocks = [[torch.randn(3, 21, generator=gen), torch.randn(5, 16, generator=gen)], [torch.randn(4, 37, generator=gen)]]
+    shards = [torch.tensor([[0, 21, 3], [21, 16, 5]]), torch.tensor([[0, 37, 4]])]
+    rows = torch.tensor([1, -1, 0, 1, 0], dtype=torch.int32)
+    want = y.double().clone()
+    for t, s in enumerate(rows.tolist()):
+        if s < 0:
+            continue
+        h = a[s].double() @ x[t].double()
+        k = 0
+        for (o0, n, r), bt in zip(shards[s].tolist(), blocks[s]):
+            want[t, o0 : o0 + n] += h[k : k + r] @ bt.double()
+            k += r
+    module.lora_apply(x, y, a, [torch.cat([b.reshape(-1) for b in bl]) for bl in blocks], shards, rows)
+    if not torch.allclose(y.double(), want, atol=1e-4, rtol=1e-5):
+        return "lora_apply self-check failed"
     logits = torch.randn(3, 70, generator=gen)
     bitmask = torch.tensor([[-1, 0, 5], [0x0F0F0F0F, -(2**31), 0]], dtype=torch.int32)
     allowed = ((bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).view(2, -1)[:, :70].bool()
@@ -135,6 +155,12 @@ def token_bitmask_kernel() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor
     """``apply_token_bitmask(logits, rows, bitmask)`` (float32 CPU logits, in place), or None."""
     module = load()
     return None if module is None else module.apply_token_bitmask
+
+
+def lora_kernel() -> Callable[..., None] | None:
+    """``lora_apply(x, y, a, bt, shards, row_adapter)`` (float32, ``runtime.lora``), or None."""
+    module = load()
+    return None if module is None else module.lora_apply
 
 
 def rms_norm_kernel() -> RmsNorm | None:

@@ -7,15 +7,17 @@ An adapter is a folder written by PEFT's ``save_pretrained``: ``adapter_config.j
 touched, so requests of several adapters and of the base model share every step.
 
 Loading maps the checkpoint's projections onto ours (q/k/v into ``qkv_proj``, gate/up into
-``gate_up_proj``): a fused projection gets one ``A^T`` ``[in, r_q + r_k + r_v]`` (the shards' ranks side
-by side) and one ``B^T`` ``[r_total, out]`` that is zero outside each shard's own rows and columns, so
-its update is two matmuls whatever the number of shards. ``s`` is folded into ``B`` at load.
+``gate_up_proj``): a fused projection gets one ``A`` ``[r_q + r_k + r_v, in]`` (the shards' A rows one
+after the other) and each shard's ``(s B)^T`` for its own outputs (``LoRAModule``). ``s`` is folded
+into ``B`` at load.
 
-Each step the runner sets the ``LoRAContext``'s plan (which adapter owns which rows) before the
-forward; every projection with an update reads it (``Linear.lora``). A step whose rows all use one
-adapter runs two matmuls and an in-place add per projection; a mixed step gathers each adapter's
-rows and adds their updates back (``index_add_``): a loop over the step's distinct adapters, never
-over requests. Steps without adapter rows cost one attribute check per projection.
+Each step the runner sets the ``LoRAContext`` (which adapter owns which rows) before the forward;
+every projection with an update reads it (``Linear.lora``). Steps of a few float32 rows on a CPU with
+the compiled ops go through one call per projection (``lora_apply`` in ``runtime/csrc/cpu_ops.cpp``:
+each adapter's weights read once for its rows, whatever the mix); otherwise torch ops, per adapter
+in the step: its rows gathered (or all rows when it owns the step), ``x A^T``, one ``addmm_`` per
+shard, added back. A loop over the step's distinct adapters, never over requests. Steps without
+adapter rows cost one attribute check per projection.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -56,16 +58,43 @@ class LoRAError(ValueError):
     """An adapter that cannot be served on this model; the message says why."""
 
 
-@dataclass
 class LoRAModule:
-    """One projection's update in our layout: ``y += (x @ a) @ b``."""
+    """One projection's update in our layout: ``y[:, o:o+n] += (x @ A_j^T) @ (s B_j)^T`` per shard j.
 
-    a: torch.Tensor  # [in, r_total]: the A^T of each shard, side by side
-    b: torch.Tensor  # [r_total, out]: each shard's (s B)^T in its own output columns, zeros elsewhere
+    ``a`` ``[R, in]``: every shard's A rows, shard after shard; ``bt``: every shard's ``(s B_j)^T``
+    ``[r_j, n_j]``, flattened one after the other; ``shards`` int64 ``[J, 3]``: (first output, n_j,
+    r_j) in the same order. No zero blocks: a fused projection's update reads only its shards' bytes.
+    """
+
+    def __init__(self, a: torch.Tensor, bt: torch.Tensor, shards: list[tuple[int, int, int]]) -> None:
+        self.a = a
+        self.bt = bt
+        self.shards = torch.tensor(shards, dtype=torch.int64).view(-1, 3)
+        # (output slice, rank slice, B^T view) per shard, for the torch path
+        self.blocks: list[tuple[slice, slice, torch.Tensor]] = []
+        k = off = 0
+        for o0, n, r in shards:
+            self.blocks.append((slice(o0, o0 + n), slice(k, k + r), bt[off : off + r * n].view(r, n)))
+            k += r
+            off += r * n
+        self.whole = len(shards) == 1 and shards[0][0] == 0  # one shard from the first output: no slicing
+        self._shard_list = list(shards)
 
     @property
     def nbytes(self) -> int:
-        return self.a.numel() * self.a.element_size() + self.b.numel() * self.b.element_size()
+        return self.a.numel() * self.a.element_size() + self.bt.numel() * self.bt.element_size()
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> LoRAModule:
+        return LoRAModule(self.a.to(device, dtype).contiguous(), self.bt.to(device, dtype).contiguous(), self._shard_list)
+
+    def add_to(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """``y += update(x)`` with torch ops (any dtype and device, any number of rows)."""
+        h = x.mm(self.a.t())
+        if self.whole:
+            y[:, : self.blocks[0][2].shape[1]].addmm_(h, self.blocks[0][2])
+            return
+        for out, ranks, bt in self.blocks:
+            y[:, out].addmm_(h[:, ranks], bt)
 
 
 @dataclass
@@ -81,8 +110,7 @@ class LoRAAdapter:
         return sum(m.nbytes for m in self.modules.values())
 
     def to(self, device: torch.device, dtype: torch.dtype) -> LoRAAdapter:
-        mods = {k: LoRAModule(m.a.to(device, dtype).contiguous(), m.b.to(device, dtype).contiguous()) for k, m in self.modules.items()}
-        return LoRAAdapter(self.path, self.rank, mods)
+        return LoRAAdapter(self.path, self.rank, {k: m.to(device, dtype) for k, m in self.modules.items()})
 
 
 def _read_config(folder: Path) -> dict[str, Any]:
@@ -195,26 +223,46 @@ def load_lora_adapter(path: str | Path, model: CausalLM, max_rank: int) -> LoRAA
 
     modules: dict[str, LoRAModule] = {}
     for ours, shards in parts.items():
-        out_features = model.get_submodule(ours).out_features
-        shards.sort(key=lambda s: s[0].start)  # the A columns and the B rows in one shard order
-        a_t = torch.cat([a.t() for _, a, _ in shards], dim=1).contiguous()
-        b_t = torch.zeros(a_t.shape[1], out_features)
-        k = 0
-        for rows, a, b in shards:
-            b_t[k : k + a.shape[0], rows] = b.t()
-            k += a.shape[0]
-        modules[ours] = LoRAModule(a_t, b_t)
+        shards.sort(key=lambda p: p[0].start)  # the A rows and the B^T blocks in one shard order
+        a_all = torch.cat([a for _, a, _ in shards]).contiguous()
+        bt_all = torch.cat([b.t().contiguous().view(-1) for _, _, b in shards])
+        layout = [(rows.start, rows.stop - rows.start, a.shape[0]) for rows, a, _ in shards]
+        modules[ours] = LoRAModule(a_all, bt_all, layout)
     return LoRAAdapter(str(folder), largest, modules)
 
 
+# Steps of at most this many rows use the compiled kernel (when there is one): it reads an adapter's
+# weights once per 8 of its rows, so beyond a decode batch BLAS over the gathered rows does better.
+KERNEL_MAX_ROWS = 32
+
+# (x [T, K], y [T, N] in place, a per adapter, bt per adapter, shards per adapter, row_adapter [T] int32)
+LoRAKernel = Callable[[torch.Tensor, torch.Tensor, list, list, list, torch.Tensor], None]
+
+
 class LoRAContext:
-    """The current step's adapter rows, shared by every projection: ``(adapter id, rows)`` pairs,
-    ``rows`` None when the adapter owns every row of the step. Empty between steps."""
+    """The current step's adapter rows, shared by every projection (empty between steps).
 
-    __slots__ = ("plan",)
+    ``plan``: ``(adapter id, rows)`` pairs, ``rows`` None when the adapter owns every row of the step;
+    ``ids`` / ``row_adapter``: the step's adapter ids and, per row, the index of its adapter in ``ids``
+    (-1: none), for ``kernel`` (``runtime.cpu_ops``' ``lora_apply``, or None).
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("plan", "ids", "row_adapter", "kernel")
+
+    def __init__(self, kernel: LoRAKernel | None = None) -> None:
         self.plan: list[tuple[int, torch.Tensor | None]] = []
+        self.ids: list[int] = []
+        self.row_adapter: torch.Tensor | None = None
+        self.kernel = kernel
+
+    def set(self, plan: list[tuple[int, torch.Tensor | None]], ids: list[int], row_adapter: torch.Tensor | None) -> None:
+        self.plan, self.ids, self.row_adapter = plan, ids, row_adapter
+
+    def clear(self) -> None:
+        self.plan, self.ids, self.row_adapter = [], [], None
+
+
+_NO_UPDATE = (torch.empty(0), torch.empty(0), torch.empty(0, 3, dtype=torch.int64))
 
 
 class LoRAProjection:
@@ -228,21 +276,30 @@ class LoRAProjection:
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """``y`` (the projection of ``x``) += each planned adapter's update on its rows."""
-        for adapter_id, rows in self.ctx.plan:
+        ctx = self.ctx
+        if ctx.row_adapter is not None and ctx.kernel is not None and x.dtype == torch.float32:
+            mods = [self.updates.get(i) for i in ctx.ids]
+            if any(mods):
+                args = [(m.a, m.bt, m.shards) if m is not None else _NO_UPDATE for m in mods]
+                ctx.kernel(x.contiguous(), y, [a for a, _, _ in args], [b for _, b, _ in args], [s for _, _, s in args], ctx.row_adapter)
+            return
+        for adapter_id, rows in ctx.plan:
             u = self.updates.get(adapter_id)
             if u is None:  # the adapter does not target this projection
                 continue
             if rows is None:
-                y.addmm_(x.mm(u.a), u.b)
+                u.add_to(x, y)
             else:
-                y.index_add_(0, rows, x.index_select(0, rows).mm(u.a).mm(u.b))
+                part = torch.zeros(rows.shape[0], y.shape[1], dtype=y.dtype, device=y.device)
+                u.add_to(x.index_select(0, rows), part)
+                y.index_add_(0, rows, part)
 
 
-def attach(model: CausalLM) -> LoRAContext:
+def attach(model: CausalLM, kernel: LoRAKernel | None = None) -> LoRAContext:
     """Give every projection of ``model`` an (empty) ``LoRAProjection`` over one shared context."""
     from runtime.models.llama import DecoderLayer, Linear
 
-    ctx = LoRAContext()
+    ctx = LoRAContext(kernel)
     for module in model.modules():
         if isinstance(module, Linear):
             module.lora = LoRAProjection(ctx)

@@ -59,7 +59,16 @@ class StepInputs:
     # replay a captured CUDA graph: the tensors are views of its staged inputs, ``meta`` is unbuilt
     graph: bool = False
     score: PromptScoring | None = None  # prompt rows to score (items with ``score``)
-    lora: list[tuple[int, torch.Tensor | None]] | None = None  # the LoRAContext plan, when rows use adapters
+    lora: LoRAStep | None = None  # when rows use LoRA adapters: what the forward's LoRAContext holds
+
+
+@dataclass
+class LoRAStep:
+    """A step's adapter rows (``runtime.lora.LoRAContext.set``)."""
+
+    plan: list[tuple[int, torch.Tensor | None]]  # (adapter id, its rows; None: every row, or the kernel's row_adapter says)
+    ids: list[int]
+    row_adapter: torch.Tensor | None  # int32 [T]: index into ids, -1 none (the compiled kernel's form)
 
 
 @dataclass
@@ -369,7 +378,8 @@ class ModelRunner:
         if adapter_id <= 0 or adapter_id in self.lora_ids:
             raise ValueError(f"LoRA adapter id {adapter_id} is not positive or already in use")
         if self._lora is None:
-            self._lora = lora.attach(self.model)
+            kernel = cpu_ops.lora_kernel() if self.device.type == "cpu" else None
+            self._lora = lora.attach(self.model, kernel)
         lora.add_adapter(self.model, adapter_id, adapter.to(self.device, self.dtype))
         self.lora_ids.add(adapter_id)
 
@@ -379,7 +389,7 @@ class ModelRunner:
             lora.remove_adapter(self.model, adapter_id)
             self.lora_ids.discard(adapter_id)
 
-    def _lora_plan(self, items: list[BatchItem], order: list[int], num_rows: int) -> list[tuple[int, torch.Tensor | None]] | None:
+    def _lora_step(self, items: list[BatchItem], order: list[int], num_rows: int) -> LoRAStep | None:
         """Which adapter owns which rows of the step (each item's rows are consecutive, in ``order``)."""
         rows: dict[int, list[int]] = {}
         at = 0
@@ -394,12 +404,17 @@ class ModelRunner:
             at += n
         if not rows:
             return None
-        if len(rows) == 1:
-            ((adapter_id, owned),) = rows.items()
-            if len(owned) == num_rows:
-                return [(adapter_id, None)]
         ids = list(rows)
-        return list(zip(ids, _to_device([rows[i] for i in ids], torch.int64, self.device)))
+        assert self._lora is not None
+        if self._lora.kernel is not None and self.dtype == torch.float32 and num_rows <= lora.KERNEL_MAX_ROWS:
+            index = [-1] * num_rows
+            for k, adapter_id in enumerate(ids):
+                for r in rows[adapter_id]:
+                    index[r] = k
+            return LoRAStep([(i, None) for i in ids], ids, torch.tensor(index, dtype=torch.int32))
+        if len(ids) == 1 and len(rows[ids[0]]) == num_rows:
+            return LoRAStep([(ids[0], None)], ids, None)
+        return LoRAStep(list(zip(ids, _to_device([rows[i] for i in ids], torch.int64, self.device))), ids, None)
 
     # ---- one step ------------------------------------------------------------------------------
     def execute(self, items: list[BatchItem]) -> RunnerOutput:
@@ -478,11 +493,11 @@ class ModelRunner:
             return self.model(inputs.input_ids, inputs.positions, inputs.meta)
         ctx = self._lora
         assert ctx is not None
-        ctx.plan = inputs.lora
+        ctx.set(inputs.lora.plan, inputs.lora.ids, inputs.lora.row_adapter)
         try:
             return self.model(inputs.input_ids, inputs.positions, inputs.meta)
         finally:
-            ctx.plan = []
+            ctx.clear()
 
     def _pending_row(self, seq: SequenceView) -> int:
         """The row of the last sampling step that drew ``seq``'s pending token."""
@@ -607,7 +622,7 @@ class ModelRunner:
             if used < width:
                 flat_tables += [0] * (width - used)
 
-        lora_plan = self._lora_plan(items, order, num_tokens) if self._lora is not None else None
+        lora_plan = self._lora_step(items, order, num_tokens) if self._lora is not None else None
         # A decode-only step that fits the captured shapes replays a graph: staged straight into its
         # input buffers (its metadata was built at capture, so the backend's per-step derivation is
         # skipped). The graphs hold no LoRA updates.

@@ -9,7 +9,8 @@
 //   * add_rms_norm / silu_mul: the residual add and the norm after it, and SiLU x up, one call each;
 //   * rms_norm: y = x * rsqrt(mean(x^2) + eps) * w over the last dimension (float32, or bfloat16 with
 //     Hugging Face's roundings);
-//   * apply_token_bitmask: structured outputs' mask, -inf for every token whose bit is clear.
+//   * apply_token_bitmask: structured outputs' mask, -inf for every token whose bit is clear;
+//   * lora_apply: LoRA adapters' updates of a few rows, each row with its own adapter (or none).
 //
 // linear_small_m is the decode-latency matmul.
 // With one to four rows a projection is a pass over the weight: it is memory-bound, and what matters
@@ -688,6 +689,134 @@ void apply_token_bitmask(at::Tensor& logits, const at::Tensor& rows, const at::T
   });
 }
 
+#if SERVELM_HAVE_AVX512
+// h[m][k] = a[k, :] . x[m, :] for k in [k0, k1): the A rows of an adapter against M input rows,
+// each A row read once for all of them.
+template <int M>
+void lora_down(const float* const* xs, const float* a, float* h, int64_t R, int64_t k0, int64_t k1, int64_t K) {
+  const int64_t k_main = K - K % 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (K - k_main)) - 1u);
+  for (int64_t k = k0; k < k1; ++k) {
+    const float* row = a + k * K;
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k_main; i += 16) {
+      const __m512 w = _mm512_loadu_ps(row + i);
+      for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xs[m] + i), acc[m]);
+    }
+    if (k_main < K) {
+      const __m512 w = _mm512_maskz_loadu_ps(tail, row + k_main);
+      for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(tail, xs[m] + k_main), acc[m]);
+    }
+    for (int m = 0; m < M; ++m) h[m * R + k] = _mm512_reduce_add_ps(acc[m]);
+  }
+}
+
+// ys[m][o0 + o] += sum_k hs[m][k] * bt[k, o] for o in [c0 * 16, c1 * 16) of the shard's n outputs:
+// B^T is [r, n], so each of its rows is read once, 16 outputs at a time, for all M rows.
+template <int M>
+void lora_up(float* const* ys, const float* const* hs, const float* bt, int64_t r, int64_t n, int64_t c0, int64_t c1) {
+  for (int64_t c = c0; c < c1; ++c) {
+    const int64_t o = c * 16;
+    const __mmask16 mask = o + 16 <= n ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - o)) - 1u);
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_maskz_loadu_ps(mask, ys[m] + o);
+    for (int64_t k = 0; k < r; ++k) {
+      const __m512 b = _mm512_maskz_loadu_ps(mask, bt + k * n + o);
+      for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(hs[m][k]), b, acc[m]);
+    }
+    for (int m = 0; m < M; ++m) _mm512_mask_storeu_ps(ys[m] + o, mask, acc[m]);
+  }
+}
+#endif
+
+// y[t] += B_s (A_s x[t]) for every row t whose adapter s = row_adapter[t] is not -1 (float32, in place).
+// Adapter s: a[s] [R_s, K], the A rows of each shard in shard order; bt[s], flat: each shard's B^T
+// [r_j, n_j] after the previous shard's (scaling folded in); shards[s] int64 [J, 3]: (first output,
+// outputs n_j, rank r_j) per shard, in the same order. An empty a[s] means "no update here". The rows
+// of one adapter go together (up to 8 at a time), so its weights are read once per 8 rows: what a
+// decode step needs, where the rows are few and the adapter's bytes are the cost.
+void lora_apply(const at::Tensor& x, at::Tensor& y, const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& bt,
+                const std::vector<at::Tensor>& shards, const at::Tensor& row_adapter) {
+  TORCH_CHECK(SERVELM_HAVE_AVX512, "lora_apply was built without AVX-512");
+  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0), "x [T, K] and y [T, N] expected");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat && x.is_contiguous() && y.is_contiguous(),
+              "contiguous float32 x and y expected");
+  TORCH_CHECK(row_adapter.dim() == 1 && row_adapter.size(0) == x.size(0) && row_adapter.scalar_type() == at::kInt &&
+                  row_adapter.is_contiguous(),
+              "row_adapter must be int32 [T]");
+  const int64_t S = static_cast<int64_t>(a.size());
+  TORCH_CHECK(bt.size() == a.size() && shards.size() == a.size(), "a, bt and shards must have one entry per adapter");
+  const int64_t T = x.size(0), K = x.size(1), N = y.size(1);
+  const int32_t* ra = row_adapter.data_ptr<int32_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(-1 <= ra[t] && ra[t] < S, "row ", t, ": adapter ", ra[t], " of ", S);
+#if SERVELM_HAVE_AVX512
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  std::vector<float> h;
+  for (int64_t s = 0; s < S; ++s) {
+    if (a[s].numel() == 0) continue;
+    const int64_t R = a[s].size(0);
+    TORCH_CHECK(a[s].dim() == 2 && a[s].size(1) == K && a[s].scalar_type() == at::kFloat && a[s].is_contiguous(),
+                "adapter ", s, ": a must be contiguous float32 [R, ", K, "]");
+    TORCH_CHECK(shards[s].dim() == 2 && shards[s].size(1) == 3 && shards[s].scalar_type() == at::kLong &&
+                    shards[s].is_contiguous(),
+                "adapter ", s, ": shards must be int64 [J, 3]");
+    TORCH_CHECK(bt[s].scalar_type() == at::kFloat && bt[s].is_contiguous(), "adapter ", s, ": bt must be contiguous float32");
+    const int64_t J = shards[s].size(0);
+    const int64_t* sh = shards[s].data_ptr<int64_t>();
+    int64_t rank_total = 0, bt_total = 0;
+    for (int64_t j = 0; j < J; ++j) {
+      TORCH_CHECK(sh[3 * j] >= 0 && sh[3 * j + 1] >= 0 && sh[3 * j] + sh[3 * j + 1] <= N && sh[3 * j + 2] >= 0,
+                  "adapter ", s, ": shard ", j, " outside the ", N, " outputs");
+      rank_total += sh[3 * j + 2];
+      bt_total += sh[3 * j + 1] * sh[3 * j + 2];
+    }
+    TORCH_CHECK(rank_total == R && bt_total == bt[s].numel(), "adapter ", s, ": shards do not match a and bt");
+    std::vector<int64_t> rows;
+    for (int64_t t = 0; t < T; ++t)
+      if (ra[t] == s) rows.push_back(t);
+    const float* ap = a[s].data_ptr<float>();
+    const float* bp = bt[s].data_ptr<float>();
+    for (size_t g = 0; g < rows.size(); g += kMaxMInt8) {
+      const int64_t M = std::min<int64_t>(kMaxMInt8, static_cast<int64_t>(rows.size() - g));
+      const float* xs[kMaxMInt8];
+      float* ys[kMaxMInt8];
+      const float* hs[kMaxMInt8];
+      h.assign(static_cast<size_t>(M * R), 0.0f);
+      for (int64_t m = 0; m < M; ++m) {
+        xs[m] = xp + rows[g + m] * K;
+        ys[m] = yp + rows[g + m] * N;
+        hs[m] = h.data() + m * R;
+      }
+      with_rows<true>(M, [&](auto mm) {
+        constexpr int Mc = decltype(mm)::value;
+        // Threads only where each gets ~64 KB of A or B^T: a fork/join costs more than a smaller read.
+        at::parallel_for(0, R, std::max<int64_t>(1, 16384 / K), [&](int64_t k0, int64_t k1) {
+          lora_down<Mc>(xs, ap, h.data(), R, k0, k1, K);
+        });
+        int64_t k_at = 0, b_at = 0;
+        for (int64_t j = 0; j < J; ++j) {
+          const int64_t o0 = sh[3 * j], n = sh[3 * j + 1], r = sh[3 * j + 2];
+          float* yj[kMaxMInt8];
+          const float* hj[kMaxMInt8];
+          for (int64_t m = 0; m < M; ++m) {
+            yj[m] = ys[m] + o0;
+            hj[m] = hs[m] + k_at;
+          }
+          const int64_t chunks = (n + 15) / 16;
+          at::parallel_for(0, chunks, std::max<int64_t>(1, 1024 / std::max<int64_t>(r, 1)), [&](int64_t c0, int64_t c1) {
+            lora_up<Mc>(yj, hj, bp + b_at, r, n, c0, c1);
+          });
+          k_at += r;
+          b_at += n * r;
+        }
+      });
+    }
+  }
+#endif
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -714,6 +843,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("apply_token_bitmask", &apply_token_bitmask,
         "logits[rows[i], t] = -inf where bit t % 32 of bitmask[i, t // 32] is clear (in place)", py::arg("logits"),
         py::arg("rows"), py::arg("bitmask"), py::call_guard<py::gil_scoped_release>());
+  m.def("lora_apply", &lora_apply,
+        "y[t] += B_s (A_s x[t]) for rows t with adapter s = row_adapter[t] (-1: none); float32, in place",
+        py::arg("x"), py::arg("y"), py::arg("a"), py::arg("bt"), py::arg("shards"), py::arg("row_adapter"),
+        py::call_guard<py::gil_scoped_release>());
   m.attr("max_rows") = kMaxM;
   m.attr("int8_max_rows") = kMaxMInt8;
   m.attr("has_avx512") = py::bool_(SERVELM_HAVE_AVX512 != 0);

@@ -136,3 +136,43 @@ def test_kernel_sources_compile_without_avx512(source: str) -> None:
            *includes, str(root / source)]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 20, 32])
+def test_lora_apply_equals_the_torch_path(rows: int) -> None:
+    """The compiled LoRA update against ``LoRAModule.add_to`` (torch): rows of three adapters and of none,
+    a fused projection's shards (one not starting at the first output, widths not multiples of 16, K
+    neither), an adapter that does not touch this projection."""
+    from runtime.lora import LoRAModule
+
+    kernel = cpu_ops.lora_kernel()
+    if kernel is None:
+        pytest.skip("runtime.cpu_ops did not build here")
+    g = torch.Generator().manual_seed(rows)
+    K, N = 150, 91
+    layouts = [[(0, 40, 4), (40, 30, 8), (70, 21, 2)], [(5, 70, 16)], None]
+    mods: list[LoRAModule | None] = []
+    for layout in layouts:
+        if layout is None:
+            mods.append(None)
+            continue
+        rank = sum(r for _, _, r in layout)
+        bt = torch.cat([torch.randn(r * n, generator=g) for _, n, r in layout])
+        mods.append(LoRAModule(torch.randn(rank, K, generator=g), bt, layout))
+    x = torch.randn(rows, K, generator=g)
+    y = torch.randn(rows, N, generator=g)
+    which = torch.randint(-1, 3, (rows,), generator=g, dtype=torch.int32)
+    before = y.clone()
+    want = y.clone()
+    for t, s in enumerate(which.tolist()):
+        if s >= 0 and mods[s] is not None:
+            mods[s].add_to(x[t : t + 1], want[t : t + 1])  # type: ignore[union-attr]
+    empty = (torch.empty(0), torch.empty(0), torch.empty(0, 3, dtype=torch.int64))
+    args = [(m.a, m.bt, m.shards) if m is not None else empty for m in mods]
+    kernel(x, y, [a for a, _, _ in args], [b for _, b, _ in args], [s for _, _, s in args], which)
+    torch.testing.assert_close(y, want, atol=1e-4, rtol=1e-5)
+    touched = (which >= 0) & (which != 2)
+    assert torch.equal(y[~touched], before[~touched])  # rows without an update here are left alone
+    assert not touched.any() or (y[touched] - before[touched]).abs().max() > 0.1
+    with pytest.raises(RuntimeError, match="adapter 3 of 3"):
+        kernel(x, y, [a for a, _, _ in args], [b for _, b, _ in args], [s for _, _, s in args], torch.full((rows,), 3, dtype=torch.int32))

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lora_files import peft_model, save_lora_adapter
+from runtime import cpu_ops
 from runtime.batch import BatchItem
 from runtime.lora import LoRAError, load_lora_adapter
 from runtime.runner import ModelRunner
@@ -54,16 +55,16 @@ def test_loader_lays_shards_side_by_side(tiny_model_dir: Callable[[str], Path], 
     assert len(ad.modules) == 3 * 4  # per layer: qkv, o, gate_up, down
     raw = load_file(str(adapters["all"] / "adapter_model.safetensors"))
     qkv = ad.modules["model.layers.0.self_attn.qkv_proj"]
-    assert qkv.a.shape == (64, 24) and qkv.b.shape == (24, 64 + 32 + 32)
+    assert qkv.a.shape == (24, 64) and qkv.bt.numel() == 8 * (64 + 32 + 32)  # no zero blocks
+    assert qkv.shards.tolist() == [[0, 64, 8], [64, 32, 8], [96, 32, 8]]
     pre = "base_model.model.model.layers.0.self_attn."
     scale = 16 / 8
-    for j, (shard, cols) in enumerate([("q", slice(0, 64)), ("k", slice(64, 96)), ("v", slice(96, 128))]):
-        rows = slice(8 * j, 8 * (j + 1))
-        torch.testing.assert_close(qkv.a[:, rows], raw[f"{pre}{shard}_proj.lora_A.weight"].t())
-        torch.testing.assert_close(qkv.b[rows, cols], scale * raw[f"{pre}{shard}_proj.lora_B.weight"].t())
-        other = torch.ones(128, dtype=torch.bool)
-        other[cols] = False
-        assert not qkv.b[rows][:, other].any()  # a shard's rank touches only its own outputs
+    for j, (shard, (out, ranks, bt)) in enumerate(zip("qkv", qkv.blocks)):
+        assert ranks == slice(8 * j, 8 * (j + 1)) and out == [slice(0, 64), slice(64, 96), slice(96, 128)][j]
+        torch.testing.assert_close(qkv.a[ranks], raw[f"{pre}{shard}_proj.lora_A.weight"])
+        torch.testing.assert_close(bt, scale * raw[f"{pre}{shard}_proj.lora_B.weight"].t())
+    down = ad.modules["model.layers.2.mlp.down_proj"]
+    assert down.whole and down.shards.tolist() == [[0, 64, 8]]
     one = load_lora_adapter(adapters["layer1"], runner.model, max_rank=16)
     assert sorted({k.split(".")[2] for k in one.modules}) == ["1"]
 
@@ -94,13 +95,22 @@ def test_adapter_logits_equal_peft(
     assert (ref_logits(base, None, IDS) - ref).abs().max() > 0.5
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpp-kernel", "torch"])
 def test_mixed_step_each_row_gets_its_own_adapter(
-    tiny_model_dir: Callable[[str], Path], build_runner: Any, rt: SimpleNamespace, adapters: dict[str, Path]
+    tiny_model_dir: Callable[[str], Path], build_runner: Any, rt: SimpleNamespace, adapters: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch, kernel: bool,
 ) -> None:
     """Two adapters and the base model in the same steps (prefills and decodes mixed), each sequence
-    equal to its own reference; then the adapters are removed and the same rows are the base model's."""
+    equal to its own reference; then the adapters are removed and the same rows are the base model's.
+    Decode steps go through the compiled kernel, or (without the CPU ops) the torch path."""
     base = tiny_model_dir("llama")
+    if not kernel:
+        monkeypatch.setenv("SERVELM_DISABLE_CPU_OPS", "1")
     runner = build_runner(base, num_blocks=64)
+    runner.add_lora(99, load_lora_adapter(adapters["qv"], runner.model, max_rank=16))
+    assert (runner._lora.kernel is not None) == (kernel and cpu_ops.load() is not None)
+    if kernel and runner._lora.kernel is None:
+        pytest.skip("no compiled CPU ops here")
     runner.add_lora(1, load_lora_adapter(adapters["all"], runner.model, max_rank=16))
     runner.add_lora(2, load_lora_adapter(adapters["all2"], runner.model, max_rank=16))
     blocks = rt.ScatteredBlocks(64, 16, seed=5)
