@@ -77,7 +77,6 @@ class LoRAModule:
             self.blocks.append((slice(o0, o0 + n), slice(k, k + r), bt[off : off + r * n].view(r, n)))
             k += r
             off += r * n
-        self.whole = len(shards) == 1 and shards[0][0] == 0  # one shard from the first output: no slicing
         self._shard_list = list(shards)
 
     @property
@@ -90,9 +89,6 @@ class LoRAModule:
     def add_to(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """``y += update(x)`` with torch ops (any dtype and device, any number of rows)."""
         h = x.mm(self.a.t())
-        if self.whole:
-            y[:, : self.blocks[0][2].shape[1]].addmm_(h, self.blocks[0][2])
-            return
         for out, ranks, bt in self.blocks:
             y[:, out].addmm_(h[:, ranks], bt)
 
@@ -214,7 +210,9 @@ def load_lora_adapter(path: str | Path, model: CausalLM, max_rank: int) -> LoRAA
                 f"{folder}: {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; this model needs "
                 f"[r, {layer.in_features}] and [{rows.stop - rows.start}, r] (an adapter for another model?)"
             )
-        if rank < 1 or rank > max_rank:
+        if rank < 1:
+            raise LoRAError(f"{folder}: {module} has rank 0")
+        if rank > max_rank:
             raise LoRAError(f"{folder}: {module} has rank {rank}, more than --max-lora-rank {max_rank}")
         largest = max(largest, rank)
         alpha = float(_pattern_value(cfg.get("alpha_pattern") or {}, module, cfg["lora_alpha"]))

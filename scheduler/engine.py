@@ -13,7 +13,6 @@ step k finishes by length gets no pending token, so it is not scheduled again.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import logging
@@ -28,7 +27,7 @@ from metrics.observer import NullObserver, Observer, RequestStats, StepStats
 from runtime.batch import PENDING_TOKEN, BatchItem, RunnerOutput, TokenLogprobs
 from runtime.capacity import Capacity, StepCostModel, plan_capacity
 from runtime.config import ModelConfig
-from runtime.lora import LoRAAdapter, LoRAError, load_lora_adapter
+from runtime.lora import LoRAAdapter
 from runtime.model_files import resolve_model_path
 from runtime.runner import ModelRunner
 from runtime.tokenizer import load_tokenizer
@@ -37,7 +36,8 @@ from scheduler.config import EngineConfig
 from scheduler.detokenizer import IncrementalDetokenizer, TextDecoder
 from scheduler.outputs import CompletionOutput, GeneratedChoice, GenerationResult, RequestOutput
 from scheduler.request import Request, RequestStatus
-from scheduler.sampling_params import InvalidParameterError, LoRANotFoundError, SamplingParams, check_request
+from scheduler.lora_registry import LoRARegistry
+from scheduler.sampling_params import InvalidParameterError, SamplingParams, check_request
 from scheduler.scheduler import Scheduler, SchedulerOutput
 from scheduler.speculative import NgramProposer, SpeculativeConfig
 from scheduler.startup import (
@@ -55,7 +55,6 @@ from scheduler.stop import StopChecker, check_model_len, check_token_stop
 from scheduler.structured_output import GrammarCompiler
 
 log = logging.getLogger(__name__)
-
 
 class RunnerLike(Protocol):
     """What the engine needs of ``runtime.runner.ModelRunner`` (tests pass fakes).
@@ -262,14 +261,9 @@ class Engine:
         self.drafts_verified = 0  # speculative decoding, cumulative: drafts computed ...
         self.num_accepted_drafts = 0  # ... and kept
 
-        # LoRA adapters: name -> (id, path); an id is never reused, so cached blocks and requests of
-        # an adapter removed and loaded again under the same name never mix with the new one's.
-        self._loras: dict[str, tuple[int, str]] = {}
-        self._lora_ids = itertools.count(1)
-        self._lora_users: collections.Counter[int] = collections.Counter()  # unfinished choices per id
-        self._lora_removed: set[int] = set()  # unloaded by name, still computing some requests
+        self.loras = LoRARegistry(runner, enabled=self.enable_lora, max_rank=config.max_lora_rank, base_name=self.served_model_name)
         for name, path in config.lora_modules:
-            self.add_lora(name, path)
+            self.loras.add(name, path)
 
     # -- state ---------------------------------------------------------------------------------------
     @property
@@ -287,62 +281,29 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending_groups) or self._in_flight is not None
 
-    # -- LoRA adapters -------------------------------------------------------------------------------
+    # -- LoRA adapters (scheduler.lora_registry) --------------------------------------------------------
     @property
     def lora_adapters(self) -> dict[str, str]:
         """Served adapters: name -> path."""
-        return {name: path for name, (_, path) in self._loras.items()}
+        return self.loras.adapters
 
     def read_lora_adapter(self, path: str) -> LoRAAdapter:
-        """Read and check an adapter folder against the model (``runtime.lora.load_lora_adapter``);
-        reads the model's structure only, so it may run outside the engine thread. Raises ``LoRAError``."""
-        if not self.enable_lora:
-            raise LoRAError("LoRA adapters are not enabled on this server (--enable-lora)")
-        return load_lora_adapter(path, self.runner.model, self.config.max_lora_rank)  # type: ignore[attr-defined]
+        """Read and check an adapter folder (``LoRAError`` if it cannot be served); may run outside the
+        engine thread."""
+        return self.loras.read(path)
 
     def add_lora(self, name: str, adapter: str | LoRAAdapter) -> int:
-        """Serve an adapter (a folder, or one read by ``read_lora_adapter``) to requests naming it;
-        returns its id. Raises ``LoRAError`` for a bad adapter or a name in use."""
-        if not self.enable_lora:
-            raise LoRAError("LoRA adapters are not enabled on this server (--enable-lora)")
-        if not name or name == self.served_model_name or name in self._loras:
-            raise LoRAError(f"the name {name!r} is already served" if name else "a LoRA adapter needs a name")
-        if isinstance(adapter, str):
-            adapter = self.read_lora_adapter(adapter)
-        adapter_id = next(self._lora_ids)
-        self.runner.add_lora(adapter_id, adapter)  # type: ignore[attr-defined]
-        self._loras[name] = (adapter_id, adapter.path)
-        log.info("LoRA adapter %r (id %d, rank %d, %d projections, %.1f MB) from %s", name, adapter_id, adapter.rank, len(adapter.modules), adapter.nbytes / 1e6, adapter.path)
-        return adapter_id
+        """Serve an adapter (a folder, or one ``read_lora_adapter`` returned) to requests naming it."""
+        return self.loras.add(name, adapter)
 
     def remove_lora(self, name: str) -> None:
-        """Stop serving an adapter by name (``LoRANotFoundError`` if it is not served). Requests
-        already queued with it finish with it; its weights go when the last of them does."""
-        entry = self._loras.pop(name, None)
-        if entry is None:
-            raise LoRANotFoundError(name)
-        adapter_id = entry[0]
-        if self._lora_users[adapter_id]:
-            self._lora_removed.add(adapter_id)
-        else:
-            self.runner.remove_lora(adapter_id)  # type: ignore[attr-defined]
-        log.info("LoRA adapter %r (id %d) removed", name, adapter_id)
-
-    def _release_lora(self, adapter_id: int) -> None:
-        users = self._lora_users
-        users[adapter_id] -= 1
-        if users[adapter_id] <= 0:
-            del users[adapter_id]
-            if adapter_id in self._lora_removed:
-                self._lora_removed.discard(adapter_id)
-                self.runner.remove_lora(adapter_id)  # type: ignore[attr-defined]
+        """Stop serving an adapter; requests already queued with it finish with it."""
+        self.loras.remove(name)
 
     def lora_request_names(self) -> tuple[list[str], list[str]]:
         """Names of the adapters of running and of waiting requests (metrics)."""
-        names = {i: n for n, (i, _) in self._loras.items()}
-        running = {r.lora_id for r in self.scheduler.running if r.lora_id}
-        waiting = {r.lora_id for q in (self.scheduler.waiting, self.scheduler._batch) for r in q if r.lora_id}
-        return sorted(names.get(i, f"#{i}") for i in running), sorted(names.get(i, f"#{i}") for i in waiting)
+        running, waiting = self.scheduler.lora_ids()
+        return self.loras.names(running), self.loras.names(waiting)
 
     # -- requests ------------------------------------------------------------------------------------
     def add_request(
@@ -358,12 +319,7 @@ class Engine:
         adapter that is not served)."""
         if request_id in self._groups:
             raise InvalidParameterError("request_id", f"request id {request_id!r} is already in use")
-        lora_id = 0
-        if lora_name is not None:
-            entry = self._loras.get(lora_name)
-            if entry is None:
-                raise LoRANotFoundError(lora_name)
-            lora_id = entry[0]
+        lora_id = self.loras.id_of(lora_name) if lora_name is not None else 0
         max_tokens = check_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
         so = params.structured_output
         if so is not None and so.compiled is None:
@@ -389,8 +345,8 @@ class Engine:
             req.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
             choices.append(req)
         self._groups[request_id] = _Group(request_id, list(prompt_token_ids), choices)
-        if lora_id:
-            self._lora_users[lora_id] += len(choices)
+        if lora_name is not None:
+            self.loras.acquire(lora_name, len(choices))
         for req in choices:
             self.scheduler.add(req)
 
@@ -598,7 +554,7 @@ class Engine:
 
     def _on_finished(self, req: Request) -> None:
         if req.lora_id:
-            self._release_lora(req.lora_id)
+            self.loras.release(req.lora_id)
         self.observer.on_request_finished(
             RequestStats(
                 finish_reason=req.finish_reason or "error",

@@ -91,6 +91,12 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting) + len(self._batch)
 
+    def lora_ids(self) -> tuple[set[int], set[int]]:
+        """The LoRA adapters of running and of waiting requests (0, the base model, left out)."""
+        running = {r.lora_id for r in self.running if r.lora_id}
+        waiting = {r.lora_id for q in (self.waiting, self._batch) for r in q if r.lora_id}
+        return running, waiting
+
     def has_unfinished(self) -> bool:
         return bool(self.running or self.waiting or self._batch)
 

@@ -64,7 +64,7 @@ def test_loader_lays_shards_side_by_side(tiny_model_dir: Callable[[str], Path], 
         torch.testing.assert_close(qkv.a[ranks], raw[f"{pre}{shard}_proj.lora_A.weight"])
         torch.testing.assert_close(bt, scale * raw[f"{pre}{shard}_proj.lora_B.weight"].t())
     down = ad.modules["model.layers.2.mlp.down_proj"]
-    assert down.whole and down.shards.tolist() == [[0, 64, 8]]
+    assert down.shards.tolist() == [[0, 64, 8]] and down.blocks[0][2].shape == (8, 64)
     one = load_lora_adapter(adapters["layer1"], runner.model, max_rank=16)
     assert sorted({k.split(".")[2] for k in one.modules}) == ["1"]
 

@@ -113,7 +113,7 @@ def test_max_loras_bounds_the_adapters_of_a_step(
     for i, (name, res) in enumerate(zip(order, results)):
         assert_matches_reference(res.outputs[0].token_ids, refs[name][i % 3], f"request {i} adapter {name}")
     assert all(len(ids - {0}) <= 1 for ids in seen)
-    ids = {name: engine._loras[name][0] for name in ("a", "b")}
+    ids = {name: engine.loras.id_of(name) for name in ("a", "b")}
     first_b = next(k for k, s in enumerate(seen) if ids["b"] in s)
     # The base-model request queued after the first "b" started in the very first step, beside "a".
     assert seen[0] == {ids["a"], 0} and first_b > 0
@@ -162,7 +162,7 @@ def test_aborted_and_failed_requests_release_their_adapter(tiny_llama_dir: Path,
     engine.abort("r1")
     engine.step()
     assert not engine.has_unfinished_requests()
-    assert engine.runner.lora_ids == set() and not engine._lora_users
+    assert engine.runner.lora_ids == set() and not engine.loras.in_use
     assert engine.block_manager.num_used_blocks == 0
 
 

@@ -161,7 +161,7 @@ def test_load_and_unload_at_run_time(lora: Lora) -> None:
     r = lora.post("/v1/unload_lora_adapter", {"lora_name": "spare"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "lora_adapter_not_found"
     _idle(lora)
-    assert lora.engine.runner.lora_ids == {lora.engine._loras[n][0] for n in ("sql", "poet")}
+    assert lora.engine.runner.lora_ids == {lora.engine.loras.id_of(n) for n in ("sql", "poet")}
 
 
 def test_unload_while_streaming_lets_the_stream_finish(lora: Lora) -> None:
