@@ -313,10 +313,12 @@ class Engine:
         params: SamplingParams,
         arrival_time: float | None = None,
         lora_name: str | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         """Queue a request (its ``params.n`` choices), computed with the LoRA adapter ``lora_name`` if
-        given; raises ``InvalidParameterError`` when it cannot be served (``LoRANotFoundError`` for an
-        adapter that is not served)."""
+        given, sharing prefix-cache blocks only with requests of the same ``cache_salt`` if given;
+        raises ``InvalidParameterError`` when it cannot be served (``LoRANotFoundError`` for an adapter
+        that is not served)."""
         if request_id in self._groups:
             raise InvalidParameterError("request_id", f"request id {request_id!r} is already in use")
         lora_id = self.loras.id_of(lora_name) if lora_name is not None else 0
@@ -339,6 +341,7 @@ class Engine:
                 device=self.device,
                 parent=choices[0] if choices else None,
                 lora_id=lora_id,
+                cache_salt=cache_salt,
             )
             skip = params.skip_special_tokens
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, skip, decoder=self._text_decoders[skip])

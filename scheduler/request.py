@@ -77,6 +77,7 @@ class Request:
         device: str | torch.device = "cpu",
         parent: Request | None = None,
         lora_id: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
@@ -88,9 +89,11 @@ class Request:
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         # The LoRA adapter computing this sequence (0: the base model). Its K/V differ from the base
-        # model's for the same tokens, so its blocks' hash chain starts from its own seed.
+        # model's for the same tokens, so its blocks' hash chain starts from its own seed; so do those
+        # of a request with a cache salt, which shares blocks only with requests of the same salt.
         self.lora_id = lora_id
-        self.hash_seed: int | None = hash(("lora", lora_id)) if lora_id else None
+        salted = lora_id or cache_salt is not None
+        self.hash_seed: int | None = hash(("seed", lora_id, cache_salt)) if salted else None
         # Hash chain of this sequence's full blocks (a function of token ids and ``hash_seed`` only, so
         # it survives preemption); extended lazily by the block manager.
         self.block_hashes: list[int] = []

@@ -71,6 +71,7 @@ class EngineLike(Protocol):
         params: SamplingParams,
         arrival_time: float | None = None,
         lora_name: str | None = None,
+        cache_salt: str | None = None,
     ) -> None: ...
 
     def abort(self, request_id: str) -> None: ...
@@ -111,7 +112,7 @@ class _Add:
     requests: list[tuple[str, list[int], SamplingParams]]
     arrival_time: float
     future: asyncio.Future[None]
-    lora_name: str | None = None
+    options: dict[str, Any]  # Engine.add_request's keywords (lora_name, cache_salt) given for the group
 
 
 @dataclass
@@ -275,10 +276,13 @@ class AsyncEngine:
         self,
         requests: Sequence[tuple[str, list[int], SamplingParams]],
         arrival_time: float | None = None,
+        *,
         lora_name: str | None = None,
+        cache_salt: str | None = None,
     ) -> RequestGroup:
-        """Hand requests to the engine as one group (computed with the LoRA adapter ``lora_name`` if
-        given); returns once the engine accepted them all.
+        """Hand requests to the engine as one group (computed with the LoRA adapter ``lora_name``, their
+        prefix-cache blocks salted with ``cache_salt``, when given); returns once the engine accepted
+        them all.
 
         Raises what ``Engine.add_request`` raises (``InvalidParameterError`` for a bad request; the
         earlier requests of the group are then aborted), ``QueueFullError``, ``EngineStoppedError``
@@ -288,7 +292,8 @@ class AsyncEngine:
         assert self._loop is not None
         group = RequestGroup(self)
         fut: asyncio.Future[None] = self._loop.create_future()
-        cmd = _Add(group, list(requests), arrival_time if arrival_time is not None else time.monotonic(), fut, lora_name)
+        options = {k: v for k, v in (("lora_name", lora_name), ("cache_salt", cache_salt)) if v is not None}
+        cmd = _Add(group, list(requests), arrival_time if arrival_time is not None else time.monotonic(), fut, options)
         num_seqs = sum(p.n for _, _, p in cmd.requests)
         with self._lock:
             # Counted in sequences, like the engine's waiting queue (n choices are n sequences).
@@ -400,10 +405,9 @@ class AsyncEngine:
                 continue
             added: list[str] = []
             error: BaseException | None = None
-            lora = {"lora_name": cmd.lora_name} if cmd.lora_name is not None else {}
             for rid, ids, params in cmd.requests:
                 try:
-                    engine.add_request(rid, ids, params, arrival_time=cmd.arrival_time, **lora)
+                    engine.add_request(rid, ids, params, arrival_time=cmd.arrival_time, **cmd.options)
                 except Exception as exc:  # the request is bad, not the engine
                     error = exc
                     break

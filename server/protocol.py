@@ -72,6 +72,8 @@ class SamplingExtensions(BaseModel):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and this many alternatives
+    # vLLM's: prefix-cache blocks are shared only between requests with the same salt (multi-tenant)
+    cache_salt: str | None = None
 
 
 # Request fields whose range is SamplingParams' under another name.

@@ -103,7 +103,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
 
     request_id = random_id("cmpl")
     sub_ids = [f"{request_id}-{i}" for i in range(len(prompt_ids))]
-    group = await add_requests(ctx, [(sid, ids, params) for sid, ids in zip(sub_ids, prompt_ids)], arrival, lora_name=lora)
+    requests = [(sid, ids, params) for sid, ids in zip(sub_ids, prompt_ids)]
+    group = await add_requests(ctx, requests, arrival, lora_name=lora, cache_salt=req.cache_salt)
     job = _Completion(ctx, req, params, request_id, created, sub_ids, prompt_ids, echo_texts, group, prompt_only, lora)
     if req.stream:
         return event_stream(job.stream, group)

@@ -210,3 +210,19 @@ def test_default_model_int4_with_an_adapter_equals_peft(default_model_dir: Path,
     assert ref_lora.tokens != ref_base.tokens
     assert_matches_reference(ours[0].outputs[0].token_ids, ref_lora, "adapter")
     assert_matches_reference(ours[1].outputs[0].token_ids, ref_base, "base")
+
+
+def test_cache_salt_separates_prefix_caches(tiny_llama_dir: Path, adapters: dict[str, Path], refs: dict[str | None, list[GreedyReference]]) -> None:
+    """vLLM's cache_salt: a request shares cached blocks only with requests of the same salt (and the
+    same adapter); the tokens do not change."""
+    engine = lora_engine(tiny_llama_dir, adapters)
+    cached = []
+    for salt, name in ((None, None), ("tenant-1", None), ("tenant-1", None), ("tenant-2", None), (None, None), ("tenant-1", "a"), ("tenant-1", "a")):
+        rid = f"r{len(cached)}"
+        engine.add_request(rid, PROMPTS[0], GREEDY, lora_name=name, cache_salt=salt)
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += [o for o in engine.step() if o.request_id == rid]
+        cached.append(outs[-1].num_cached_tokens)
+        assert_matches_reference([t for o in outs for c in o.outputs for t in c.new_token_ids], refs[name][0], f"{salt} {name}")
+    assert cached == [0, 0, 16, 0, 16, 0, 16]

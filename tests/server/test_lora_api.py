@@ -126,6 +126,29 @@ def test_chat_and_streams_name_the_adapter(lora: Lora) -> None:
     assert tok.status_code == 200 and tok.json()["tokens"] == lora.engine.tokenizer.encode(PROMPT)
 
 
+def test_cache_salt_over_http(lora: Lora) -> None:
+    """usage.prompt_tokens_details.cached_tokens: a repeated prompt hits the cache under the same salt only."""
+    c = lora.client()
+    prompt = "A prompt long enough to fill a few blocks of sixteen tokens each, so that it can be cached."
+
+    def cached(**extra: Any) -> int:
+        r = c.completions.create(model=lora.base, prompt=prompt, max_tokens=1, extra_body=extra)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(cache_salt="alice") == 0
+    assert cached(cache_salt="alice") > 0
+    assert cached(cache_salt="bob") == 0
+    msgs = [{"role": "user", "content": prompt}]
+    r1 = c.chat.completions.create(model="sql", messages=msgs, max_tokens=1, extra_body={"cache_salt": "carol"})
+    r2 = c.chat.completions.create(model="sql", messages=msgs, max_tokens=1, extra_body={"cache_salt": "carol"})
+    assert r1.usage.prompt_tokens_details.cached_tokens == 0 < r2.usage.prompt_tokens_details.cached_tokens
+    hits = [c.responses.create(model=lora.base, input=prompt, max_output_tokens=1, extra_body={"cache_salt": "dave"}).usage.input_tokens_details.cached_tokens for _ in range(2)]
+    assert hits[0] == 0 < hits[1]
+    r = lora.post("/v1/completions", {"model": lora.base, "prompt": prompt, "cache_salt": ""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+    _idle(lora)
+
+
 def test_unknown_model_is_404_in_openai_shape(lora: Lora) -> None:
     r = lora.post("/v1/completions", {"model": "nope", "prompt": PROMPT, "max_tokens": 2})
     assert r.status_code == 404
