@@ -21,7 +21,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # None => 512 on CPU, 8192 on CUDA
     enable_prefix_caching: bool = True
-    scheduling_policy: str = "fcfs"  # "fcfs" (continuous batching) | "static"
+    scheduling_policy: str = "fcfs"  # "fcfs" (continuous batching) | "priority" (the same, by request priority) | "static"
     max_waiting_requests: int = 1024
     enforce_eager: bool = False  # CUDA: no CUDA graphs
     async_scheduling: bool | None = None  # schedule step k+1 before step k's tokens reach the host; None => on CUDA only

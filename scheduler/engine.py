@@ -314,13 +314,19 @@ class Engine:
         arrival_time: float | None = None,
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
         """Queue a request (its ``params.n`` choices), computed with the LoRA adapter ``lora_name`` if
-        given, sharing prefix-cache blocks only with requests of the same ``cache_salt`` if given;
-        raises ``InvalidParameterError`` when it cannot be served (``LoRANotFoundError`` for an adapter
-        that is not served)."""
+        given, sharing prefix-cache blocks only with requests of the same ``cache_salt`` if given, at
+        ``priority`` (lower first; the ``priority`` scheduling policy only); raises
+        ``InvalidParameterError`` when it cannot be served (``LoRANotFoundError`` for an adapter that
+        is not served)."""
         if request_id in self._groups:
             raise InvalidParameterError("request_id", f"request id {request_id!r} is already in use")
+        if priority and self.scheduler.policy != "priority":
+            raise InvalidParameterError(
+                "priority", f"'priority' is only taken with --scheduling-policy priority (this server: {self.scheduler.policy})"
+            )
         lora_id = self.loras.id_of(lora_name) if lora_name is not None else 0
         max_tokens = check_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
         so = params.structured_output
@@ -342,6 +348,7 @@ class Engine:
                 parent=choices[0] if choices else None,
                 lora_id=lora_id,
                 cache_salt=cache_salt,
+                priority=priority,
             )
             skip = params.skip_special_tokens
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, skip, decoder=self._text_decoders[skip])

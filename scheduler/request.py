@@ -78,6 +78,7 @@ class Request:
         parent: Request | None = None,
         lora_id: int = 0,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
@@ -92,6 +93,7 @@ class Request:
         # model's for the same tokens, so its blocks' hash chain starts from its own seed; so do those
         # of a request with a cache salt, which shares blocks only with requests of the same salt.
         self.lora_id = lora_id
+        self.priority = priority  # the ``priority`` scheduling policy's: lower first
         salted = lora_id or cache_salt is not None
         self.hash_seed: int | None = hash(("seed", lora_id, cache_salt)) if salted else None
         # Hash chain of this sequence's full blocks (a function of token ids and ``hash_seed`` only, so

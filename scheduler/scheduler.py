@@ -43,13 +43,34 @@ class SchedulerOutput:
         return not self.items
 
 
+POLICIES = ("fcfs", "priority", "static")
+
+
+def priority_key(req: Request) -> tuple[int, float, int]:
+    """The ``priority`` policy's order: lower value first, then earlier arrival."""
+    return (req.priority, req.arrival_time, req.seq_id)
+
+
+def _insert_by_priority(queue: deque[Request] | list[Request], req: Request) -> None:
+    # From the back: a request of the default priority, newest of all, is appended at once.
+    key = priority_key(req)
+    i = len(queue)
+    while i > 0 and priority_key(queue[i - 1]) > key:
+        i -= 1
+    queue.insert(i, req)
+
+
 class Scheduler:
-    """Continuous batching (``fcfs``) or run-to-completion batches (``static``) over a ``BlockManager``.
+    """Continuous batching (``fcfs``, ``priority``) or run-to-completion batches (``static``) over a
+    ``BlockManager``.
 
     Each step: RUNNING requests first (a decode is 1 token, an unfinished prefill continues with a
     chunk), then WAITING requests in arrival order, chunking prompts to the remaining token budget.
     When a running request cannot get a block, the most recently admitted running request is
     preempted by recompute (its blocks are freed and it goes back to the front of the queue).
+    ``priority``: the same with both queues in ``priority_key`` order: waiting requests are admitted
+    by priority (a preempted one goes back to its place), running ones are served by priority and the
+    last, preempted first, is the one of the lowest priority (then the latest arrival).
 
     ``max_loras``: most distinct LoRA adapters among running requests (None: no limit). A waiting
     request of another adapter keeps its place in the queue until one finishes; requests behind it
@@ -66,8 +87,8 @@ class Scheduler:
         proposer: NgramProposer | None = None,
         max_loras: int | None = None,
     ) -> None:
-        if policy not in ("fcfs", "static"):
-            raise ValueError(f"unknown scheduling policy {policy!r} (fcfs or static)")
+        if policy not in POLICIES:
+            raise ValueError(f"unknown scheduling policy {policy!r} ({', '.join(POLICIES)})")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         self.bm = block_manager
@@ -102,7 +123,13 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
-        self.waiting.append(req)
+        self._enqueue(req)
+
+    def _enqueue(self, req: Request) -> None:
+        if self.policy == "priority":
+            _insert_by_priority(self.waiting, req)
+        else:
+            self.waiting.append(req)
 
     def finish(self, req: Request, status: RequestStatus, now: float | None = None) -> None:
         """Take ``req`` out of every queue, free its blocks, and mark it finished (idempotent)."""
@@ -153,7 +180,7 @@ class Scheduler:
             while not self.bm.allocate_slots(req, num_new):
                 victim = self.running[-1]
                 if victim is req and i == 0:
-                    # Alone (everyone before it was preempted or there is no one): it can never fit.
+                    # Alone (everyone else was preempted or there is no one): it can never fit.
                     self._fail_too_large(req, out)
                     break
                 self._preempt(victim, out)
@@ -226,7 +253,10 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
                 req.num_cached_tokens = num_cached
-            self.running.append(req)
+            if self.policy == "priority":
+                _insert_by_priority(self.running, req)
+            else:
+                self.running.append(req)
             self._schedule(req, num_new, out)
             budget -= num_new
         for r in reversed(held):
@@ -261,7 +291,10 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions_total += 1
         # Victims go latest-admitted first, so pushing each to the front keeps admission order.
-        (self._batch if self.policy == "static" else self.waiting).appendleft(req)
+        if self.policy == "priority":
+            self._enqueue(req)
+        else:
+            (self._batch if self.policy == "static" else self.waiting).appendleft(req)
         out.preempted.append(req)
 
     def _never_fits(self, req: Request) -> bool:

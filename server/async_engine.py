@@ -72,6 +72,7 @@ class EngineLike(Protocol):
         arrival_time: float | None = None,
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None: ...
 
     def abort(self, request_id: str) -> None: ...
@@ -112,7 +113,7 @@ class _Add:
     requests: list[tuple[str, list[int], SamplingParams]]
     arrival_time: float
     future: asyncio.Future[None]
-    options: dict[str, Any]  # Engine.add_request's keywords (lora_name, cache_salt) given for the group
+    options: dict[str, Any]  # Engine.add_request's keywords (lora_name, cache_salt, priority) given for the group
 
 
 @dataclass
@@ -279,10 +280,11 @@ class AsyncEngine:
         *,
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        priority: int | None = None,
     ) -> RequestGroup:
         """Hand requests to the engine as one group (computed with the LoRA adapter ``lora_name``, their
-        prefix-cache blocks salted with ``cache_salt``, when given); returns once the engine accepted
-        them all.
+        prefix-cache blocks salted with ``cache_salt``, at ``priority``, when given); returns once the
+        engine accepted them all.
 
         Raises what ``Engine.add_request`` raises (``InvalidParameterError`` for a bad request; the
         earlier requests of the group are then aborted), ``QueueFullError``, ``EngineStoppedError``
@@ -292,7 +294,8 @@ class AsyncEngine:
         assert self._loop is not None
         group = RequestGroup(self)
         fut: asyncio.Future[None] = self._loop.create_future()
-        options = {k: v for k, v in (("lora_name", lora_name), ("cache_salt", cache_salt)) if v is not None}
+        given = (("lora_name", lora_name), ("cache_salt", cache_salt), ("priority", priority))
+        options = {k: v for k, v in given if v is not None}
         cmd = _Add(group, list(requests), arrival_time if arrival_time is not None else time.monotonic(), fut, options)
         num_seqs = sum(p.n for _, _, p in cmd.requests)
         with self._lock:

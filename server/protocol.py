@@ -74,6 +74,7 @@ class SamplingExtensions(BaseModel):
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and this many alternatives
     # vLLM's: prefix-cache blocks are shared only between requests with the same salt (multi-tenant)
     cache_salt: str | None = None
+    priority: int | None = None  # vLLM's: lower is served first (--scheduling-policy priority)
 
 
 # Request fields whose range is SamplingParams' under another name.

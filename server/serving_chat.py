@@ -86,7 +86,7 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, arrival: f
     prompt_ids = await ctx.async_engine.run_blocking(lambda: render_chat_prompt(ctx.tokenizer, messages, **render_kwargs(tools)))
     group = await add_requests(
         ctx, [(request_id, prompt_ids, params)], arrival, param_map={"max_tokens": max_param, "prompt": "messages"},
-        lora_name=lora, cache_salt=req.cache_salt,
+        lora_name=lora, cache_salt=req.cache_salt, priority=req.priority,
     )
     return ChatStart(params, prompt_ids, tools, group, lora or ctx.served_model_name)
 

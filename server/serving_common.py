@@ -247,11 +247,12 @@ async def add_requests(
     param_map: dict[str, str] | None = None,
     lora_name: str | None = None,
     cache_salt: str | None = None,
+    priority: int | None = None,
 ) -> RequestGroup:
     if cache_salt is not None and not cache_salt:
         raise bad_request("'cache_salt' must be a non-empty string if given.", param="cache_salt")
     try:
-        return await ctx.async_engine.add(requests, arrival_time, lora_name=lora_name, cache_salt=cache_salt)
+        return await ctx.async_engine.add(requests, arrival_time, lora_name=lora_name, cache_salt=cache_salt, priority=priority)
     except Exception as exc:  # noqa: BLE001 - mapped to the right HTTP error
         raise engine_error(exc, param_map) from None
 

@@ -104,7 +104,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     request_id = random_id("cmpl")
     sub_ids = [f"{request_id}-{i}" for i in range(len(prompt_ids))]
     requests = [(sid, ids, params) for sid, ids in zip(sub_ids, prompt_ids)]
-    group = await add_requests(ctx, requests, arrival, lora_name=lora, cache_salt=req.cache_salt)
+    group = await add_requests(ctx, requests, arrival, lora_name=lora, cache_salt=req.cache_salt, priority=req.priority)
     job = _Completion(ctx, req, params, request_id, created, sub_ids, prompt_ids, echo_texts, group, prompt_only, lora)
     if req.stream:
         return event_stream(job.stream, group)

@@ -48,7 +48,7 @@ _TEXT_PARTS = ("input_text", "output_text")
 # The SamplingExtensions fields a Responses request passes on unchanged.
 _EXTENSIONS = (
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-    "include_stop_str_in_output", "seed", "stop", "presence_penalty", "frequency_penalty", "logit_bias", "cache_salt",
+    "include_stop_str_in_output", "seed", "stop", "presence_penalty", "frequency_penalty", "logit_bias", "cache_salt", "priority",
 )
 
 

@@ -13,7 +13,7 @@ from lora_files import save_lora_adapter
 from runtime.lora import LoRAError
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
-from scheduler.sampling_params import LoRANotFoundError, SamplingParams
+from scheduler.sampling_params import InvalidParameterError, LoRANotFoundError, SamplingParams
 from sched_reference import GreedyReference, assert_matches_reference, hf_greedy_references
 
 MiB = 2**20
@@ -226,3 +226,24 @@ def test_cache_salt_separates_prefix_caches(tiny_llama_dir: Path, adapters: dict
         cached.append(outs[-1].num_cached_tokens)
         assert_matches_reference([t for o in outs for c in o.outputs for t in c.new_token_ids], refs[name][0], f"{salt} {name}")
     assert cached == [0, 0, 16, 0, 16, 0, 16]
+
+
+def test_priority_policy_keeps_tokens_exact(tiny_llama_dir: Path, adapters: dict[str, Path], refs: dict[str | None, list[GreedyReference]]) -> None:
+    """--scheduling-policy priority with adapters, under preemption: tokens are PEFT's, higher
+    priorities start first; a priority under fcfs is refused by name."""
+    engine = lora_engine(tiny_llama_dir, adapters, scheduling_policy="priority", **CASES["preempted"])
+    jobs = [(p, name, prio) for prio, name in ((3, None), (0, "a"), (1, "b")) for p in range(len(PROMPTS))]
+    tokens: dict[str, list[int]] = {}
+    for k, (p, name, prio) in enumerate(jobs):
+        engine.add_request(f"j{k}", PROMPTS[p], GREEDY, lora_name=name, priority=prio)
+        tokens[f"j{k}"] = []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            tokens[o.request_id] += [t for c in o.outputs for t in c.new_token_ids]
+    for k, (p, name, _) in enumerate(jobs):
+        assert_matches_reference(tokens[f"j{k}"], refs[name][p], f"job {k}")
+    assert engine.scheduler.num_preemptions_total > 0
+    plain = lora_engine(tiny_llama_dir, adapters)
+    with pytest.raises(InvalidParameterError, match="scheduling-policy priority") as e:
+        plain.add_request("x", PROMPTS[0], GREEDY, priority=1)
+    assert e.value.param == "priority"

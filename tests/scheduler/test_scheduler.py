@@ -38,7 +38,9 @@ class Harness:
         self.outputs: list[SchedulerOutput] = []
         self.finished: list[Request] = []
 
-    def add(self, prompt: list[int], max_tokens: int, request_id: str | None = None, n: int = 1) -> list[Request]:
+    def add(
+        self, prompt: list[int], max_tokens: int, request_id: str | None = None, n: int = 1, priority: int = 0
+    ) -> list[Request]:
         rid = request_id or f"r{len(self.outputs)}-{next(self.ids)}"
         reqs: list[Request] = []
         for i in range(n):
@@ -49,6 +51,7 @@ class Harness:
                 SamplingParams(max_tokens=max_tokens, n=n),
                 index=i,
                 parent=reqs[0] if reqs else None,
+                priority=priority,
             )
             reqs.append(r)
             self.sched.add(r)
@@ -300,7 +303,7 @@ def test_finish_frees_blocks_from_any_queue() -> None:
     assert a.finish_reason == b.finish_reason == "abort"
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "static"])
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "static"])
 def test_random_workload_under_memory_pressure_completes_exactly(policy: str) -> None:
     import random
 
@@ -310,7 +313,8 @@ def test_random_workload_under_memory_pressure_completes_exactly(policy: str) ->
     for i in range(25):
         prompt = [rng.randrange(5) for _ in range(rng.randint(1, 30))]
         mt = rng.randint(1, 40)
-        specs.append((h.add(prompt, max_tokens=mt, n=rng.choice([1, 1, 2]))[0:], prompt, mt))
+        prio = rng.randint(-2, 2) if policy == "priority" else 0
+        specs.append((h.add(prompt, max_tokens=mt, n=rng.choice([1, 1, 2]), priority=prio)[0:], prompt, mt))
     h.run()
     for reqs, prompt, mt in specs:
         for r in reqs:
@@ -348,3 +352,37 @@ def test_a_row_with_a_pending_input_token_waits_instead_of_preempting() -> None:
     out = h.sched.schedule()
     assert [it.seq for it in out.items] == [a] and out.preempted == [c]
     assert b.token_ids[-1] == PENDING_TOKEN and b.status == RequestStatus.RUNNING
+
+
+def test_priority_policy_admits_by_priority_then_arrival() -> None:
+    h = Harness(max_num_seqs=1, policy="priority")
+    order = [("low", 5), ("high", -1), ("mid-a", 0), ("mid-b", 0), ("top", -7)]
+    reqs = {name: h.add([1, 2, 3], max_tokens=2, request_id=name, priority=p)[0] for name, p in order}
+    assert [r.request_id for r in h.sched.waiting] == ["top", "high", "mid-a", "mid-b", "low"]
+    h.run()
+    admitted = sorted(reqs.values(), key=lambda r: r.first_scheduled_time)  # type: ignore[arg-type, return-value]
+    assert [r.request_id for r in admitted] == ["top", "high", "mid-a", "mid-b", "low"]
+    with pytest.raises(ValueError, match="priority"):
+        Scheduler(h.bm, max_num_seqs=1, max_num_batched_tokens=8, policy="lottery")
+
+
+def test_priority_policy_preempts_the_lowest_priority_and_requeues_it_in_order() -> None:
+    # As in the FCFS preemption test (6 blocks of 4; three requests growing to 14 tokens), but the
+    # first request admitted has the lowest priority: it is the one preempted, not the latest.
+    h = Harness(num_blocks=6, block_size=4, max_num_batched_tokens=64, prefix_caching=False, policy="priority")
+    (low,) = h.add([1] * 6, max_tokens=8, priority=3)
+    h.step()
+    high = [h.add([i + 2] * 6, max_tokens=8, priority=p)[0] for i, p in enumerate([0, 1])]
+    h.step()
+    assert h.sched.running == [high[0], high[1], low]  # served by priority
+    later = h.add([9] * 2, max_tokens=1, priority=2)[0]
+    preempted: list[Request] = []
+    while not preempted:
+        preempted = h.step().preempted
+    assert preempted[0] is low
+    # Back in the queue by priority: behind the priority-2 request that arrived after it.
+    assert list(h.sched.waiting) == [later, low]
+    h.run()
+    for r, first in zip([low, *high], [1, 2, 3]):
+        assert r.output_token_ids == reference_output([first] * 6, 8)
+    assert h.bm.num_used_blocks == 0

@@ -149,6 +149,13 @@ def test_cache_salt_over_http(lora: Lora) -> None:
     _idle(lora)
 
 
+def test_priority_needs_the_priority_policy(lora: Lora) -> None:
+    r = lora.post("/v1/completions", {"model": lora.base, "prompt": PROMPT, "max_tokens": 1, "priority": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+    r = lora.post("/v1/completions", {"model": lora.base, "prompt": PROMPT, "max_tokens": 1, "priority": 0})
+    assert r.status_code == 200
+
+
 def test_unknown_model_is_404_in_openai_shape(lora: Lora) -> None:
     r = lora.post("/v1/completions", {"model": "nope", "prompt": PROMPT, "max_tokens": 2})
     assert r.status_code == 404
