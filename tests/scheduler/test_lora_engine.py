@@ -247,3 +247,15 @@ def test_priority_policy_keeps_tokens_exact(tiny_llama_dir: Path, adapters: dict
     with pytest.raises(InvalidParameterError, match="scheduling-policy priority") as e:
         plain.add_request("x", PROMPTS[0], GREEDY, priority=1)
     assert e.value.param == "priority"
+
+
+def test_speculative_drafts_are_verified_with_the_adapter(tiny_llama_dir: Path, adapters: dict[str, Path], refs: dict[str | None, list[GreedyReference]]) -> None:
+    """n-gram drafts of an adapter's request are computed as its decode rows, with its update: the
+    tokens stay PEFT's while drafts are kept and thrown away."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}'
+    engine = lora_engine(tiny_llama_dir, adapters, speculative_config=spec)
+    for p in range(len(PROMPTS)):
+        for name in ("a", "b"):
+            (res,) = engine.generate([PROMPTS[p]], GREEDY, lora_names=name)
+            assert_matches_reference(res.outputs[0].token_ids, refs[name][p], f"prompt {p} adapter {name}")
+    assert engine.drafts_verified > 10 and 0 < engine.num_accepted_drafts < engine.drafts_verified
