@@ -13,18 +13,15 @@ previous step sampled (``PENDING_TOKEN`` in ``token_ids``) reads it from that st
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
-from typing import Sequence
 
-import numpy as np
 import torch
 
 from runtime import cpu_linear, cpu_ops, lora, pdl
 from runtime.attention.base import AttentionBackend, AttentionMetadata
 from runtime.attention.selector import select_backend
-from runtime.batch import PENDING_TOKEN, BatchItem, PromptLogprobs, RunnerOutput, SequenceView, TokenLogprobs
+from runtime.batch import PENDING_TOKEN, BatchItem, RunnerOutput, SequenceView
 from runtime.capacity import kv_bytes_per_token
 from runtime.config import ModelConfig
 from runtime.cuda_graphs import CudaGraphRunner
@@ -37,122 +34,23 @@ from runtime.quantization import (
     projection_widths,
     quantize_model,
 )
-from runtime.sampler import LogprobTensors, Sampler, SampledRows, host_to_device, logprob_tensors
+from runtime.sampler import LogprobTensors, Sampler, host_to_device, logprob_tensors
+from runtime.step import (
+    LaunchedStep,
+    LoRAStep,
+    PromptScoring,
+    StepInputs,
+    StepOutput,
+    extend_slots,
+    is_decode,
+    to_device,
+)
 from runtime.weights import load_model
 
 log = logging.getLogger(__name__)
 
 # Prompt rows scored at once (prompt logprobs): their float32 logits take SCORE_ROWS x vocab x 4 bytes.
 SCORE_ROWS = 128
-
-
-@dataclass
-class StepInputs:
-    """The flat tensors of one step, in computed order (decodes first)."""
-
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    meta: AttentionMetadata  # as returned by the backend's build_metadata
-    order: list[int]  # order[i] = index in the caller's item list of the i-th computed sequence
-    sample_rows: torch.Tensor  # [R] int64: the hidden rows to sample (last token of each sampling item)
-    sample_items: list[int]  # caller's item index of each sampled row
-    # replay a captured CUDA graph: the tensors are views of its staged inputs, ``meta`` is unbuilt
-    graph: bool = False
-    score: PromptScoring | None = None  # prompt rows to score (items with ``score``)
-    lora: LoRAStep | None = None  # when rows use LoRA adapters: what the forward's LoRAContext holds
-
-
-@dataclass
-class LoRAStep:
-    """A step's adapter rows (``runtime.lora.LoRAContext.set``)."""
-
-    plan: list[tuple[int, torch.Tensor | None]]  # (adapter id, its rows; None: every row, or the kernel's row_adapter says)
-    ids: list[int]
-    row_adapter: torch.Tensor | None  # int32 [T]: index into ids, -1 none (the compiled kernel's form)
-
-
-@dataclass
-class PromptScoring:
-    """The rows of a step whose logits score prompt tokens: row ``rows[j]`` scores token ``targets[j]``."""
-
-    rows: list[int]
-    targets: list[int]
-    ks: list[int]  # alternatives asked, per row
-    items: list[tuple[int, int, int]]  # (caller's item index, first scored token's index, rows)
-
-
-@dataclass
-class LaunchedStep:
-    """A step whose forward has been issued (on a GPU it may still be running)."""
-
-    items: list[BatchItem]
-    inputs: StepInputs
-    # [T, hidden], or [T, vocab] when ``logits`` (a CUDA graph with the head inside); a graph's output
-    # is its static buffer: sample before the next launch
-    hidden: torch.Tensor
-    logits: bool = False
-
-
-class StepOutput:
-    """A step's sampled tokens on their way to the host; ``result`` waits for them."""
-
-    def __init__(
-        self,
-        num_items: int,
-        sample_items: list[int],
-        rows: SampledRows | None,
-        ready: torch.cuda.Event | None = None,
-        scored: tuple[PromptScoring, list[LogprobTensors]] | None = None,
-    ) -> None:
-        self._num_items = num_items
-        self._sample_items = sample_items
-        self._rows = rows
-        self._ready = ready  # recorded after the device-to-host copies (GPU only)
-        self._scored = scored  # prompt logprobs, still where they were computed
-
-    def result(self) -> RunnerOutput:
-        """One entry per item, in item order (see ``RunnerOutput``)."""
-        n = self._num_items
-        tokens: list[int | None] = [None] * n
-        logprobs: list[TokenLogprobs | None] = [None] * n
-        if self._ready is not None:
-            self._ready.synchronize()  # this step's copies only, not the work issued after them
-        drafts: list[list[tuple[int, TokenLogprobs | None]] | None] | None = None
-        if self._rows is not None:
-            ids, lps = self._rows.resolve()
-            last = -1
-            for i, tok, lp in zip(self._sample_items, ids, lps):
-                if i != last:
-                    tokens[i] = tok
-                    logprobs[i] = lp
-                    last = i
-                else:  # a draft's row: what the model samples after that draft
-                    if drafts is None:
-                        drafts = [None] * n
-                    entry = drafts[i]
-                    if entry is None:
-                        entry = drafts[i] = []
-                    entry.append((tok, lp))
-        return RunnerOutput(tokens, logprobs, self._prompt_logprobs(), drafts)
-
-    def _prompt_logprobs(self) -> list[PromptLogprobs | None] | None:
-        if self._scored is None:
-            return None
-        score, parts = self._scored
-        entries: list[TokenLogprobs | None] = []
-        for part in parts:
-            entries += part.resolve(len(part.rows))
-        out: list[PromptLogprobs | None] = [None] * self._num_items
-        at = 0
-        for i, first, n in score.items:
-            out[i] = PromptLogprobs(first, entries[at : at + n])  # type: ignore[arg-type]  # every row resolves
-            at += n
-        return out
-
-
-def is_decode(item: BatchItem) -> bool:
-    """One new token on top of a cached context: served by the decode attention path."""
-    return item.num_new_tokens == 1 and item.seq.num_computed_tokens > 0
 
 
 class ModelRunner:
@@ -414,7 +312,7 @@ class ModelRunner:
             return LoRAStep([(i, None) for i in ids], ids, torch.tensor(index, dtype=torch.int32))
         if len(ids) == 1 and len(rows[ids[0]]) == num_rows:
             return LoRAStep([(ids[0], None)], ids, None)
-        return LoRAStep(list(zip(ids, _to_device([rows[i] for i in ids], torch.int64, self.device))), ids, None)
+        return LoRAStep(list(zip(ids, to_device([rows[i] for i in ids], torch.int64, self.device))), ids, None)
 
     # ---- one step ------------------------------------------------------------------------------
     def execute(self, items: list[BatchItem]) -> RunnerOutput:
@@ -583,7 +481,7 @@ class ModelRunner:
                     raise ValueError(f"seq {seq.seq_id}: a pending token inside a {n}-token chunk")
                 input_ids.extend(token_ids[start:end])
                 positions.extend(range(start, end))
-                _extend_slots(slots, table, start, end, bs)
+                extend_slots(slots, table, start, end, bs)
             query_lens.append(n)
             seq_lens.append(end)
             context_lens.append(start)
@@ -641,13 +539,13 @@ class ModelRunner:
             return staged
 
         dev = self.device
-        ids_t, positions_t, slots_t, sample_rows_t, pending_at_t, pending_from_t = _to_device(
+        ids_t, positions_t, slots_t, sample_rows_t, pending_at_t, pending_from_t = to_device(
             (input_ids, positions, slots, sample_rows, pending_at, pending_from), torch.int64, dev
         )
         if pending_at:
             assert self._last_tokens is not None
             ids_t.index_copy_(0, pending_at_t, self._last_tokens.index_select(0, pending_from_t))
-        query_start_t, seq_lens_t, context_lens_t, tables_t = _to_device(
+        query_start_t, seq_lens_t, context_lens_t, tables_t = to_device(
             (list(accumulate(query_lens, initial=0)), seq_lens, context_lens, flat_tables), torch.int32, dev
         )
         meta = AttentionMetadata(
@@ -703,7 +601,7 @@ class ModelRunner:
         if len(sample_rows) == n:  # every decode samples: rows 0..n-1
             sample_rows_t = buf.rows[:n]
         else:
-            sample_rows_t = _to_device((sample_rows,), torch.int64, self.device)[0]
+            sample_rows_t = to_device((sample_rows,), torch.int64, self.device)[0]
         meta = buf.metadata(n, width, seq_lens)
         return StepInputs(
             input_ids=buf.input_ids[:n],
@@ -714,43 +612,3 @@ class ModelRunner:
             sample_rows=sample_rows_t,
             sample_items=sample_items,
         )
-
-
-# Where each segment starts inside a packed buffer, in bytes: as aligned as a tensor of its own would
-# be for what reads it (vectorised loads; Triton specialises kernels on 16-byte pointer alignment).
-_SEGMENT_ALIGN_BYTES = 64
-_NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32}
-
-
-def _extend_slots(slots: list[int], table: list[int], start: int, end: int, block_size: int) -> None:
-    """Append the pool slots of positions ``start..end-1``: one range per block, not a division per token."""
-    p = start
-    while p < end:
-        block, offset = divmod(p, block_size)
-        k = min(block_size - offset, end - p)
-        first = table[block] * block_size + offset
-        slots.extend(range(first, first + k))
-        p += k
-
-
-def _to_device(segments: Sequence[list[int]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """The integer lists as 1-D tensors on ``device``: views of one buffer filled by one copy.
-
-    Per-list ``torch.tensor(..., device=cuda)`` calls would each be a synchronous copy from pageable
-    memory; here one host array is built (through NumPy: several times faster than ``torch.tensor`` on
-    a list), pinned on CUDA, and copied without blocking the host. The caching host allocator keeps
-    the pinned block from being reused until that copy has run.
-    """
-    align = _SEGMENT_ALIGN_BYTES // dtype.itemsize
-    flat: list[int] = []
-    bounds: list[tuple[int, int]] = []
-    for seg in segments:
-        flat += [0] * (-len(flat) % align)
-        bounds.append((len(flat), len(flat) + len(seg)))
-        flat += seg
-    buf = torch.from_numpy(np.array(flat, dtype=_NUMPY_DTYPES[dtype]))
-    if device.type == "cuda":
-        buf = buf.pin_memory().to(device, non_blocking=True)
-    elif device.type != "cpu":
-        buf = buf.to(device)
-    return [buf[a:b] for a, b in bounds]

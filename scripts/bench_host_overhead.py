@@ -47,7 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from metrics.observer import NullObserver, Observer  # noqa: E402
-from runtime.runner import StepOutput  # noqa: E402
+from runtime.step import StepOutput  # noqa: E402
 from runtime.model_files import ensure_default_model  # noqa: E402
 from scheduler.config import EngineConfig  # noqa: E402
 from scheduler.engine import Engine  # noqa: E402
