@@ -17,7 +17,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
@@ -34,7 +34,7 @@ from runtime.tokenizer import load_tokenizer
 from scheduler.block_manager import BlockManager
 from scheduler.config import EngineConfig
 from scheduler.detokenizer import IncrementalDetokenizer, TextDecoder
-from scheduler.outputs import CompletionOutput, GeneratedChoice, GenerationResult, RequestOutput
+from scheduler.outputs import ChoiceGroup, GeneratedChoice, GenerationResult, RequestOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.lora_registry import LoRARegistry
 from scheduler.sampling_params import InvalidParameterError, SamplingParams, check_request
@@ -51,7 +51,7 @@ from scheduler.startup import (
     resolve_dtype,
     resolve_max_model_len,
 )
-from scheduler.stop import StopChecker, check_model_len, check_token_stop
+from scheduler.stop import StopChecker, accept_token
 from scheduler.structured_output import GrammarCompiler
 
 log = logging.getLogger(__name__)
@@ -94,28 +94,6 @@ class _Sampled:
 
     items: list[BatchItem]
     output: Any  # has result() -> RunnerOutput
-
-
-@dataclass
-class _Group:
-    """The ``n`` choices of one client request."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    choices: list[Request]
-    num_finished: int = 0
-    pending: dict[int, CompletionOutput] = field(default_factory=dict)  # outputs made between steps (abort)
-    prompt_logprobs_sent: bool = False
-
-    @property
-    def finished(self) -> bool:
-        return self.num_finished == len(self.choices)
-
-
-def _complete_prompt_logprobs(group: _Group) -> list[TokenLogprobs | None] | None:
-    """The group's prompt logprobs (choice 0 scores the prompt) once every prompt token has its entry."""
-    lps = group.choices[0].prompt_logprobs
-    return lps if lps is not None and len(lps) == len(group.prompt_token_ids) else None
 
 
 class Engine:
@@ -254,10 +232,10 @@ class Engine:
         # bytes), else parameters x dtype.
         self._step_cost = StepCostModel(mc, dtype, getattr(runner, "weight_bytes", None))
 
-        self._groups: dict[str, _Group] = {}
+        self._groups: dict[str, ChoiceGroup] = {}
         self._seq_ids = itertools.count()
         self._generate_ids = itertools.count()
-        self._pending_groups: dict[str, _Group] = {}  # groups with outputs made outside step()
+        self._pending_groups: dict[str, ChoiceGroup] = {}  # groups with outputs made outside step()
         self.drafts_verified = 0  # speculative decoding, cumulative: drafts computed ...
         self.num_accepted_drafts = 0  # ... and kept
 
@@ -354,7 +332,7 @@ class Engine:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, skip, decoder=self._text_decoders[skip])
             req.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
             choices.append(req)
-        self._groups[request_id] = _Group(request_id, list(prompt_token_ids), choices)
+        self._groups[request_id] = ChoiceGroup(request_id, list(prompt_token_ids), choices)
         if lora_name is not None:
             self.loras.acquire(lora_name, len(choices))
         for req in choices:
@@ -369,7 +347,7 @@ class Engine:
         for req in group.choices:
             if not req.is_finished:
                 self._finish(req, RequestStatus.FINISHED_ABORTED, now)
-                self._report(group, req, "")
+                group.report(req, "")
         self._pending_groups[request_id] = group
 
     # -- the loop ------------------------------------------------------------------------------------
@@ -388,13 +366,13 @@ class Engine:
         cost = self._step_cost(sched.items)  # before the counts below move on
         launched = self._steps.launch(sched.items) if sched.items else None
 
-        changed: dict[str, _Group] = self._pending_groups
+        changed: dict[str, ChoiceGroup] = self._pending_groups
         self._pending_groups = {}
         for req in sched.errored:
             self._on_finished(req)
             group = self._groups[req.request_id]
             group.num_finished += 1
-            self._report(group, req, "")
+            group.report(req, "")
             changed[req.request_id] = group
         ttfts: list[float] = []
         itls: list[float] = []
@@ -417,7 +395,7 @@ class Engine:
             self._observe_step(sched, time.perf_counter() - t0, num_sampled, ttfts, itls, cost, accepted)
         return outputs
 
-    def _sample(self, items: list[BatchItem], launched: Any, changed: dict[str, _Group]) -> _Sampled:
+    def _sample(self, items: list[BatchItem], launched: Any, changed: dict[str, ChoiceGroup]) -> _Sampled:
         """Issue a launched step's sampling and move its sequences on: their new tokens are computed
         (and full blocks cached); scheduling ahead, each sampled one that goes on gets a pending token."""
         output = self._steps.sample(launched)
@@ -441,7 +419,7 @@ class Engine:
         """Whether the token being sampled for ``req`` is its last (max_tokens or the context length)."""
         return req.num_output_tokens + 1 >= req.max_tokens or len(req.token_ids) + 1 >= self.max_model_len
 
-    def _process(self, done: _Sampled, changed: dict[str, _Group], ttfts: list[float], itls: list[float]) -> int:
+    def _process(self, done: _Sampled, changed: dict[str, ChoiceGroup], ttfts: list[float], itls: list[float]) -> int:
         """Read a step's tokens and hand each to its request; returns how many were read."""
         result = done.output.result()
         now = time.monotonic()
@@ -479,7 +457,7 @@ class Engine:
                 self._fail(req, e, changed)
                 continue
             group = self._groups[req.request_id]
-            self._report(group, req, text)
+            group.report(req, text)
             changed[req.request_id] = group
         return num_sampled
 
@@ -502,55 +480,19 @@ class Engine:
                 self.proposer.observe(req, kept, len(draft))
         return kept, "".join(texts)
 
-    def _fail(self, req: Request, e: Exception, changed: dict[str, _Group]) -> None:
+    def _fail(self, req: Request, e: Exception, changed: dict[str, ChoiceGroup]) -> None:
         """Finish ``req`` with an error raised while the engine handled its step; report it."""
         log.exception("request %s choice %d failed while processing its output", req.request_id, req.index)
         req.error = f"internal error while processing the output: {type(e).__name__}: {e}"
         if not req.is_finished:
             self._finish(req, RequestStatus.FINISHED_ERROR, time.monotonic())
         group = self._groups[req.request_id]
-        self._report(group, req, "")
+        group.report(req, "")
         changed[req.request_id] = group
 
     def _process_token(self, req: Request, token: int, lps: TokenLogprobs | None, now: float) -> str:
         """Append a sampled token, detokenize it, check every stop condition; return the text to emit."""
-        req.append_token(token, lps)
-        status = check_token_stop(req, token) or check_model_len(req, self.max_model_len)
-        stopped_by_token = status == RequestStatus.FINISHED_STOPPED
-        if req.grammar is not None and req.grammar.accept(token) and status is None:
-            # The structure is complete: only EOS could follow. Its last token's text is kept.
-            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None
-        detok, checker = req.detokenizer, req.stop_checker
-        if detok is None or checker is None:  # no text state (scheduler-level use)
-            if status is not None:
-                self._finish(req, status, now)
-            return ""
-        if status is None and not checker.stops:
-            # The common case, short-cut: no stop string to match, nothing held back to release.
-            text = detok.step((token,))
-            if text:
-                req.text_parts.append(text)
-            return text
-        honour = req.num_output_tokens >= req.params.min_tokens
-        out: list[str] = []
-        matched_string = False
-        # A stop token's own text is not returned (unless asked to include the stop in the output).
-        if not stopped_by_token or req.params.include_stop_str_in_output:
-            res = checker.feed(detok.step((token,)), honour)
-            out.append(res.text)
-            if res.stop is not None:
-                status, req.stop_reason, matched_string = RequestStatus.FINISHED_STOPPED, res.stop, True
-        if status is not None and not matched_string:
-            # Finishing for another reason: release text held back for incomplete characters/stops.
-            res = checker.feed(detok.flush(), honour)
-            out.append(res.text)
-            if res.stop is not None:
-                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, res.stop
-            else:
-                out.append(checker.flush())
-        text = "".join(out)
-        if text:
-            req.text_parts.append(text)
+        text, status = accept_token(req, token, lps, self.max_model_len)
         if status is not None:
             self._finish(req, status, now)
         return text
@@ -579,59 +521,11 @@ class Engine:
         )
 
     # -- outputs -------------------------------------------------------------------------------------
-    def _report(self, group: _Group, req: Request, text: str) -> None:
-        """Queue ``req``'s news since its last report, after what is already queued for it this step
-        (two tokens in one step: the step issued ahead, then this one, after ``async_scheduling`` was
-        switched off)."""
-        out = self._completion(req, text)
-        prev = group.pending.get(req.index)
-        if prev is not None:
-            out.new_token_ids = prev.new_token_ids + out.new_token_ids
-            out.new_text = prev.new_text + out.new_text
-            if prev.new_logprobs is not None:
-                out.new_logprobs = prev.new_logprobs + (out.new_logprobs or [])
-        group.pending[req.index] = out
-
-    def _completion(self, req: Request, text: str) -> CompletionOutput:
-        start = req.num_reported_tokens
-        n_out = req.num_output_tokens
-        new_ids = req.token_ids[req.num_prompt_tokens + start :] if n_out > start else []
-        new_lps = req.output_logprobs[start:] if req.output_logprobs is not None else None
-        req.num_reported_tokens = n_out
-        return CompletionOutput(
-            index=req.index,
-            new_token_ids=new_ids,
-            new_text=text,
-            new_logprobs=new_lps,
-            num_output_tokens=n_out,
-            finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason,
-        )
-
-    def _request_output(self, group: _Group) -> RequestOutput:
-        pending = group.pending
-        outs = list(pending.values()) if len(pending) == 1 else [pending[i] for i in sorted(pending)]
-        group.pending = {}
-        error = None
-        for r in group.choices:
-            if r.error:
-                error = r.error
-                break
-        finished = group.finished
-        if finished:
+    def _request_output(self, group: ChoiceGroup) -> RequestOutput:
+        out = group.take_output()
+        if out.finished:
             self._groups.pop(group.request_id, None)
-        return RequestOutput(
-            group.request_id, group.prompt_token_ids, outs, finished, error, self._take_prompt_logprobs(group),
-            group.choices[0].num_cached_tokens,
-        )
-
-    @staticmethod
-    def _take_prompt_logprobs(group: _Group) -> list[TokenLogprobs | None] | None:
-        """Choice 0's prompt logprobs, once, as soon as the whole prompt is scored."""
-        lps = None if group.prompt_logprobs_sent else _complete_prompt_logprobs(group)
-        if lps is not None:
-            group.prompt_logprobs_sent = True
-        return lps
+        return out
 
     # -- metrics -------------------------------------------------------------------------------------
     def _observe_step(
@@ -687,7 +581,7 @@ class Engine:
             loras = list(lora_names)
             if len(loras) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA names")
-        groups: list[_Group] = []
+        groups: list[ChoiceGroup] = []
         try:
             for prompt, p, lora_name in zip(prompts, plist, loras):
                 # Text is tokenized as the tokenizer does by default (BOS where the model expects one).
@@ -720,7 +614,7 @@ class Engine:
                     )
                     for r in g.choices
                 ],
-                _complete_prompt_logprobs(g),
+                g.complete_prompt_logprobs(),
             )
             for g in groups
         ]

@@ -1,10 +1,15 @@
-"""What the engine emits each step: deltas per request, grouped by the client's request id."""
+"""What the engine emits each step: deltas per request, grouped by the client's request id (``ChoiceGroup``
+holds a request's choices and assembles their news)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from runtime.batch import TokenLogprobs
+
+if TYPE_CHECKING:
+    from scheduler.request import Request
 
 
 @dataclass
@@ -57,3 +62,55 @@ class GenerationResult:
     prompt_token_ids: list[int]
     outputs: list[GeneratedChoice] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+
+@dataclass
+class ChoiceGroup:
+    """The ``n`` choices of one client request, and the news of each not yet emitted."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    choices: list[Request]
+    num_finished: int = 0
+    pending: dict[int, CompletionOutput] = field(default_factory=dict)  # by choice index, since the last output
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.num_finished == len(self.choices)
+
+    def complete_prompt_logprobs(self) -> list[TokenLogprobs | None] | None:
+        """Choice 0's prompt logprobs (it scores the prompt) once every prompt token has its entry."""
+        lps = self.choices[0].prompt_logprobs
+        return lps if lps is not None and len(lps) == len(self.prompt_token_ids) else None
+
+    def report(self, req: Request, text: str) -> None:
+        """Queue ``req``'s news since its last report (tokens, their logprobs, ``text``, how it
+        finished) after what is already queued for it (two tokens in one step: the step issued
+        ahead, then this one, after ``async_scheduling`` was switched off)."""
+        start = req.num_reported_tokens
+        n_out = req.num_output_tokens
+        new_ids = req.token_ids[req.num_prompt_tokens + start :] if n_out > start else []
+        new_lps = req.output_logprobs[start:] if req.output_logprobs is not None else None
+        req.num_reported_tokens = n_out
+        out = CompletionOutput(req.index, new_ids, text, new_lps, n_out, req.finish_reason, req.stop_reason)
+        prev = self.pending.get(req.index)
+        if prev is not None:
+            out.new_token_ids = prev.new_token_ids + out.new_token_ids
+            out.new_text = prev.new_text + out.new_text
+            if prev.new_logprobs is not None:
+                out.new_logprobs = prev.new_logprobs + (out.new_logprobs or [])
+        self.pending[req.index] = out
+
+    def take_output(self) -> RequestOutput:
+        """The queued news as one ``RequestOutput`` (choices in index order); the queue is emptied."""
+        pending = self.pending
+        outs = list(pending.values()) if len(pending) == 1 else [pending[i] for i in sorted(pending)]
+        self.pending = {}
+        error = next((r.error for r in self.choices if r.error), None)
+        lps = None if self.prompt_logprobs_sent else self.complete_prompt_logprobs()
+        if lps is not None:  # sent once, as soon as the whole prompt is scored
+            self.prompt_logprobs_sent = True
+        return RequestOutput(
+            self.request_id, self.prompt_token_ids, outs, self.finished, error, lps, self.choices[0].num_cached_tokens
+        )
