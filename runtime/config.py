@@ -13,6 +13,8 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "SmolLM3ForCausalLM",  # Llama with RoPE left out of every few layers (NoPE)
+    "GraniteForCausalLM",  # Llama with scalar multipliers on embeddings, attention, residuals and logits
 )
 
 
@@ -54,6 +56,14 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # SmolLM3: the layers that apply no RoPE at all (NoPE); empty for every other architecture
+    nope_layers: tuple[int, ...] = ()
+    # Granite: embeddings x embedding_multiplier, attention scale attention_multiplier (None: head_dim^-0.5),
+    # each sublayer's output x residual_multiplier before its residual add, logits / logits_scaling
+    embedding_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
@@ -78,12 +88,22 @@ class ModelConfig:
         rope_scaling = d.get("rope_scaling") or (
             rope_params if rope_params.get("rope_type", "default") != "default" else None
         )
+        num_layers = int(d["num_hidden_layers"])
+        nope: tuple[int, ...] = ()
+        if arch == "SmolLM3ForCausalLM":
+            # Per layer 1 = RoPE, 0 = none; absent, a NoPE layer every ``no_rope_layer_interval`` (as transformers).
+            flags = d.get("no_rope_layers")
+            if flags is None:
+                every = int(d.get("no_rope_layer_interval", 4))
+                flags = [int((i + 1) % every != 0) for i in range(num_layers)]
+            nope = tuple(i for i, f in enumerate(flags) if not f)
+        granite = arch == "GraniteForCausalLM"
         return cls(
             architecture=arch,
             vocab_size=int(d["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(d["intermediate_size"]),
-            num_layers=int(d["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
             head_dim=int(d.get("head_dim") or hidden // num_heads),
@@ -97,6 +117,11 @@ class ModelConfig:
             sliding_window=_sliding_window(arch, d),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            nope_layers=nope,
+            embedding_multiplier=float(d.get("embedding_multiplier", 1.0)) if granite else 1.0,
+            attention_multiplier=float(d.get("attention_multiplier", 1.0)) if granite else None,
+            residual_multiplier=float(d.get("residual_multiplier", 1.0)) if granite else 1.0,
+            logits_scaling=float(d.get("logits_scaling", 1.0)) if granite else 1.0,
         )
 
     @classmethod

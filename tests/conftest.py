@@ -66,6 +66,14 @@ TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=None)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(tie_word_embeddings=True)),
+    # RoPE on layers 0 and 2, none on layer 1 (a NoPE layer every 2nd; the real model: every 4th).
+    "smollm3": ("SmolLM3Config", dict(tie_word_embeddings=True, no_rope_layer_interval=2, rope_theta=2000000.0)),
+    # Granite 3's multipliers (granite-3.1-2b-instruct's values).
+    "granite": (
+        "GraniteConfig",
+        dict(tie_word_embeddings=True, embedding_multiplier=12.0, attention_multiplier=0.015625,
+             residual_multiplier=0.22, logits_scaling=8.0),
+    ),  # fmt: skip
 }
 
 

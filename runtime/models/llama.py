@@ -1,4 +1,4 @@
-"""Our Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM) over a flat token batch.
+"""Our Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM, SmolLM3, Granite) over a flat token batch.
 
 The model sees one step as a flat list of tokens (decodes first, then prefill chunks; no batch
 dimension, no padding). Every attention layer hands its q/k/v to the attention backend together with
@@ -249,7 +249,8 @@ def apply_rope(x: torch.Tensor, cos_sin: CosSin) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Self-attention with fused q/k/v, optional q/k RMSNorm (Qwen3) and q/k/v bias (Qwen2)."""
+    """Self-attention with fused q/k/v, optional q/k RMSNorm (Qwen3), q/k/v bias (Qwen2), no RoPE at
+    all on SmolLM3's NoPE layers, and Granite's attention multiplier as the score scale."""
 
     def __init__(
         self,
@@ -257,6 +258,7 @@ class Attention(nn.Module):
         backend: AttentionBackend,
         dtype: torch.dtype,
         device: torch.device,
+        layer_idx: int = 0,
     ) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
@@ -264,7 +266,8 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.head_dim**-0.5 if cfg.attention_multiplier is None else cfg.attention_multiplier
+        self.use_rope = layer_idx not in cfg.nope_layers
         self.qkv_proj = Linear(
             cfg.hidden_size,
             [("q", self.q_size), ("k", self.kv_size), ("v", self.kv_size)],
@@ -290,7 +293,7 @@ class Attention(nn.Module):
     def attend(self, qkv: torch.Tensor, cos_sin: CosSin, meta: AttentionMetadata) -> torch.Tensor:
         """Everything after the q/k/v projection: RoPE, the K/V store, attention and o_proj."""
         t = qkv.shape[0]
-        if self.q_norm is None and self.k_cache is not None and self.v_cache is not None:
+        if self.use_rope and self.q_norm is None and self.k_cache is not None and self.v_cache is not None:
             # A backend may do RoPE, the K/V store and attention straight from the fused projection.
             fused = self.backend.forward_from_qkv(
                 qkv, cos_sin, self.k_cache, self.v_cache, meta, self.scale, self.num_heads
@@ -302,7 +305,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((self.q_norm.forward(qk[:, : self.num_heads]), self.k_norm.forward(qk[:, self.num_heads :])), dim=1)
         # One rotation over q and k together: half the element-wise ops of rotating them apart.
-        qk = apply_rope(qk, cos_sin)
+        qk = apply_rope(qk, cos_sin) if self.use_rope else qk.contiguous()
         q = qk[:, : self.num_heads]
         k = qk[:, self.num_heads :]
         if self.k_cache is None or self.v_cache is None:
@@ -347,10 +350,13 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         dtype: torch.dtype,
         device: torch.device,
+        layer_idx: int = 0,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(cfg, backend, dtype, device)
+        self.self_attn = Attention(cfg, backend, dtype, device, layer_idx)
+        # Granite: each sublayer's output is scaled before its residual add (1.0 elsewhere: no op)
+        self.residual_multiplier = cfg.residual_multiplier
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = MLP(cfg, dtype, device)
         self.few_rows: FewRowKernels | None = None
@@ -376,8 +382,12 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm.forward_add(x, residual)
         x = self.self_attn.forward(x, cos_sin, meta)
+        m = self.residual_multiplier
+        if m != 1.0:
+            x = x * m
         x, residual = self.post_attention_layernorm.forward_add(x, residual)
-        return self.mlp.forward(x), residual
+        out = self.mlp.forward(x)
+        return (out * m if m != 1.0 else out), residual
 
     def _forward_few_rows(
         self,
@@ -393,11 +403,15 @@ class DecoderLayer(nn.Module):
         norm = self.input_layernorm
         qkv, residual = k.rms_norm_linear(x, residual, norm.weight, norm.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
         x = attn.attend(qkv, cos_sin, meta)
+        m = self.residual_multiplier
+        if m != 1.0:
+            x = x * m
         norm = self.post_attention_layernorm
         gate_up, residual = k.rms_norm_linear(
             x, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias
         )
-        return k.silu_mul_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias), residual
+        out = k.silu_mul_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias)
+        return (out * m if m != 1.0 else out), residual
 
 
 class DecoderStack(nn.Module):
@@ -408,7 +422,7 @@ class DecoderStack(nn.Module):
         self.embed_tokens = nn.Module()
         self.embed_tokens.weight = _param((cfg.vocab_size, cfg.hidden_size), dtype, device)
         self.rotary_emb = RotaryEmbedding(cfg, dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, dtype, device) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, dtype, device, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
 
@@ -473,6 +487,8 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """``input_ids``, ``positions``: ``[T]`` -> final-normed hidden states ``[T, hidden]``."""
         h = F.embedding(input_ids, self.model.embed_tokens.weight)
+        if self.config.embedding_multiplier != 1.0:  # Granite
+            h = h * self.config.embedding_multiplier
         cos_sin = self.model.rotary_emb.tables(positions)
         residual: torch.Tensor | None = None
         for layer in self.model.layers:
@@ -571,6 +587,12 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[R, hidden]`` -> ``[R, vocab]``; the runner passes only the rows it samples."""
+        logits = self._project_head(hidden)
+        if self.config.logits_scaling != 1.0:  # Granite
+            logits = logits / self.config.logits_scaling
+        return logits
+
+    def _project_head(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.few_rows is not None and self.few_rows.applies(hidden.shape[0]):
             return self.few_rows.linear(hidden, self.lm_head_weight, None)
         if self.lm_head_quant is not None and hidden.shape[0] <= self.lm_head_quant.max_rows:

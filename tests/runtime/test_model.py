@@ -48,7 +48,7 @@ def random_ids(n: int, seed: int) -> list[int]:
     return torch.randint(3, 49152, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize("variant", ["llama", "llama_untied", "qwen2", "qwen3", "llama3_rope", "mistral"])
+@pytest.mark.parametrize("variant", ["llama", "llama_untied", "qwen2", "qwen3", "llama3_rope", "mistral", "smollm3", "granite"])
 @pytest.mark.parametrize("mode", list(MODES))
 def test_tiny_models_match_hf(
     tiny_model_dir: Callable[[str], Path],

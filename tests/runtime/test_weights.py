@@ -127,3 +127,20 @@ def test_folder_without_weights_is_refused(tiny_llama_dir: Path, tmp_path: Path)
     shutil.copy(tiny_llama_dir / "config.json", d / "config.json")
     with pytest.raises(UnsupportedModelError, match="no \\*.safetensors"):
         load(d)
+
+
+def test_smollm3_and_granite_configs_read_what_transformers_reads(tiny_model_dir: Callable[[str], Path]) -> None:
+    smol = ModelConfig.from_dir(tiny_model_dir("smollm3"))
+    assert smol.nope_layers == (1,) and smol.rope_theta == 2000000.0  # interval 2 over 3 layers
+    assert ModelConfig.from_hf_dict({**_llama_dict(), "architectures": ["SmolLM3ForCausalLM"], "num_hidden_layers": 8}).nope_layers == (3, 7)
+    flags = {"architectures": ["SmolLM3ForCausalLM"], "num_hidden_layers": 3, "no_rope_layers": [0, 1, 0]}
+    assert ModelConfig.from_hf_dict({**_llama_dict(), **flags}).nope_layers == (0, 2)
+    g = ModelConfig.from_dir(tiny_model_dir("granite"))
+    assert (g.embedding_multiplier, g.attention_multiplier, g.residual_multiplier, g.logits_scaling) == (12.0, 0.015625, 0.22, 8.0)
+    plain = ModelConfig.from_hf_dict({**_llama_dict(), "embedding_multiplier": 5.0, "logits_scaling": 3.0})
+    assert (plain.embedding_multiplier, plain.attention_multiplier, plain.logits_scaling, plain.nope_layers) == (1.0, None, 1.0, ())
+
+
+def _llama_dict() -> dict[str, Any]:
+    return {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 16, "intermediate_size": 32,
+            "num_hidden_layers": 2, "num_attention_heads": 2}  # fmt: skip
