@@ -22,16 +22,30 @@ class UnsupportedModelError(ValueError):
     """The model folder or file exists but is not something we can serve."""
 
 
-def _sliding_window(arch: str, d: dict[str, Any]) -> int | None:
-    """The attention window the checkpoint's attention uses, as transformers reads it: Mistral applies
-    ``sliding_window`` whenever it is set (v0.1: 4096; later versions: null); Qwen2/Qwen3 only with
-    ``use_sliding_window`` (and then on some layers)."""
+def _sliding_window(
+    arch: str, d: dict[str, Any], num_layers: int, nope_layers: tuple[int, ...]
+) -> tuple[int | None, tuple[int, ...]]:
+    """The attention window and the layers that use it, as transformers reads them: Mistral applies
+    ``sliding_window`` on every layer whenever it is set (v0.1: 4096; later versions: null); Qwen2,
+    Qwen3 and SmolLM3 only with ``use_sliding_window``, on the layers ``layer_types`` marks
+    ``sliding_attention`` (written by transformers; else the default: SmolLM3's NoPE layers, Qwen's
+    layers from ``max_window_layers`` on)."""
     window = d.get("sliding_window")
     if window is None:
-        return None
-    if arch == "MistralForCausalLM" or d.get("use_sliding_window", False):
-        return int(window)
-    return None
+        return None, ()
+    if arch == "MistralForCausalLM":
+        return int(window), tuple(range(num_layers))
+    if not d.get("use_sliding_window", False):
+        return None, ()
+    types = d.get("layer_types")
+    if isinstance(types, list) and len(types) == num_layers:
+        layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    elif arch == "SmolLM3ForCausalLM":
+        layers = nope_layers
+    else:
+        first = int(d.get("max_window_layers", num_layers))
+        layers = tuple(range(first, num_layers))
+    return (int(window), layers) if layers else (None, ())
 
 
 @dataclass(frozen=True)
@@ -53,7 +67,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # the attention window of the layers in ``window_layers``
+    window_layers: tuple[int, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     # SmolLM3: the layers that apply no RoPE at all (NoPE); empty for every other architecture
@@ -98,6 +113,7 @@ class ModelConfig:
                 flags = [int((i + 1) % every != 0) for i in range(num_layers)]
             nope = tuple(i for i, f in enumerate(flags) if not f)
         granite = arch == "GraniteForCausalLM"
+        window, window_layers = _sliding_window(arch, d, num_layers, nope)
         return cls(
             architecture=arch,
             vocab_size=int(d["vocab_size"]),
@@ -114,7 +130,8 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", arch == "Qwen2ForCausalLM")),
             qk_norm=arch == "Qwen3ForCausalLM",
-            sliding_window=_sliding_window(arch, d),
+            sliding_window=window,
+            window_layers=window_layers,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             nope_layers=nope,

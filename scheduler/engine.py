@@ -122,7 +122,7 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
 
-        max_model_len = resolve_max_model_len(mc, config.max_model_len)
+        max_model_len = resolve_max_model_len(mc, config.max_model_len, sliding_window_supported=device.type == "cpu")
         max_batched = config.max_num_batched_tokens or (8192 if device.type == "cuda" else 512)
 
         block_size = config.block_size

@@ -72,23 +72,23 @@ def eos_ids(model_dir: Path, model_config: ModelConfig, tokenizer: Any) -> tuple
     return tuple(dict.fromkeys(ids))
 
 
-def resolve_max_model_len(mc: ModelConfig, requested: int | None) -> int:
-    """The context length served: the request, else the model's (capped), within its positions and
-    any sliding window."""
+def resolve_max_model_len(mc: ModelConfig, requested: int | None, sliding_window_supported: bool = True) -> int:
+    """The context length served: the request, else the model's (capped), within its positions; and,
+    where the attention backend has no sliding windows (CUDA), within the model's window."""
     max_model_len = requested or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
     if max_model_len > mc.max_position_embeddings:
         raise ValueError(
             f"max_model_len={max_model_len} exceeds the model's {mc.max_position_embeddings} positions"
         )
     window = mc.sliding_window
-    if window is not None and max_model_len > window:
-        # Sliding-window attention is not implemented; within the window it equals full attention.
+    if window is not None and max_model_len > window and not sliding_window_supported:
+        # Within the window a windowed layer equals a full one: capped there, the model stays exact.
         if requested is not None:
             raise ValueError(
-                f"max_model_len={max_model_len} exceeds the model's sliding window of {window} tokens; "
-                f"sliding-window attention is not supported: use --max-model-len {window} or less"
+                f"max_model_len={max_model_len} exceeds the model's sliding window of {window} tokens, and "
+                f"sliding-window attention is implemented on CPU only: use --max-model-len {window} or less"
             )
-        log.warning("max_model_len capped at the model's sliding window: %d tokens", window)
+        log.warning("max_model_len capped at the model's sliding window (%d tokens): no sliding windows on this device", window)
         max_model_len = window
     return max_model_len
 

@@ -64,6 +64,9 @@ TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # (the default tokenizer is not copied beside it).
     "llama_small_vocab": ("LlamaConfig", dict(tie_word_embeddings=True, vocab_size=512)),
     "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=None)),
+    # Sliding windows of 16 tokens: on every layer (Mistral v0.1 style), and on layers 1 and 2 only.
+    "mistral_window": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=16)),
+    "qwen2_window": ("Qwen2Config", dict(tie_word_embeddings=True, use_sliding_window=True, sliding_window=16, max_window_layers=1)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(tie_word_embeddings=True)),
     # RoPE on layers 0 and 2, none on layer 1 (a NoPE layer every 2nd; the real model: every 4th).

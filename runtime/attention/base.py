@@ -66,6 +66,7 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
         num_heads: int,
+        window: int | None = None,
     ) -> torch.Tensor | None:
         """Optional fused path: RoPE, the K/V store and attention straight from the fused projection.
 
@@ -85,5 +86,8 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,  # sliding window: attend to the last ``window`` positions only (None: all)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Store k/v at ``meta.slot_mapping``, then causal attention of each query over its sequence."""
+        """Store k/v at ``meta.slot_mapping``, then causal attention of each query over its sequence
+        (over its last ``window`` positions, itself included, for a sliding-window layer: only the
+        models' windowed layers pass one, and a backend that has no windows refuses a step it would cut)."""

@@ -13,6 +13,7 @@ Shapes (shared by every function here):
     block_tables  [B, max_blocks] int32               entries past ceil(seq_len/block_size) are never read
     seq_lens      [B] int32                           context length incl. the token just written, >= 1
     returns       [B, H, D]                           written into ``out`` when given
+    window        int >= 0 (keyword)                  > 0: attend to each sequence's last ``window`` tokens only
 Query head h uses KV head h // (H // KVH) (GQA; K/V are never repeated).
 """
 
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 DISABLE_ENV = "SERVELM_DISABLE_CPU_KERNEL"
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
 
-# (q, k_cache, v_cache, block_tables, seq_lens, scale, out=None) -> Tensor
+# (q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, window=0) -> Tensor
 PagedDecodeAttention = Callable[..., torch.Tensor]
 
 
@@ -45,12 +46,13 @@ def paged_decode_attention_reference(
     seq_lens: torch.Tensor,
     scale: float,
     out: Optional[torch.Tensor] = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Pure torch: gather each sequence's blocks, then masked attention (SDPA) in float32.
 
     The test oracle for the kernel and the fallback where it is unavailable. Like the kernel it
-    reads only the pool rows of each sequence's own tokens: garbage table entries past its last
-    block and stale (even NaN) rows are never touched.
+    reads only the pool rows of each sequence's own tokens (in its window): garbage table entries
+    past its last block and stale (even NaN) rows are never touched.
     """
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -70,6 +72,8 @@ def paged_decode_attention_reference(
     ctx = width * block_size
     pos = torch.arange(ctx)
     valid = pos < lens[:, None]  # [B, ctx]
+    if window > 0:  # only each sequence's last ``window`` positions are read
+        valid &= pos >= lens[:, None] - window
     table = block_tables[:, :width].to(torch.int64)
     slots = table.gather(1, (pos // block_size).expand(batch, ctx)) * block_size + pos % block_size
     dst = valid.view(-1).nonzero().squeeze(1)
@@ -165,9 +169,10 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     out: Optional[torch.Tensor] = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Decode attention over the paged pool: the compiled kernel where available, else the reference."""
     fn = load_kernel()
     if fn is None:
         fn = paged_decode_attention_reference
-    return fn(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
+    return fn(q, k_cache, v_cache, block_tables, seq_lens, scale, out, window=window)

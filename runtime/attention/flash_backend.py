@@ -122,6 +122,15 @@ def triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def check_no_window(window: int | None, meta: AttentionMetadata) -> None:
+    """The CUDA backends attend over whole contexts: a sliding window that would cut one is refused
+    (the engine caps max_model_len at the window on CUDA, so this does not happen when serving)."""
+    if window is not None and meta.max_seq_len > window:
+        raise NotImplementedError(
+            f"sliding-window attention (window {window}, a sequence of {meta.max_seq_len} tokens) is not implemented on CUDA"
+        )
+
+
 class PagedCudaBackend(AttentionBackend):
     """What both CUDA backends share: new K/V go into the pool through the Triton store kernel (or,
     on the fused path, through one RoPE + store kernel), then ``_attend`` reads the pool."""
@@ -145,7 +154,9 @@ class PagedCudaBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
+        check_no_window(window, meta)
         self._store(k, v, k_cache, v_cache, meta.slot_mapping)
         return self._attend(q, k_cache, v_cache, meta, scale)
 
@@ -158,9 +169,11 @@ class PagedCudaBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         num_heads: int,
+        window: int | None = None,
     ) -> torch.Tensor | None:
         """One Triton kernel rotates q and k and stores k and v (``runtime.triton_ops``), then
         ``_attend`` reads the pool; None (the model's own RoPE, then ``forward``) when the fused ops are off."""
+        check_no_window(window, meta)
         if not self.fused_rope:
             return None
         cos, sin = cos_sin  # [T, 1, D / 2] rows of the step
@@ -294,9 +307,11 @@ class TritonPagedBackend(PagedCudaBackend):
         meta: AttentionMetadata,
         scale: float,
         num_heads: int,
+        window: int | None = None,
     ) -> torch.Tensor | None:
         """A decode-only step small enough for split-KV decode does RoPE, the K/V store and attention in
         one launch (``triton_decode.rope_paged_decode``, plus its merge): one kernel a layer fewer."""
+        check_no_window(window, meta)
         if (
             self.fused_rope
             and isinstance(meta, CudaAttentionMetadata)

@@ -7,6 +7,11 @@ their sequences' whole context (cached + new) and run one ``scaled_dot_product_a
 either flat under a block-diagonal causal mask or padded to one batch row per sequence, whichever
 computes fewer scores this step. Every index and mask is built once per step in ``build_metadata``;
 a layer does no Python work per request.
+
+Sliding-window layers (``window``: each query attends to its sequence's last ``window`` positions,
+itself included, as transformers masks them) pass their window to the decode kernel, and use the
+step's masks narrowed to the window, built on the first such layer of a step and kept for the others.
+A step whose sequences all fit in the window is computed as without one.
 """
 
 from __future__ import annotations
@@ -57,6 +62,10 @@ class TorchAttentionMetadata(AttentionMetadata):
     prefill_out_index: torch.Tensor | None = None  # [num_prefill_tokens] rows of the padded output to keep
     # Tokens that belong to a sequence; rows past it are padding (slot -1).
     num_real_tokens: int = 0
+    # Sliding windows: the prefill queries' and keys' positions, shaped to broadcast to the prefill
+    # mask (before its head axis), and the masks narrowed to each window, built on first use.
+    prefill_positions: tuple[torch.Tensor, torch.Tensor] | None = None
+    window_masks: dict[tuple[str, int], torch.Tensor] | None = None
 
 
 def _load_decode_kernel() -> DecodeKernel | None:
@@ -126,7 +135,10 @@ class TorchAttentionBackend(AttentionBackend):
         s_list = m.seq_lens_list[nd:]
         n = len(q_list)
         if n == 1 and q_list[0] == s_list[0]:
-            return  # prefill_mask None and no slots: is_causal over this step's own k/v
+            # prefill_mask None and no slots: is_causal over this step's own k/v
+            pos = torch.arange(q_list[0], device=dev)
+            m.prefill_positions = (pos.unsqueeze(1), pos.unsqueeze(0))
+            return
         q_max, k_max, q_sum, k_sum = max(q_list), max(s_list), sum(q_list), sum(s_list)
         q_lens = torch.tensor(q_list, device=dev)
         s_lens = torch.tensor(s_list, device=dev)
@@ -148,6 +160,7 @@ class TorchAttentionBackend(AttentionBackend):
             k_pos = torch.arange(k_max, device=dev)
             m.prefill_mask = (k_pos.view(1, 1, k_max) <= q_pos.unsqueeze(-1)).unsqueeze(1)  # [n, 1, q_max, k_max]
             m.prefill_batch = (n, q_max, k_max)
+            m.prefill_positions = (q_pos.unsqueeze(-1), k_pos.view(1, 1, k_max))
             return
         seq_ids = torch.arange(n, device=dev)
         q_seq = torch.repeat_interleave(seq_ids, q_lens)
@@ -161,6 +174,36 @@ class TorchAttentionBackend(AttentionBackend):
         k_pos = pos[valid]
         causal = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
         m.prefill_mask = causal if n == 1 else causal & (k_seq.unsqueeze(0) == q_seq.unsqueeze(1))
+        m.prefill_positions = (q_pos.unsqueeze(1), k_pos.unsqueeze(0))
+
+    @staticmethod
+    def _window_mask(m: TorchAttentionMetadata, kind: str, window: int) -> torch.Tensor:
+        """The step's ``kind`` mask ("prefill": bool, True = may attend; "decode": additive) narrowed to
+        the last ``window`` positions of each query; built once per step and window."""
+        masks = m.window_masks
+        if masks is None:
+            masks = m.window_masks = {}
+        key = (kind, window)
+        mask = masks.get(key)
+        if mask is not None:
+            return mask
+        if kind == "decode":
+            assert m.decode_mask is not None and m.decode_seq_lens is not None
+            pos = torch.arange(m.decode_span, device=m.decode_mask.device).unsqueeze(0)
+            early = pos < (m.decode_seq_lens.unsqueeze(1) - window)  # [nd, span]
+            mask = m.decode_mask.masked_fill(early.view(m.decode_mask.shape), float("-inf"))
+        else:
+            assert m.prefill_positions is not None
+            q_pos, k_pos = m.prefill_positions
+            inside = k_pos > q_pos - window
+            if m.prefill_mask is None:  # one fresh sequence: causal over its own tokens
+                mask = (k_pos <= q_pos) & inside
+            elif m.prefill_batch is not None:
+                mask = m.prefill_mask & inside.unsqueeze(1)
+            else:
+                mask = m.prefill_mask & inside
+        masks[key] = mask
+        return mask
 
     # ---- once per layer ------------------------------------------------------------------------
     def forward_from_qkv(
@@ -172,6 +215,7 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         num_heads: int,
+        window: int | None = None,
     ) -> torch.Tensor | None:
         if (
             self.rope_decode is None
@@ -186,7 +230,7 @@ class TorchAttentionBackend(AttentionBackend):
         cos, sin = cos_sin
         return self.rope_decode(
             qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens,
-            num_heads, scale,
+            num_heads, scale, _effective(window, meta),
         )
 
     def forward(
@@ -198,8 +242,10 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         assert isinstance(meta, TorchAttentionMetadata), "metadata must come from build_metadata()"
+        w = _effective(window, meta)
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_flat = k_cache.view(-1, num_kv_heads, head_dim)
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
@@ -215,9 +261,9 @@ class TorchAttentionBackend(AttentionBackend):
         real = meta.num_real_tokens
         outs = []
         if nd:
-            outs.append(self._decode(q[:nd], k_cache, v_cache, k_flat, v_flat, meta, scale))
+            outs.append(self._decode(q[:nd], k_cache, v_cache, k_flat, v_flat, meta, scale, w))
         if nd < real:
-            outs.append(self._prefill(q[nd:real], k[nd:real], v[nd:real], k_flat, v_flat, meta, scale))
+            outs.append(self._prefill(q[nd:real], k[nd:real], v[nd:real], k_flat, v_flat, meta, scale, w))
         if real < meta.num_tokens:  # padding rows (slot -1) at the tail attend to nothing
             outs.append(q.new_zeros((meta.num_tokens - real, *q.shape[1:])))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -231,11 +277,12 @@ class TorchAttentionBackend(AttentionBackend):
         v_flat: torch.Tensor,
         meta: TorchAttentionMetadata,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
         if self.decode_kernel is not None:
             return self.decode_kernel(
-                q.contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale
+                q.contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, window=window
             )
         assert meta.decode_slots is not None and meta.decode_mask is not None
         b, num_heads, head_dim = q.shape
@@ -246,7 +293,8 @@ class TorchAttentionBackend(AttentionBackend):
         keys = k_flat.index_select(0, meta.decode_slots).view(b, span, num_kv_heads, head_dim)
         vals = v_flat.index_select(0, meta.decode_slots).view(b, span, num_kv_heads, head_dim)
         scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)) * scale  # [b, kvh, group, span]
-        probs = torch.softmax(scores + meta.decode_mask.to(scores.dtype), dim=-1)
+        mask = self._window_mask(meta, "decode", window) if window else meta.decode_mask
+        probs = torch.softmax(scores + mask.to(scores.dtype), dim=-1)
         out = torch.matmul(probs, vals.transpose(1, 2))  # [b, kvh, group, head_dim]
         return out.reshape(b, num_heads, head_dim)
 
@@ -259,7 +307,9 @@ class TorchAttentionBackend(AttentionBackend):
         v_flat: torch.Tensor,
         meta: TorchAttentionMetadata,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
+        mask = self._window_mask(meta, "prefill", window) if window else meta.prefill_mask
         if meta.prefill_batch is not None:
             assert meta.prefill_slots is not None and meta.prefill_q_index is not None
             assert meta.prefill_out_index is not None
@@ -268,7 +318,7 @@ class TorchAttentionBackend(AttentionBackend):
             qb = q.index_select(0, meta.prefill_q_index).view(n, q_max, num_heads, head_dim).transpose(1, 2)
             kb = k_flat.index_select(0, meta.prefill_slots).view(n, k_max, -1, head_dim).transpose(1, 2)
             vb = v_flat.index_select(0, meta.prefill_slots).view(n, k_max, -1, head_dim).transpose(1, 2)
-            out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=meta.prefill_mask, scale=scale, enable_gqa=True)
+            out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=True)
             return out.transpose(1, 2).reshape(n * q_max, num_heads, head_dim).index_select(0, meta.prefill_out_index)
         if meta.prefill_slots is not None:
             k = k_flat.index_select(0, meta.prefill_slots)
@@ -278,9 +328,14 @@ class TorchAttentionBackend(AttentionBackend):
             q.transpose(0, 1).unsqueeze(0),
             k.transpose(0, 1).unsqueeze(0),
             v.transpose(0, 1).unsqueeze(0),
-            attn_mask=meta.prefill_mask,
-            is_causal=meta.prefill_mask is None,
+            attn_mask=mask,
+            is_causal=mask is None,
             scale=scale,
             enable_gqa=True,
         )
         return out[0].transpose(0, 1)
+
+
+def _effective(window: int | None, meta: AttentionMetadata) -> int:
+    """The window to apply this step, 0 for none: a step whose sequences all fit in it needs none."""
+    return window if window is not None and meta.max_seq_len > window else 0

@@ -250,7 +250,8 @@ def apply_rope(x: torch.Tensor, cos_sin: CosSin) -> torch.Tensor:
 
 class Attention(nn.Module):
     """Self-attention with fused q/k/v, optional q/k RMSNorm (Qwen3), q/k/v bias (Qwen2), no RoPE at
-    all on SmolLM3's NoPE layers, and Granite's attention multiplier as the score scale."""
+    all on SmolLM3's NoPE layers, Granite's attention multiplier as the score scale, and a sliding
+    window on the layers the config names."""
 
     def __init__(
         self,
@@ -268,6 +269,10 @@ class Attention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5 if cfg.attention_multiplier is None else cfg.attention_multiplier
         self.use_rope = layer_idx not in cfg.nope_layers
+        # Sliding-window layers hand their window to the backend (others pass nothing: backends and
+        # test stand-ins without windows are called exactly as before).
+        window = cfg.sliding_window if layer_idx in cfg.window_layers else None
+        self.window_kw: dict[str, int] = {} if window is None else {"window": window}
         self.qkv_proj = Linear(
             cfg.hidden_size,
             [("q", self.q_size), ("k", self.kv_size), ("v", self.kv_size)],
@@ -296,7 +301,7 @@ class Attention(nn.Module):
         if self.use_rope and self.q_norm is None and self.k_cache is not None and self.v_cache is not None:
             # A backend may do RoPE, the K/V store and attention straight from the fused projection.
             fused = self.backend.forward_from_qkv(
-                qkv, cos_sin, self.k_cache, self.v_cache, meta, self.scale, self.num_heads
+                qkv, cos_sin, self.k_cache, self.v_cache, meta, self.scale, self.num_heads, **self.window_kw
             )
             if fused is not None:
                 return self.o_proj.forward(fused.reshape(t, self.q_size))
@@ -310,7 +315,7 @@ class Attention(nn.Module):
         k = qk[:, self.num_heads :]
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("KV cache not bound: call CausalLM.bind_kv_cache() first")
-        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, **self.window_kw)
         return self.o_proj.forward(out.reshape(t, self.q_size))
 
 

@@ -58,13 +58,15 @@ class Case:
     def args(self):
         return self.q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens, self.scale
 
-    def naive(self) -> torch.Tensor:
-        """Per-request SDPA over contiguous K/V with the KV heads repeated: independent of paging."""
+    def naive(self, window: int = 0) -> torch.Tensor:
+        """Per-request SDPA over contiguous K/V with the KV heads repeated: independent of paging.
+        ``window`` > 0: over the last ``window`` tokens only."""
         outs = []
         group = self.q.shape[1] // self.k_seqs[0].shape[1]
         for b in range(len(self.lens)):
-            k = self.k_seqs[b].float().transpose(0, 1).repeat_interleave(group, dim=0)  # [H, n, D]
-            v = self.v_seqs[b].float().transpose(0, 1).repeat_interleave(group, dim=0)
+            lo = max(0, self.lens[b] - window) if window > 0 else 0
+            k = self.k_seqs[b][lo:].float().transpose(0, 1).repeat_interleave(group, dim=0)  # [H, n, D]
+            v = self.v_seqs[b][lo:].float().transpose(0, 1).repeat_interleave(group, dim=0)
             q = self.q[b].float()[:, None, :]  # [H, 1, D]
             outs.append(F.scaled_dot_product_attention(q, k, v, scale=self.scale)[:, 0, :])
         return torch.stack(outs)
@@ -239,6 +241,32 @@ def test_few_sequences_are_split_over_their_context_and_merged(kernel, lens):
     torch.testing.assert_close(two.double(), case.naive().double(), atol=1e-5, rtol=0)
     torch.testing.assert_close(two, one, atol=2e-6, rtol=0)  # another summation order, same result
     assert not torch.equal(two, one)  # ... and so not the same bits: the slices did run
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 100, 299, 5000])
+def test_sliding_window_attends_to_the_last_tokens_only(kernel, portable, window):
+    """window > 0: each query attends to its last ``window`` tokens (transformers' sliding window); the
+    tokens before are never read (NaN there would show). Split contexts (few sequences) too."""
+    cases = random_cases(11, 64, 16, 3, draws=3) + [Case(torch.Generator().manual_seed(3), [900], 3, 3, 64, 16)]
+    for case in cases:
+        want = case.naive(window)
+        bs = case.k_cache.shape[1]
+        for b, n in enumerate(case.lens):  # poison what the window leaves out: it must not be read
+            for t in range(max(0, n - window)):
+                block = int(case.block_tables[b, t // bs])
+                case.k_cache[block, t % bs] = float("nan")
+                case.v_cache[block, t % bs] = float("nan")
+        before = torch.get_num_threads()
+        try:
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                torch.testing.assert_close(kernel(*case.args(), window=window).double(), want.double(), atol=1e-5, rtol=0)
+        finally:
+            torch.set_num_threads(before)
+        torch.testing.assert_close(portable(*case.args(), window=window).double(), want.double(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(reference(*case.args(), window=window).double(), want.double(), atol=1e-5, rtol=0)
+    with pytest.raises(RuntimeError, match="window"):
+        kernel(*cases[0].args(), window=-1)
 
 
 def test_empty_batch(kernel):

@@ -48,7 +48,10 @@ def random_ids(n: int, seed: int) -> list[int]:
     return torch.randint(3, 49152, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize("variant", ["llama", "llama_untied", "qwen2", "qwen3", "llama3_rope", "mistral", "smollm3", "granite"])
+@pytest.mark.parametrize(
+    "variant",
+    ["llama", "llama_untied", "qwen2", "qwen3", "llama3_rope", "mistral", "smollm3", "granite", "mistral_window", "qwen2_window"],
+)
 @pytest.mark.parametrize("mode", list(MODES))
 def test_tiny_models_match_hf(
     tiny_model_dir: Callable[[str], Path],
@@ -120,3 +123,43 @@ def test_default_model_matches_hf(
     # logits of magnitude ~20 by up to ~1.5e-4 (measured); HF's own batched-vs-single shift is ~1e-4.
     torch.testing.assert_close(ours, ref, atol=2e-4, rtol=0)
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+# (steps of (sequence, new tokens)) for sequences of 70 / 40 / 12 / 55 tokens; a sequence absent from a
+# step waits. Prefill chunks of several sequences at once (similar lengths: the padded layout; one long
+# beside short ones: the flat layout), decodes beside them, contexts crossing the 16-token window.
+WINDOW_PLANS = {
+    "padded-then-decode": [[(0, 30), (1, 30), (3, 30)], [(0, 30), (1, 9), (3, 24), (2, 11)]],
+    "flat-mixed": [[(0, 60), (2, 5)], [(0, 9), (1, 39), (2, 6), (3, 3)], [(1, 0), (3, 50)]],
+}
+
+
+@pytest.mark.parametrize("variant", ["mistral_window", "qwen2_window"])
+@pytest.mark.parametrize("plan", list(WINDOW_PLANS))
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpp-kernel", "torch-decode"])
+def test_sliding_window_batches_equal_hf(
+    tiny_model_dir: Callable[[str], Path], build_runner: Callable[..., ModelRunner], rt: SimpleNamespace,
+    variant: str, plan: str, kernel: bool,
+) -> None:
+    """Several sequences at once under 16-token windows: prefill chunks together, decodes beside prefills,
+    then decodes to the end; each sequence's logits equal transformers' for it alone."""
+    model_dir = tiny_model_dir(variant)
+    lens = [70, 40, 12, 55]
+    ids = [random_ids(n, seed=100 + i) for i, n in enumerate(lens)]
+    backend = None if kernel else TorchAttentionBackend(16, use_kernel=False)
+    runner = build_runner(model_dir, num_blocks=64, **({"backend": backend} if backend else {}))
+    blocks = rt.ScatteredBlocks(64, 16, seed=7)
+    seqs = [rt.FakeSeq(seq_id=i, token_ids=list(x)) for i, x in enumerate(ids)]
+    for s in seqs:
+        blocks.grow(s, len(s.token_ids))
+    got: list[list[torch.Tensor]] = [[] for _ in seqs]
+    for step in WINDOW_PLANS[plan]:
+        items = [BatchItem(seqs[i], n, sample=False) for i, n in step if n]
+        for (i, n), out in zip([x for x in step if x[1]], rt.step_logits(runner, items)):
+            got[i].append(out)
+    while any(s.num_computed_tokens < len(s.token_ids) for s in seqs):
+        todo = [s for s in seqs if s.num_computed_tokens < len(s.token_ids)]
+        for s, out in zip(todo, rt.step_logits(runner, [BatchItem(s, 1, sample=False) for s in todo])):
+            got[s.seq_id].append(out)
+    for i, x in enumerate(ids):
+        torch.testing.assert_close(torch.cat(got[i]), hf_logits(model_dir, x), atol=1e-4, rtol=0, msg=lambda m, i=i: f"seq {i}: {m}")

@@ -116,36 +116,44 @@ def test_max_model_len_must_fit_the_pool(tiny_llama_dir: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "arch,extra,window",
+    "arch,extra,window,layers",
     [
-        ("MistralForCausalLM", {"sliding_window": 64}, 64),  # Mistral v0.1 style: always applied
-        ("MistralForCausalLM", {"sliding_window": None}, None),  # v0.2+
-        ("Qwen2ForCausalLM", {"sliding_window": 64, "use_sliding_window": False}, None),
-        ("Qwen2ForCausalLM", {"sliding_window": 64, "use_sliding_window": True}, 64),
+        ("MistralForCausalLM", {"sliding_window": 64}, 64, (0, 1, 2)),  # Mistral v0.1 style: every layer
+        ("MistralForCausalLM", {"sliding_window": None}, None, ()),  # v0.2+
+        ("Qwen2ForCausalLM", {"sliding_window": 64, "use_sliding_window": False}, None, ()),
+        # transformers' own layer_types (written at save) decide: the saved model's say full attention
+        ("Qwen2ForCausalLM", {"sliding_window": 64, "use_sliding_window": True}, None, ()),
+        ("Qwen2ForCausalLM", {"sliding_window": 64, "use_sliding_window": True, "layer_types": None, "max_window_layers": 2}, 64, (2,)),
     ],
 )
-def test_sliding_window_caps_max_model_len(
-    tiny_model_dir: Any, tmp_path: Path, arch: str, extra: dict[str, Any], window: int | None
+def test_sliding_window_is_served_on_cpu_and_capped_elsewhere(
+    tiny_model_dir: Any, tmp_path: Path, arch: str, extra: dict[str, Any], window: int | None, layers: tuple[int, ...]
 ) -> None:
-    """Sliding-window attention is not implemented: within the window it is exact, so the engine caps
-    max_model_len there (and refuses an explicit larger one) instead of silently diverging past it."""
+    """The window and its layers are read as transformers reads them. On CPU the window is applied (no
+    cap on max_model_len: greedy runs past it, see tests/runtime/test_model.py for the logits); where
+    the backend has no windows, max_model_len is capped at the window (an explicit larger one refused)."""
     import json
     import shutil
+
+    from scheduler.startup import resolve_max_model_len
 
     src = tiny_model_dir("mistral" if arch.startswith("Mistral") else "qwen2")
     model = tmp_path / "m"
     shutil.copytree(src, model)
     cfg = json.loads((model / "config.json").read_text())
-    cfg.update(extra)
+    cfg.update({k: v for k, v in extra.items() if v is not None or k != "layer_types"})
+    if "layer_types" in extra:
+        cfg.pop("layer_types", None)
     (model / "config.json").write_text(json.dumps(cfg))
     e = Engine(EngineConfig(model=str(model), kv_cache_memory=8 * MiB))
-    assert e.model_config.sliding_window == window
-    assert e.max_model_len == (window or e.model_config.max_position_embeddings)
+    assert (e.model_config.sliding_window, e.model_config.window_layers) == (window, layers)
+    assert e.max_model_len == e.model_config.max_position_embeddings
     if window is not None:
+        assert resolve_max_model_len(e.model_config, None, sliding_window_supported=False) == window
         with pytest.raises(ValueError, match=f"sliding window of {window} tokens"):
-            Engine(EngineConfig(model=str(model), kv_cache_memory=8 * MiB, max_model_len=window + 1))
-        res = e.generate([[5] * 60], SamplingParams(max_tokens=None, ignore_eos=True, temperature=0.0))
-        assert len(res[0].outputs[0].token_ids) == 4  # runs to max_model_len: 60 + 4 = the 64-token window
+            resolve_max_model_len(e.model_config, window + 1, sliding_window_supported=False)
+        res = e.generate([[5] * 60], SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.0))
+        assert len(res[0].outputs[0].token_ids) == 20  # past the 64-token window
         assert e.block_manager.num_used_blocks == 0
 
 

@@ -389,9 +389,11 @@ AttendFn choose(int64_t head_dim, bool allow_simd) {
   return portable_entry<T, 0>;
 }
 
+// window > 0: sliding-window attention, each query attends to its sequence's last ``window`` tokens
+// only (itself included), as transformers' sliding-window mask does; 0: the whole context.
 at::Tensor run(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                const at::Tensor& block_tables_in, const at::Tensor& seq_lens_in, double scale,
-               const c10::optional<at::Tensor>& out, bool allow_simd) {
+               const c10::optional<at::Tensor>& out, bool allow_simd, int64_t window = 0) {
   // q may be a strided view (e.g. split from a fused qkv); the pool must already be contiguous,
   // since copying it here would be silent and huge.
   const at::Tensor q = q_in.contiguous();
@@ -412,6 +414,7 @@ at::Tensor run(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tens
   TORCH_CHECK(k_cache.size(3) == D, "head_dim of q (", D, ") and of the cache (", k_cache.size(3), ") differ");
   TORCH_CHECK(KVH > 0 && H % KVH == 0, "num_heads (", H, ") must be a multiple of num_kv_heads (", KVH, ")");
   TORCH_CHECK(block_size > 0 && D > 0, "empty block_size or head_dim");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: no window), got ", window);
   TORCH_CHECK(block_tables_in.scalar_type() == at::kInt && block_tables_in.dim() == 2 &&
                   block_tables_in.size(0) == B,
               "block_tables must be int32 [batch, max_blocks], got ", block_tables_in.scalar_type(), " ",
@@ -446,10 +449,10 @@ at::Tensor run(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tens
 
   // Validate every table entry the workers will dereference, so a bad table is an error, not a
   // wild read. Costs one compare per used block.
-  int64_t total_tokens = 0;
+  int64_t total_tokens = 0;  // what the queries attend to (their windows)
   for (int64_t b = 0; b < B; ++b) {
     const int64_t len = p.seq_lens[b];
-    total_tokens += len;
+    total_tokens += window > 0 ? std::min(len, window) : len;
     TORCH_CHECK(len >= 1, "seq_lens[", b, "] = ", len, ": each sequence needs at least one token");
     const int64_t used = (len + block_size - 1) / block_size;
     TORCH_CHECK(used <= p.max_blocks, "seq_lens[", b, "] = ", len, " needs ", used,
@@ -479,7 +482,10 @@ at::Tensor run(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tens
   int64_t splits = 1;
   if (parallel && pairs < 2 * threads) {
     int64_t longest = 0;
-    for (int64_t b = 0; b < B; ++b) longest = std::max<int64_t>(longest, p.seq_lens[b]);
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t len = p.seq_lens[b];
+      longest = std::max<int64_t>(longest, window > 0 ? std::min(len, window) : len);
+    }
     splits = std::max<int64_t>(1, std::min<int64_t>((2 * threads + pairs - 1) / pairs, longest / kMinSliceTokens));
   }
   const int64_t items = pairs * splits;
@@ -495,14 +501,15 @@ at::Tensor run(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tens
       if (item >= items) break;
       const int64_t pair = item / splits, b = pair / KVH, kvh = pair % KVH;
       const int64_t n = p.seq_lens[b];
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, n - window) : 0;
       if (splits == 1) {
-        fn(p, qp, kp, vp, b, kvh, 0, n, w);
+        fn(p, qp, kp, vp, b, kvh, lo, n, w);
         store(p, op, b, kvh, w);
         continue;
       }
       // Slices of whole tiles; the last ones may be empty (m = -inf, l = 0: no weight in the merge).
-      const int64_t chunk = ((n + splits - 1) / splits + kTile - 1) / kTile * kTile;
-      const int64_t begin = std::min(n, (item % splits) * chunk);
+      const int64_t chunk = ((n - lo + splits - 1) / splits + kTile - 1) / kTile * kTile;
+      const int64_t begin = std::min(n, lo + (item % splits) * chunk);
       fn(p, qp, kp, vp, b, kvh, begin, std::min(n, begin + chunk), w);
       float* st = slices.data() + item * state;
       std::copy(w.m, w.m + G, st);
@@ -539,15 +546,15 @@ at::Tensor run(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tens
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                                  const c10::optional<at::Tensor>& out) {
-  return run(q, k_cache, v_cache, block_tables, seq_lens, scale, out, /*allow_simd=*/true);
+                                  const c10::optional<at::Tensor>& out, int64_t window) {
+  return run(q, k_cache, v_cache, block_tables, seq_lens, scale, out, /*allow_simd=*/true, window);
 }
 
 at::Tensor paged_decode_attention_portable(const at::Tensor& q, const at::Tensor& k_cache,
                                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                                            const at::Tensor& seq_lens, double scale,
-                                           const c10::optional<at::Tensor>& out) {
-  return run(q, k_cache, v_cache, block_tables, seq_lens, scale, out, /*allow_simd=*/false);
+                                           const c10::optional<at::Tensor>& out, int64_t window) {
+  return run(q, k_cache, v_cache, block_tables, seq_lens, scale, out, /*allow_simd=*/false, window);
 }
 
 // One rotation of a head: [x1 c - x2 s, x2 c + x1 s] over the two halves, written to dst. Products and
@@ -569,7 +576,7 @@ __attribute__((optimize("fp-contract=off"))) void rotate_head(const float* x, co
 at::Tensor rope_write_decode(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
                              const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping_in,
                              const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads,
-                             double scale) {
+                             double scale, int64_t window) {
   const at::Tensor qkv = qkv_in.contiguous();
   TORCH_CHECK(qkv.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
                   v_cache.scalar_type() == at::kFloat,
@@ -612,7 +619,7 @@ at::Tensor rope_write_decode(const at::Tensor& qkv_in, const at::Tensor& cos_in,
     for (int64_t h = 0; h < KVH; ++h) rotate_head(x + (num_heads + h) * D, c, s, kd + h * D, half);
     std::memcpy(vd, x + (num_heads + KVH) * D, sizeof(float) * KVH * D);
   }
-  return run(q, k_cache, v_cache, block_tables, seq_lens, scale, c10::nullopt, /*allow_simd=*/true);
+  return run(q, k_cache, v_cache, block_tables, seq_lens, scale, c10::nullopt, /*allow_simd=*/true, window);
 }
 
 // Instruction-set extensions this build was compiled for, named as in /proc/cpuinfo, so the
@@ -663,16 +670,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Decode attention over a paged KV pool (fastest implementation compiled in)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
-        py::arg("scale"), py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
+        py::arg("scale"), py::arg("out") = py::none(), py::arg("window") = 0,
+        py::call_guard<py::gil_scoped_release>());
   m.def("paged_decode_attention_portable", &paged_decode_attention_portable,
         "The same, always through the plain-loop implementation", py::arg("q"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
-        py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
+        py::arg("out") = py::none(), py::arg("window") = 0, py::call_guard<py::gil_scoped_release>());
   m.def("rope_write_decode", &rope_write_decode,
         "Decode-only layer step: RoPE on q/k from fused qkv rows, k/v written at their slots, paged attention",
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("slot_mapping"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("num_heads"),
-        py::arg("scale"), py::call_guard<py::gil_scoped_release>());
+        py::arg("scale"), py::arg("window") = 0, py::call_guard<py::gil_scoped_release>());
   m.def("compiled_isa", &compiled_isa);
   m.attr("has_avx512") = py::bool_(SERVELM_HAVE_AVX512 != 0);
 }
