@@ -15,6 +15,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Qwen3ForCausalLM",
     "SmolLM3ForCausalLM",  # Llama with RoPE left out of every few layers (NoPE)
     "GraniteForCausalLM",  # Llama with scalar multipliers on embeddings, attention, residuals and logits
+    "Gemma3ForCausalLM",  # Gemma 3 text (270M, 1B): sandwich norms, GELU, local/global RoPE, sliding windows (CPU)
 )
 
 
@@ -35,6 +36,13 @@ def _sliding_window(
         return None, ()
     if arch == "MistralForCausalLM":
         return int(window), tuple(range(num_layers))
+    if arch == "Gemma3ForCausalLM":  # always windowed: 5 local layers to 1 global unless layer_types says
+        types = d.get("layer_types")
+        if not (isinstance(types, list) and len(types) == num_layers):
+            pattern = int(d.get("sliding_window_pattern", 6))
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+        layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+        return (int(window), layers) if layers else (None, ())
     if not d.get("use_sliding_window", False):
         return None, ()
     types = d.get("layer_types")
@@ -46,6 +54,40 @@ def _sliding_window(
         first = int(d.get("max_window_layers", num_layers))
         layers = tuple(range(first, num_layers))
     return (int(window), layers) if layers else (None, ())
+
+
+def _rope_pair(params: dict[str, Any] | None, theta: float) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling or None) from a transformers-5 per-layer-type ``rope_parameters`` entry."""
+    params = params or {}
+    scaling = params if params.get("rope_type", "default") != "default" else None
+    return float(params.get("rope_theta", theta)), scaling
+
+
+def _gemma3(d: dict[str, Any], hidden: int) -> dict[str, Any]:
+    """Gemma 3's fields beyond Llama's (transformers 4 and 5 config layouts)."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if d.get(key):
+            raise UnsupportedModelError(f"Gemma 3 with {key}={d[key]} is not supported")
+    if d.get("use_bidirectional_attention"):
+        raise UnsupportedModelError("bidirectional Gemma 3 (an embedding model) is not a causal LM")
+    rp = d.get("rope_parameters") or {}
+    nested = isinstance(rp.get("full_attention"), dict) or isinstance(rp.get("sliding_attention"), dict)
+    if nested:
+        global_rope = _rope_pair(rp.get("full_attention"), float(d.get("rope_theta", 1_000_000.0)))
+        local_rope = _rope_pair(rp.get("sliding_attention"), float(d.get("rope_local_base_freq", 10_000.0)))
+    else:  # transformers 4: rope_theta / rope_scaling for global layers, rope_local_base_freq for local ones
+        global_rope = (float(d.get("rope_theta", 1_000_000.0)), d.get("rope_scaling"))
+        local_rope = (float(d.get("rope_local_base_freq", 10_000.0)), None)
+    return {
+        "global_rope": global_rope,
+        "local_rope": local_rope,
+        "qk_norm": True,
+        "gemma_norms": True,
+        "sandwich_norms": True,
+        "embedding_multiplier": float(hidden) ** 0.5,
+        "embedding_multiplier_in_dtype": True,
+        "attention_multiplier": float(d.get("query_pre_attn_scalar", 256)) ** -0.5,
+    }
 
 
 @dataclass(frozen=True)
@@ -76,9 +118,17 @@ class ModelConfig:
     # Granite: embeddings x embedding_multiplier, attention scale attention_multiplier (None: head_dim^-0.5),
     # each sublayer's output x residual_multiplier before its residual add, logits / logits_scaling
     embedding_multiplier: float = 1.0
-    attention_multiplier: float | None = None
+    attention_multiplier: float | None = None  # the attention score scale (also Gemma's query_pre_attn_scalar^-0.5)
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    # Gemma 3: the embedding multiplier rounded to the weights' dtype first; RMSNorms scale by 1 + w in
+    # float32; a norm on each sublayer's output too ("sandwich"); GELU (tanh) in the MLP; the sliding
+    # layers' own RoPE (theta, scaling)
+    embedding_multiplier_in_dtype: bool = False
+    gemma_norms: bool = False
+    sandwich_norms: bool = False
+    hidden_act: str = "silu"  # "silu" | "gelu_tanh"
+    local_rope: tuple[float, dict[str, Any] | None] | None = None
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
@@ -114,7 +164,10 @@ class ModelConfig:
             nope = tuple(i for i, f in enumerate(flags) if not f)
         granite = arch == "GraniteForCausalLM"
         window, window_layers = _sliding_window(arch, d, num_layers, nope)
-        return cls(
+        act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
+        if act not in ("silu", "gelu_pytorch_tanh"):
+            raise UnsupportedModelError(f"unsupported activation {act!r} (silu, gelu_pytorch_tanh)")
+        fields: dict[str, Any] = dict(
             architecture=arch,
             vocab_size=int(d["vocab_size"]),
             hidden_size=hidden,
@@ -139,7 +192,13 @@ class ModelConfig:
             attention_multiplier=float(d.get("attention_multiplier", 1.0)) if granite else None,
             residual_multiplier=float(d.get("residual_multiplier", 1.0)) if granite else 1.0,
             logits_scaling=float(d.get("logits_scaling", 1.0)) if granite else 1.0,
+            hidden_act="gelu_tanh" if act == "gelu_pytorch_tanh" else "silu",
         )
+        if arch == "Gemma3ForCausalLM":
+            gemma = _gemma3(d, hidden)
+            fields["rope_theta"], fields["rope_scaling"] = gemma.pop("global_rope")
+            fields.update(gemma)
+        return cls(**fields)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":

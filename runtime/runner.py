@@ -23,7 +23,7 @@ from runtime.attention.base import AttentionBackend, AttentionMetadata
 from runtime.attention.selector import select_backend
 from runtime.batch import PENDING_TOKEN, BatchItem, RunnerOutput, SequenceView
 from runtime.capacity import kv_bytes_per_token
-from runtime.config import ModelConfig
+from runtime.config import ModelConfig, UnsupportedModelError
 from runtime.cuda_graphs import CudaGraphRunner
 from runtime.kv_cache import KVPool
 from runtime.models.llama import FewRowKernels
@@ -87,6 +87,8 @@ class ModelRunner:
         (``self.quantization`` says which runs).
         """
         check_quantization(quantization, torch.device(device), dtype)
+        if torch.device(device).type != "cpu" and model_config.gemma_norms:
+            raise UnsupportedModelError(f"{model_config.architecture} is served on CPU only (its sliding windows and norms have no CUDA path yet)")
         widths = projection_widths(model_config)
         check_group_widths(widths, quantization)
         self.model_config = model_config

@@ -105,6 +105,7 @@ def load_model(
     """Build the model for ``cfg`` on ``device`` in ``dtype`` and load the folder's weights into it."""
     model = build_model(cfg, backend, dtype, device)
     nbytes = load_weights(model, model_dir)
+    model.after_load()
     model.eval()
     log.info("loaded %s (%.1f MiB, %s, %s) from %s", cfg.architecture, nbytes / 2**20, dtype, device, model_dir)
     return model

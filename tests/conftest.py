@@ -66,6 +66,15 @@ TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=None)),
     # Sliding windows of 16 tokens: on every layer (Mistral v0.1 style), and on layers 1 and 2 only.
     "mistral_window": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=16)),
+    # Gemma 3 text: layers 0 and 2 local (16-token window, RoPE theta 10k), layer 1 global (theta 1M);
+    # query_pre_attn_scalar unlike head_dim, so the score scale is its own.
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(tie_word_embeddings=True, sliding_window=16, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+             query_pre_attn_scalar=24, max_position_embeddings=512, rope_parameters={
+                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                 "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}),
+    ),  # fmt: skip
     "qwen2_window": ("Qwen2Config", dict(tie_word_embeddings=True, use_sliding_window=True, sliding_window=16, max_window_layers=1)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(tie_word_embeddings=True)),
@@ -83,6 +92,8 @@ TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 def hf_model_class(config_cls_name: str) -> type:
     import transformers
 
+    if config_cls_name == "Gemma3TextConfig":
+        return transformers.Gemma3ForCausalLM
     return getattr(transformers, config_cls_name.replace("Config", "ForCausalLM"))
 
 

@@ -1,4 +1,5 @@
-"""Our Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM, SmolLM3, Granite) over a flat token batch.
+"""Our Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM, SmolLM3, Granite, Gemma 3 text) over a
+flat token batch.
 
 The model sees one step as a flat list of tokens (decodes first, then prefill chunks; no batch
 dimension, no padding). Every attention layer hands its q/k/v to the attention backend together with
@@ -17,6 +18,7 @@ the top-level module as usual.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -80,6 +82,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.kernel: cpu_ops.RmsNorm | None = None  # the compiled CPU op, when the runner sets it
         self.fused: FusedRmsNorm | None = None  # residual add + norm in one kernel (runtime.triton_ops)
+        # Gemma: the weight is 1 + w in float32 (``CausalLM.after_load``), applied before rounding to
+        # the input's dtype, as Gemma3RMSNorm computes it
+        self.upcast_weight = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None:
@@ -89,6 +94,8 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.float32:
             # One fused op instead of six; the same arithmetic as HF's (x * rsqrt(mean(x^2) + eps)) * w.
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if self.upcast_weight:
+            return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
         return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -331,6 +338,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, device)
         self.split_max_rows = CPU_SPLIT_GATE_UP_MAX_ROWS if device.type == "cpu" else 0
         self.act_mul: Callable[[torch.Tensor], torch.Tensor] | None = None  # silu(gate) * up in one kernel
+        self.gelu = cfg.hidden_act == "gelu_tanh"  # Gemma: GELU (tanh approximation) instead of SiLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.act_mul is not None:
@@ -344,7 +352,7 @@ class MLP(nn.Module):
             gate_up = proj.forward(x)
             gate = gate_up[:, : self.intermediate]
             up = gate_up[:, self.intermediate :]
-        act = F.silu(gate)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         return self.down_proj.forward(act.mul_(up))  # in place: one [T, intermediate] temporary fewer
 
 
@@ -362,6 +370,14 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, backend, dtype, device, layer_idx)
         # Granite: each sublayer's output is scaled before its residual add (1.0 elsewhere: no op)
         self.residual_multiplier = cfg.residual_multiplier
+        # Gemma 3: the sliding layers' own RoPE tables; and "sandwich" norms: post_attention_layernorm
+        # normalises the attention's output, pre_feedforward_layernorm the MLP's input (the role
+        # post_attention_layernorm has in Llama), post_feedforward_layernorm the MLP's output
+        self.local_rope = cfg.local_rope is not None and layer_idx in cfg.window_layers
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = MLP(cfg, dtype, device)
         self.few_rows: FewRowKernels | None = None
@@ -387,6 +403,9 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm.forward_add(x, residual)
         x = self.self_attn.forward(x, cos_sin, meta)
+        if self.sandwich:
+            x, residual = self.pre_feedforward_layernorm.forward_add(self.post_attention_layernorm.forward(x), residual)
+            return self.post_feedforward_layernorm.forward(self.mlp.forward(x)), residual
         m = self.residual_multiplier
         if m != 1.0:
             x = x * m
@@ -427,6 +446,11 @@ class DecoderStack(nn.Module):
         self.embed_tokens = nn.Module()
         self.embed_tokens.weight = _param((cfg.vocab_size, cfg.hidden_size), dtype, device)
         self.rotary_emb = RotaryEmbedding(cfg, dtype, device)
+        # Gemma 3: the sliding layers' RoPE (another theta), when the model has one
+        self.rotary_emb_local: RotaryEmbedding | None = None
+        if cfg.local_rope is not None:
+            theta, scaling = cfg.local_rope
+            self.rotary_emb_local = RotaryEmbedding(dataclasses.replace(cfg, rope_theta=theta, rope_scaling=scaling), dtype, device)
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend, dtype, device, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
@@ -459,6 +483,9 @@ class CausalLM(nn.Module):
         device = torch.device(device)
         self.config = cfg
         self.model = DecoderStack(cfg, backend, dtype, device)
+        # Gemma rounds its embedding multiplier to the weights' dtype first (bfloat16: sqrt(1152) -> 34.0)
+        scale = cfg.embedding_multiplier
+        self.embed_scale = float(torch.tensor(scale, dtype=torch.float32).to(dtype)) if cfg.embedding_multiplier_in_dtype else scale
         self.tall_skinny_head_max_rows = CPU_TALL_SKINNY_HEAD_MAX_ROWS if device.type == "cpu" else 0
         self.lm_head_packed: torch.Tensor | None = None
         self.lm_head_small_m: cpu_linear.SmallMLinear | None = None
@@ -481,6 +508,16 @@ class CausalLM(nn.Module):
             return self.model.embed_tokens.weight
         return self.lm_head.weight
 
+    def after_load(self) -> None:
+        """Model-specific changes to the loaded weights: Gemma's norms scale by 1 + w, in float32."""
+        if not self.config.gemma_norms:
+            return
+        with torch.no_grad():
+            for module in self.modules():
+                if isinstance(module, RMSNorm):
+                    module.weight = nn.Parameter(1.0 + module.weight.float(), requires_grad=False)
+                    module.upcast_weight = True
+
     def bind_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
         """Give each attention layer its slice of the KV pool."""
         if len(k_caches) != len(self.model.layers) or len(v_caches) != len(self.model.layers):
@@ -492,12 +529,14 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """``input_ids``, ``positions``: ``[T]`` -> final-normed hidden states ``[T, hidden]``."""
         h = F.embedding(input_ids, self.model.embed_tokens.weight)
-        if self.config.embedding_multiplier != 1.0:  # Granite
-            h = h * self.config.embedding_multiplier
+        if self.embed_scale != 1.0:  # Granite, Gemma
+            h = h * self.embed_scale
         cos_sin = self.model.rotary_emb.tables(positions)
+        local = self.model.rotary_emb_local
+        cos_sin_local = local.tables(positions) if local is not None else cos_sin
         residual: torch.Tensor | None = None
         for layer in self.model.layers:
-            h, residual = layer.forward(h, residual, cos_sin, meta)
+            h, residual = layer.forward(h, residual, cos_sin_local if layer.local_rope else cos_sin, meta)
         if residual is None:
             return self.model.norm.forward(h)
         return self.model.norm.forward_add(h, residual)[0]
@@ -568,9 +607,11 @@ class CausalLM(nn.Module):
         return total
 
     def use_cpu_rms_norm(self, kernel: cpu_ops.RmsNorm) -> None:
-        """Route every RMSNorm through the compiled CPU op (``runtime.cpu_ops``; float32 or bfloat16)."""
+        """Route every RMSNorm through the compiled CPU op (``runtime.cpu_ops``; float32 or bfloat16).
+        Gemma's float32 weights under bfloat16 activations keep the torch path (the op rounds as Llama)."""
+        float32 = self.model.embed_tokens.weight.dtype == torch.float32
         for module in self.modules():
-            if isinstance(module, RMSNorm):
+            if isinstance(module, RMSNorm) and (float32 or not module.upcast_weight):
                 module.kernel = kernel
 
     def use_fused_ops(self, rms_norm: FusedRmsNorm, silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -578,9 +619,11 @@ class CausalLM(nn.Module):
         kernels (``runtime.triton_ops`` on CUDA)."""
         # The hidden-size norms only: Qwen3's per-head q/k norms see [tokens, heads, head_dim] views.
         for layer in self.model.layers:
-            layer.input_layernorm.fused = rms_norm
-            layer.post_attention_layernorm.fused = rms_norm
-            layer.mlp.act_mul = silu_mul
+            for module in layer.modules():
+                if isinstance(module, RMSNorm) and module is not layer.self_attn.q_norm and module is not layer.self_attn.k_norm:
+                    module.fused = rms_norm
+            if not layer.mlp.gelu:
+                layer.mlp.act_mul = silu_mul
         self.model.norm.fused = rms_norm
 
     def use_few_row_kernels(self, kernels: FewRowKernels) -> None:

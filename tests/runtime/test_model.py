@@ -50,7 +50,7 @@ def random_ids(n: int, seed: int) -> list[int]:
 
 @pytest.mark.parametrize(
     "variant",
-    ["llama", "llama_untied", "qwen2", "qwen3", "llama3_rope", "mistral", "smollm3", "granite", "mistral_window", "qwen2_window"],
+    ["llama", "llama_untied", "qwen2", "qwen3", "llama3_rope", "mistral", "smollm3", "granite", "mistral_window", "qwen2_window", "gemma3"],
 )
 @pytest.mark.parametrize("mode", list(MODES))
 def test_tiny_models_match_hf(
@@ -134,7 +134,7 @@ WINDOW_PLANS = {
 }
 
 
-@pytest.mark.parametrize("variant", ["mistral_window", "qwen2_window"])
+@pytest.mark.parametrize("variant", ["mistral_window", "qwen2_window", "gemma3"])
 @pytest.mark.parametrize("plan", list(WINDOW_PLANS))
 @pytest.mark.parametrize("kernel", [True, False], ids=["cpp-kernel", "torch-decode"])
 def test_sliding_window_batches_equal_hf(
@@ -163,3 +163,21 @@ def test_sliding_window_batches_equal_hf(
             got[s.seq_id].append(out)
     for i, x in enumerate(ids):
         torch.testing.assert_close(torch.cat(got[i]), hf_logits(model_dir, x), atol=1e-4, rtol=0, msg=lambda m, i=i: f"seq {i}: {m}")
+
+
+@pytest.mark.parametrize("variant", ["llama", "gemma3"])
+def test_bfloat16_is_as_close_to_float32_as_transformers_bfloat16(
+    tiny_model_dir: Callable[[str], Path], build_runner: Callable[..., ModelRunner], rt: SimpleNamespace, variant: str
+) -> None:
+    """bfloat16 (Gemma: norms in float32 with 1 + w, the embedding multiplier rounded to bfloat16, as
+    transformers does) lands as near transformers' float32 logits as transformers' own bfloat16 run."""
+    model_dir = tiny_model_dir(variant)
+    ids = random_ids(40, seed=9)
+    hf16 = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        ref16 = hf16(torch.tensor([ids])).logits[0].float()
+    ref32 = hf_logits(model_dir, ids)
+    ours = feed(build_runner(model_dir, num_blocks=16, dtype=torch.bfloat16), rt, ids, 7, seed=3)
+    theirs_err = (ref16 - ref32).abs().mean().item()
+    ours_err = (ours - ref32).abs().mean().item()
+    assert ours_err < 1.5 * theirs_err, (ours_err, theirs_err)

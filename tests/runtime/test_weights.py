@@ -144,3 +144,34 @@ def test_smollm3_and_granite_configs_read_what_transformers_reads(tiny_model_dir
 def _llama_dict() -> dict[str, Any]:
     return {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 16, "intermediate_size": 32,
             "num_hidden_layers": 2, "num_attention_heads": 2}  # fmt: skip
+
+
+def test_gemma3_config_in_both_transformers_layouts(tiny_model_dir: Callable[[str], Path]) -> None:
+    five = ModelConfig.from_dir(tiny_model_dir("gemma3"))  # transformers 5: rope_parameters per layer type
+    assert (five.rope_theta, five.local_rope, five.window_layers, five.sliding_window) == (1e6, (10000.0, None), (0, 2), 16)
+    assert five.qk_norm and five.gemma_norms and five.sandwich_norms and five.hidden_act == "gelu_tanh"
+    assert five.attention_multiplier == 24**-0.5 and five.embedding_multiplier == 64**0.5
+    # transformers 4 (the Hub's gemma-3-1b-it): flat rope fields, a window pattern instead of layer_types
+    four = {
+        "architectures": ["Gemma3ForCausalLM"], "vocab_size": 100, "hidden_size": 16, "intermediate_size": 32,
+        "num_hidden_layers": 12, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
+        "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "sliding_window": 512, "sliding_window_pattern": 6, "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh",
+    }  # fmt: skip
+    c = ModelConfig.from_hf_dict(four)
+    assert c.window_layers == (0, 1, 2, 3, 4, 6, 7, 8, 9, 10) and c.sliding_window == 512
+    assert (c.rope_theta, c.rope_scaling, c.local_rope) == (1e6, {"rope_type": "linear", "factor": 8.0}, (10000.0, None))
+    for bad in ({"final_logit_softcapping": 30.0}, {"attn_logit_softcapping": 50.0}, {"use_bidirectional_attention": True}):
+        with pytest.raises(UnsupportedModelError):
+            ModelConfig.from_hf_dict({**four, **bad})
+    with pytest.raises(UnsupportedModelError, match="activation"):
+        ModelConfig.from_hf_dict({**four, "hidden_activation": "relu"})
+
+
+def test_gemma3_is_refused_on_cuda_before_touching_it(tiny_model_dir: Callable[[str], Path]) -> None:
+    from runtime.runner import ModelRunner
+
+    d = tiny_model_dir("gemma3")
+    with pytest.raises(UnsupportedModelError, match="CPU only"):
+        ModelRunner(d, ModelConfig.from_dir(d), device=torch.device("cuda"), dtype=torch.bfloat16, block_size=16,
+                    num_blocks=4, max_num_batched_tokens=64, max_num_seqs=4)  # fmt: skip

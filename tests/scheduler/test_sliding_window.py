@@ -29,7 +29,7 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.fixture(scope="module", params=["mistral_window", "qwen2_window"])
+@pytest.fixture(scope="module", params=["mistral_window", "qwen2_window", "gemma3"])
 def model(request: pytest.FixtureRequest, tiny_model_dir: Callable[[str], Path]) -> tuple[Path, list[GreedyReference]]:
     path = tiny_model_dir(request.param)
     return path, hf_greedy_references(path, PROMPTS, MAX_NEW)
