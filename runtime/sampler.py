@@ -425,12 +425,16 @@ class Sampler:
             pos, row_of = _flat_token_positions(seqs, rep_rows, vocab, output_only=False)
             if pos.numel():
                 pos, row_of = host_to_device(pos, device), host_to_device(row_of, device)
-                r = host_to_device([p.repetition_penalty for p in params], device, logits.dtype)[row_of]
+                info = torch.finfo(logits.dtype)
+                # An r below the dtype's range (the range is (0, 10]: 5e-324 is 0 in float32) counts as
+                # its smallest normal number: r = 0 would turn a masked -inf into NaN, which argmax picks.
+                r = host_to_device([p.repetition_penalty for p in params], device, logits.dtype)[row_of].clamp_(min=info.tiny)
                 vals = flat[pos]
-                # Duplicate positions all write the same value. A tiny r (the range is (0, 10]) would
-                # push a positive logit to inf, and the softmax to NaN: stay at the largest finite value.
-                big = torch.finfo(logits.dtype).max
-                flat[pos] = torch.where(vals < 0, vals * r, vals / r).clamp_(-big, big)
+                # Duplicate positions all write the same value. A tiny r would push a positive logit to
+                # inf, and the softmax to NaN: stay at the largest finite value. A token a structured
+                # output or min_tokens forbade (-inf) stays forbidden.
+                new = torch.where(vals < 0, vals * r, vals / r).clamp_(-info.max, info.max)
+                flat[pos] = torch.where(vals == float("-inf"), vals, new)
         if pf_rows:
             # OpenAI definition over output tokens: logit -= count * frequency + (count > 0) * presence.
             pos, _ = _flat_token_positions(seqs, pf_rows, vocab, output_only=True)

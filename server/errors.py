@@ -80,7 +80,8 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
 
 def document_validation_as_400(app: FastAPI) -> None:
     """FastAPI documents a 422 for every route with a body or parameters; here validation errors leave
-    as 400 in the OpenAI shape (``install_error_handlers``), so the schema drops the 422s."""
+    as 400 in the OpenAI shape (``install_error_handlers``), so the schema drops the 422s. Error bodies
+    are documented as JSON on every route (FastAPI would give a text route's errors its text type)."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -88,7 +89,14 @@ def document_validation_as_400(app: FastAPI) -> None:
             schema = build()
             for path in schema.get("paths", {}).values():
                 for operation in path.values():
-                    operation.get("responses", {}).pop("422", None)
+                    responses = operation.get("responses", {})
+                    responses.pop("422", None)
+                    # An error body is JSON even where the route's own response is text (LoRA loading).
+                    for response in responses.values():
+                        content = response.get("content", {})
+                        text = content.get("text/plain", {})
+                        if text.get("schema", {}).get("$ref", "").endswith("/ErrorResponse"):
+                            content["application/json"] = content.pop("text/plain")
             components = schema.get("components", {}).get("schemas", {})
             for name in ("HTTPValidationError", "ValidationError"):
                 components.pop(name, None)

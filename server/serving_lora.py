@@ -13,7 +13,7 @@ import asyncio
 from typing import Any
 
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from server.errors import APIError, bad_request
 from server.protocol import ModelCard
@@ -23,14 +23,14 @@ from server.serving_common import ServingContext, engine_error
 class LoadLoRAAdapterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    lora_name: str
-    lora_path: str
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
 
 
 class UnloadLoRAAdapterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    lora_name: str
+    lora_name: str = Field(min_length=1)
     lora_int_id: int | None = None  # vLLM's; ignored (names are unique)
 
 

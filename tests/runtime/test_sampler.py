@@ -332,14 +332,31 @@ def test_repetition_penalty_over_prompt_and_output() -> None:
 
 
 def test_a_tiny_repetition_penalty_keeps_logits_finite() -> None:
-    """r = 5e-324 is inside (0, 10]: a positive logit divided by it stays at the largest finite value
-    (it overflowed to inf, the log-softmax gave NaN, and the logprobs could not be sent as JSON)."""
+    """r = 5e-324 is inside (0, 10]: a positive logit divided by it stays finite (it overflowed to inf,
+    the log-softmax gave NaN, and the logprobs could not be sent as JSON)."""
     logits = torch.linspace(-5, 5, 50).repeat(1, 1)
     seq = Seq(token_ids=[3, 40, 45], num_prompt_tokens=3, params=Spec(repetition_penalty=5e-324))
     Sampler().process_logits(logits, [seq])
     assert torch.isfinite(logits).all()
-    assert logits[0, 40] == torch.finfo(logits.dtype).max and logits[0, 3] <= 0
-    assert torch.isfinite(logits.log_softmax(-1)).all() and int(logits.argmax()) == 40
+    assert logits[0, 40] > 1e38 and logits[0, 3] <= 0  # r counts as float32's smallest normal number
+    # 40 and 45 both grow past 1e38; 45 was the larger and stays so (the clamp keeps it at the maximum)
+    assert torch.isfinite(logits.log_softmax(-1)).all() and int(logits.argmax()) == 45
+
+
+@pytest.mark.parametrize("r", [5e-324, 1e-39, 1.3])
+def test_repetition_penalty_never_revives_a_forbidden_token(r: float) -> None:
+    """A token the structured output forbids (-inf) stays forbidden under any penalty: with r = 5e-324
+    (0 in float32) -inf * r was NaN, argmax chose it, and the grammar refused the token (a 500, found
+    by schemathesis)."""
+    logits = torch.linspace(-5, 5, 50).repeat(1, 1)
+    seq = Seq(token_ids=[3, 40, 45], num_prompt_tokens=3, params=Spec(temperature=0.0, repetition_penalty=r),
+              grammar=BitMask({10, 45}))  # fmt: skip
+    x = logits.clone()
+    Sampler().process_logits(x, [seq])
+    assert not torch.isnan(x).any()
+    assert x[0, 40] == float("-inf") and x[0, 3] == float("-inf")  # in the prompt, forbidden
+    tokens, _ = Sampler().sample(logits.clone(), [seq])
+    assert tokens[0] == 45  # allowed, in the prompt (penalised), still the larger of the two
 
 
 def test_presence_and_frequency_penalties_count_output_tokens_only() -> None:
