@@ -392,8 +392,8 @@ class AsyncEngine:
         if not cmds:
             return stop
         engine = self.engine
-        accepted: list[tuple[asyncio.Future[Any], BaseException | None]] = []
-        called: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
+        # (future, result, error) of each add and call, resolved on the event loop
+        results: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
         for cmd in cmds:
             if isinstance(cmd, _Abort):
                 for rid in cmd.request_ids:
@@ -402,9 +402,9 @@ class AsyncEngine:
                 continue
             if isinstance(cmd, _Call):
                 try:
-                    called.append((cmd.future, cmd.fn(engine), None))
+                    results.append((cmd.future, cmd.fn(engine), None))
                 except Exception as exc:  # the call's own failure, reported to its caller
-                    called.append((cmd.future, None, exc))
+                    results.append((cmd.future, None, exc))
                 continue
             added: list[str] = []
             error: BaseException | None = None
@@ -420,17 +420,15 @@ class AsyncEngine:
                 for rid in added:
                     self._routes.pop(rid, None)
                     engine.abort(rid)
-            accepted.append((cmd.future, error))
+            results.append((cmd.future, None, error))
         # The engine's new waiting count and the inbox's smaller one change together, so the queue
         # bound in ``add`` never sees a request in neither or in both.
         snap = self._snapshot_now()
         with self._lock:
             self._pending_adds -= sum(p.n for c in cmds if isinstance(c, _Add) for _, _, p in c.requests)
             self.snapshot = snap
-        if accepted:
-            self._call_soon(self._resolve_adds, accepted)
-        if called:
-            self._call_soon(self._resolve_calls, called)
+        if results:
+            self._call_soon(self._resolve, results)
         return stop
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
@@ -494,17 +492,7 @@ class AsyncEngine:
             pass
 
     @staticmethod
-    def _resolve_adds(results: list[tuple[asyncio.Future[None], BaseException | None]]) -> None:
-        for fut, error in results:
-            if fut.done():
-                continue
-            if error is None:
-                fut.set_result(None)
-            else:
-                fut.set_exception(error)
-
-    @staticmethod
-    def _resolve_calls(results: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
+    def _resolve(results: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
         for fut, value, error in results:
             if fut.done():
                 continue
