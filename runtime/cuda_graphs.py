@@ -35,7 +35,7 @@ from runtime import pdl
 from runtime.attention.base import AttentionBackend, AttentionMetadata
 
 if TYPE_CHECKING:
-    from runtime.models.llama import FewRowKernels
+    from runtime.models.layers import FewRowKernels
 
 log = logging.getLogger(__name__)
 

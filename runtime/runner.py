@@ -26,7 +26,7 @@ from runtime.capacity import kv_bytes_per_token
 from runtime.config import ModelConfig, UnsupportedModelError
 from runtime.cuda_graphs import CudaGraphRunner
 from runtime.kv_cache import KVPool
-from runtime.models.llama import FewRowKernels
+from runtime.models.layers import FewRowKernels
 from runtime.quantization import (
     QUANTIZATION_LABELS,
     check_group_widths,

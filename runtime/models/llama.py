@@ -5,8 +5,8 @@ The model sees one step as a flat list of tokens (decodes first, then prefill ch
 dimension, no padding). Every attention layer hands its q/k/v to the attention backend together with
 its own slice of the KV pool and the step's ``AttentionMetadata``; the model never branches on device.
 
-Parameters are fused where the checkpoint is not (q/k/v into ``qkv_proj``, gate/up into
-``gate_up_proj``). Each fused parameter carries ``shard_slices`` (checkpoint shard name -> rows it
+The layers are built from ``runtime.models.layers`` (RMSNorm, the projections, RoPE). Parameters are
+fused where the checkpoint is not (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``). Each fused parameter carries ``shard_slices`` (checkpoint shard name -> rows it
 fills), which is what the weight loader (``runtime.weights``) uses to map checkpoint tensors onto it.
 
 Inside the model, submodules are called through ``.forward``: ``nn.Module.__call__`` (hooks, tracing
@@ -19,8 +19,6 @@ the top-level module as usual.
 from __future__ import annotations
 
 import dataclasses
-import math
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -29,8 +27,18 @@ from torch import nn
 
 from runtime import cpu_linear, cpu_ops, quantization
 from runtime.attention.base import AttentionBackend, AttentionMetadata
-from runtime.config import ModelConfig, UnsupportedModelError
-from runtime.lora import LoRAContext, LoRAProjection
+from runtime.config import ModelConfig
+from runtime.lora import LoRAContext
+from runtime.models.layers import (
+    CosSin,
+    FewRowKernels,
+    FusedRmsNorm,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    empty_param,
+    apply_rope,
+)
 
 
 # Small-batch matmul shapes that MKL's sgemm handles badly (measured with scripts/bench_runner.py's
@@ -41,218 +49,6 @@ from runtime.lora import LoRAContext, LoRAProjection
 # is faster than either at every batch size.
 CPU_SPLIT_GATE_UP_MAX_ROWS = 16
 CPU_TALL_SKINNY_HEAD_MAX_ROWS = 8
-
-
-def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
-    # Uninitialised on purpose: every parameter is overwritten by the loader, and touching the
-    # memory twice would double start-up cost and peak resident memory.
-    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
-
-
-# (x, residual | None, weight, eps) -> (norm(x [+ residual]) * weight, x + residual written into residual | None)
-FusedRmsNorm = Callable[[torch.Tensor, "torch.Tensor | None", torch.Tensor, float], "tuple[torch.Tensor, torch.Tensor | None]"]
-
-
-@dataclass
-class FewRowKernels:
-    """Projections of a few rows with the op before each fused in (``runtime.triton_gemv`` on CUDA).
-
-    A forward of at most ``max_rows`` tokens uses them; ``max_rows`` is read at every forward, so the
-    CUDA-graph runner can capture each batch size with them (``max_rows >= size``) or without (0).
-    """
-
-    # (x, weight, bias) -> F.linear(x, weight, bias)
-    linear: Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
-    # (x, residual | None, norm weight, eps, weight, bias) -> (linear(norm(x + residual)), x + residual)
-    rms_norm_linear: Callable[..., "tuple[torch.Tensor, torch.Tensor]"]
-    # (gate_up [T, 2I], weight, bias) -> linear(silu(gate) * up)
-    silu_mul_linear: Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
-    max_rows: int = 0
-
-    def applies(self, rows: int) -> bool:
-        return 0 < rows <= self.max_rows
-
-
-class RMSNorm(nn.Module):
-    """RMS normalisation, computed in float32 as Hugging Face's Llama does (matters for bf16)."""
-
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        self.weight = _param((size,), dtype, device)
-        self.eps = eps
-        self.kernel: cpu_ops.RmsNorm | None = None  # the compiled CPU op, when the runner sets it
-        self.fused: FusedRmsNorm | None = None  # residual add + norm in one kernel (runtime.triton_ops)
-        # Gemma: the weight is 1 + w in float32 (``CausalLM.after_load``), applied before rounding to
-        # the input's dtype, as Gemma3RMSNorm computes it
-        self.upcast_weight = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused is not None:
-            return self.fused(x, None, self.weight, self.eps)[0]
-        if self.kernel is not None and x.is_contiguous():
-            return self.kernel(x, self.weight, self.eps)
-        if x.dtype == torch.float32:
-            # One fused op instead of six; the same arithmetic as HF's (x * rsqrt(mean(x^2) + eps)) * w.
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        if self.upcast_weight:
-            return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
-
-    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(norm(x + residual), x + residual)``: the residual add that precedes every norm but the first."""
-        if self.fused is not None:
-            out, r = self.fused(x, residual, self.weight, self.eps)
-            return out, r  # type: ignore[return-value]
-        r = x + residual
-        return self.forward(r), r
-
-
-class Linear(nn.Module):
-    """``y = x W^T (+ b)``, optionally the concatenation of several checkpoint projections.
-
-    ``shards`` lists (checkpoint shard name, output rows) in fused order; the parameter then carries
-    ``shard_slices`` so the loader can copy each checkpoint tensor into its rows.
-    """
-
-    def __init__(
-        self,
-        in_features: int,
-        shards: list[tuple[str, int]] | int,
-        bias: bool,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        super().__init__()
-        if isinstance(shards, int):
-            shards = [("", shards)]
-        self.out_features = sum(n for _, n in shards)
-        self.in_features = in_features
-        self.weight: nn.Parameter | None = _param((self.out_features, in_features), dtype, device)
-        self.packed: torch.Tensor | None = None  # the oneDNN copy of ``weight`` once packed
-        self.small_m: cpu_linear.SmallMLinear | None = None  # few-row kernel over the dense weight
-        self.small_m_rows = 0
-        # --quantization: the quantized copy and the few-row kernel over it
-        self.quant: quantization.QuantizedWeight | None = None
-        self.bias = _param((self.out_features,), dtype, device) if bias else None
-        self.few_rows: FewRowKernels | None = None
-        self.lora: LoRAProjection | None = None  # LoRA adapters' updates (runtime.lora.attach)
-        # checkpoint shard name -> our output rows (kept here too: packing may drop the weight)
-        self.shard_rows: dict[str, slice] = {}
-        if len(shards) > 1:
-            start = 0
-            for name, n in shards:
-                self.shard_rows[name] = slice(start, start + n)
-                start += n
-            self.weight.shard_slices = self.shard_rows  # type: ignore[attr-defined]
-            if self.bias is not None:
-                self.bias.shard_slices = self.shard_rows  # type: ignore[attr-defined]
-
-    def pack_for_cpu(self, small_m: tuple[cpu_linear.SmallMLinear, int] | None = None) -> None:
-        """Add the oneDNN-packed copy of the weight (``runtime.cpu_linear``); irreversible.
-
-        With ``small_m`` (the few-row kernel and its row limit) the dense weight stays for steps of
-        that many rows or fewer; without it the dense weight is dropped.
-        """
-        assert self.weight is not None and self.packed is None, "already packed"
-        self.packed = cpu_linear.pack(self.weight)
-        if small_m is None:
-            self.weight = None
-        else:
-            self.small_m, self.small_m_rows = small_m
-
-    @property
-    def quant_rows(self) -> int:
-        """Most rows the quantized few-row kernel takes (0: not quantized, or no kernel)."""
-        return self.quant.max_rows if self.quant is not None else 0
-
-    def quantize(self, scheme: str, kernels: dict[str, tuple[quantization.QuantizedKernel, int]]) -> None:
-        """Quantize the weight (``runtime.quantization``): the parameter becomes its dequantized value,
-        and steps of up to the scheme's kernel's rows run that kernel over the quantized copy."""
-        assert self.weight is not None and self.packed is None, "quantize before packing"
-        self.quant = quantization.quantize(self.weight, scheme, kernels)
-        with torch.no_grad():
-            self.weight.copy_(self.quant.dequantize(self.weight.dtype))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.project(x)
-        lora = self.lora
-        if lora is not None and lora.ctx.plan:
-            lora.apply(x, y)
-        return y
-
-    def project(self, x: torch.Tensor) -> torch.Tensor:
-        """The base projection (no LoRA update)."""
-        quant = self.quant
-        if quant is not None and x.shape[0] <= quant.max_rows:
-            return quant.linear(x, self.bias)
-        if self.packed is not None:
-            if x.shape[0] <= self.small_m_rows:
-                return self.small_m(x.contiguous(), self.weight, self.bias)  # type: ignore[misc]
-            return cpu_linear.linear(x, self.packed, self.bias)
-        if self.few_rows is not None and self.few_rows.applies(x.shape[0]):
-            return self.few_rows.linear(x, self.weight, self.bias)  # type: ignore[arg-type]
-        return F.linear(x, self.weight, self.bias)
-
-
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies for RoPE (float32), with the ``linear`` and ``llama3`` scalings."""
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = cfg.rope_scaling
-    if not scaling:
-        return inv_freq
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return inv_freq
-    if kind == "linear":
-        return inv_freq / float(scaling["factor"])
-    if kind == "llama3":
-        # Llama 3.1: keep high frequencies, divide low ones by ``factor``, interpolate in between.
-        factor = float(scaling["factor"])
-        low_ff = float(scaling["low_freq_factor"])
-        high_ff = float(scaling["high_freq_factor"])
-        old_len = float(scaling["original_max_position_embeddings"])
-        low_wavelen = old_len / low_ff
-        high_wavelen = old_len / high_ff
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low_ff) / (high_ff - low_ff)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-        return torch.where(is_medium, smoothed, scaled)
-    raise UnsupportedModelError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
-
-
-CosSin = tuple[torch.Tensor, torch.Tensor]  # the step's RoPE rows, [T, 1, head_dim / 2] each
-
-
-class RotaryEmbedding(nn.Module):
-    """Neox-style RoPE (rotate_half, as HF Llama) from cos/sin tables indexed by position.
-
-    The tables hold half the head dim (HF's full-width tables repeat the halves), so the rotation
-    ``[x1 cos - x2 sin, x2 cos + x1 sin]`` is the same arithmetic as ``x cos + rotate_half(x) sin``.
-    """
-
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        inv_freq = rope_inv_freq(cfg)
-        pos = torch.arange(cfg.max_position_embeddings, dtype=torch.int64).float()
-        freqs = pos[:, None] * inv_freq[None, :]  # float32, as HF computes it
-        self.register_buffer("cos", freqs.cos().to(device=device, dtype=dtype), persistent=False)
-        self.register_buffer("sin", freqs.sin().to(device=device, dtype=dtype), persistent=False)
-
-    def tables(self, positions: torch.Tensor) -> CosSin:
-        """cos and sin rows for ``positions``, ``[T, 1, D/2]`` each: looked up once per step, used by every layer."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-
-def apply_rope(x: torch.Tensor, cos_sin: CosSin) -> torch.Tensor:
-    """Rotate ``x`` ``[T, heads, head_dim]`` by the step's cos/sin rows -> a contiguous copy."""
-    cos, sin = cos_sin
-    half = cos.shape[-1]
-    x1 = x[..., :half]
-    x2 = x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class Attention(nn.Module):
@@ -444,7 +240,7 @@ class DecoderStack(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.embed_tokens = nn.Module()
-        self.embed_tokens.weight = _param((cfg.vocab_size, cfg.hidden_size), dtype, device)
+        self.embed_tokens.weight = empty_param((cfg.vocab_size, cfg.hidden_size), dtype, device)
         self.rotary_emb = RotaryEmbedding(cfg, dtype, device)
         # Gemma 3: the sliding layers' RoPE (another theta), when the model has one
         self.rotary_emb_local: RotaryEmbedding | None = None
@@ -497,7 +293,7 @@ class CausalLM(nn.Module):
         self.few_rows: FewRowKernels | None = None  # the head of a few rows too (CUDA graphs)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Module()
-            self.lm_head.weight = _param((cfg.vocab_size, cfg.hidden_size), dtype, device)
+            self.lm_head.weight = empty_param((cfg.vocab_size, cfg.hidden_size), dtype, device)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

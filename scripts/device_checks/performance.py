@@ -33,7 +33,8 @@ class unfused:
         self.runner = runner
 
     def __enter__(self) -> None:
-        from runtime.models.llama import MLP, RMSNorm
+        from runtime.models.layers import RMSNorm
+        from runtime.models.llama import MLP
 
         self.saved = [(m, "fused", m.fused) for m in self.runner.model.modules() if isinstance(m, RMSNorm)]
         self.saved += [(m, "act_mul", m.act_mul) for m in self.runner.model.modules() if isinstance(m, MLP)]

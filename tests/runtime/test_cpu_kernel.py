@@ -359,7 +359,7 @@ def test_build_failure_returns_none_with_a_warning(monkeypatch, tmp_path, caplog
 def test_rope_write_decode_equals_the_unfused_ops(kernel):
     """RoPE + K/V store + attention in one call == the model's apply_rope, index_copy_ and the
     reference attention; the cache rows it writes are bit-identical (no fused multiply-add)."""
-    from runtime.models.llama import apply_rope
+    from runtime.models.layers import apply_rope
 
     fused = cpu_kernel.load_rope_decode()
     assert fused is not None

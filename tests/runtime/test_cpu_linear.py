@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from runtime import cpu_linear
 from runtime.batch import BatchItem
-from runtime.models.llama import Linear
+from runtime.models.layers import Linear
 from runtime.runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from runtime import cpu_ops
 from runtime.batch import BatchItem
 from runtime.cpu_extension import cpu_flags
-from runtime.models.llama import RMSNorm
+from runtime.models.layers import RMSNorm
 
 
 @pytest.fixture(scope="module")

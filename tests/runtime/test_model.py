@@ -85,7 +85,7 @@ def test_torch_decode_fallback_matches_hf(
 
 def test_llama3_rope_scaling_is_applied(tiny_model_dir: Callable[[str], Path], build_runner: Any, rt: Any) -> None:
     """The llama3 variant really takes the scaled path (same weights with default RoPE would differ)."""
-    from runtime.models.llama import rope_inv_freq
+    from runtime.models.layers import rope_inv_freq
 
     runner = build_runner(tiny_model_dir("llama3_rope"), num_blocks=16)
     cfg = runner.model_config

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from runtime import cpu_linear, cpu_ops
 from runtime.capacity import StepCostModel
 from runtime.config import ModelConfig
-from runtime.models.llama import Linear
+from runtime.models.layers import Linear
 from runtime import quantization as qz
 from runtime.quantization import check_quantization, dequantize_rows, quantize_rows
 

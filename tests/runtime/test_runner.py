@@ -390,7 +390,7 @@ def test_the_real_graph_runner_with_capture_emulated_gives_the_eager_tokens(
 
     from runtime import cpu_linear, pdl
     from runtime.cuda_graphs import CudaGraphRunner
-    from runtime.models.llama import FewRowKernels
+    from runtime.models.layers import FewRowKernels
 
     def norm_linear(x, residual, nw, eps, w, b=None):  # type: ignore[no-untyped-def]
         h = x if residual is None else x + residual

@@ -392,7 +392,7 @@ def test_silu_mul_of_the_fused_gate_up_projection(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_rope_store_equals_rotation_then_store(dtype: torch.dtype) -> None:
-    from runtime.models.llama import apply_rope
+    from runtime.models.layers import apply_rope
 
     gen = torch.Generator().manual_seed(5)
     heads, kvh, d, page, blocks = 6, 2, 16, 4, 8

@@ -55,8 +55,8 @@ flash_backend = importlib.import_module("runtime.attention.flash_backend")
 
 
 def torch_rms_norm(x, w, eps):  # type: ignore[no-untyped-def]
-    """The eager model's RMSNorm (``runtime.models.llama.RMSNorm`` without kernels)."""
-    from runtime.models.llama import RMSNorm
+    """The eager model's RMSNorm (``runtime.models.layers.RMSNorm`` without kernels)."""
+    from runtime.models.layers import RMSNorm
 
     norm = RMSNorm(x.shape[-1], eps, x.dtype, torch.device("cpu"))
     norm.weight.data.copy_(w)

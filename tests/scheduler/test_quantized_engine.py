@@ -51,7 +51,7 @@ def test_int4_is_the_default_models_own_precision_same_weights_and_tokens_as_flo
         pytest.skip("no quantized kernels here (the dequantized path is covered by tests/runtime/test_quantization.py)")
     import torch
 
-    from runtime.models.llama import Linear
+    from runtime.models.layers import Linear
 
     f32 = Engine(EngineConfig(kv_cache_memory=64 * 2**20, max_model_len=1024))
     # auto (what `make serve` and the CPU image pass) finds the weights on int4's grid and takes it.
