@@ -150,14 +150,8 @@ class Linear(nn.Module):
             self.weight.copy_(self.quant.dequantize(self.weight.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.project(x)
-        lora = self.lora
-        if lora is not None and lora.ctx.plan:
-            lora.apply(x, y)
-        return y
-
-    def project(self, x: torch.Tensor) -> torch.Tensor:
-        """The base projection (no LoRA update)."""
+        """The projection. With LoRA adapters attached (``runtime.lora.attach``) the instance's
+        ``forward`` becomes ``forward_with_lora``: a model without them pays nothing for them."""
         quant = self.quant
         if quant is not None and x.shape[0] <= quant.max_rows:
             return quant.linear(x, self.bias)
@@ -168,6 +162,14 @@ class Linear(nn.Module):
         if self.few_rows is not None and self.few_rows.applies(x.shape[0]):
             return self.few_rows.linear(x, self.weight, self.bias)  # type: ignore[arg-type]
         return F.linear(x, self.weight, self.bias)
+
+    def forward_with_lora(self, x: torch.Tensor) -> torch.Tensor:
+        """The projection plus the step's LoRA updates of its rows (``self.lora``)."""
+        y = Linear.forward(self, x)
+        lora = self.lora
+        if lora is not None and lora.ctx.plan:
+            lora.apply(x, y)
+        return y
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
