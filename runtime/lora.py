@@ -241,23 +241,22 @@ class LoRAContext:
     """The current step's adapter rows, shared by every projection (empty between steps).
 
     ``plan``: ``(adapter id, rows)`` pairs, ``rows`` None when the adapter owns every row of the step;
-    ``ids`` / ``row_adapter``: the step's adapter ids and, per row, the index of its adapter in ``ids``
-    (-1: none), for ``kernel`` (``runtime.cpu_ops``' ``lora_apply``, or None).
+    or, with ``row_adapter`` (for ``kernel``, ``runtime.cpu_ops``' ``lora_apply``), each row's index
+    into ``plan`` (-1: none), the rows then all None.
     """
 
-    __slots__ = ("plan", "ids", "row_adapter", "kernel")
+    __slots__ = ("plan", "row_adapter", "kernel")
 
     def __init__(self, kernel: LoRAKernel | None = None) -> None:
         self.plan: list[tuple[int, torch.Tensor | None]] = []
-        self.ids: list[int] = []
         self.row_adapter: torch.Tensor | None = None
         self.kernel = kernel
 
-    def set(self, plan: list[tuple[int, torch.Tensor | None]], ids: list[int], row_adapter: torch.Tensor | None) -> None:
-        self.plan, self.ids, self.row_adapter = plan, ids, row_adapter
+    def set(self, plan: list[tuple[int, torch.Tensor | None]], row_adapter: torch.Tensor | None) -> None:
+        self.plan, self.row_adapter = plan, row_adapter
 
     def clear(self) -> None:
-        self.plan, self.ids, self.row_adapter = [], [], None
+        self.plan, self.row_adapter = [], None
 
 
 _NO_UPDATE = (torch.empty(0), torch.empty(0), torch.empty(0, 3, dtype=torch.int64))
@@ -276,7 +275,7 @@ class LoRAProjection:
         """``y`` (the projection of ``x``) += each planned adapter's update on its rows."""
         ctx = self.ctx
         if ctx.row_adapter is not None and ctx.kernel is not None and x.dtype == torch.float32:
-            mods = [self.updates.get(i) for i in ctx.ids]
+            mods = [self.updates.get(i) for i, _ in ctx.plan]
             if any(mods):
                 args = [(m.a, m.bt, m.shards) if m is not None else _NO_UPDATE for m in mods]
                 ctx.kernel(x.contiguous(), y, [a for a, _, _ in args], [b for _, b, _ in args], [s for _, _, s in args], ctx.row_adapter)

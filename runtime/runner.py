@@ -311,10 +311,10 @@ class ModelRunner:
             for k, adapter_id in enumerate(ids):
                 for r in rows[adapter_id]:
                     index[r] = k
-            return LoRAStep([(i, None) for i in ids], ids, torch.tensor(index, dtype=torch.int32))
+            return LoRAStep([(i, None) for i in ids], torch.tensor(index, dtype=torch.int32))
         if len(ids) == 1 and len(rows[ids[0]]) == num_rows:
-            return LoRAStep([(ids[0], None)], ids, None)
-        return LoRAStep(list(zip(ids, to_device([rows[i] for i in ids], torch.int64, self.device))), ids, None)
+            return LoRAStep([(ids[0], None)], None)
+        return LoRAStep(list(zip(ids, to_device([rows[i] for i in ids], torch.int64, self.device))), None)
 
     # ---- one step ------------------------------------------------------------------------------
     def execute(self, items: list[BatchItem]) -> RunnerOutput:
@@ -393,7 +393,7 @@ class ModelRunner:
             return self.model(inputs.input_ids, inputs.positions, inputs.meta)
         ctx = self._lora
         assert ctx is not None
-        ctx.set(inputs.lora.plan, inputs.lora.ids, inputs.lora.row_adapter)
+        ctx.set(inputs.lora.plan, inputs.lora.row_adapter)
         try:
             return self.model(inputs.input_ids, inputs.positions, inputs.meta)
         finally:

@@ -39,8 +39,7 @@ class LoRAStep:
     """A step's adapter rows (``runtime.lora.LoRAContext.set``)."""
 
     plan: list[tuple[int, torch.Tensor | None]]  # (adapter id, its rows; None: every row, or the kernel's row_adapter says)
-    ids: list[int]
-    row_adapter: torch.Tensor | None  # int32 [T]: index into ids, -1 none (the compiled kernel's form)
+    row_adapter: torch.Tensor | None  # int32 [T]: index into plan, -1 none (the compiled kernel's form)
 
 
 @dataclass
