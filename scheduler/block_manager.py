@@ -2,10 +2,12 @@
 
 Pure Python, no tensors: the runner owns the pool, this owns the block ids.
 
-Prefix caching: a FULL block (``block_size`` computed tokens) is registered under the hash of
-``(parent block's hash, its token ids)``, so a block's hash stands for its whole prefix. The first
-block's parent is the sequence's ``hash_seed`` (None for the base model; a LoRA adapter's sequences
-have their own, since the same tokens give other K/V under another adapter). A new or
+Prefix caching: a FULL block (``block_size`` computed tokens) is registered under the sha256 of
+``(parent block's digest, its token ids)``, so a block's key stands for its whole prefix. The first
+block's parent is the sequence's ``hash_seed``, a digest of its LoRA adapter and cache salt (None:
+the base model without salt), since the same tokens give other K/V under another adapter and a salt
+must share only with itself. A cache hit is trusted without comparing tokens: finding two blocks with
+one sha256 is infeasible, whereas Python's ``hash`` of ints is 64-bit and invertible. A new or
 recomputed sequence adopts the longest chain of registered blocks matching its tokens. Blocks whose
 last user left keep their hash and wait in an LRU "evictable" list: they still count as free, and
 are handed out again (dropping their hash) only after every never-cached free block is used.
@@ -13,6 +15,9 @@ are handed out again (dropping their hash) only after every never-cached free bl
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
@@ -25,8 +30,8 @@ class BlockSequence(Protocol):
     token_ids: list[int]
     num_computed_tokens: int
     block_table: list[int]
-    block_hashes: list[int]
-    hash_seed: int | None  # the first block's parent hash
+    block_hashes: list[bytes]
+    hash_seed: bytes | None  # the first block's parent digest (None: the base model without salt)
 
 
 @dataclass
@@ -42,9 +47,31 @@ class PrefixMatch:
         return len(self.blocks) * self.block_size
 
 
-def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """Hash of a full block given its parent's hash (the sequence's seed for the first block)."""
-    return hash((parent_hash, tuple(token_ids)))
+def block_hash_seed(lora_id: int = 0, cache_salt: str | None = None) -> bytes:
+    """The first block's parent for sequences of this adapter and salt.
+
+    The id has a fixed width and a flag byte precedes the salt, so no salt can encode as another
+    salt or as an adapter id; lone surrogates (valid in JSON strings) encode rather than raise.
+    """
+    salt = b"\x00" if cache_salt is None else b"\x01" + cache_salt.encode("utf-8", "surrogatepass")
+    return hashlib.sha256(b"servelm-prefix-seed\x00" + struct.pack("<q", lora_id) + salt).digest()
+
+
+# The base model's chain root, for sequences without a seed.
+BASE_HASH_SEED = block_hash_seed()
+
+
+@functools.lru_cache(maxsize=None)
+def _int64s(n: int) -> struct.Struct:
+    """A packer of ``n`` token ids compiled once (one block size in practice); array('q', ids) is slower."""
+    return struct.Struct(f"<{n}q")
+
+
+def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """A full block's key: sha256 of its parent's digest (the seed for the first block) and its token
+    ids as int64 little-endian. Kept as bytes; KV events wanting an int (as vLLM's can) take the last 8
+    bytes big-endian."""
+    return hashlib.sha256(parent + _int64s(len(token_ids)).pack(*token_ids)).digest()
 
 
 class BlockManager:
@@ -61,8 +88,8 @@ class BlockManager:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         # Free blocks that still hold a registered prefix, least recently freed first.
         self._evictable: OrderedDict[int, None] = OrderedDict()
-        self._block_hash: list[int | None] = [None] * num_blocks
-        self._cached: dict[int, int] = {}  # hash -> block id
+        self._block_hash: list[bytes | None] = [None] * num_blocks
+        self._cached: dict[bytes, int] = {}  # block key -> block id
         self._num_registered: dict[int, int] = {}  # seq_id -> how many of its blocks were looked at
         # Cumulative prefix-cache counters, in tokens.
         self.prefix_cache_queries = 0
@@ -90,11 +117,11 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # -- prefix cache --------------------------------------------------------------------------------
-    def _extend_hashes(self, seq: BlockSequence, num_full_blocks: int) -> list[int]:
+    def _extend_hashes(self, seq: BlockSequence, num_full_blocks: int) -> list[bytes]:
         hashes = seq.block_hashes
         bs = self.block_size
         toks = seq.token_ids
-        parent = hashes[-1] if hashes else seq.hash_seed
+        parent = hashes[-1] if hashes else (seq.hash_seed or BASE_HASH_SEED)
         for i in range(len(hashes), num_full_blocks):
             parent = hash_block(parent, toks[i * bs : (i + 1) * bs])
             hashes.append(parent)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 from runtime.batch import PENDING_TOKEN, PromptLogprobs, TokenLogprobs
+from scheduler.block_manager import block_hash_seed
 from scheduler.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # runtime-free imports only for type checkers
@@ -95,10 +96,10 @@ class Request:
         self.lora_id = lora_id
         self.priority = priority  # the ``priority`` scheduling policy's: lower first
         salted = lora_id or cache_salt is not None
-        self.hash_seed: int | None = hash(("seed", lora_id, cache_salt)) if salted else None
+        self.hash_seed: bytes | None = block_hash_seed(lora_id, cache_salt) if salted else None
         # Hash chain of this sequence's full blocks (a function of token ids and ``hash_seed`` only, so
         # it survives preemption); extended lazily by the block manager.
-        self.block_hashes: list[int] = []
+        self.block_hashes: list[bytes] = []
         self.max_tokens = max_tokens if max_tokens is not None else (params.max_tokens or 1)
         # Choice 0 of the same client request: choices 1..n-1 share its prompt blocks (fork).
         self.parent = parent

@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from scheduler.block_manager import BlockManager, PrefixMatch
+from scheduler.block_manager import BlockManager, PrefixMatch, block_hash_seed
 
 
 @dataclass
@@ -20,8 +20,8 @@ class Seq:
     token_ids: list[int]
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)
-    hash_seed: int | None = None
+    block_hashes: list[bytes] = field(default_factory=list)
+    hash_seed: bytes | None = None
 
 
 def compute(bm: BlockManager, seq: Seq, n: int, prefix: PrefixMatch | None = None) -> bool:
@@ -110,11 +110,11 @@ def test_hash_seed_separates_identical_prompts() -> None:
     prompt = [1, 2, 3, 4, 5]
     a = Seq(0, prompt)
     assert compute(bm, a, 5)
-    assert bm.lookup(Seq(1, prompt, hash_seed=hash(("lora", 1)))).blocks == []
-    b = Seq(2, prompt, hash_seed=hash(("lora", 1)))
+    assert bm.lookup(Seq(1, prompt, hash_seed=block_hash_seed(1))).blocks == []
+    b = Seq(2, prompt, hash_seed=block_hash_seed(1))
     assert compute(bm, b, 5)
-    assert bm.lookup(Seq(3, prompt, hash_seed=hash(("lora", 2)))).blocks == []
-    assert bm.lookup(Seq(4, prompt, hash_seed=hash(("lora", 1)))).blocks == b.block_table[:2]
+    assert bm.lookup(Seq(3, prompt, hash_seed=block_hash_seed(2))).blocks == []
+    assert bm.lookup(Seq(4, prompt, hash_seed=block_hash_seed(1))).blocks == b.block_table[:2]
     assert bm.lookup(Seq(5, prompt)).blocks == a.block_table[:2]
     bm.free(a)
     bm.free(b)
