@@ -11,7 +11,9 @@ Failure handling is the point of this module:
 - if the engine thread dies, every pending request gets ``EngineDeadError`` and new ones are
   refused at once (``/health`` turns 503) instead of hanging;
 - more than ``max_waiting_requests`` waiting -> ``QueueFullError`` (503 + Retry-After upstream);
-- ``shutdown`` stops accepting, lets running requests finish (bounded), then stops the thread.
+- ``begin_drain`` (on the signal) stops accepting and gives running requests until a deadline; the
+  ones still running then end with ``EngineStoppedError`` through their own output queues, so each
+  handler answers as a failed request of its API does; ``shutdown`` then stops the thread.
 """
 
 from __future__ import annotations
@@ -164,6 +166,13 @@ class RequestGroup:
                 self.close()
         return item
 
+    def fail(self, exc: BaseException) -> None:
+        """End the group with ``exc`` after what was already delivered, aborting its unfinished requests."""
+        if self._closed or not self._unfinished:
+            return
+        self._owner.abort(sorted(self._unfinished))  # (the reader clears _unfinished when it meets exc)
+        self._put(exc)
+
     def close(self) -> None:
         """Abort the unfinished requests (if any) and release the group. Idempotent."""
         if self._closed:
@@ -207,6 +216,7 @@ class AsyncEngine:
         self._groups: set[RequestGroup] = set()  # event-loop thread only
         self._idle = asyncio.Event()
         self._accepting = True
+        self._drain_task: asyncio.Task[None] | None = None
         self._stop = False
         self._dead: BaseException | None = None
         self.snapshot = EngineSnapshot()
@@ -242,15 +252,41 @@ class AsyncEngine:
         """New requests get ``EngineStoppedError`` from now on (first step of a graceful shutdown)."""
         self._accepting = False
 
-    async def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Stop accepting, wait up to ``timeout_s`` for running requests, then stop the engine thread."""
+    def begin_drain(self, timeout_s: float) -> None:
+        """Stop accepting and start the drain clock now; safe in a signal handler (schedules, never awaits).
+
+        The drain must start on the signal: uvicorn waits for its request tasks (and then cancels them,
+        mid-body) before it runs the lifespan shutdown that calls ``shutdown``.
+        """
         self.stop_accepting()
-        if self._groups:
-            log.info("draining %d in-flight request(s) (up to %.0f s)", len(self._groups), timeout_s)
-            try:
-                await asyncio.wait_for(self._idle.wait(), timeout_s)
-            except asyncio.TimeoutError:
-                log.warning("drain deadline passed; aborting %d request(s)", len(self._groups))
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._start_drain, timeout_s)
+
+    def _start_drain(self, timeout_s: float) -> asyncio.Task[None]:
+        if self._drain_task is None:
+            self._drain_task = asyncio.ensure_future(self._drain(timeout_s))
+        return self._drain_task
+
+    async def _drain(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for in-flight requests; end the rest with "the server is shutting down"."""
+        self.stop_accepting()
+        if not self._groups:
+            return
+        log.info("draining %d in-flight request(s) (up to %.1f s)", len(self._groups), timeout_s)
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return
+        except asyncio.TimeoutError:
+            pass
+        log.warning("drain deadline passed; ending %d request(s) with a 'server shutting down' error", len(self._groups))
+        exc = EngineStoppedError("the server is shutting down: the drain deadline passed")
+        for group in list(self._groups):
+            group.fail(exc)
+
+    async def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Drain (or finish the drain ``begin_drain`` started) within ``timeout_s``, then stop the engine thread."""
+        await self._start_drain(timeout_s)
         with self._lock:
             self._stop = True
         self._wake.set()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import re
 import signal
@@ -18,6 +19,10 @@ from scheduler.config import EngineConfig
 QUANTIZATIONS = ("int8", "int4", "auto")
 
 log = logging.getLogger("servelm")
+
+# After the drain deadline, the handlers of the requests it cut get this long to write their error
+# before uvicorn cancels them (its own graceful timeout, the last resort, is the deadline plus this).
+SHUTDOWN_FLUSH_S = 2.0
 
 _SIZE_UNITS = {
     "": 1,
@@ -149,7 +154,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one and logs it (default: %(default)s)")
     g.add_argument("--api-key", default=os.environ.get("SERVELM_API_KEY"), help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (default: $SERVELM_API_KEY; unset = open)")
     g.add_argument("--max-request-bytes", type=parse_size, default=None, help="largest /v1, /tokenize or /detokenize request body, e.g. 32MiB or bytes; a larger one gets 413 before it is parsed (default: 32MiB)")
-    g.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get to finish on SIGTERM/SIGINT (default: %(default)s)")
+    g.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get to finish on SIGTERM/SIGINT; those still running then end with a 'server shutting down' error (an error event and [DONE] on streams, response.failed on Responses streams, 503 otherwise) (default: %(default)s)")
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True, help="log one line per HTTP request (default: on)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity (default: %(default)s)")
     p.set_defaults(func=run_serve)
@@ -189,7 +194,8 @@ def _make_uvicorn_server(app: Any, args: argparse.Namespace, on_exit: Callable[[
     import uvicorn
 
     class _Server(uvicorn.Server):
-        """uvicorn's server, telling the engine bridge to refuse new requests as soon as a signal lands."""
+        """uvicorn's server, starting the engine bridge's drain (refuse new requests, deadline for the
+        running ones) as soon as a signal lands."""
 
         def handle_exit(self, sig: int, frame: Any) -> None:
             on_exit()
@@ -208,7 +214,7 @@ def _make_uvicorn_server(app: Any, args: argparse.Namespace, on_exit: Callable[[
         port=args.port,
         log_level=args.log_level,
         access_log=args.access_log,
-        timeout_graceful_shutdown=max(1, int(args.drain_timeout)),
+        timeout_graceful_shutdown=math.ceil(max(0.0, args.drain_timeout) + SHUTDOWN_FLUSH_S),
         lifespan="on",
     )
     return _Server(config)
@@ -248,7 +254,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )
-    server = _make_uvicorn_server(app, args, async_engine.stop_accepting)
+    server = _make_uvicorn_server(app, args, lambda: async_engine.begin_drain(args.drain_timeout))
     # uvicorn re-raises the signal that stopped it once it has shut down, with the handlers it found
     # installed; make those no-ops so a graceful SIGTERM/SIGINT ends with exit status 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
