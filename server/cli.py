@@ -23,6 +23,12 @@ log = logging.getLogger("servelm")
 # After the drain deadline, the handlers of the requests it cut get this long to write their error
 # before uvicorn cancels them (its own graceful timeout, the last resort, is the deadline plus this).
 SHUTDOWN_FLUSH_S = 2.0
+# Above --max-waiting-requests' default plus --max-num-seqs': the queue's own 503 (OpenAI-shaped, with
+# Retry-After) comes first.
+DEFAULT_MAX_CONNECTIONS = 2048
+# Time to a complete request head: generous for a slow link (a head is a few hundred bytes), short
+# enough that stalled connections do not pile up.
+DEFAULT_HEADER_TIMEOUT_S = 20.0
 
 _SIZE_UNITS = {
     "": 1,
@@ -100,6 +106,16 @@ def _lora_module(text: str) -> tuple[str, str]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return v
+
+
 def _fraction(text: str) -> float:
     v = float(text)
     if not 0.0 < v <= 1.0:
@@ -155,6 +171,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--api-key", default=os.environ.get("SERVELM_API_KEY"), help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (default: $SERVELM_API_KEY; unset = open)")
     g.add_argument("--max-request-bytes", type=parse_size, default=None, help="largest /v1, /tokenize or /detokenize request body, e.g. 32MiB or bytes; a larger one gets 413 before it is parsed (default: 32MiB)")
     g.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get to finish on SIGTERM/SIGINT; those still running then end with a 'server shutting down' error (an error event and [DONE] on streams, response.failed on Responses streams, 503 otherwise) (default: %(default)s)")
+    g.add_argument("--header-timeout", type=_positive_float, default=DEFAULT_HEADER_TIMEOUT_S, help="seconds a connection gets to send a complete request head, from its opening or its previous response; then it is closed (half-sent headers hold no connection for ever) (default: %(default)s)")
+    g.add_argument("--max-connections", type=_positive_int, default=DEFAULT_MAX_CONNECTIONS, help="most HTTP connections (idle keep-alive ones included) and in-flight requests served at once; a request on one more connection gets uvicorn's plain-text 503 and the connection is closed (default: %(default)s)")
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True, help="log one line per HTTP request (default: on)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity (default: %(default)s)")
     p.set_defaults(func=run_serve)
@@ -193,6 +211,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def _make_uvicorn_server(app: Any, args: argparse.Namespace, on_exit: Callable[[], None]) -> Any:
     import uvicorn
 
+    from server.http_protocol import head_timeout_protocol
+
     class _Server(uvicorn.Server):
         """uvicorn's server, starting the engine bridge's drain (refuse new requests, deadline for the
         running ones) as soon as a signal lands."""
@@ -215,6 +235,9 @@ def _make_uvicorn_server(app: Any, args: argparse.Namespace, on_exit: Callable[[
         log_level=args.log_level,
         access_log=args.access_log,
         timeout_graceful_shutdown=math.ceil(max(0.0, args.drain_timeout) + SHUTDOWN_FLUSH_S),
+        http=head_timeout_protocol(args.header_timeout),
+        # uvicorn refuses a request when the connections, its own included, reach the limit.
+        limit_concurrency=args.max_connections + 1,
         lifespan="on",
     )
     return _Server(config)

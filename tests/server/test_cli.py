@@ -126,7 +126,7 @@ def test_help_documents_every_option(capsys: pytest.CaptureFixture[str]) -> None
         "--enable-prefix-caching", "--no-enable-prefix-caching", "--scheduling-policy", "--max-waiting-requests",
         "--enforce-eager", "--async-scheduling", "--no-async-scheduling", "--quantization", "--num-threads",
         "--log-level", "--host", "--port", "--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank",
-        "--allow-runtime-lora-updating",
+        "--allow-runtime-lora-updating", "--drain-timeout", "--header-timeout", "--max-connections",
     ):  # fmt: skip
         assert re.search(rf"{re.escape(opt)}\b", out), opt
     assert main([]) == 2  # no subcommand: usage, non-zero
