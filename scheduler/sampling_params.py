@@ -61,6 +61,10 @@ class Range:
 # thread at admission, linear in its length).
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 4096
+# logit_bias entries (OpenAI's bound) and stop token ids per request: the sampler walks both for each
+# of the request's rows every step, so they must not grow that step's work without bound.
+MAX_LOGIT_BIAS = 300
+MAX_STOP_TOKEN_IDS = 300
 
 RANGES: dict[str, Range] = {
     "n": Range(1, 128),
@@ -135,6 +139,10 @@ class SamplingParams:
         longest = max((len(s) for s in self.stop), default=0)
         if longest > MAX_STOP_CHARS:
             bad("stop", f"stop strings must be at most {MAX_STOP_CHARS} characters, got one of {longest}")
+        if self.logit_bias and len(self.logit_bias) > MAX_LOGIT_BIAS:
+            bad("logit_bias", f"logit_bias holds at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(self.stop_token_ids)}")
         if self.logit_bias:
             for tok, bias in self.logit_bias.items():
                 if not -100.0 <= bias <= 100.0:

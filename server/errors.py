@@ -204,14 +204,27 @@ def validation_error(exc: RequestValidationError) -> APIError:
     first = errors[0]
     if first.get("type") == "json_invalid":
         return bad_request(_validation_message(first, None), code="invalid_json")
+    ctx = first.get("ctx") or {}
+    if "param" in ctx:  # a validator of the whole body, which knows the field (limits.RequestBody)
+        return bad_request(_validation_message(first, ctx["param"]), param=ctx["param"])
     param = loc_to_param(first.get("loc", ()))
     if param is None:  # the body itself: empty, or not an object
         return bad_request("The request body must be a JSON object.", code="invalid_json")
-    same = [e for e in errors if loc_to_param(e.get("loc", ())) == param]
-    if len(same) > 1 and any(_is_type_tag(str(x)) for x in first.get("loc", ())):
-        # Every branch of a union failed: say so once rather than quoting one branch.
-        return bad_request(f"Invalid type for '{param}': it matches none of the accepted forms.", param=param)
+    if any(_is_type_tag(str(x)) for x in first.get("loc", ())):
+        # Every branch of a union failed. The one branch whose type the value had (its errors are no type
+        # mismatches) says what is wrong, a list too long say; otherwise say so once, not per branch.
+        inside = [e for e in errors if _within(loc_to_param(e.get("loc", ())), param)]
+        typed = [e for e in inside if not str(e.get("type", "")).endswith("_type")]
+        if len(typed) == 1:
+            first = typed[0]
+            param = loc_to_param(first.get("loc", ())) or param
+        elif len(inside) > 1:
+            return bad_request(f"Invalid type for '{param}': it matches none of the accepted forms.", param=param)
     return bad_request(_validation_message(first, param), param=param)
+
+
+def _within(param: str | None, field: str) -> bool:
+    return param is not None and (param == field or param.startswith((f"{field}.", f"{field}[")))
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -4,17 +4,20 @@ Requests forbid unknown fields, like OpenAI ("Unrecognized request argument supp
 do not know could change what the client expects, so it is refused rather than ignored. Fields that
 OpenAI defines but we do not implement are declared here and refused by name in the serving code
 (``_refuse_unsupported`` in each serving module); harmless ones (``user``, ``metadata``...) are accepted
-and ignored. Streaming chunks are built as plain dicts in the serving modules (the hot path).
+and ignored. Every request model is a ``limits.RequestBody``: its body is walked once, before its
+fields are validated, for strings that are no Unicode text and for nesting and size past the bounds.
+Streaming chunks are built as plain dicts in the serving modules (the hot path).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, field_validator
 
-from scheduler.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, RANGES
+from scheduler.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, RANGES
+from server.limits import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_TOOL_CALLS, RequestBody, check_metadata
 
 # --------------------------------------------------------------------------------------------- requests
 
@@ -60,7 +63,7 @@ class StructuredOutputsParams(BaseModel):
     disable_any_whitespace: bool | None = None  # JSON: no whitespace outside strings
 
 
-class SamplingExtensions(BaseModel):
+class SamplingExtensions(RequestBody):
     """vLLM-style extensions shared by both endpoints (not in OpenAI's API)."""
 
     top_k: int | None = None
@@ -68,7 +71,7 @@ class SamplingExtensions(BaseModel):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and this many alternatives
@@ -131,7 +134,7 @@ class GenerationRequest(SamplingExtensions):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     user: str | None = None  # accepted, ignored
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None  # vLLM's extension
@@ -228,9 +231,9 @@ class ChatMessage(BaseModel):
 
     # Checked in server.chat (with a message naming the message's index); the schema lists them.
     role: str = Field(json_schema_extra={"enum": list(CHAT_ROLES)})
-    content: str | list[TextPart] | None = None
+    content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     name: str | None = None  # accepted; the chat template has no place for it
-    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=MAX_TOOL_CALLS)  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
     # Declared so they are refused by name:
     function_call: Any | None = None
@@ -241,13 +244,13 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(GenerationRequest):
     """``POST /v1/chat/completions``."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
     # Accepted and ignored (harmless):
-    metadata: dict[str, Any] | None = None
+    metadata: Annotated[dict[str, Any], AfterValidator(check_metadata)] | None = None
     store: bool | None = None
     parallel_tool_calls: bool | None = None
     service_tier: str | None = None
@@ -266,7 +269,7 @@ class ChatCompletionRequest(GenerationRequest):
     web_search_options: Any | None = None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(RequestBody):
     """``POST /tokenize`` (vLLM's): a ``prompt`` as /v1/completions would encode it, or chat ``messages``
     through the chat template as /v1/chat/completions would; exactly one of the two."""
 
@@ -274,7 +277,7 @@ class TokenizeRequest(BaseModel):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
     # Default: the prompt gets the tokenizer's special tokens (as /v1/completions); the chat template
     # writes its own.
     add_special_tokens: bool | None = None
@@ -292,7 +295,7 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestBody):
     """``POST /detokenize`` (vLLM's): token ids -> text, special tokens included."""
 
     model_config = ConfigDict(extra="forbid")

@@ -9,10 +9,12 @@ Responses are built as plain dicts (``server.serving_responses``); the schema sh
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from scheduler.sampling_params import MAX_LOGIT_BIAS
+from server.limits import MAX_CONTENT_PARTS, MAX_MESSAGES, check_metadata
 from server.protocol import SamplingExtensions, StreamOptions
 
 
@@ -27,6 +29,10 @@ class InputPart(BaseModel):
     refusal: str | None = None
 
 
+# An input message's content, or a function call's output: text, or at most MAX_CONTENT_PARTS parts.
+Content = str | Annotated[list[InputPart], Field(max_length=MAX_CONTENT_PARTS)] | None
+
+
 class InputItem(BaseModel):
     """One item of ``input``: a message (``type`` "message" or omitted), an earlier ``function_call``, or
     a ``function_call_output``. Other item types are refused by type."""
@@ -35,14 +41,14 @@ class InputItem(BaseModel):
 
     type: str | None = None
     role: str | None = None
-    content: str | list[InputPart] | None = None
+    content: Content = None
     id: str | None = None
     status: str | None = None
     # function_call / function_call_output
     call_id: str | None = None
     name: str | None = None
     arguments: str | None = None
-    output: str | list[InputPart] | None = None
+    output: Content = None
 
 
 class ResponsesTool(BaseModel):
@@ -106,7 +112,8 @@ class ResponsesRequest(SamplingExtensions):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None  # None => the served model
-    input: str | list[InputItem] | None = None  # None only with previous_response_id
+    # None only with previous_response_id
+    input: str | Annotated[list[InputItem], Field(max_length=MAX_MESSAGES)] | None = None
     instructions: str | None = None  # a system message before the input (not carried to the next turn)
     previous_response_id: str | None = None
     max_output_tokens: int | None = None
@@ -121,14 +128,14 @@ class ResponsesRequest(SamplingExtensions):
     parallel_tool_calls: bool | None = None
     text: ResponsesText | None = None
     store: bool | None = None  # default true: kept for previous_response_id and GET /v1/responses/{id}
-    metadata: dict[str, str] | None = None  # echoed back
+    metadata: Annotated[dict[str, str], AfterValidator(check_metadata)] | None = None  # echoed back
     truncation: Literal["auto", "disabled"] | None = None
     # servelm's extensions, as on the other endpoints:
     seed: int | None = None
     stop: str | list[str] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     # Accepted and ignored (harmless):
     user: str | None = None
     safety_identifier: str | None = None

@@ -13,24 +13,25 @@ import asyncio
 from typing import Any
 
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from server.errors import APIError, bad_request
+from server.limits import MAX_LORA_NAME_CHARS, MAX_PATH_CHARS, RequestBody
 from server.protocol import ModelCard
 from server.serving_common import ServingContext, engine_error
 
 
-class LoadLoRAAdapterRequest(BaseModel):
+class LoadLoRAAdapterRequest(RequestBody):
     model_config = ConfigDict(extra="forbid")
 
-    lora_name: str = Field(min_length=1)
-    lora_path: str = Field(min_length=1)
+    lora_name: str = Field(min_length=1, max_length=MAX_LORA_NAME_CHARS)
+    lora_path: str = Field(min_length=1, max_length=MAX_PATH_CHARS)
 
 
-class UnloadLoRAAdapterRequest(BaseModel):
+class UnloadLoRAAdapterRequest(RequestBody):
     model_config = ConfigDict(extra="forbid")
 
-    lora_name: str = Field(min_length=1)
+    lora_name: str = Field(min_length=1, max_length=MAX_LORA_NAME_CHARS)
     lora_int_id: int | None = None  # vLLM's; ignored (names are unique)
 
 

@@ -24,7 +24,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from server.errors import APIError, bad_request, unsupported
+from server.errors import APIError, bad_request, loc_to_param, unsupported
 from server.logprobs import chat_logprobs_content
 from server.protocol import (
     ChatCompletionRequest,
@@ -213,7 +213,8 @@ def to_chat_request(req: ResponsesRequest, history: list[ChatMessage]) -> tuple[
             **fields,
         )
     except ValidationError as e:  # a combination the field-by-field checks above let through
-        raise bad_request(f"Invalid request: {e.errors()[0]['msg']}") from None
+        err = e.errors()[0]  # (more messages than a request may have, with the history, say)
+        raise bad_request(f"Invalid request: {err['msg']}", param=responses_param(loc_to_param(err["loc"]), where)) from None
     return chat, where
 
 
