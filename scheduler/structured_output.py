@@ -9,10 +9,11 @@ the output inside the grammar (``GrammarMatcher.fill_bitmask``: ~10 us for a JSO
 "stop", as EOS would.
 
 Compiling can take long for a large schema, so the server compiles at the edge, in a worker thread
-(``GrammarCompiler.compile``: a bad spec is a 400 there, and so is one whose first mask takes longer
-than ``MAX_FIRST_MASK_S``), and hands the result to the engine inside ``SamplingParams``; the engine
-thread only copies it (microseconds) for each choice. The copies share the lexer states the first
-mask built, so the engine's first mask of a request is as cheap as the later ones.
+(``GrammarCompiler.compile``: a bad spec is a 400 there, and so is one longer than ``MAX_SPEC_CHARS``
+or whose first mask takes longer than ``MAX_FIRST_MASK_S``), and hands the result to the engine
+inside ``SamplingParams``; the engine thread only copies it (microseconds) for each choice. The
+copies share the lexer states the first mask built, so the engine's first mask of a request is as
+cheap as the later ones.
 
 The library is imported on first use: a server that never sees a constrained request does not need it.
 """
@@ -24,7 +25,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Literal, Sequence
 
 from scheduler.sampling_params import InvalidParameterError
 
@@ -42,8 +43,14 @@ JSON_WHITESPACE = r"(?: |\n[ \t]{0,20})?"
 # counted repetition (a{100000}) ~90 ms, then ~25 ms every step.
 MAX_FIRST_MASK_S = 0.05
 
-# Distinct specs kept compiled (an agent sends the same few schemas again and again).
+# Distinct specs kept compiled (an agent sends the same few schemas again and again), and their
+# characters in all: a compiled spec keeps ~35 bytes per character of it.
 CACHE_SIZE = 256
+CACHE_CHARS = 4 * 2**20
+
+# The longest spec (a JSON schema's text, a regex, a grammar, the choices as JSON): compiling costs
+# ~1.3 us per character in the tokenizer thread every request shares.
+MAX_SPEC_CHARS = 256 * 1024
 
 
 @dataclass
@@ -106,11 +113,28 @@ def grammar_text(spec: StructuredOutput) -> str:
 class CompiledGrammar:
     """A spec compiled against one vocabulary: a matcher in its initial state, copied for each sequence."""
 
-    def __init__(self, template: Any) -> None:
+    def __init__(self, template: Any, first_mask: bytes = b"", eos_token_ids: Sequence[int] = ()) -> None:
         self._template = template
+        self._first_mask = first_mask  # the tokens allowed first (bit t of little-endian word t // 32)
+        self._eos = tuple(eos_token_ids)  # the tokens that end the structure
 
     def matcher(self) -> GrammarMatcher:
         return GrammarMatcher(self._template.deep_copy())
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The tokens by which this structure ends (what its mask allows once it is complete)."""
+        return self._eos
+
+    def can_start_without(self, forbidden: Iterable[int]) -> bool:
+        """Whether a first token outside ``forbidden`` is allowed. Before ``min_tokens`` the sampler
+        forbids EOS and the stop token ids: a structure allowing nothing else (a regex of the empty
+        string allows only its end) leaves it no token to take."""
+        mask = bytearray(self._first_mask)
+        for t in forbidden:
+            if 0 <= t < 8 * len(mask):
+                mask[t >> 3] &= ~(1 << (t & 7)) & 0xFF
+        return any(mask)
 
 
 class GrammarMatcher:
@@ -131,7 +155,12 @@ class GrammarMatcher:
         """
         m = self._m
         if not m.consume_token(token):
-            raise ValueError(f"token {token} does not fit the requested structure: {m.get_error()}")
+            # The sampler takes a token the mask allows unless the mask allowed none it could take.
+            first_line = m.get_error().strip().splitlines()[0]
+            raise ValueError(
+                f"token {token} does not fit the requested structure ({first_line}): the structure allowed no "
+                "token this request may take here (before min_tokens, its end and the stop token ids are forbidden)"
+            )
         return bool(m.is_stopped())
 
 
@@ -148,6 +177,7 @@ class GrammarCompiler:
         self._eos = list(eos_token_ids)
         self._ll_tokenizer: Any = None
         self._cache: OrderedDict[tuple[str, str, bool], CompiledGrammar] = OrderedDict()
+        self._cache_chars = 0  # of the cached specs' values
         self._lock = threading.Lock()
 
     def _vocabulary(self) -> Any:
@@ -167,6 +197,12 @@ class GrammarCompiler:
     def compile(self, spec: StructuredOutput) -> CompiledGrammar:
         """Compile ``spec`` (or take it from the cache), store it in ``spec.compiled`` and return it;
         ``InvalidParameterError`` naming ``spec.param`` when the spec is not a valid grammar."""
+        if len(spec.value) > MAX_SPEC_CHARS:
+            raise InvalidParameterError(
+                spec.param,
+                f"This {_WHAT[spec.kind]} has {len(spec.value)} characters (as JSON, for a schema or choices); "
+                f"the limit is {MAX_SPEC_CHARS}.",
+            )
         with self._lock:
             hit = self._cache.get(spec.key)
             if hit is not None:
@@ -188,8 +224,7 @@ class GrammarCompiler:
         # The first mask here, in the caller's thread: it is the dearest (the lexer builds its states,
         # which every copy shares), so the engine thread no longer pays it, and it measures the spec.
         t0 = time.perf_counter()
-        if not template.is_error():
-            template.compute_bitmask()
+        first_mask = b"" if template.is_error() else template.compute_bitmask()
         took = time.perf_counter() - t0
         if template.is_error():
             raise _invalid(spec, template.get_error())
@@ -200,11 +235,14 @@ class GrammarCompiler:
                 f"{took * 1e3:.0f} ms (the limit is {MAX_FIRST_MASK_S * 1e3:.0f} ms; every step of a batch waits for "
                 "its masks). Large counted repetitions such as a{100000} are the usual cause.",
             )
-        compiled = CompiledGrammar(template)
+        compiled = CompiledGrammar(template, first_mask, vocab.eos_tokens)
         with self._lock:
+            if spec.key not in self._cache:
+                self._cache_chars += len(spec.value)
             self._cache[spec.key] = compiled
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+            while len(self._cache) > CACHE_SIZE or self._cache_chars > CACHE_CHARS:
+                (_, value, _), _ = self._cache.popitem(last=False)
+                self._cache_chars -= len(value)
         spec.compiled = compiled
         return compiled
 

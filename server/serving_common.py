@@ -63,9 +63,21 @@ class ServingContext:
         if spec is None:
             return
         try:
-            await self.async_engine.run_blocking(self.grammars.compile, spec)
+            compiled = await self.async_engine.run_blocking(self.grammars.compile, spec)
         except InvalidParameterError as e:
             raise bad_request(str(e), param=e.param) from None
+        # Until min_tokens the sampler forbids EOS and the stop token ids: the structure must allow some
+        # other first token, or no token at all could be taken (once a structure has begun, it ends the
+        # output itself when only its end may follow).
+        ends = () if params.ignore_eos else (*self.eos_token_ids, *compiled.eos_token_ids)
+        forbidden = [*params.stop_token_ids, *ends]
+        if params.min_tokens > 0 and not compiled.can_start_without(forbidden):
+            also = " or a stop token id" if params.stop_token_ids else ""
+            raise bad_request(
+                f"This structured output allows no first token but its end{also}, while min_tokens "
+                f"({params.min_tokens}) forbids ending before {params.min_tokens} tokens: no output satisfies both.",
+                param=spec.param,
+            )
         params.structured_output = spec
 
     def check_sequences(self, prompts: int, n: int) -> None:

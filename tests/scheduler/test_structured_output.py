@@ -229,3 +229,56 @@ def test_compiled_specs_are_cached_and_matchers_independent(eng: Engine) -> None
         m1.accept(t)
     with pytest.raises(ValueError, match="does not fit"):
         m2.accept(tok.encode("-", add_special_tokens=False)[0])  # m2 is still at the start: "-" cannot begin
+
+
+def test_a_structure_allowing_only_its_end_under_min_tokens_ends_that_request_alone(eng: Engine, prompts: list[list[int]]) -> None:
+    """Before min_tokens the sampler forbids EOS, and a regex of the empty string allows nothing else. The
+    server refuses such a request up front (a 400); offline, the engine ends that request alone (the
+    sampler lets the end through, or the token taken does not fit and the request fails with a one-line
+    reason), and its batchmates run on."""
+    dead = SamplingParams(max_tokens=8, min_tokens=3, temperature=0.0, structured_output=StructuredOutput("regex", ""))
+    free = SamplingParams(max_tokens=8, temperature=0.0)
+    alone = eng.generate(prompts[:1], free)[0].outputs[0].token_ids
+    ended, other = eng.generate([prompts[0], prompts[0]], [dead, free])
+    c = ended.outputs[0]
+    assert c.text == "" and c.finish_reason in ("stop", "error")
+    assert c.error is None or ("min_tokens" in c.error and "\n" not in c.error)
+    assert other.outputs[0].token_ids == alone
+    assert eng.block_manager.num_used_blocks == 0
+
+
+def test_a_token_that_does_not_fit_is_refused_in_one_line(eng: Engine) -> None:
+    m = eng.grammar_compiler.compile(StructuredOutput("regex", "")).matcher()
+    tok: Any = eng.tokenizer
+    with pytest.raises(ValueError) as e:
+        m.accept(tok.encode("a", add_special_tokens=False)[0])
+    assert "does not fit" in str(e.value) and "min_tokens" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_what_a_structure_allows_first(eng: Engine) -> None:
+    c = eng.grammar_compiler
+    tok: Any = eng.tokenizer
+    (a,) = tok.encode("a", add_special_tokens=False)
+    empty = c.compile(StructuredOutput("regex", ""))
+    assert set(empty.eos_token_ids) == set(eng.eos_token_ids)
+    assert empty.can_start_without([]) and not empty.can_start_without(empty.eos_token_ids)
+    optional = c.compile(StructuredOutput("regex", "a?"))
+    assert optional.can_start_without(optional.eos_token_ids)
+    assert not optional.can_start_without([a, *optional.eos_token_ids])
+    assert c.compile(spec("json")).can_start_without(range(100))
+
+
+def test_specs_are_bounded_in_length_and_the_cache_in_characters(eng: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    import scheduler.structured_output as so
+
+    c = GrammarCompiler(eng.tokenizer, eng.model_config.vocab_size, eng.eos_token_ids)
+    long = "|".join(f"w{i}" for i in range(so.MAX_SPEC_CHARS // 4))
+    assert len(long) > so.MAX_SPEC_CHARS
+    with pytest.raises(InvalidParameterError, match=f"the limit is {so.MAX_SPEC_CHARS}") as e:
+        c.compile(StructuredOutput("regex", long, param="structured_outputs.regex"))
+    assert e.value.param == "structured_outputs.regex"
+    monkeypatch.setattr(so, "CACHE_CHARS", 100)
+    specs = [StructuredOutput("regex", f"{'x' * 30}{i}") for i in range(5)]
+    compiled = [c.compile(s) for s in specs]
+    assert len(c._cache) == 3 and c._cache_chars == 3 * 31  # the oldest two went
+    assert c.compile(specs[-1]) is compiled[-1] and c.compile(specs[0]) is not compiled[0]

@@ -117,3 +117,33 @@ def test_schema_documents_both_fields(shared_fake_server: Any) -> None:
         assert "response_format" in props and "structured_outputs" in props
     so = spec["components"]["schemas"]["StructuredOutputsParams"]["properties"]
     assert {"json", "regex", "choice", "grammar", "json_object"} <= set(so)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "path, extra, param",
+    [
+        ("/v1/completions", {"structured_outputs": {"regex": ""}}, "structured_outputs.regex"),
+        ("/v1/chat/completions", {"structured_outputs": {"grammar": 'start: ""'}}, "structured_outputs.grammar"),
+        # "a" is allowed first, but it is a stop token id, which min_tokens forbids as it forbids EOS
+        ("/v1/completions", {"structured_outputs": {"regex": "a?"}, "stop_token_ids": [64]}, "structured_outputs.regex"),
+    ],
+)
+def test_a_structure_that_min_tokens_leaves_no_first_token_is_400(
+    shared_fake_server: Any, path: str, extra: dict, param: str, stream: bool
+) -> None:
+    """The structure allows only its end (or a stop token id) at the start while min_tokens forbids
+    ending: no token could be sampled (this was a 500, or a 200 stream carrying the error)."""
+    srv, eng, _ = shared_fake_server
+    (a,) = eng.tokenizer.encode("a", add_special_tokens=False)
+    extra = {k: ([a] if k == "stop_token_ids" else v) for k, v in extra.items()}
+    before = len(eng.added)
+    base = CHAT if "chat" in path else COMPLETION
+    r = _post(srv, path, {**base, "max_tokens": 8, "min_tokens": 3, "stream": stream, **extra})
+    assert not r.headers["content-type"].startswith("text/event-stream")
+    assert "min_tokens" in assert_error(r, 400, param=param)["message"]
+    assert len(eng.added) == before
+    # Without min_tokens the same structure is served (an empty output), and so is one that can begin.
+    assert _post(srv, path, {**base, "max_tokens": 8, "stream": stream, **extra}).status_code == 200
+    so = {"structured_outputs": {"regex": "a+"}}
+    assert _post(srv, path, {**base, "max_tokens": 8, "min_tokens": 3, "stream": stream, **so}).status_code == 200
