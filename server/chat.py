@@ -10,8 +10,8 @@ import json
 from typing import Any
 
 from server.errors import bad_request, unsupported
-from server.protocol import CHAT_ROLES, ChatMessage
-from server.tools import calls_as_content, describe_tools, template_knows_tools
+from server.protocol import CHAT_ROLES, ChatMessage, ChatTool
+from server.tools import calls_as_content, describe_tools, template_knows_tools, tools_for_template
 
 # OpenAI's "developer" role is the newer name for "system"; chat templates only know "system".
 _ROLE_MAP = {role: "system" if role == "developer" else role for role in CHAT_ROLES}
@@ -54,6 +54,23 @@ def normalize_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
     return out
+
+
+def chat_text_chars(messages: list[ChatMessage], tools: list[ChatTool] | None = None) -> int:
+    """The characters the chat template renders from ``messages`` and ``tools`` (their texts, earlier
+    calls, the tools as JSON): what the bound on one request's text counts."""
+    n = 0
+    for m in messages:
+        if isinstance(m.content, str):
+            n += len(m.content)
+        elif m.content:
+            n += sum(len(p.text or "") for p in m.content)
+        for c in m.tool_calls or ():
+            n += len(c.id) + len(c.function.name) + len(c.function.arguments)
+        n += len(m.tool_call_id or "")
+    if tools:
+        n += len(json.dumps(tools_for_template(tools), ensure_ascii=False))
+    return n
 
 
 def _arguments(text: str, where: str) -> Any:

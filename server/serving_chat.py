@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 
 from scheduler.sampling_params import SamplingParams
 from server.async_engine import RequestGroup
-from server.chat import normalize_messages, render_chat_prompt
+from server.chat import chat_text_chars, normalize_messages, render_chat_prompt
 from server.errors import bad_request, unsupported
 from server.logprobs import chat_logprobs_content, vllm_prompt_logprobs
 from server.protocol import ChatCompletionRequest, sse
@@ -80,9 +80,10 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, arrival: f
             e.param = "top_logprobs"  # type: ignore[attr-defined]
         raise
     ctx.check_sequences(1, params.n)
-    await ctx.add_structured_output(req, params, tools.structured_output() if tools is not None else None)
     # The template adds to the messages' text, never removes from it.
-    ctx.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages", "the messages' text")
+    text = chat_text_chars(req.messages, req.tools)
+    ctx.check_prompt_chars(text, "messages", "the messages and tools have", "Please shorten the messages.")
+    await ctx.add_structured_output(req, params, tools.structured_output() if tools is not None else None)
     prompt_ids = await ctx.async_engine.run_blocking(lambda: render_chat_prompt(ctx.tokenizer, messages, **render_kwargs(tools)))
     group = await add_requests(
         ctx, [(request_id, prompt_ids, params)], arrival, param_map={"max_tokens": max_param, "prompt": "messages"},

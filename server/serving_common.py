@@ -91,18 +91,22 @@ class ServingContext:
                 param="n" if prompts == 1 else "prompt",
             )
 
-    def check_prompt_chars(self, chars: int, param: str, what: str = "your prompt") -> None:
-        """Refuse, before tokenizing it, a prompt text too long to be ``max_model_len`` tokens.
+    def check_prompt_chars(
+        self, chars: int, param: str, what: str = "your prompt has", hint: str = "Please shorten the prompt."
+    ) -> None:
+        """Refuse, before tokenizing it, a prompt text too long to be ``max_model_len`` tokens; the same
+        bound holds for all the text one request tokenizes (its prompts together, its messages and tools).
 
-        Tokenizing costs ~6 µs and ~400 bytes per token: a 100 MB prompt held the tokenizer thread
-        for 97 s and grew the process by 7 GB, only to be refused afterwards.
+        Tokenizing costs ~6 µs and ~400 bytes per token, in the one tokenizer thread all requests share:
+        a 100 MB prompt held it for 97 s and grew the process by 7 GB, only to be refused afterwards, and
+        a request of many prompts, each under the bound, held it as long.
         """
         limit = self.max_prompt_chars
         if limit is not None and chars > limit:
             raise bad_request(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, {what} has "
+                f"This model's maximum context length is {self.max_model_len} tokens. However, {what} "
                 f"{chars} characters, more than any text of {self.max_model_len} tokens can have with this "
-                f"tokenizer ({limit}). Please shorten the prompt.",
+                f"tokenizer ({limit}). {hint}",
                 param=param,
             )
 
@@ -207,6 +211,8 @@ def common_sampling_params(
 
 def check_token_ids(prompts: list[list[int]], vocab_size: int, param: str = "prompt") -> None:
     for ids in prompts:
+        if not ids or (min(ids) >= 0 and max(ids) < vocab_size):  # C speed; the loop below names the id
+            continue
         for t in ids:
             if not 0 <= t < vocab_size:
                 raise bad_request(f"Token id {t} in '{param}' is outside the vocabulary (size {vocab_size}).", param=param)

@@ -59,6 +59,26 @@ def _prepare_prompts(tokenizer: Any, texts: list[str | None], ids: list[list[int
     return out_ids, echo_texts
 
 
+def _check_prompt_sizes(ctx: ServingContext, texts: list[str | None], ids: list[list[int] | None]) -> None:
+    """Each prompt within the context, and the text of all of them within what one request may have
+    tokenized, before anything is tokenized or compiled (400 naming ``prompt``)."""
+    one = len(texts) == 1
+    chars = [len(t) for t in texts if t is not None]
+    for i, text in enumerate(texts):
+        if text is not None:
+            ctx.check_prompt_chars(len(text), "prompt", "your prompt has" if one else f"prompt {i} has")
+    if len(chars) > 1:
+        hint = "One request tokenizes at most this much text: send fewer or shorter prompts per request."
+        ctx.check_prompt_chars(sum(chars), "prompt", f"your {len(chars)} prompts have", hint)
+    for i, tids in enumerate(ids):
+        if tids is not None and len(tids) > ctx.max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {ctx.max_model_len} tokens. However, "
+                f"{'your prompt' if one else f'prompt {i}'} has {len(tids)} tokens. Please shorten the prompt.",
+                param="prompt",
+            )
+
+
 def _refuse_unsupported(req: CompletionRequest, n: int) -> None:
     if req.suffix:
         raise unsupported("suffix", "'suffix' (insertion) is not supported by this server")
@@ -89,11 +109,9 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         params.prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
     texts, given_ids = _split_prompt(req.prompt)
     ctx.check_sequences(len(texts), n)
-    await ctx.add_structured_output(req, params)
-    for i, text in enumerate(texts):
-        if text is not None:
-            ctx.check_prompt_chars(len(text), "prompt", "your prompt" if len(texts) == 1 else f"prompt {i}")
+    _check_prompt_sizes(ctx, texts, given_ids)
     check_token_ids([t for t in given_ids if t is not None], ctx.vocab_size)
+    await ctx.add_structured_output(req, params)
     prompt_ids, echo_texts = await ctx.async_engine.run_blocking(
         _prepare_prompts, ctx.tokenizer, texts, given_ids, bool(req.echo)
     )

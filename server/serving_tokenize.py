@@ -3,14 +3,15 @@ count a prompt's tokens (or see where a chat template puts them) exactly as gene
 
 Same checks as the generation endpoints: the model name, the chat messages, a prompt's characters
 against what ``max_model_len`` tokens can spell (tokenizing an unbounded text would hold the
-tokenizer thread), token ids inside the vocabulary. The work runs in the tokenizer thread.
+tokenizer thread), token ids inside the vocabulary and at most ``max_model_len`` of them. The work
+runs in the tokenizer thread.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from server.chat import normalize_messages, render_chat_prompt
+from server.chat import chat_text_chars, normalize_messages, render_chat_prompt
 from server.errors import bad_request
 from server.protocol import ChatCompletionRequest, DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from server.serving_common import ServingContext, check_token_ids
@@ -36,7 +37,8 @@ async def tokenize(ctx: ServingContext, req: TokenizeRequest) -> TokenizeRespons
         assert req.messages is not None
         tools = tool_mode(ChatCompletionRequest(messages=req.messages, tools=req.tools, tool_choice=req.tool_choice))
         messages = normalize_messages(req.messages)
-        ctx.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages", "the messages' text")
+        text = chat_text_chars(req.messages, req.tools)
+        ctx.check_prompt_chars(text, "messages", "the messages and tools have", "Please shorten the messages.")
         ids = await run(
             lambda: render_chat_prompt(
                 ctx.tokenizer,
@@ -52,6 +54,12 @@ async def tokenize(ctx: ServingContext, req: TokenizeRequest) -> TokenizeRespons
 
 async def detokenize(ctx: ServingContext, req: DetokenizeRequest) -> DetokenizeResponse:
     ctx.resolve_model(req.model)
+    if len(req.tokens) > ctx.max_model_len:  # decoding them would hold the tokenizer thread
+        raise bad_request(
+            f"'tokens' holds {len(req.tokens)} ids, more than this model's maximum context length "
+            f"({ctx.max_model_len}): no sequence of this model is longer.",
+            param="tokens",
+        )
     check_token_ids([req.tokens], ctx.vocab_size, param="tokens")
     text = await ctx.async_engine.run_blocking(ctx.tokenizer.decode, req.tokens)
     return DetokenizeResponse(prompt=text)
