@@ -291,3 +291,16 @@ def test_lora_names_and_paths_are_bounded() -> None:
         LoadLoRAAdapterRequest(lora_name="n", lora_path="/" * (MAX_PATH_CHARS + 1))
     with pytest.raises(ValidationError):
         UnloadLoRAAdapterRequest(lora_name="n" * (MAX_LORA_NAME_CHARS + 1))
+
+
+def test_sampling_params_hold_the_per_step_bounds_offline_too() -> None:
+    """The engine trusts SamplingParams: offline use gets the same bounds the HTTP edge documents."""
+    from scheduler.sampling_params import InvalidParameterError, SamplingParams
+
+    SamplingParams(logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS)}, stop_token_ids=list(range(MAX_STOP_TOKEN_IDS)))
+    with pytest.raises(InvalidParameterError) as e:
+        SamplingParams(logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)})
+    assert e.value.param == "logit_bias"
+    with pytest.raises(InvalidParameterError) as e:
+        SamplingParams(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS + 1)))
+    assert e.value.param == "stop_token_ids"
