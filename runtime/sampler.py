@@ -23,6 +23,11 @@ worth of random numbers per row: on this CPU that is ~30 ms per step at 32 rows 
 against ~2 ms for everything here.) Every per-row quantity is computed row by row (softmax,
 per-block sums, sequential cumulative sums, exact top-k values, which path a row takes), so a
 row's result does not depend on which other rows share its batch.
+
+No accepted parameters make a probability inf or NaN while the model's logits are finite and within
++-LOGIT_RANGE: a repetition penalty keeps logits finite, a row it may have pushed near float32's
+largest value is shifted by its maximum before a temperature below 1 divides it (``tempered_softmax``),
+and min_tokens never forbids the last tokens a row may take.
 """
 
 from __future__ import annotations
@@ -34,10 +39,16 @@ from typing import Sequence
 import torch
 
 from runtime import cpu_ops
-from runtime.batch import SequenceView, TokenLogprobs
+from runtime.batch import SamplingSpec, SequenceView, TokenLogprobs
 
 # Temperatures below this are treated as greedy (dividing by ~0 would overflow the logits).
 GREEDY_TEMPERATURE = 1e-5
+
+# How large a model's logits are assumed to get (a float32 head's stay far inside it). A repetition
+# penalty r < 1 grows them towards LOGIT_RANGE / r; where that, divided by the temperature, could pass
+# half of float32's range, ``tempered_softmax`` shifts the row by its maximum first.
+LOGIT_RANGE = 1e30
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 # Truncation never sorts a whole row (torch's CPU sort of 49,152 floats: ~1.7 ms per row here).
 # Top-k with k up to DIRECT_TOP_K ranks a head of k tokens (``_head``), and top-p first looks for
@@ -241,11 +252,15 @@ def _radix_floor(rows: torch.Tensor, target: torch.Tensor, weighted: bool) -> to
     or sums them (``weighted=True``, need = ``target`` x the row's sum: the top-p floor). Rather than
     sorting the row: a histogram over the leading bits of the float's representation (monotone for
     non-negative floats) finds the bucket where W crosses need; only that bucket's entries are sorted.
+
+    Probabilities are finite by construction; should a row hold anything else all the same (NaN's bits
+    read as a negative bucket, and ``scatter_add_`` raised), every key is clamped into the histogram
+    and an empty boundary bucket gives 0 (nothing cut), so a bad row gets a bad floor, never an error.
     """
     m, v = rows.shape
     device = rows.device
     nb = (0x3F800000 >> _RADIX_SHIFT) + 1  # the bucket of 1.0 is the highest
-    keys = rows.view(torch.int32) >> _RADIX_SHIFT  # [m, V]
+    keys = (rows.view(torch.int32) >> _RADIX_SHIFT).clamp_(0, nb - 1)  # [m, V]
     weights = rows if weighted else torch.ones_like(rows)
     hist = torch.zeros(m, nb, dtype=rows.dtype, device=device).scatter_add_(1, keys.long(), weights)
     from_top = hist.flip(-1).cumsum(-1).flip(-1)  # [m, nb]: W of the buckets >= b
@@ -262,11 +277,11 @@ def _radix_floor(rows: torch.Tensor, target: torch.Tensor, weighted: bool) -> to
     counts = torch.bincount(r, minlength=m)
     starts = counts.cumsum(0) - counts
     pos = torch.arange(r.numel(), device=device) - starts[r]
-    padded = torch.zeros(m, int(counts.max()), dtype=rows.dtype, device=device)
+    padded = torch.zeros(m, max(1, int(counts.max())), dtype=rows.dtype, device=device)
     padded[r, pos] = vals
     step = padded if weighted else torch.zeros_like(padded).index_put_((r, pos), torch.ones_like(vals))
     cum = above + step.cumsum(-1)
-    j = torch.minimum((cum < need.unsqueeze(1)).sum(-1), counts - 1)
+    j = torch.minimum((cum < need.unsqueeze(1)).sum(-1), counts - 1).clamp_min_(0)
     return padded.gather(1, j.unsqueeze(1)).squeeze(1)
 
 
@@ -300,6 +315,40 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
     bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # made there: no host copy to wait for
     allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).view(n, -1)[:, :v].bool()
     logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill_(~allowed, float("-inf")))
+
+
+def tempered_softmax(x: torch.Tensor, params: Sequence[SamplingSpec]) -> torch.Tensor:
+    """Each row's softmax at its temperature (no row greedy); ``x`` [n, V], processed logits, is modified.
+
+    softmax(x / T), except in rows whose repetition penalty may have grown the logits so far that x / T
+    overflows (to inf, and the softmax to NaN): those get softmax((x - max x) / T), the same
+    distribution with every value <= 0. Every other row keeps every bit it had.
+    """
+    temps = [p.temperature for p in params]
+    if all(t == 1.0 for t in temps):
+        return x.softmax(-1)
+    near = [i for i, p in enumerate(params) if p.repetition_penalty * p.temperature < _SHIFT_BELOW]
+    if len(near) == len(params):
+        x.sub_(x.amax(-1, keepdim=True))
+    elif near:
+        idx = host_to_device(near, x.device)
+        rows = x.index_select(0, idx)
+        x.index_copy_(0, idx, rows.sub_(rows.amax(-1, keepdim=True)))
+    return x.div_(host_to_device(temps, x.device, x.dtype).unsqueeze(1)).softmax(-1)
+
+
+# (LOGIT_RANGE / r) / T stays below half of float32's range when r * T is at least this.
+_SHIFT_BELOW = 2 * LOGIT_RANGE / _FLOAT32_MAX
+
+
+def _leaves_a_token(stops: list[int], vocab: int, bitmask_row: torch.Tensor | None) -> bool:
+    """Whether a row may still take a token once ``stops`` are forbidden (the structured output's
+    ``bitmask_row`` allowing, or every token without one)."""
+    if bitmask_row is None:
+        return len(set(stops)) < vocab
+    allowed = ((bitmask_row.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).view(-1)[:vocab].bool()
+    allowed[stops] = False
+    return bool(allowed.any())
 
 
 def _flat_token_positions(
@@ -387,7 +436,7 @@ class Sampler:
 
         bias_pos: list[int] = []
         bias_val: list[float] = []
-        suppress: list[int] = []
+        suppress: list[tuple[int, list[int]]] = []
         rep_rows: list[int] = []
         pf_rows: list[int] = []
         masked: list[int] = []
@@ -401,7 +450,9 @@ class Sampler:
                         bias_pos.append(i * vocab + tok)
                         bias_val.append(float(bias))
             if p.min_tokens > 0 and len(s.token_ids) - s.num_prompt_tokens < p.min_tokens:
-                suppress.extend(i * vocab + t for t in s.stop_token_ids_for_min_tokens if 0 <= t < vocab)
+                stops = [t for t in s.stop_token_ids_for_min_tokens if 0 <= t < vocab]
+                if stops:
+                    suppress.append((i, stops))
             if p.repetition_penalty != 1.0:
                 rep_rows.append(i)
             if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
@@ -419,7 +470,17 @@ class Sampler:
                 host_to_device(bias_val, device, logits.dtype),
             )
         if suppress:
-            flat.index_fill_(0, host_to_device(suppress, device), float("-inf"))
+            # min_tokens yields where it would forbid every token left (a structured output that must
+            # end now): a row of -inf has no distribution to draw from.
+            mask_row = {i: j for j, i in enumerate(masked)}
+            at = [
+                i * vocab + t
+                for i, stops in suppress
+                if _leaves_a_token(stops, vocab, bitmask[mask_row[i]] if i in mask_row else None)
+                for t in stops
+            ]
+            if at:
+                flat.index_fill_(0, host_to_device(at, device), float("-inf"))
         if rep_rows:
             # CTRL / HF definition over prompt + output: shrink towards zero by r (grow if r < 1).
             pos, row_of = _flat_token_positions(seqs, rep_rows, vocab, output_only=False)
@@ -460,10 +521,7 @@ class Sampler:
         n, vocab = x.shape
         device = x.device
         params = [s.params for s in seqs]
-        temps = [p.temperature for p in params]
-        if any(t != 1.0 for t in temps):
-            x.div_(host_to_device(temps, device, x.dtype).unsqueeze(1))
-        probs = x.softmax(-1)
+        probs = tempered_softmax(x, params)
 
         # Every truncation becomes a per-row probability floor. Rows whose survivors all sit in a
         # ranked head are drawn from it; the rest are masked and drawn over the whole vocabulary.
