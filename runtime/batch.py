@@ -8,6 +8,7 @@ sampling parameters is described here as protocols; ``scheduler.Request`` and
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Protocol, Sequence
 
 import torch
@@ -16,6 +17,23 @@ import torch
 # Stands in ``SequenceView.token_ids`` for a token the runner's previous sampling step drew but the
 # host does not know yet (the engine scheduling ahead). Only ever a sequence's last token.
 PENDING_TOKEN = -1
+
+
+@dataclass(frozen=True)
+class LogitBias:
+    """A request's ``logit_bias`` as CPU tensors, built once: the sampler adds it to the request's row
+    every step with one tensor op for the whole batch, instead of walking the dict."""
+
+    token_ids: torch.Tensor  # [k] int64
+    values: torch.Tensor  # [k] float32
+    lowest: int  # the smallest and largest token id: checked against the vocabulary without a tensor op
+    highest: int
+
+    @classmethod
+    def of(cls, bias: dict[int, float]) -> LogitBias:
+        ids = [int(t) for t in bias]
+        values = torch.tensor([float(v) for v in bias.values()], dtype=torch.float32)
+        return cls(torch.tensor(ids, dtype=torch.int64), values, min(ids), max(ids))
 
 
 class SamplingSpec(Protocol):
@@ -32,6 +50,11 @@ class SamplingSpec(Protocol):
     min_tokens: int
     logprobs: int | None  # None => none; k => the chosen token's logprob plus the top-k alternatives
     prompt_logprobs: int | None  # None => none; k => each prompt token's logprob plus the top-k alternatives
+
+    @property
+    def logit_bias_tensors(self) -> LogitBias | None:
+        """``logit_bias`` as tensors (None without one), built on first use and kept."""
+        ...
 
 
 @dataclass
@@ -52,6 +75,10 @@ class SamplingOptions:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+
+    @cached_property
+    def logit_bias_tensors(self) -> LogitBias | None:
+        return LogitBias.of(self.logit_bias) if self.logit_bias else None
 
 
 class TokenMask(Protocol):

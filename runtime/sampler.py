@@ -39,7 +39,7 @@ from typing import Sequence
 import torch
 
 from runtime import cpu_ops
-from runtime.batch import SamplingSpec, SequenceView, TokenLogprobs
+from runtime.batch import LogitBias, SamplingSpec, SequenceView, TokenLogprobs
 
 # Temperatures below this are treated as greedy (dividing by ~0 would overflow the logits).
 GREEDY_TEMPERATURE = 1e-5
@@ -341,6 +341,22 @@ def tempered_softmax(x: torch.Tensor, params: Sequence[SamplingSpec]) -> torch.T
 _SHIFT_BELOW = 2 * LOGIT_RANGE / _FLOAT32_MAX
 
 
+def _bias_positions(biases: list[tuple[int, LogitBias]], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat positions ``row * V + token`` and values of the rows' logit_bias, each in one CPU tensor."""
+    ids, values = [], []
+    for _, b in biases:
+        t, v = b.token_ids, b.values
+        if b.lowest < 0 or b.highest >= vocab:  # ids outside the vocabulary (only unvalidated options) are ignored
+            keep = (t >= 0) & (t < vocab)
+            t, v = t[keep], v[keep]
+        ids.append(t)
+        values.append(v)
+    if len(biases) == 1:
+        return ids[0] + biases[0][0] * vocab, values[0]
+    offsets = torch.tensor([i * vocab for i, _ in biases], dtype=torch.int64)
+    return torch.cat(ids) + offsets.repeat_interleave(torch.tensor([len(t) for t in ids])), torch.cat(values)
+
+
 def _leaves_a_token(stops: list[int], vocab: int, bitmask_row: torch.Tensor | None) -> bool:
     """Whether a row may still take a token once ``stops`` are forbidden (the structured output's
     ``bitmask_row`` allowing, or every token without one)."""
@@ -434,8 +450,7 @@ class Sampler:
         device = logits.device
         params = [s.params for s in seqs]
 
-        bias_pos: list[int] = []
-        bias_val: list[float] = []
+        biases: list[tuple[int, LogitBias]] = []
         suppress: list[tuple[int, list[int]]] = []
         rep_rows: list[int] = []
         pf_rows: list[int] = []
@@ -444,11 +459,9 @@ class Sampler:
             if s.grammar is not None:
                 masked.append(i)
             if p.logit_bias:
-                for tok, bias in p.logit_bias.items():
-                    tok = int(tok)
-                    if 0 <= tok < vocab:
-                        bias_pos.append(i * vocab + tok)
-                        bias_val.append(float(bias))
+                bias = p.logit_bias_tensors
+                if bias is not None:
+                    biases.append((i, bias))
             if p.min_tokens > 0 and len(s.token_ids) - s.num_prompt_tokens < p.min_tokens:
                 stops = [t for t in s.stop_token_ids_for_min_tokens if 0 <= t < vocab]
                 if stops:
@@ -463,12 +476,9 @@ class Sampler:
             for j, i in enumerate(masked):
                 seqs[i].grammar.fill_bitmask(bitmask, j)  # type: ignore[union-attr]
             apply_token_bitmask(logits, host_to_device(masked, device), host_to_device(bitmask, device))
-        if bias_pos:
-            flat.index_add_(
-                0,
-                host_to_device(bias_pos, device),
-                host_to_device(bias_val, device, logits.dtype),
-            )
+        if biases:
+            pos, val = _bias_positions(biases, vocab)
+            flat.index_add_(0, host_to_device(pos, device), host_to_device(val, device).to(logits.dtype))
         if suppress:
             # min_tokens yields where it would forbid every token left (a structured output that must
             # end now): a row of -inf has no distribution to draw from.

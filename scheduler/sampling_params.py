@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
+    from runtime.batch import LogitBias
     from scheduler.structured_output import StructuredOutput
 
 
@@ -117,6 +119,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @cached_property
+    def logit_bias_tensors(self) -> LogitBias | None:
+        """``logit_bias`` as the tensors the sampler adds every step, built on first use."""
+        from runtime.batch import LogitBias  # (torch: not imported where parameters are only validated)
+
+        return LogitBias.of(self.logit_bias) if self.logit_bias else None
 
     def validate(self, vocab_size: int | None = None) -> None:
         def bad(param: str, msg: str) -> None:

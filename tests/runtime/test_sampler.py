@@ -592,3 +592,30 @@ def test_grammar_mask_leaves_only_allowed_tokens_and_other_rows_alone(path: str,
     assert tokens[0] == max(allowed[0], key=lambda t: logits[0, t].item())
     assert tokens[2] == 0  # sampled (temperature 1) from a single allowed token
     assert tokens[3] in allowed[2] and tokens[1] == int(logits[1].argmax())
+
+
+def test_logit_bias_comes_from_tensors_built_once_per_request() -> None:
+    """Every row's logit_bias is added in one op from tensors its parameters build on first use (the
+    dict is not walked each step); ids outside the vocabulary (unvalidated options only) are ignored."""
+    from scheduler.sampling_params import SamplingParams
+
+    vocab = 1000
+    logits = torch.randn(6, vocab, generator=seeded(14))
+    biases = [{3: 1.5, 999: -100.0, 0: 100.0}, None, {i: float(i % 7) - 3 for i in range(0, vocab, 4)},
+              {5: 2.0, vocab: 9.0, -1: 9.0}, {7: 0.25}, {}]  # fmt: skip
+    seqs = [Seq(params=Spec(logit_bias=b)) for b in biases]
+    expected = logits.clone()
+    for i, b in enumerate(biases):
+        for t, v in (b or {}).items():
+            if 0 <= t < vocab:
+                expected[i, t] += v
+    x = logits.clone()
+    Sampler().process_logits(x, seqs)
+    assert torch.equal(x, expected)
+    built = seqs[2].params.logit_bias_tensors
+    Sampler().process_logits(logits.clone(), seqs)
+    assert built is not None and seqs[2].params.logit_bias_tensors is built
+    assert seqs[1].params.logit_bias_tensors is None and seqs[5].params.logit_bias_tensors is None
+
+    real = SamplingParams(temperature=0.0, logit_bias={13: 100.0, 14: 50.0})
+    assert Sampler().sample(logits[:1].clone(), [replace(Seq(), params=real)])[0] == [13]
