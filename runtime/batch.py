@@ -158,3 +158,6 @@ class RunnerOutput:
     # Items with a ``draft``: the tokens sampled at each draft's position (what follows draft j), with
     # their logprobs (entries None when not asked); None when no item had one.
     draft_samples: list[list[tuple[int, TokenLogprobs | None]] | None] | None = None
+    # Items whose sampling raised, by item index: their tokens are None, and the other items got the
+    # tokens the step would have given them anyway; None when none did.
+    errors: dict[int, Exception] | None = None

@@ -335,7 +335,8 @@ class ModelRunner:
         """Issue the LM head over the sampled rows and the sampler; the tokens start towards the host.
 
         The sampler reads each sequence's ``token_ids`` (penalties, min_tokens): they must hold no
-        ``PENDING_TOKEN`` by now.
+        ``PENDING_TOKEN`` by now. Items whose rows raise in the sampler are in the output's ``errors``;
+        the others are sampled all the same.
         """
         inputs = step.inputs
         scored = None
@@ -344,8 +345,12 @@ class ModelRunner:
         rows = None
         if inputs.sample_items:
             logits = self.sampled_logits(inputs, step.hidden, step.logits)
+            if step.logits and logits.data_ptr() == step.hidden.data_ptr():
+                logits = logits.clone()  # the sampler edits its logits: keep the graph's output for a retry
             seqs = [step.items[i].seq for i in inputs.sample_items]
-            rows = self.sampler.sample_rows(logits, seqs)
+            rows = self.sampler.sample_rows(
+                logits, seqs, reload=lambda: self.sampled_logits(inputs, step.hidden, step.logits)
+            )
             self._last_tokens, self._last_seqs, self._last_rows = rows.tokens, seqs, None
         else:
             self._last_tokens, self._last_seqs, self._last_rows = None, [], None

@@ -27,19 +27,24 @@ row's result does not depend on which other rows share its batch.
 No accepted parameters make a probability inf or NaN while the model's logits are finite and within
 +-LOGIT_RANGE: a repetition penalty keeps logits finite, a row it may have pushed near float32's
 largest value is shifted by its maximum before a temperature below 1 divides it (``tempered_softmax``),
-and min_tokens never forbids the last tokens a row may take.
+and min_tokens never forbids the last tokens a row may take. Should sampling a batch raise all the
+same, ``sample_rows`` samples its rows one by one, with the same draws, and reports those that still
+raise (``SampledRows.errors``), so one request's failure is its own.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
 from itertools import chain
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from runtime import cpu_ops
 from runtime.batch import LogitBias, SamplingSpec, SequenceView, TokenLogprobs
+
+log = logging.getLogger(__name__)
 
 # Temperatures below this are treated as greedy (dividing by ~0 would overflow the logits).
 GREEDY_TEMPERATURE = 1e-5
@@ -396,19 +401,61 @@ class Sampler:
         """Next token (and logprobs, where asked) of each row; ``logits`` [R, V] may be modified in place."""
         return self.sample_rows(logits, seqs).resolve()
 
-    def sample_rows(self, logits: torch.Tensor, seqs: Sequence[SequenceView]) -> SampledRows:
+    def sample_rows(
+        self, logits: torch.Tensor, seqs: Sequence[SequenceView], reload: Callable[[], torch.Tensor] | None = None
+    ) -> SampledRows:
         """``sample``, with the results left where they were computed (on the device).
 
         Nothing here waits for the device (its host inputs go through ``host_to_device``) for greedy
         rows with logprobs, logit_bias, min_tokens and repetition/presence/frequency penalties; top-k /
         top-p truncation and seeded draws do (they read sizes or random numbers on the host), so with
         those the engine overlaps less of its work with the device.
+
+        ``reload`` returns the logits as they were given (this call edits them): with it, should the
+        batch raise, its rows are sampled again one by one with the same draws, and those that raise
+        alone come back in ``errors`` (token 0) while the others get the tokens they would have got.
         """
         n_rows = logits.shape[0]
         if n_rows != len(seqs):
             raise ValueError(f"{n_rows} logit rows for {len(seqs)} sequences")
         if n_rows == 0:
             return SampledRows(torch.empty(0, dtype=torch.int64))
+        u = self._uniforms(seqs)  # drawn before anything can fail: a retry reuses them
+        try:
+            return self._sample_batch(logits, seqs, u)
+        except Exception:
+            if reload is None:
+                raise
+            log.exception("sampling a batch of %d rows raised; sampling its rows one by one", n_rows)
+            return self._sample_each(reload(), seqs, u)
+
+    def _sample_each(self, logits: torch.Tensor, seqs: Sequence[SequenceView], u: torch.Tensor) -> SampledRows:
+        """Find the rows that raise alone, then sample the others together with their own draws."""
+        n = len(seqs)
+        errors: dict[int, Exception] = {}
+        for i in range(n):
+            try:
+                self._sample_batch(logits[i : i + 1].clone(), [seqs[i]], u[i : i + 1])
+            except Exception as e:
+                errors[i] = e
+        out = SampledRows(torch.zeros(n, dtype=torch.int64, device=logits.device), errors=errors)
+        ok = [i for i in range(n) if i not in errors]
+        if not ok:
+            return out
+        idx = host_to_device(ok, logits.device)
+        try:
+            part = self._sample_batch(logits.index_select(0, idx), [seqs[i] for i in ok], u[ok])
+        except Exception as e:  # these rows raise only together: none of them can be trusted
+            errors.update(dict.fromkeys(ok, e))
+            return out
+        out.tokens.index_copy_(0, idx, part.tokens)
+        if part.logprobs is not None:
+            out.logprobs = replace(part.logprobs, rows=[ok[j] for j in part.logprobs.rows])
+        return out
+
+    def _sample_batch(self, logits: torch.Tensor, seqs: Sequence[SequenceView], u: torch.Tensor) -> SampledRows:
+        """``sample_rows`` proper, with each row's uniform (``_uniforms``) drawn already."""
+        n_rows = logits.shape[0]
         logits = logits.float().contiguous()  # no copy for the float32 rows the runner hands us
         params = [s.params for s in seqs]
         self.process_logits(logits, seqs)
@@ -422,7 +469,7 @@ class Sampler:
         if len(greedy) == n_rows:
             tokens = argmax_rows(logits)
         elif not greedy:
-            tokens = self._sample_rows(logits, seqs)
+            tokens = self._sample_rows(logits, seqs, u)
         else:
             greedy_set = set(greedy)
             rand = [i for i in range(n_rows) if i not in greedy_set]
@@ -430,7 +477,7 @@ class Sampler:
             r_idx = host_to_device(rand, device)
             tokens = torch.empty(n_rows, dtype=torch.int64, device=device)
             tokens[g_idx] = argmax_rows(logits.index_select(0, g_idx))
-            tokens[r_idx] = self._sample_rows(logits.index_select(0, r_idx), [seqs[i] for i in rand])
+            tokens[r_idx] = self._sample_rows(logits.index_select(0, r_idx), [seqs[i] for i in rand], u[rand])
 
         out = SampledRows(tokens)
         if logprobs is not None and lp_idx is not None:
@@ -526,8 +573,9 @@ class Sampler:
                 delta = torch.where(first, counts[run] * freq[row_of] + pres[row_of], 0.0)
                 flat.index_add_(0, pos, -delta)
 
-    def _sample_rows(self, x: torch.Tensor, seqs: Sequence[SequenceView]) -> torch.Tensor:
-        """Temperature, top-k, top-p, min-p and a draw for rows that are not greedy; ``x`` is modified."""
+    def _sample_rows(self, x: torch.Tensor, seqs: Sequence[SequenceView], u: torch.Tensor) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p and a draw (uniforms ``u``) for rows that are not greedy;
+        ``x`` is modified."""
         n, vocab = x.shape
         device = x.device
         params = [s.params for s in seqs]
@@ -551,7 +599,7 @@ class Sampler:
             # min-p compares with the untruncated max.
             floor = torch.maximum(floor, host_to_device(min_p, device, probs.dtype) * probs.amax(-1))
 
-        u = host_to_device(self._uniforms(seqs), device)
+        u = host_to_device(u, device)
         if not cut.heads:
             if bool((floor > 0).any()):
                 probs.masked_fill_(probs < floor.unsqueeze(1), 0.0)
@@ -570,15 +618,17 @@ class Sampler:
         return tokens
 
     def _uniforms(self, seqs: Sequence[SequenceView]) -> torch.Tensor:
-        """One uniform in [0, 1) per row: from the row's own generator if seeded, else the shared one."""
-        shared = [j for j, s in enumerate(seqs) if s.generator is None]
+        """One uniform in [0, 1) per row that is not greedy (greedy rows: 0, nothing drawn): from the
+        row's own generator if seeded, else the shared one."""
+        drawn = [j for j, s in enumerate(seqs) if s.params.temperature >= GREEDY_TEMPERATURE]
+        shared = [j for j in drawn if seqs[j].generator is None]
         if len(shared) == len(seqs):
             return torch.rand(len(seqs), generator=self._generator, dtype=torch.float64)
-        u = torch.empty(len(seqs), dtype=torch.float64)
+        u = torch.zeros(len(seqs), dtype=torch.float64)
         if shared:
             u[shared] = torch.rand(len(shared), generator=self._generator, dtype=torch.float64)
-        for j, s in enumerate(seqs):
-            g = s.generator
+        for j in drawn:
+            g = seqs[j].generator
             if g is not None:
                 u[j] = torch.rand(1, generator=g, dtype=torch.float64, device=g.device).item()
         return u
@@ -619,6 +669,7 @@ class SampledRows:
 
     tokens: torch.Tensor
     logprobs: LogprobTensors | None = None
+    errors: dict[int, Exception] | None = None  # rows whose sampling raised (``Sampler.sample_rows``)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.tokens, *(self.logprobs.tensors() if self.logprobs is not None else ())]
@@ -626,7 +677,7 @@ class SampledRows:
     def with_tensors(self, tensors: Sequence[torch.Tensor]) -> SampledRows:
         """The same rows with every tensor replaced (e.g. by its host copy), in ``tensors()`` order."""
         lps = self.logprobs.with_tensors(tensors[1:]) if self.logprobs is not None else None
-        return SampledRows(tensors[0], lps)
+        return SampledRows(tensors[0], lps, self.errors)
 
     def resolve(self) -> tuple[list[int], list[TokenLogprobs | None]]:
         tokens: list[int] = self.tokens.tolist()

@@ -65,7 +65,10 @@ class LaunchedStep:
 
 
 class StepOutput:
-    """A step's sampled tokens on their way to the host; ``result`` waits for them."""
+    """A step's sampled tokens on their way to the host; ``result`` waits for them.
+
+    ``errors`` (known at once, on the host): the items whose sampling raised, by item index.
+    """
 
     def __init__(
         self,
@@ -80,6 +83,10 @@ class StepOutput:
         self._rows = rows
         self._ready = ready  # recorded after the device-to-host copies (GPU only)
         self._scored = scored  # prompt logprobs, still where they were computed
+        self.errors: dict[int, Exception] = {}
+        if rows is not None and rows.errors:
+            for r, e in rows.errors.items():  # a draft's rows belong to its item: one failed row fails it
+                self.errors.setdefault(sample_items[r], e)
 
     def result(self) -> RunnerOutput:
         """One entry per item, in item order (see ``RunnerOutput``)."""
@@ -91,8 +98,12 @@ class StepOutput:
         drafts: list[list[tuple[int, TokenLogprobs | None]] | None] | None = None
         if self._rows is not None:
             ids, lps = self._rows.resolve()
+            items = self._sample_items
+            if self.errors:
+                keep = [r for r, i in enumerate(items) if i not in self.errors]
+                items, ids, lps = [items[r] for r in keep], [ids[r] for r in keep], [lps[r] for r in keep]
             last = -1
-            for i, tok, lp in zip(self._sample_items, ids, lps):
+            for i, tok, lp in zip(items, ids, lps):
                 if i != last:
                     tokens[i] = tok
                     logprobs[i] = lp
@@ -104,7 +115,7 @@ class StepOutput:
                     if entry is None:
                         entry = drafts[i] = []
                     entry.append((tok, lp))
-        return RunnerOutput(tokens, logprobs, self._prompt_logprobs(), drafts)
+        return RunnerOutput(tokens, logprobs, self._prompt_logprobs(), drafts, self.errors or None)
 
     def _prompt_logprobs(self) -> list[PromptLogprobs | None] | None:
         if self._scored is None:

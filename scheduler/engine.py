@@ -60,8 +60,8 @@ class RunnerLike(Protocol):
     """What the engine needs of ``runtime.runner.ModelRunner`` (tests pass fakes).
 
     A runner may also split ``execute`` into ``launch(items)`` and ``sample(launched)``, whose
-    ``result()`` gives the ``RunnerOutput`` (``ModelRunner`` does); ``_Executed`` adapts one that
-    does not.
+    ``result()`` gives the ``RunnerOutput`` and whose ``errors`` are the items whose sampling raised
+    (``ModelRunner`` does); ``_Executed`` adapts one that does not.
     """
 
     def execute(self, items: list[BatchItem]) -> RunnerOutput: ...
@@ -70,6 +70,7 @@ class RunnerLike(Protocol):
 class _Done:
     def __init__(self, output: RunnerOutput) -> None:
         self._output = output
+        self.errors = output.errors or {}
 
     def result(self) -> RunnerOutput:
         return self._output
@@ -399,6 +400,9 @@ class Engine:
         """Issue a launched step's sampling and move its sequences on: their new tokens are computed
         (and full blocks cached); scheduling ahead, each sampled one that goes on gets a pending token."""
         output = self._steps.sample(launched)
+        for i, e in output.errors.items():  # its row raised in the sampler: that request fails, not the step
+            if not items[i].seq.is_finished:  # type: ignore[attr-defined]
+                self._fail(items[i].seq, e, changed)  # type: ignore[arg-type]
         ahead = self.async_scheduling
         for item in items:
             req: Request = item.seq  # type: ignore[assignment]
@@ -482,7 +486,7 @@ class Engine:
 
     def _fail(self, req: Request, e: Exception, changed: dict[str, ChoiceGroup]) -> None:
         """Finish ``req`` with an error raised while the engine handled its step; report it."""
-        log.exception("request %s choice %d failed while processing its output", req.request_id, req.index)
+        log.error("request %s choice %d failed while processing its output", req.request_id, req.index, exc_info=e)
         req.error = f"internal error while processing the output: {type(e).__name__}: {e}"
         if not req.is_finished:
             self._finish(req, RequestStatus.FINISHED_ERROR, time.monotonic())

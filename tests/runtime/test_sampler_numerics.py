@@ -1,5 +1,5 @@
 """The sampler at the edges of what a request may ask: probabilities stay finite, tokens stay valid and
-allowed."""
+allowed, and a row whose sampling raises fails alone (``Sampler.sample_rows`` with ``reload``)."""
 
 from __future__ import annotations
 
@@ -228,3 +228,40 @@ def test_fuzz_probabilities_stay_finite_and_tokens_allowed(batch: tuple[list[Seq
         if lp is not None:
             assert lp.token_id == t and math.isfinite(lp.logprob) and lp.logprob <= 0.0
 
+
+# ---- one row's failure is that row's ----------------------------------------------------------------
+
+
+class BrokenMask(BitMask):
+    """A structured-output state that fails (the matcher raising) when asked for its mask."""
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        raise RuntimeError("matcher broke")
+
+
+def test_a_row_that_raises_fails_alone_and_the_others_keep_their_draws() -> None:
+    vocab = 1000
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(4)) * 3
+    history = [3, 4, 5, 4]
+
+    def seqs(bad: bool) -> list[Seq]:
+        return [
+            Seq(params=Spec(temperature=0.0, logprobs=3, logit_bias={7: 5.0})),
+            Seq(params=Spec(temperature=0.9, top_p=0.9), generator=torch.Generator().manual_seed(11)),
+            Seq(token_ids=list(history), params=Spec(temperature=0.7), grammar=BrokenMask({1}) if bad else BitMask({1, 2})),
+            Seq(token_ids=list(history), params=Spec(temperature=1.2, top_k=40, logprobs=2, repetition_penalty=1.3)),
+            Seq(params=Spec(temperature=0.6, min_p=0.1)),
+        ]
+
+    want = Sampler(seed=9).sample_rows(logits.clone(), seqs(bad=False))
+    with pytest.raises(RuntimeError, match="matcher broke"):
+        Sampler(seed=9).sample_rows(logits.clone(), seqs(bad=True))
+
+    raw = logits.clone()
+    got = Sampler(seed=9).sample_rows(logits.clone(), seqs(bad=True), reload=lambda: raw.clone())
+    assert list(got.errors) == [2] and "matcher broke" in str(got.errors[2])
+    want_tokens, want_lps = want.resolve()
+    tokens, lps = got.resolve()
+    for i in (0, 1, 3, 4):
+        assert tokens[i] == want_tokens[i] and lps[i] == want_lps[i], i
+    assert lps[2] is None
