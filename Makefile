@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 setup: $(STAMP)
 
 model: $(STAMP)
-	$(VPY) -m runtime.model_files
+	$(VPY) -m servelm.runtime.model_files
 
 serve: model
 	$(VENV)/bin/servelm serve --quantization auto $(ARGS)

@@ -38,7 +38,7 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.utils import floatToGoString
 
-from metrics.observer import RequestStats, StepStats
+from servelm.metrics.observer import RequestStats, StepStats
 
 # Roughly log-spaced 1 ms .. 60 s: a GPU decode step is a few ms, a CPU one tens of ms, and a
 # CPU TTFT under load runs to tens of seconds. Request-level times get a longer tail.

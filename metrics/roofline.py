@@ -22,9 +22,9 @@ from typing import Callable
 
 import torch
 
-from runtime import cpu_linear
-from runtime.capacity import DEVICE_PRESETS
-from runtime.model_files import cache_dir
+from servelm.runtime import cpu_linear
+from servelm.runtime.capacity import DEVICE_PRESETS
+from servelm.runtime.model_files import cache_dir
 
 log = logging.getLogger(__name__)
 

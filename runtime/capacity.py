@@ -7,8 +7,8 @@ from typing import Sequence
 
 import torch
 
-from runtime.batch import BatchItem
-from runtime.config import ModelConfig
+from servelm.runtime.batch import BatchItem
+from servelm.runtime.config import ModelConfig
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from runtime.model_files import cache_dir
+from servelm.runtime.model_files import cache_dir
 
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]

@@ -24,8 +24,8 @@ from typing import Callable
 
 import torch
 
-from runtime import cpu_ops
-from runtime.cpu_ops import SmallMLinear, SmallMLinearInt8
+from servelm.runtime import cpu_ops
+from servelm.runtime.cpu_ops import SmallMLinear, SmallMLinearInt8
 
 __all__ = [
     "ENV", "SmallMLinear", "linear", "onednn_linear_available", "pack", "quantized_kernels", "small_m_int8_kernel",

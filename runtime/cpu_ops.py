@@ -29,8 +29,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from runtime import quantization
-from runtime.cpu_extension import CompiledExtension
+from servelm.runtime import quantization
+from servelm.runtime.cpu_extension import CompiledExtension
 
 log = logging.getLogger(__name__)
 

@@ -31,11 +31,11 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import numpy as np
 import torch
 
-from runtime import pdl
-from runtime.attention.base import AttentionBackend, AttentionMetadata
+from servelm.runtime import pdl
+from servelm.runtime.attention.base import AttentionBackend, AttentionMetadata
 
 if TYPE_CHECKING:
-    from runtime.models.layers import FewRowKernels
+    from servelm.runtime.models.layers import FewRowKernels
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 if TYPE_CHECKING:
-    from runtime.models.llama import CausalLM
+    from servelm.runtime.models.llama import CausalLM
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -166,7 +166,7 @@ def load_lora_adapter(path: str | Path, model: CausalLM, max_rank: int) -> LoRAA
     does not have or cannot adapt (embeddings, the LM head), shapes, a rank over ``max_rank``.
     Reads the model's structure only, so it may run beside the engine thread.
     """
-    from runtime.models.layers import Linear
+    from servelm.runtime.models.layers import Linear
 
     folder = Path(path)
     if not folder.is_dir():
@@ -294,8 +294,8 @@ class LoRAProjection:
 
 def attach(model: CausalLM, kernel: LoRAKernel | None = None) -> LoRAContext:
     """Give every projection of ``model`` an (empty) ``LoRAProjection`` over one shared context."""
-    from runtime.models.layers import Linear
-    from runtime.models.llama import DecoderLayer
+    from servelm.runtime.models.layers import Linear
+    from servelm.runtime.models.llama import DecoderLayer
 
     ctx = LoRAContext(kernel)
     for module in model.modules():
@@ -317,7 +317,7 @@ def add_adapter(model: CausalLM, adapter_id: int, adapter: LoRAAdapter) -> None:
 
 
 def remove_adapter(model: CausalLM, adapter_id: int) -> None:
-    from runtime.models.layers import Linear
+    from servelm.runtime.models.layers import Linear
 
     for module in model.modules():
         if isinstance(module, Linear) and module.lora is not None:

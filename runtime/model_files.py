@@ -17,7 +17,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from runtime.config import UnsupportedModelError
+from servelm.runtime.config import UnsupportedModelError
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,6 @@ def resolve_model_path(model: str | None) -> Path:
     )
 
 
-if __name__ == "__main__":  # `python -m runtime.model_files`: prepare the default model (used by make)
+if __name__ == "__main__":  # `python -m servelm.runtime.model_files`: prepare the default model (used by make)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     print(ensure_default_model())

@@ -18,24 +18,24 @@ from pathlib import Path
 
 import torch
 
-from runtime import cpu_linear, cpu_ops, lora, pdl
-from runtime.attention.base import AttentionBackend, AttentionMetadata
-from runtime.attention.selector import select_backend
-from runtime.batch import PENDING_TOKEN, BatchItem, RunnerOutput, SequenceView
-from runtime.capacity import kv_bytes_per_token
-from runtime.config import ModelConfig, UnsupportedModelError
-from runtime.cuda_graphs import CudaGraphRunner
-from runtime.kv_cache import KVPool
-from runtime.models.layers import FewRowKernels
-from runtime.quantization import (
+from servelm.runtime import cpu_linear, cpu_ops, lora, pdl
+from servelm.runtime.attention.base import AttentionBackend, AttentionMetadata
+from servelm.runtime.attention.selector import select_backend
+from servelm.runtime.batch import PENDING_TOKEN, BatchItem, RunnerOutput, SequenceView
+from servelm.runtime.capacity import kv_bytes_per_token
+from servelm.runtime.config import ModelConfig, UnsupportedModelError
+from servelm.runtime.cuda_graphs import CudaGraphRunner
+from servelm.runtime.kv_cache import KVPool
+from servelm.runtime.models.layers import FewRowKernels
+from servelm.runtime.quantization import (
     QUANTIZATION_LABELS,
     check_group_widths,
     check_quantization,
     projection_widths,
     quantize_model,
 )
-from runtime.sampler import LogprobTensors, Sampler, host_to_device, logprob_tensors
-from runtime.step import (
+from servelm.runtime.sampler import LogprobTensors, Sampler, host_to_device, logprob_tensors
+from servelm.runtime.step import (
     LaunchedStep,
     LoRAStep,
     PromptScoring,
@@ -45,7 +45,7 @@ from runtime.step import (
     is_decode,
     to_device,
 )
-from runtime.weights import load_model
+from servelm.runtime.weights import load_model
 
 log = logging.getLogger(__name__)
 
@@ -132,16 +132,16 @@ class ModelRunner:
         self.few_rows_mode = "off"
         self.few_rows_limit = 0  # most rows the fused few-row projections take
         if self.device.type == "cuda":
-            from runtime.attention.flash_backend import decode_gemv_mode, fused_ops_enabled
+            from servelm.runtime.attention.flash_backend import decode_gemv_mode, fused_ops_enabled
 
             if fused_ops_enabled():
-                from runtime import triton_ops
+                from servelm.runtime import triton_ops
 
                 self.model.use_fused_ops(triton_ops.rms_norm, triton_ops.silu_mul)
                 self.fused_ops = True
                 self.few_rows_mode = decode_gemv_mode()
             if self.few_rows_mode != "off":
-                from runtime import triton_gemv
+                from servelm.runtime import triton_gemv
 
                 # Eager steps use them only when forced; graphs decide per size at capture ("auto").
                 self.few_rows = FewRowKernels(
@@ -211,7 +211,7 @@ class ModelRunner:
             )
             self.graph_runner.capture()  # after the pool exists: the graphs read its addresses
             if self.few_rows is not None:
-                from runtime import triton_gemv
+                from servelm.runtime import triton_gemv
 
                 for line in triton_gemv.tuned_tiles():
                     log.info("few-row projection tile: %s", line)
@@ -259,7 +259,7 @@ class ModelRunner:
 
     def measure_kv_budget(self, gpu_memory_utilization: float, reserve_bytes: int = 0) -> int:
         """CUDA: bytes the KV pool may take, measured around ``warm_up`` (``runtime.gpu_memory``)."""
-        from runtime.gpu_memory import kv_budget_bytes
+        from servelm.runtime.gpu_memory import kv_budget_bytes
 
         return kv_budget_bytes(
             gpu_memory_utilization,

@@ -41,8 +41,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from runtime import cpu_ops
-from runtime.batch import LogitBias, SamplingSpec, SequenceView, TokenLogprobs
+from servelm.runtime import cpu_ops
+from servelm.runtime.batch import LogitBias, SamplingSpec, SequenceView, TokenLogprobs
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from runtime.attention.base import AttentionMetadata
-from runtime.batch import BatchItem, PromptLogprobs, RunnerOutput, TokenLogprobs
-from runtime.sampler import LogprobTensors, SampledRows
+from servelm.runtime.attention.base import AttentionMetadata
+from servelm.runtime.batch import BatchItem, PromptLogprobs, RunnerOutput, TokenLogprobs
+from servelm.runtime.sampler import LogprobTensors, SampledRows
 
 
 @dataclass

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from runtime.config import UnsupportedModelError
+from servelm.runtime.config import UnsupportedModelError
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:

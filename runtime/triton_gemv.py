@@ -45,8 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime import pdl
-from runtime.triton_pdl import wait_then_release
+from servelm.runtime import pdl
+from servelm.runtime.triton_pdl import wait_then_release
 
 # Up to this many rows (the next power of two of the row count is a compile-time tile dimension).
 MAX_ROWS = 4

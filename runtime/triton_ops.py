@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime import pdl
-from runtime.triton_pdl import wait_then_release
+from servelm.runtime import pdl
+from servelm.runtime.triton_pdl import wait_then_release
 
 
 @triton.jit

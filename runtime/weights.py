@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from runtime.attention.base import AttentionBackend
-from runtime.config import ModelConfig, UnsupportedModelError
-from runtime.models.llama import CausalLM, build_model, param_shards
+from servelm.runtime.attention.base import AttentionBackend
+from servelm.runtime.config import ModelConfig, UnsupportedModelError
+from servelm.runtime.models.llama import CausalLM, build_model, param_shards
 
 log = logging.getLogger(__name__)
 

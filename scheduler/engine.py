@@ -23,24 +23,24 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
-from metrics.observer import NullObserver, Observer, RequestStats, StepStats
-from runtime.batch import PENDING_TOKEN, BatchItem, RunnerOutput, TokenLogprobs
-from runtime.capacity import Capacity, StepCostModel, plan_capacity
-from runtime.config import ModelConfig
-from runtime.lora import LoRAAdapter
-from runtime.model_files import resolve_model_path
-from runtime.runner import ModelRunner
-from runtime.tokenizer import load_tokenizer
-from scheduler.block_manager import BlockManager
-from scheduler.config import EngineConfig
-from scheduler.detokenizer import IncrementalDetokenizer, TextDecoder
-from scheduler.outputs import ChoiceGroup, GeneratedChoice, GenerationResult, RequestOutput
-from scheduler.request import Request, RequestStatus
-from scheduler.lora_registry import LoRARegistry
-from scheduler.sampling_params import InvalidParameterError, SamplingParams, check_request
-from scheduler.scheduler import Scheduler, SchedulerOutput
-from scheduler.speculative import NgramProposer, SpeculativeConfig
-from scheduler.startup import (
+from servelm.metrics.observer import NullObserver, Observer, RequestStats, StepStats
+from servelm.runtime.batch import PENDING_TOKEN, BatchItem, RunnerOutput, TokenLogprobs
+from servelm.runtime.capacity import Capacity, StepCostModel, plan_capacity
+from servelm.runtime.config import ModelConfig
+from servelm.runtime.lora import LoRAAdapter
+from servelm.runtime.model_files import resolve_model_path
+from servelm.runtime.runner import ModelRunner
+from servelm.runtime.tokenizer import load_tokenizer
+from servelm.scheduler.block_manager import BlockManager
+from servelm.scheduler.config import EngineConfig
+from servelm.scheduler.detokenizer import IncrementalDetokenizer, TextDecoder
+from servelm.scheduler.outputs import ChoiceGroup, GeneratedChoice, GenerationResult, RequestOutput
+from servelm.scheduler.request import Request, RequestStatus
+from servelm.scheduler.lora_registry import LoRARegistry
+from servelm.scheduler.sampling_params import InvalidParameterError, SamplingParams, check_request
+from servelm.scheduler.scheduler import Scheduler, SchedulerOutput
+from servelm.scheduler.speculative import NgramProposer, SpeculativeConfig
+from servelm.scheduler.startup import (
     CPU_DEFAULT_BLOCK_SIZE,
     CPU_DEFAULT_KV_MEMORY,
     CUDA_GRAPH_RESERVE_BYTES,
@@ -51,8 +51,8 @@ from scheduler.startup import (
     resolve_dtype,
     resolve_max_model_len,
 )
-from scheduler.stop import StopChecker, accept_token
-from scheduler.structured_output import GrammarCompiler
+from servelm.scheduler.stop import StopChecker, accept_token
+from servelm.scheduler.structured_output import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class Engine:
             block_size = CPU_DEFAULT_BLOCK_SIZE
             if device.type == "cuda":
                 # FlashAttention's paged KV wants large pages; the attention code knows which.
-                from runtime.attention.flash_backend import default_cuda_block_size
+                from servelm.runtime.attention.flash_backend import default_cuda_block_size
 
                 block_size = default_cuda_block_size(dtype, mc.head_dim)
 

@@ -12,8 +12,8 @@ import itertools
 import logging
 from typing import Any
 
-from runtime.lora import LoRAAdapter, LoRAError, load_lora_adapter
-from scheduler.sampling_params import LoRANotFoundError
+from servelm.runtime.lora import LoRAAdapter, LoRAError, load_lora_adapter
+from servelm.scheduler.sampling_params import LoRANotFoundError
 
 log = logging.getLogger(__name__)
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from runtime.batch import TokenLogprobs
+from servelm.runtime.batch import TokenLogprobs
 
 if TYPE_CHECKING:
-    from scheduler.request import Request
+    from servelm.scheduler.request import Request
 
 
 @dataclass

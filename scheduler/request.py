@@ -8,14 +8,14 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from runtime.batch import PENDING_TOKEN, PromptLogprobs, TokenLogprobs
-from scheduler.block_manager import block_hash_seed
-from scheduler.sampling_params import SamplingParams
+from servelm.runtime.batch import PENDING_TOKEN, PromptLogprobs, TokenLogprobs
+from servelm.scheduler.block_manager import block_hash_seed
+from servelm.scheduler.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # runtime-free imports only for type checkers
-    from scheduler.detokenizer import IncrementalDetokenizer
-    from scheduler.stop import StopChecker
-    from scheduler.structured_output import GrammarMatcher
+    from servelm.scheduler.detokenizer import IncrementalDetokenizer
+    from servelm.scheduler.stop import StopChecker
+    from servelm.scheduler.structured_output import GrammarMatcher
 
 _SEED_MASK = (1 << 64) - 1
 

@@ -7,8 +7,8 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
-    from runtime.batch import LogitBias
-    from scheduler.structured_output import StructuredOutput
+    from servelm.runtime.batch import LogitBias
+    from servelm.scheduler.structured_output import StructuredOutput
 
 
 class InvalidParameterError(ValueError):
@@ -123,7 +123,7 @@ class SamplingParams:
     @cached_property
     def logit_bias_tensors(self) -> LogitBias | None:
         """``logit_bias`` as the tensors the sampler adds every step, built on first use."""
-        from runtime.batch import LogitBias  # (torch: not imported where parameters are only validated)
+        from servelm.runtime.batch import LogitBias  # (torch: not imported where parameters are only validated)
 
         return LogitBias.of(self.logit_bias) if self.logit_bias else None
 

@@ -11,10 +11,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from runtime.batch import PENDING_TOKEN, BatchItem
-from scheduler.block_manager import BlockManager, PrefixMatch
-from scheduler.request import Request, RequestStatus
-from scheduler.speculative import NgramProposer
+from servelm.runtime.batch import PENDING_TOKEN, BatchItem
+from servelm.scheduler.block_manager import BlockManager, PrefixMatch
+from servelm.scheduler.request import Request, RequestStatus
+from servelm.scheduler.speculative import NgramProposer
 
 
 @dataclass

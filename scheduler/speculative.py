@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from scheduler.request import Request
+    from servelm.scheduler.request import Request
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ class NgramProposer:
     """Drafts for the requests that may speculate (see the module docstring)."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
-        from runtime.sampler import GREEDY_TEMPERATURE  # (not at import: the CLI parses configs without torch)
+        from servelm.runtime.sampler import GREEDY_TEMPERATURE  # (not at import: the CLI parses configs without torch)
 
         self.config = config
         self.greedy_below = GREEDY_TEMPERATURE

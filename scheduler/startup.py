@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from runtime.config import ModelConfig
-from runtime.runner import ModelRunner
-from scheduler.config import EngineConfig
+from servelm.runtime.config import ModelConfig
+from servelm.runtime.runner import ModelRunner
+from servelm.scheduler.config import EngineConfig
 
 log = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from runtime.batch import TokenLogprobs
-from scheduler.request import Request, RequestStatus
+from servelm.runtime.batch import TokenLogprobs
+from servelm.scheduler.request import Request, RequestStatus
 
 
 def check_token_stop(req: Request, token_id: int) -> RequestStatus | None:

@@ -20,9 +20,12 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # checkout.py, also when imported as a module
+import checkout  # noqa: E402
 
-from runtime.attention import cpu_kernel  # noqa: E402
+checkout.use_checkout()
+
+from servelm.runtime.attention import cpu_kernel  # noqa: E402
 
 
 def time_ms(fn: Callable[[], object], iters: int, stat: str = "median", before: Callable[[], object] | None = None,

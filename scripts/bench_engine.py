@@ -27,14 +27,17 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # checkout.py, also when imported as a module
+import checkout  # noqa: E402
 
-from metrics.observer import RequestStats, StepStats  # noqa: E402
-from runtime.batch import BatchItem  # noqa: E402
-from runtime.model_files import ensure_default_model  # noqa: E402
-from scheduler.config import EngineConfig  # noqa: E402
-from scheduler.engine import Engine  # noqa: E402
-from scheduler.sampling_params import SamplingParams  # noqa: E402
+checkout.use_checkout()
+
+from servelm.metrics.observer import RequestStats, StepStats  # noqa: E402
+from servelm.runtime.batch import BatchItem  # noqa: E402
+from servelm.runtime.model_files import ensure_default_model  # noqa: E402
+from servelm.scheduler.config import EngineConfig  # noqa: E402
+from servelm.scheduler.engine import Engine  # noqa: E402
+from servelm.scheduler.sampling_params import SamplingParams  # noqa: E402
 
 
 @dataclass

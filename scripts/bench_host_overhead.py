@@ -44,14 +44,17 @@ from typing import Any, Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # checkout.py, also when imported as a module
+import checkout  # noqa: E402
 
-from metrics.observer import NullObserver, Observer  # noqa: E402
-from runtime.step import StepOutput  # noqa: E402
-from runtime.model_files import ensure_default_model  # noqa: E402
-from scheduler.config import EngineConfig  # noqa: E402
-from scheduler.engine import Engine  # noqa: E402
-from scheduler.sampling_params import SamplingParams  # noqa: E402
+checkout.use_checkout()
+
+from servelm.metrics.observer import NullObserver, Observer  # noqa: E402
+from servelm.runtime.step import StepOutput  # noqa: E402
+from servelm.runtime.model_files import ensure_default_model  # noqa: E402
+from servelm.scheduler.config import EngineConfig  # noqa: E402
+from servelm.scheduler.engine import Engine  # noqa: E402
+from servelm.scheduler.sampling_params import SamplingParams  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 PARTS = ("schedule", "prepare", "forward", "sample", "wait", "rest", "host", "step")
@@ -179,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         observer: Observer = NullObserver()
         if args.observer == "prometheus":
-            from metrics.prometheus import PrometheusObserver
+            from servelm.metrics.prometheus import PrometheusObserver
 
             observer = PrometheusObserver("tiny", {}, 1e12, 1e11, process_metrics=False)
         engine = Engine(config, observer)

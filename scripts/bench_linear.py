@@ -21,9 +21,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from runtime import cpu_linear
-from runtime import quantization as qz
-from runtime.quantization import quantize_rows
+from servelm.runtime import cpu_linear
+from servelm.runtime import quantization as qz
+from servelm.runtime.quantization import quantize_rows
 
 LAYERS = 30
 HIDDEN, INTER, Q, KV, VOCAB = 576, 1536, 576, 192, 49152

@@ -27,13 +27,16 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # checkout.py, also when imported as a module
+import checkout  # noqa: E402
 
-from runtime.config import ModelConfig  # noqa: E402
-from runtime.model_files import ensure_default_model  # noqa: E402
-from scheduler.config import EngineConfig  # noqa: E402
-from scheduler.engine import Engine  # noqa: E402
-from scheduler.sampling_params import SamplingParams  # noqa: E402
+checkout.use_checkout()
+
+from servelm.runtime.config import ModelConfig  # noqa: E402
+from servelm.runtime.model_files import ensure_default_model  # noqa: E402
+from servelm.scheduler.config import EngineConfig  # noqa: E402
+from servelm.scheduler.engine import Engine  # noqa: E402
+from servelm.scheduler.sampling_params import SamplingParams  # noqa: E402
 
 TARGETS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
 

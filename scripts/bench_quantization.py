@@ -24,13 +24,16 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # checkout.py, also when imported as a module
+import checkout  # noqa: E402
+
+checkout.use_checkout()
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # device_checks.common.SeqView
 
-from metrics.observer import StepStats  # noqa: E402
-from scheduler.config import EngineConfig  # noqa: E402
-from scheduler.engine import Engine  # noqa: E402
-from scheduler.sampling_params import SamplingParams  # noqa: E402
+from servelm.metrics.observer import StepStats  # noqa: E402
+from servelm.scheduler.config import EngineConfig  # noqa: E402
+from servelm.scheduler.engine import Engine  # noqa: E402
+from servelm.scheduler.sampling_params import SamplingParams  # noqa: E402
 
 PROMPTS = [
     "What is the capital of France?",
@@ -81,7 +84,7 @@ def prefill_logits(engine: Engine, token_ids: list[int]) -> torch.Tensor:
     """log-softmax of the model's logits at every position of ``token_ids``, in one prefill step on
     the last blocks of the engine's pool (scratch: call when the engine is idle and done with)."""
     from device_checks.common import SeqView
-    from runtime.batch import BatchItem
+    from servelm.runtime.batch import BatchItem
 
     runner = engine.runner
     need = -(-len(token_ids) // runner.block_size)

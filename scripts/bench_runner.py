@@ -22,14 +22,17 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # checkout.py, also when imported as a module
+import checkout  # noqa: E402
 
-from runtime.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from runtime.batch import BatchItem, SamplingOptions  # noqa: E402
-from runtime.config import ModelConfig  # noqa: E402
-from runtime.model_files import ensure_default_model  # noqa: E402
-from runtime.quantization import QUANTIZATIONS  # noqa: E402
-from runtime.runner import ModelRunner  # noqa: E402
+checkout.use_checkout()
+
+from servelm.runtime.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from servelm.runtime.batch import BatchItem, SamplingOptions  # noqa: E402
+from servelm.runtime.config import ModelConfig  # noqa: E402
+from servelm.runtime.model_files import ensure_default_model  # noqa: E402
+from servelm.runtime.quantization import QUANTIZATIONS  # noqa: E402
+from servelm.runtime.runner import ModelRunner  # noqa: E402
 
 # Wall time by default; ``--cpu-time`` switches to process CPU time, which (with --threads 1) stays
 # meaningful on a machine shared with other jobs, where wall times mostly measure the neighbours.

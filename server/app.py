@@ -12,9 +12,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from metrics.observer import Observer, RequestStats, StepStats
-from server.async_engine import AsyncEngine
-from server.errors import (
+from servelm.metrics.observer import Observer, RequestStats, StepStats
+from servelm.server.async_engine import AsyncEngine
+from servelm.server.errors import (
     APIError,
     document_validation_as_400,
     error_responses,
@@ -24,7 +24,7 @@ from server.errors import (
     unauthorized,
     unavailable,
 )
-from server.protocol import (
+from servelm.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -36,20 +36,20 @@ from server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from server.protocol_responses import DeletedResponse, ResponseObject, ResponsesRequest
-from server.response_store import ResponseStore
-from server.serving_chat import create_chat_completion
-from server.serving_responses import create_response, stored_response
-from server.serving_common import ServingContext
-from server.serving_completions import create_completion
-from server.serving_lora import (
+from servelm.server.protocol_responses import DeletedResponse, ResponseObject, ResponsesRequest
+from servelm.server.response_store import ResponseStore
+from servelm.server.serving_chat import create_chat_completion
+from servelm.server.serving_responses import create_response, stored_response
+from servelm.server.serving_common import ServingContext
+from servelm.server.serving_completions import create_completion
+from servelm.server.serving_lora import (
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
     load_lora_adapter,
     lora_cards,
     unload_lora_adapter,
 )
-from server.serving_tokenize import detokenize, tokenize
+from servelm.server.serving_tokenize import detokenize, tokenize
 
 log = logging.getLogger(__name__)
 
@@ -99,9 +99,9 @@ class ObserverProxy:
 def create_prometheus_observer(engine: Any) -> Any | None:
     """A ``metrics.prometheus.PrometheusObserver`` describing ``engine``, or None if metrics/ lacks it."""
     try:
-        from metrics.prometheus import PrometheusObserver
+        from servelm.metrics.prometheus import PrometheusObserver
     except ImportError:
-        log.warning("metrics.prometheus is not available: /metrics will only show basic engine gauges")
+        log.warning("servelm.metrics.prometheus is not available: /metrics will only show basic engine gauges")
         return None
     cfg = engine.config
     cap = getattr(engine, "capacity", None)
@@ -118,7 +118,7 @@ def create_prometheus_observer(engine: Any) -> Any | None:
         "quantization": str(quantization or "none"),
     }
     try:
-        from metrics.roofline import device_peaks
+        from servelm.metrics.roofline import device_peaks
 
         peak_flops, peak_bw = device_peaks(str(cfg.device))
     except Exception as e:  # noqa: BLE001 - utilization gauges are a nicety, serving is not
@@ -131,7 +131,7 @@ def create_prometheus_observer(engine: Any) -> Any | None:
 def _render_metrics(registry: Any, async_engine: AsyncEngine) -> tuple[bytes, str]:
     if registry is not None:
         try:
-            from metrics.prometheus import render_metrics
+            from servelm.metrics.prometheus import render_metrics
 
             return render_metrics(registry)
         except ImportError:

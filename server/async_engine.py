@@ -26,9 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Protocol, Sequence, TypeVar
 
-from metrics.observer import NullObserver, Observer
-from scheduler.outputs import RequestOutput
-from scheduler.sampling_params import SamplingParams
+from servelm.metrics.observer import NullObserver, Observer
+from servelm.scheduler.outputs import RequestOutput
+from servelm.scheduler.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

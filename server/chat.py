@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from server.errors import bad_request, unsupported
-from server.protocol import CHAT_ROLES, ChatMessage, ChatTool
-from server.tools import calls_as_content, describe_tools, template_knows_tools, tools_for_template
+from servelm.server.errors import bad_request, unsupported
+from servelm.server.protocol import CHAT_ROLES, ChatMessage, ChatTool
+from servelm.server.tools import calls_as_content, describe_tools, template_knows_tools, tools_for_template
 
 # OpenAI's "developer" role is the newer name for "system"; chat templates only know "system".
 _ROLE_MAP = {role: "system" if role == "developer" else role for role in CHAT_ROLES}

@@ -12,7 +12,7 @@ import signal
 import sys
 from typing import Any, Callable
 
-from scheduler.config import EngineConfig
+from servelm.scheduler.config import EngineConfig
 
 # runtime.quantization.QUANTIZATIONS, spelled out here: this module must not import torch (`servelm bench`
 # and `--help` stay light); a test keeps the two equal.
@@ -70,7 +70,7 @@ def _positive_int(text: str) -> int:
 
 
 def _speculative_config(text: str) -> str:
-    from scheduler.speculative import SpeculativeConfig
+    from servelm.scheduler.speculative import SpeculativeConfig
 
     try:
         SpeculativeConfig.parse(text)
@@ -211,7 +211,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def _make_uvicorn_server(app: Any, args: argparse.Namespace, on_exit: Callable[[], None]) -> Any:
     import uvicorn
 
-    from server.http_protocol import head_timeout_protocol
+    from servelm.server.http_protocol import head_timeout_protocol
 
     class _Server(uvicorn.Server):
         """uvicorn's server, starting the engine bridge's drain (refuse new requests, deadline for the
@@ -247,11 +247,11 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from runtime.capacity import CapacityError
-    from runtime.config import UnsupportedModelError
-    from scheduler.engine import Engine
-    from server.app import ObserverProxy, build_app, create_prometheus_observer
-    from server.async_engine import AsyncEngine, run_in_transient_thread
+    from servelm.runtime.capacity import CapacityError
+    from servelm.runtime.config import UnsupportedModelError
+    from servelm.scheduler.engine import Engine
+    from servelm.server.app import ObserverProxy, build_app, create_prometheus_observer
+    from servelm.server.async_engine import AsyncEngine, run_in_transient_thread
 
     config = engine_config_from_args(args)
     proxy = ObserverProxy()
@@ -312,8 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="servelm", description="An OpenAI-compatible LLM serving daemon.")
     sub = parser.add_subparsers(dest="command", metavar="{serve,bench,plan}")
     add_serve_parser(sub)
-    _add_delegated(sub, "metrics.bench", "bench", "load-test an OpenAI-compatible server")
-    _add_delegated(sub, "server.plan_cmd", "plan", "plan KV capacity for a model and device")
+    _add_delegated(sub, "servelm.bench.loadgen", "bench", "load-test an OpenAI-compatible server")
+    _add_delegated(sub, "servelm.bench.plan", "plan", "plan KV capacity for a model and device")
     return parser
 
 

@@ -11,7 +11,7 @@ import math
 from functools import lru_cache
 from typing import Any, Sequence
 
-from runtime.batch import TokenLogprobs
+from servelm.runtime.batch import TokenLogprobs
 
 
 @lru_cache(maxsize=1)

@@ -16,8 +16,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, field_validator
 
-from scheduler.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, RANGES
-from server.limits import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_TOOL_CALLS, RequestBody, check_metadata
+from servelm.scheduler.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, RANGES
+from servelm.server.limits import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_TOOL_CALLS, RequestBody, check_metadata
 
 # --------------------------------------------------------------------------------------------- requests
 

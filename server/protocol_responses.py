@@ -13,9 +13,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from scheduler.sampling_params import MAX_LOGIT_BIAS
-from server.limits import MAX_CONTENT_PARTS, MAX_MESSAGES, check_metadata
-from server.protocol import SamplingExtensions, StreamOptions
+from servelm.scheduler.sampling_params import MAX_LOGIT_BIAS
+from servelm.server.limits import MAX_CONTENT_PARTS, MAX_MESSAGES, check_metadata
+from servelm.server.protocol import SamplingExtensions, StreamOptions
 
 
 class InputPart(BaseModel):

@@ -7,7 +7,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from server.protocol import ChatMessage
+from servelm.server.protocol import ChatMessage
 
 # ~32 kB of text for an 8k-token conversation: ~32 MB when full of such.
 DEFAULT_CAPACITY = 1000

@@ -11,13 +11,13 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from scheduler.sampling_params import SamplingParams
-from server.async_engine import RequestGroup
-from server.chat import chat_text_chars, normalize_messages, render_chat_prompt
-from server.errors import bad_request, unsupported
-from server.logprobs import chat_logprobs_content, vllm_prompt_logprobs
-from server.protocol import ChatCompletionRequest, sse
-from server.serving_common import (
+from servelm.scheduler.sampling_params import SamplingParams
+from servelm.server.async_engine import RequestGroup
+from servelm.server.chat import chat_text_chars, normalize_messages, render_chat_prompt
+from servelm.server.errors import bad_request, unsupported
+from servelm.server.logprobs import chat_logprobs_content, vllm_prompt_logprobs
+from servelm.server.protocol import ChatCompletionRequest, sse
+from servelm.server.serving_common import (
     ServingContext,
     add_requests,
     check_output_error,
@@ -26,7 +26,7 @@ from server.serving_common import (
     random_id,
     until_disconnect,
 )
-from server.tools import ToolMode, render_kwargs, tool_mode
+from servelm.server.tools import ToolMode, render_kwargs, tool_mode
 
 
 def _dumps(obj: Any) -> str:

@@ -15,13 +15,13 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from scheduler.sampling_params import InvalidParameterError, LoRANotFoundError, SamplingParams
-from scheduler.structured_output import GrammarCompiler, StructuredOutput
-from server.async_engine import AsyncEngine, EngineDeadError, EngineStoppedError, QueueFullError, RequestGroup
-from server.errors import APIError, bad_request, internal_error, model_not_found, queue_full, unavailable
-from server.logprobs import TokenStrings
-from server.protocol import SSE_DONE, GenerationRequest, sse
-from server.structured_outputs import structured_output_spec
+from servelm.scheduler.sampling_params import InvalidParameterError, LoRANotFoundError, SamplingParams
+from servelm.scheduler.structured_output import GrammarCompiler, StructuredOutput
+from servelm.server.async_engine import AsyncEngine, EngineDeadError, EngineStoppedError, QueueFullError, RequestGroup
+from servelm.server.errors import APIError, bad_request, internal_error, model_not_found, queue_full, unavailable
+from servelm.server.logprobs import TokenStrings
+from servelm.server.protocol import SSE_DONE, GenerationRequest, sse
+from servelm.server.structured_outputs import structured_output_spec
 
 log = logging.getLogger(__name__)
 

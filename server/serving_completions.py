@@ -9,12 +9,12 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from scheduler.sampling_params import SamplingParams
-from server.async_engine import RequestGroup
-from server.errors import bad_request, unsupported
-from server.logprobs import completion_logprobs, join_logprobs, prompt_logprobs_object, vllm_prompt_logprobs
-from server.protocol import CompletionRequest, sse
-from server.serving_common import (
+from servelm.scheduler.sampling_params import SamplingParams
+from servelm.server.async_engine import RequestGroup
+from servelm.server.errors import bad_request, unsupported
+from servelm.server.logprobs import completion_logprobs, join_logprobs, prompt_logprobs_object, vllm_prompt_logprobs
+from servelm.server.protocol import CompletionRequest, sse
+from servelm.server.serving_common import (
     ServingContext,
     add_requests,
     check_output_error,

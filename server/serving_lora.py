@@ -15,10 +15,10 @@ from typing import Any
 from fastapi.responses import PlainTextResponse
 from pydantic import ConfigDict, Field
 
-from server.errors import APIError, bad_request
-from server.limits import MAX_LORA_NAME_CHARS, MAX_PATH_CHARS, RequestBody
-from server.protocol import ModelCard
-from server.serving_common import ServingContext, engine_error
+from servelm.server.errors import APIError, bad_request
+from servelm.server.limits import MAX_LORA_NAME_CHARS, MAX_PATH_CHARS, RequestBody
+from servelm.server.protocol import ModelCard
+from servelm.server.serving_common import ServingContext, engine_error
 
 
 class LoadLoRAAdapterRequest(RequestBody):

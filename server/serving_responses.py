@@ -24,9 +24,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from server.errors import APIError, bad_request, loc_to_param, unsupported
-from server.logprobs import chat_logprobs_content
-from server.protocol import (
+from servelm.server.errors import APIError, bad_request, loc_to_param, unsupported
+from servelm.server.logprobs import chat_logprobs_content
+from servelm.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     ChatTool,
@@ -38,10 +38,10 @@ from server.protocol import (
     ResponseFormat,
     ToolCall,
 )
-from server.protocol_responses import INCLUDE_LOGPROBS, InputItem, InputPart, ResponsesRequest
-from server.response_store import ResponseStore, StoredResponse
-from server.serving_chat import ChatStart, start_chat
-from server.serving_common import EventStreamResponse, ServingContext, check_output_error, output_error, until_disconnect
+from servelm.server.protocol_responses import INCLUDE_LOGPROBS, InputItem, InputPart, ResponsesRequest
+from servelm.server.response_store import ResponseStore, StoredResponse
+from servelm.server.serving_chat import ChatStart, start_chat
+from servelm.server.serving_common import EventStreamResponse, ServingContext, check_output_error, output_error, until_disconnect
 
 _ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text")

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.chat import chat_text_chars, normalize_messages, render_chat_prompt
-from server.errors import bad_request
-from server.protocol import ChatCompletionRequest, DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
-from server.serving_common import ServingContext, check_token_ids
-from server.tools import render_kwargs, tool_mode
+from servelm.server.chat import chat_text_chars, normalize_messages, render_chat_prompt
+from servelm.server.errors import bad_request
+from servelm.server.protocol import ChatCompletionRequest, DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from servelm.server.serving_common import ServingContext, check_token_ids
+from servelm.server.tools import render_kwargs, tool_mode
 
 
 def _encode_prompt(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:

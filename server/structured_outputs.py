@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 
-from scheduler.structured_output import StructuredOutput
-from server.errors import bad_request
-from server.protocol import GenerationRequest, StructuredOutputsParams
+from servelm.scheduler.structured_output import StructuredOutput
+from servelm.server.errors import bad_request
+from servelm.server.protocol import GenerationRequest, StructuredOutputsParams
 
 # Any JSON object: OpenAI's JSON mode.
 ANY_OBJECT = '{"type": "object"}'

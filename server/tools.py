@@ -24,9 +24,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from scheduler.structured_output import JSON_WHITESPACE, StructuredOutput
-from server.errors import bad_request
-from server.protocol import ChatCompletionRequest, ChatTool
+from servelm.scheduler.structured_output import JSON_WHITESPACE, StructuredOutput
+from servelm.server.errors import bad_request
+from servelm.server.protocol import ChatCompletionRequest, ChatTool
 
 # Any JSON object: a function declared without parameters takes any.
 _ANY_PARAMETERS: dict[str, Any] = {"type": "object"}

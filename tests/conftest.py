@@ -16,9 +16,9 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from runtime.batch import SamplingOptions
-from runtime.config import ModelConfig
-from runtime.model_files import ensure_default_model
+from servelm.runtime.batch import SamplingOptions
+from servelm.runtime.config import ModelConfig
+from servelm.runtime.model_files import ensure_default_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
@@ -224,7 +224,7 @@ def prefill_then_decode(runner: Any, lengths: list[int], decode_steps: list[list
     """Sequences of the first ``lengths`` tokens of a fixed prompt, on scattered blocks: one prefill
     step of all but their last ``len(decode_steps)`` tokens, then one decode step per entry of
     ``decode_steps`` (the sequences it holds). Every step's logits, concatenated."""
-    from runtime.batch import BatchItem
+    from servelm.runtime.batch import BatchItem
 
     vocab = runner.model_config.vocab_size
     ids = [i % vocab for i in (5, 900, 17, 4000, 33, 2, 77, 1200, 8, 64, 19, 300, 41)]
@@ -255,7 +255,7 @@ def rt() -> SimpleNamespace:
 @pytest.fixture(scope="session")
 def build_runner() -> Callable[..., Any]:
     """``build_runner(model_dir, **overrides)`` -> a CPU float32 ``ModelRunner`` with a small pool."""
-    from runtime.runner import ModelRunner
+    from servelm.runtime.runner import ModelRunner
 
     def build(model_dir: Path, **overrides: Any) -> ModelRunner:
         kwargs: dict[str, Any] = dict(

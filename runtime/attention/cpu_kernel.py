@@ -27,7 +27,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from runtime.cpu_extension import CompiledExtension, cpu_flags as _cpu_flags  # noqa: F401 (tests use it)
+from servelm.runtime.cpu_extension import CompiledExtension, cpu_flags as _cpu_flags  # noqa: F401 (tests use it)
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from runtime.attention.base import AttentionBackend, AttentionMetadata
+from servelm.runtime.attention.base import AttentionBackend, AttentionMetadata
 
 # Upstream flash-attn 2.x checks ``page_block_size % 256 == 0`` for a paged KV cache, in both
 # ``flash_attn_with_kvcache`` and ``flash_attn_varlen_func`` ("Paged KV cache block size must be
@@ -138,8 +138,8 @@ class PagedCudaBackend(AttentionBackend):
     fused_rope: bool = True
 
     def __init__(self, fused_rope: bool | None) -> None:
-        from runtime import triton_ops
-        from runtime.attention.triton_kernels import store_kvcache
+        from servelm.runtime import triton_ops
+        from servelm.runtime.attention.triton_kernels import store_kvcache
 
         self._store = store_kvcache
         self._ops = triton_ops
@@ -281,7 +281,7 @@ class TritonPagedBackend(PagedCudaBackend):
 
     def __init__(self, block_size: int = TRITON_BLOCK_SIZE, fused_rope: bool | None = None) -> None:
         self.block_size = block_size
-        from runtime.attention import triton_decode, triton_kernels
+        from servelm.runtime.attention import triton_decode, triton_kernels
 
         super().__init__(fused_rope)
         self._kernels: Any = triton_kernels

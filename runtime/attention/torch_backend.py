@@ -23,12 +23,12 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from runtime.attention.base import AttentionBackend, AttentionMetadata
+from servelm.runtime.attention.base import AttentionBackend, AttentionMetadata
 
 log = logging.getLogger(__name__)
 
 try:  # written in parallel by another helper; absent or unbuildable => torch fallback
-    from runtime.attention import cpu_kernel as _cpu_kernel
+    from servelm.runtime.attention import cpu_kernel as _cpu_kernel
 except ImportError:  # pragma: no cover - depends on the checkout
     _cpu_kernel = None  # type: ignore[assignment]
 

@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime import pdl
-from runtime.attention.triton_kernels import _LOG2E, _MIN_DOT, _attend_keys, _check_row_contiguous, _fold_keys, _kv_rows
-from runtime.triton_pdl import wait_then_release
+from servelm.runtime import pdl
+from servelm.runtime.attention.triton_kernels import _LOG2E, _MIN_DOT, _attend_keys, _check_row_contiguous, _fold_keys, _kv_rows
+from servelm.runtime.triton_pdl import wait_then_release
 
 
 @triton.jit

@@ -326,6 +326,6 @@ def paged_attention(
 
 def _split_kv():  # type: ignore[no-untyped-def]
     """The split-KV decode module (``runtime.attention.triton_decode``), which imports this one's helpers."""
-    from runtime.attention import triton_decode as td
+    from servelm.runtime.attention import triton_decode as td
 
     return td

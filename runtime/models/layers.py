@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime import cpu_linear, cpu_ops, quantization
-from runtime.config import ModelConfig, UnsupportedModelError
-from runtime.lora import LoRAProjection
+from servelm.runtime import cpu_linear, cpu_ops, quantization
+from servelm.runtime.config import ModelConfig, UnsupportedModelError
+from servelm.runtime.lora import LoRAProjection
 
 
 def empty_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:

@@ -25,11 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime import cpu_linear, cpu_ops, quantization
-from runtime.attention.base import AttentionBackend, AttentionMetadata
-from runtime.config import ModelConfig
-from runtime.lora import LoRAContext
-from runtime.models.layers import (
+from servelm.runtime import cpu_linear, cpu_ops, quantization
+from servelm.runtime.attention.base import AttentionBackend, AttentionMetadata
+from servelm.runtime.config import ModelConfig
+from servelm.runtime.lora import LoRAContext
+from servelm.runtime.models.layers import (
     CosSin,
     FewRowKernels,
     FusedRmsNorm,

@@ -247,15 +247,15 @@ def build_hf_model(shape: dict[str, Any], dtype: torch.dtype, device: torch.devi
 
 
 def greedy_params(n: int, logprobs: int = 2) -> Any:
-    from scheduler.sampling_params import SamplingParams
+    from servelm.scheduler.sampling_params import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=logprobs)
 
 
 def decode_inputs(runner: Any, batch: int, context: int, vocab: int, seed: int) -> Any:
     """A fabricated decode step: ``batch`` sequences with ``context`` tokens on scattered blocks."""
-    from runtime.batch import BatchItem
-    from scheduler.sampling_params import SamplingParams
+    from servelm.runtime.batch import BatchItem
+    from servelm.scheduler.sampling_params import SamplingParams
 
     bs = runner.block_size
     per_seq = -(-context // bs)
@@ -273,7 +273,7 @@ def decode_inputs(runner: Any, batch: int, context: int, vocab: int, seed: int) 
 def engine_config(model_dir: Path, device: torch.device, dtype_name: str, plan: Plan, **over: Any) -> Any:
     """The check's engine settings (the plan's lengths and batch limits, its KV bytes, no prefix
     caching); ``over`` replaces any of them."""
-    from scheduler.config import EngineConfig
+    from servelm.scheduler.config import EngineConfig
 
     cfg: dict[str, Any] = dict(
         model=str(model_dir),

@@ -25,8 +25,8 @@ from device_checks.common import (
 
 def our_prefill_logits(runner: Any, prompts: list[list[int]]) -> torch.Tensor:
     """Our prefill logits for every prompt position (float32, ``[n * len, vocab]``), on scattered blocks."""
-    from runtime.batch import BatchItem
-    from scheduler.sampling_params import SamplingParams
+    from servelm.runtime.batch import BatchItem
+    from servelm.scheduler.sampling_params import SamplingParams
 
     bs = runner.block_size
     length = len(prompts[0])
@@ -194,8 +194,8 @@ def check_paging_variants(
     base: Any, runner: Any, model_dir: Path, plan: Plan, dtype_name: str, vocab: int, tol: float, report: Report
 ) -> None:
     """Prefix-cached, chunked and preempted runs must reproduce the baseline engine's tokens."""
-    from runtime.capacity import kv_bytes_per_token
-    from scheduler.engine import Engine
+    from servelm.runtime.capacity import kv_bytes_per_token
+    from servelm.scheduler.engine import Engine
 
     bs = runner.block_size
     gen = torch.Generator().manual_seed(11)
@@ -257,7 +257,7 @@ def check_paging_variants(
 
 
 def check_cuda_graphs(runner: Any, plan: Plan, vocab: int, tol: float, report: Report) -> None:
-    from runtime.cuda_graphs import CudaGraphRunner
+    from servelm.runtime.cuda_graphs import CudaGraphRunner
 
     bs = runner.block_size
     graphs = CudaGraphRunner(
@@ -316,7 +316,7 @@ def check_few_row_kernels(runner: Any, plan: Plan, vocab: int, tol: float, repor
         print("  the runner has no few-row kernels (SERVELM_DECODE_GEMV=off or fused ops disabled)")
         return
     dtype = str(runner.dtype).replace("torch.", "")
-    from runtime.cuda_graphs import few_row_tolerance
+    from servelm.runtime.cuda_graphs import few_row_tolerance
 
     # The capture-time A/B's own limit (float32: tighter, the kernels must match to ~1e-6 per op).
     limit = 1e-4 if runner.dtype == torch.float32 else few_row_tolerance(runner.dtype)
@@ -344,7 +344,7 @@ def check_few_row_kernels(runner: Any, plan: Plan, vocab: int, tol: float, repor
             )
     finally:
         k.max_rows = saved
-    from runtime import triton_gemv
+    from servelm.runtime import triton_gemv
 
     for line in triton_gemv.tuned_tiles():
         print(f"  autotuned: {line}")
@@ -373,7 +373,7 @@ def check_few_row_kernels(runner: Any, plan: Plan, vocab: int, tol: float, repor
                 "4 decodes, each storing a new token's K/V at a slot no replay wrote before",
             )
     if graphs is not None and graphs.few_rows_max and not any(v.pdl_ms is not None for v in graphs.variants.values()):
-        from runtime import pdl
+        from servelm.runtime import pdl
 
         print(f"  PDL not tried: {pdl.unavailable_reason(runner.device) or 'its capture failed (see the log)'}")
 
@@ -382,7 +382,7 @@ def check_measured_budget(
     model_dir: Path, plan: Plan, dtype_name: str, vocab: int, device: torch.device, report: Report
 ) -> None:
     """Engine start-up as `servelm serve` does it on CUDA: weights, warm-up, measured pool, graphs."""
-    from scheduler.engine import Engine
+    from servelm.scheduler.engine import Engine
 
     util = 0.5
     total = torch.cuda.get_device_properties(device).total_memory

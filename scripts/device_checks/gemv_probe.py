@@ -55,7 +55,7 @@ def graph_ms(calls: list[Callable[[], Any]], device: torch.device, iters: int = 
 
 def probe(device: torch.device, rows: tuple[int, ...] = (1,), dtype: torch.dtype = torch.bfloat16) -> list[dict[str, Any]]:
     """Rows: 1 by default (the 2- and 4-row dot tiles lost everywhere on an H200, 2026-12-01)."""
-    from runtime import pdl, triton_gemv, triton_ops
+    from servelm.runtime import pdl, triton_gemv, triton_ops
 
     with_pdl = pdl.unavailable_reason(device) is None
     out = []
@@ -131,7 +131,7 @@ SWEEP_TILES = [
 
 def tile_of(spec: tuple[int, int, int, bool]) -> Any:
     """A ``SWEEP_TILES`` entry as the element-wise ``runtime.triton_gemv.Tile`` it stands for."""
-    from runtime.triton_gemv import Tile
+    from servelm.runtime.triton_gemv import Tile
 
     block_n, block_k, warps, prefetch = spec
     return Tile(block_n, block_k, warps, 3, False, prefetch=prefetch)
@@ -148,7 +148,7 @@ def sweep(device: torch.device, budget_s: float = 80.0, dtype: torch.dtype = tor
     cuBLAS path as tile None. Stops starting new tiles after ``budget_s`` (compiles dominate)."""
     import time
 
-    from runtime import triton_gemv, triton_ops
+    from servelm.runtime import triton_gemv, triton_ops
 
     t0 = time.perf_counter()
     gen = torch.Generator(device=device).manual_seed(1)

@@ -33,8 +33,8 @@ class unfused:
         self.runner = runner
 
     def __enter__(self) -> None:
-        from runtime.models.layers import RMSNorm
-        from runtime.models.llama import MLP
+        from servelm.runtime.models.layers import RMSNorm
+        from servelm.runtime.models.llama import MLP
 
         self.saved = [(m, "fused", m.fused) for m in self.runner.model.modules() if isinstance(m, RMSNorm)]
         self.saved += [(m, "act_mul", m.act_mul) for m in self.runner.model.modules() if isinstance(m, MLP)]
@@ -88,7 +88,7 @@ def profile_decode(runner: Any, plan: Plan, vocab: int, report: Report) -> None:
     host-side phases of a runner step (prepare, forward, LM head, sampling), for batch 1 and a full batch."""
     from torch.profiler import ProfilerActivity, profile
 
-    from runtime.batch import BatchItem
+    from servelm.runtime.batch import BatchItem
 
     dev = runner.device
     for batch in sorted({1, plan.graph_max_batch, plan.concurrent}):
@@ -180,8 +180,8 @@ def copy_bandwidth(n: int, device: torch.device, iters: int) -> float:
 def measure_throughput(
     runner: Any, model_dir: Path, plan: Plan, dtype_name: str, vocab: int, device: torch.device, report: Report
 ) -> None:
-    from runtime.capacity import flops_per_token
-    from scheduler.engine import Engine
+    from servelm.runtime.capacity import flops_per_token
+    from servelm.scheduler.engine import Engine
 
     obs = CountingObserver()
     engine = Engine(
@@ -260,7 +260,7 @@ def measure_throughput(
     if device.type == "cuda":
         # What the overlap rests on: nothing between issuing a step and reading its tokens waits for
         # the device (greedy, with and without logprobs, logit_bias, min_tokens and penalties).
-        from scheduler.sampling_params import SamplingParams
+        from servelm.scheduler.sampling_params import SamplingParams
 
         for label, params in (
             ("greedy", greedy_params(16, logprobs=None)),
@@ -355,7 +355,7 @@ def tiles_to_add(results: dict[str, list[tuple[float, Any]]], margin: float = 0.
     """The sweep's fastest one-row tile of each projection, where it beats the autotuner's tiles (and
     cuBLAS) by more than ``margin``: the tiles a batch-1 rerun should let the autotuner pick."""
     from device_checks.gemv_probe import spec_of, tile_of
-    from runtime.triton_gemv import ELEMENTWISE_TILES
+    from servelm.runtime.triton_gemv import ELEMENTWISE_TILES
 
     tuned = {spec_of(t) for t in ELEMENTWISE_TILES}
     add: list[Any] = []
@@ -378,8 +378,8 @@ def batch1_with_tiles(
 ) -> None:
     """Batch-1 ms per token again, on a fresh engine whose autotuner may also pick ``tiles`` (the
     sweep's winners), so one device run both finds better tiles and measures what they give."""
-    from runtime import triton_gemv
-    from scheduler.engine import Engine
+    from servelm.runtime import triton_gemv
+    from servelm.scheduler.engine import Engine
 
     if not tiles:
         print("  the sweep found no tile faster than the autotuner's: nothing to rerun")
@@ -419,7 +419,7 @@ def batch1_with_tiles(
 def sweep_gemv(device: torch.device, report: Report, budget_s: float = 80.0) -> dict[str, list[tuple[float, Any]]]:
     """One-row tiles of the fused few-row kernels, forced one at a time (``device_checks.gemv_probe.sweep``)."""
     from device_checks.gemv_probe import LLAMA3_8B_PROJECTIONS, spec_of, sweep
-    from runtime.triton_gemv import ELEMENTWISE_TILES
+    from servelm.runtime.triton_gemv import ELEMENTWISE_TILES
 
     sizes = {name: n * k * 2 for name, n, k, _ in LLAMA3_8B_PROJECTIONS}
     autotuned = {spec_of(t) for t in ELEMENTWISE_TILES}

@@ -12,8 +12,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from metrics.observer import RequestStats, StepStats
-from metrics.prometheus import PrometheusObserver, render_metrics
+from servelm.metrics.observer import RequestStats, StepStats
+from servelm.metrics.prometheus import PrometheusObserver, render_metrics
 
 DOCKER = Path(__file__).resolve().parents[2] / "docker"
 DASHBOARD = DOCKER / "grafana" / "dashboards" / "servelm.json"

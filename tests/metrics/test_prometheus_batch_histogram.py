@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from metrics.observer import StepStats
-from metrics.prometheus import (
+from servelm.metrics.observer import StepStats
+from servelm.metrics.prometheus import (
     REQUEST_LATENCY_BUCKETS,
     TOKEN_LATENCY_BUCKETS,
     BatchHistogram,

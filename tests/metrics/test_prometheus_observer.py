@@ -10,8 +10,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from metrics.observer import RequestStats, StepStats
-from metrics.prometheus import PrometheusObserver, render_metrics
+from servelm.metrics.observer import RequestStats, StepStats
+from servelm.metrics.prometheus import PrometheusObserver, render_metrics
 
 INFO = {"model": "/models/tiny", "dtype": "float32", "device": "cpu", "block_size": "16", "num_blocks": "512",
         "max_model_len": "2048"}  # fmt: skip

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from metrics.roofline import device_peaks, gpu_peaks, measure_cpu_peaks
+from servelm.metrics.roofline import device_peaks, gpu_peaks, measure_cpu_peaks
 
 
 def test_cpu_peaks_are_measured_quickly_and_plausibly() -> None:
@@ -48,7 +48,7 @@ def test_auto_device_on_cpu_measures_the_cpu() -> None:
 
 
 def test_environment_overrides_the_measured_peaks(monkeypatch):
-    from metrics.roofline import device_peaks
+    from servelm.metrics.roofline import device_peaks
 
     monkeypatch.setenv("SERVELM_PEAK_FLOPS", "2e11")
     monkeypatch.setenv("SERVELM_PEAK_BANDWIDTH", "2.6e10")
@@ -57,7 +57,7 @@ def test_environment_overrides_the_measured_peaks(monkeypatch):
 
 def test_cpu_peaks_report_the_median_of_recent_start_ups(monkeypatch, tmp_path) -> None:
     """A busy start-up under-reads the peaks and a lucky one over-reads them: neither may stick."""
-    from metrics.roofline import PEAK_HISTORY, median_cpu_peaks
+    from servelm.metrics.roofline import PEAK_HISTORY, median_cpu_peaks
 
     monkeypatch.setenv("SERVELM_CACHE", str(tmp_path))
     assert median_cpu_peaks(lambda: (2e11, 3e10)) == (2e11, 3e10)  # first start: what it measured
@@ -81,7 +81,7 @@ def test_cpu_peaks_report_the_median_of_recent_start_ups(monkeypatch, tmp_path) 
 
 
 def _key() -> str:
-    from metrics.roofline import _cpu_key
+    from servelm.metrics.roofline import _cpu_key
 
     return _cpu_key()
 
@@ -89,7 +89,7 @@ def _key() -> str:
 def test_cpu_peak_flops_measure_the_engine_matmul_path(monkeypatch) -> None:
     """The engine's projections go through oneDNN on packed weights (MKL's sgemm is ~1.7x slower on
     this project's CPUs): the denominator must come from that path, or MFU reads above 1."""
-    from runtime import cpu_linear
+    from servelm.runtime import cpu_linear
 
     if not cpu_linear.onednn_linear_available(torch.float32):
         pytest.skip("no oneDNN linear in this torch build")

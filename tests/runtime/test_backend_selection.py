@@ -29,13 +29,13 @@ def run_python(code: str) -> dict:
 
 
 @pytest.mark.skipif(
-    importlib.util.find_spec("runtime.attention.selector") is None, reason="runtime/attention/selector.py not there yet"
+    importlib.util.find_spec("servelm.runtime.attention.selector") is None, reason="runtime/attention/selector.py not there yet"
 )
 def test_cpu_gets_the_torch_backend_and_imports_nothing_cuda_only() -> None:
     got = run_python(
         """
         import json, sys, torch
-        from runtime.attention.selector import select_backend
+        from servelm.runtime.attention.selector import select_backend
         backend = select_backend(torch.device("cpu"), block_size=16)
         print(json.dumps({"backend": type(backend).__name__, "modules": sorted(sys.modules)}))
         """
@@ -52,7 +52,7 @@ def test_cuda_modules_import_without_cuda_packages() -> None:
         import importlib.util, json, sys
         flash = bool(importlib.util.find_spec("flash_attn") and importlib.util.find_spec("triton"))
         import torch
-        import runtime.attention.flash_backend as fb, runtime.cuda_graphs, runtime.gpu_memory
+        import servelm.runtime.attention.flash_backend as fb, servelm.runtime.cuda_graphs, servelm.runtime.gpu_memory
         block = fb.default_cuda_block_size(torch.bfloat16, 128)
         print(json.dumps({"modules": sorted(sys.modules), "block": block, "flash": flash}))
         """
@@ -83,7 +83,7 @@ def fake_flash_attn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_flash_backend_states_why_it_cannot_serve(fake_flash_attn: None) -> None:
-    from runtime.attention.flash_backend import FlashAttentionBackend, default_cuda_block_size
+    from servelm.runtime.attention.flash_backend import FlashAttentionBackend, default_cuda_block_size
 
     if importlib.util.find_spec("triton") is None:
         assert "triton" in (FlashAttentionBackend.supports(torch.bfloat16, 128) or "")
@@ -99,7 +99,7 @@ def test_flash_backend_states_why_it_cannot_serve(fake_flash_attn: None) -> None
 
 
 def test_without_flash_attn_the_block_size_is_tritons(monkeypatch: pytest.MonkeyPatch) -> None:
-    from runtime.attention import flash_backend
+    from servelm.runtime.attention import flash_backend
 
     monkeypatch.setattr(flash_backend, "flash_attn_importable", lambda: False)
     assert "not installed" in (flash_backend.FlashAttentionBackend.supports(torch.bfloat16, 128) or "")
@@ -113,8 +113,8 @@ def test_flash_attn_4_alone_or_a_broken_install_falls_back_to_triton(
     """flash-attn-4 installs only ``flash_attn.cute`` (a namespace package without the paged-KV
     functions): not taken for flash-attn 2. An install that is there but does not load (an extension
     built for another torch) is reported and the server still starts, on the Triton fallback."""
-    from runtime.attention import flash_backend
-    from runtime.attention.selector import select_backend
+    from servelm.runtime.attention import flash_backend
+    from servelm.runtime.attention.selector import select_backend
 
     _install_fake(tmp_path / "fa4", {"flash_attn/cute/__init__.py": ""}, monkeypatch)
     assert importlib.util.find_spec("flash_attn") is not None and not flash_backend.flash_attn_importable()
@@ -136,8 +136,8 @@ def test_flash_attn_4_alone_or_a_broken_install_falls_back_to_triton(
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the backend's store kernel needs triton")
 def test_a_loadable_flash_attn_2_is_chosen(fake_flash_attn: None) -> None:
-    from runtime.attention import flash_backend
-    from runtime.attention.selector import select_backend
+    from servelm.runtime.attention import flash_backend
+    from servelm.runtime.attention.selector import select_backend
 
     backend = select_backend("cuda", block_size=256, dtype=torch.bfloat16, head_dim=128)
     assert isinstance(backend, flash_backend.FlashAttentionBackend)

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime.attention import cpu_kernel
-from runtime.attention.cpu_kernel import paged_decode_attention_reference as reference
+from servelm.runtime.attention import cpu_kernel
+from servelm.runtime.attention.cpu_kernel import paged_decode_attention_reference as reference
 
 POOL_TOKENS = 16000  # a pool of 1000 blocks of 16 (500 of 32)
 
@@ -359,7 +359,7 @@ def test_build_failure_returns_none_with_a_warning(monkeypatch, tmp_path, caplog
 def test_rope_write_decode_equals_the_unfused_ops(kernel):
     """RoPE + K/V store + attention in one call == the model's apply_rope, index_copy_ and the
     reference attention; the cache rows it writes are bit-identical (no fused multiply-add)."""
-    from runtime.models.layers import apply_rope
+    from servelm.runtime.models.layers import apply_rope
 
     fused = cpu_kernel.load_rope_decode()
     assert fused is not None

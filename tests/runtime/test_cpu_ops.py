@@ -11,17 +11,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime import cpu_ops
-from runtime.batch import BatchItem
-from runtime.cpu_extension import cpu_flags
-from runtime.models.layers import RMSNorm
+from servelm.runtime import cpu_ops
+from servelm.runtime.batch import BatchItem
+from servelm.runtime.cpu_extension import cpu_flags
+from servelm.runtime.models.layers import RMSNorm
 
 
 @pytest.fixture(scope="module")
 def rms_norm() -> cpu_ops.RmsNorm:
     kernel = cpu_ops.rms_norm_kernel()
     if kernel is None:
-        pytest.skip("runtime.cpu_ops did not build here (no compiler or no AVX-512; see the logged warning)")
+        pytest.skip("servelm.runtime.cpu_ops did not build here (no compiler or no AVX-512; see the logged warning)")
     return kernel
 
 
@@ -143,11 +143,11 @@ def test_lora_apply_equals_the_torch_path(rows: int) -> None:
     """The compiled LoRA update against ``LoRAModule.add_to`` (torch): rows of three adapters and of none,
     a fused projection's shards (one not starting at the first output, widths not multiples of 16, K
     neither), an adapter that does not touch this projection."""
-    from runtime.lora import LoRAModule
+    from servelm.runtime.lora import LoRAModule
 
     kernel = cpu_ops.lora_kernel()
     if kernel is None:
-        pytest.skip("runtime.cpu_ops did not build here")
+        pytest.skip("servelm.runtime.cpu_ops did not build here")
     g = torch.Generator().manual_seed(rows)
     K, N = 150, 91
     layouts = [[(0, 40, 4), (40, 30, 8), (70, 21, 2)], [(5, 70, 16)], None]

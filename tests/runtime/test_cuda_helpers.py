@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.cuda_graphs import (
+from servelm.runtime.cuda_graphs import (
     CudaGraphRunner,
     GraphInputs,
     VariantTiming,
@@ -15,8 +15,8 @@ from runtime.cuda_graphs import (
     few_row_tolerance,
     padded_size,
 )
-from runtime import pdl as pdl_state
-from runtime.gpu_memory import MemoryProfile
+from servelm.runtime import pdl as pdl_state
+from servelm.runtime.gpu_memory import MemoryProfile
 
 GiB = 2**30
 
@@ -63,7 +63,7 @@ def test_fill_copies_real_rows_and_neutralises_padding() -> None:
 
 @pytest.mark.parametrize("full_rows", [True, False])
 def test_stage_writes_a_step_from_host_lists_with_padding_and_pending_tokens(monkeypatch: pytest.MonkeyPatch, full_rows: bool) -> None:
-    import runtime.cuda_graphs as cg
+    import servelm.runtime.cuda_graphs as cg
 
     if not full_rows:  # long contexts x many rows: only the used columns are sent
         monkeypatch.setattr(cg, "FULL_TABLE_ROWS_MAX_BYTES", 0)
@@ -145,7 +145,7 @@ def _graph_runner(kernels, few_rows_max: int, ab: bool, captures: list, compare=
 
 
 def test_each_small_size_is_captured_both_ways_and_the_faster_kept() -> None:
-    from runtime.models.layers import FewRowKernels
+    from servelm.runtime.models.layers import FewRowKernels
 
     kernels = FewRowKernels(None, None, None, max_rows=0)  # type: ignore[arg-type]
     captures: list = []
@@ -175,7 +175,7 @@ def test_each_small_size_is_captured_both_ways_and_the_faster_kept() -> None:
 
 
 def test_forced_fused_graphs_skip_the_ab_and_a_failing_kernel_falls_back_to_plain() -> None:
-    from runtime.models.layers import FewRowKernels
+    from servelm.runtime.models.layers import FewRowKernels
 
     kernels = FewRowKernels(None, None, None, max_rows=4)  # type: ignore[arg-type]
     captures: list = []
@@ -192,7 +192,7 @@ def test_forced_fused_graphs_skip_the_ab_and_a_failing_kernel_falls_back_to_plai
 
 
 def test_decode_gemv_mode_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from runtime.attention.flash_backend import decode_gemv_mode
+    from servelm.runtime.attention.flash_backend import decode_gemv_mode
 
     monkeypatch.delenv("SERVELM_DECODE_GEMV", raising=False)
     assert decode_gemv_mode() == "auto"
@@ -220,7 +220,7 @@ def test_the_pdl_graph_is_kept_only_when_faster_and_bit_identical() -> None:
 
 
 def test_with_pdl_each_fused_size_is_also_captured_launched_with_it() -> None:
-    from runtime.models.layers import FewRowKernels
+    from servelm.runtime.models.layers import FewRowKernels
 
     kernels = FewRowKernels(None, None, None, max_rows=0)  # type: ignore[arg-type]
     captures: list = []
@@ -247,7 +247,7 @@ def test_with_pdl_each_fused_size_is_also_captured_launched_with_it() -> None:
 
 
 def test_a_pdl_capture_that_fails_leaves_the_fused_and_plain_a_b() -> None:
-    from runtime.models.layers import FewRowKernels
+    from servelm.runtime.models.layers import FewRowKernels
 
     kernels = FewRowKernels(None, None, None, max_rows=0)  # type: ignore[arg-type]
     captures: list = []
@@ -350,7 +350,7 @@ def test_the_a_b_times_each_graph_and_catches_a_pdl_graph_that_reads_ahead(monke
 
 
 def test_the_head_runs_inside_the_graphs_of_the_a_b_sizes_only() -> None:
-    from runtime.models.layers import FewRowKernels
+    from servelm.runtime.models.layers import FewRowKernels
 
     kernels = FewRowKernels(None, None, None, max_rows=0)  # type: ignore[arg-type]
 

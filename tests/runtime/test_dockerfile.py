@@ -51,7 +51,7 @@ def test_both_images_serve_on_8000_as_a_non_root_user_with_a_healthcheck() -> No
         assert re.search(r'^ENTRYPOINT \["servelm", "serve", "--host", "0.0.0.0"', body, re.MULTILINE), name
         assert "SERVELM_CACHE=/opt/servelm/cache" in body, name
     assert "flash-attn" in st["cuda-build"] and "devel" in DOCKERFILE.read_text()
-    assert "python -m runtime.model_files" in st["cpu"], "the CPU image bakes the default model in"
+    assert "python -m servelm.runtime.model_files" in st["cpu"], "the CPU image bakes the default model in"
     assert "download.pytorch.org/whl/cpu" in st["cpu"]
 
 
@@ -88,7 +88,7 @@ def test_the_wheel_holds_every_package_file(tmp_path: Path) -> None:
     """A non-editable install (both images, ``pip install servelm``) must carry the C++ kernel
     sources, or the CPU path silently loses its kernels at start-up."""
     sources = copied_sources()
-    packages = ["server", "runtime", "scheduler", "metrics"]
+    packages = ["server", "runtime", "scheduler", "metrics", "bench"]
     assert set(packages) <= set(sources), sources
     src = tmp_path / "src"
     for rel in sources:  # exactly what the image build sees
@@ -105,6 +105,7 @@ def test_the_wheel_holds_every_package_file(tmp_path: Path) -> None:
     (wheel,) = (tmp_path / "dist").glob("servelm-*.whl")
     with zipfile.ZipFile(wheel) as zf:
         shipped = {n for n in zf.namelist() if ".dist-info/" not in n}
-    wanted = {p.relative_to(src).as_posix() for pkg in packages for p in (src / pkg).rglob("*") if p.is_file()}
+    # Each folder installs as servelm.<folder> (pyproject's package-dir).
+    wanted = {"servelm/" + p.relative_to(src).as_posix() for pkg in packages for p in (src / pkg).rglob("*") if p.is_file()}
     assert not wanted - shipped, f"missing from the wheel: {sorted(wanted - shipped)}"
-    assert {"runtime/csrc/cpu_ops.cpp", "runtime/attention/csrc/paged_attention_cpu.cpp"} <= shipped
+    assert {"servelm/runtime/csrc/cpu_ops.cpp", "servelm/runtime/attention/csrc/paged_attention_cpu.cpp"} <= shipped

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.capacity import kv_bytes_per_token
-from runtime.config import ModelConfig
-from runtime.kv_cache import KVPool
+from servelm.runtime.capacity import kv_bytes_per_token
+from servelm.runtime.config import ModelConfig
+from servelm.runtime.kv_cache import KVPool
 
 
 def test_layout_and_sizes() -> None:

@@ -10,9 +10,9 @@ import pytest
 import torch
 import transformers
 
-from runtime.attention.torch_backend import TorchAttentionBackend
-from runtime.batch import BatchItem
-from runtime.runner import ModelRunner
+from servelm.runtime.attention.torch_backend import TorchAttentionBackend
+from servelm.runtime.batch import BatchItem
+from servelm.runtime.runner import ModelRunner
 
 # How a prompt is fed: one prefill, chunks of 5 tokens, or one token per step (decode path).
 MODES = {"prefill": None, "chunks5": 5, "decode": 1}
@@ -85,7 +85,7 @@ def test_torch_decode_fallback_matches_hf(
 
 def test_llama3_rope_scaling_is_applied(tiny_model_dir: Callable[[str], Path], build_runner: Any, rt: Any) -> None:
     """The llama3 variant really takes the scaled path (same weights with default RoPE would differ)."""
-    from runtime.models.layers import rope_inv_freq
+    from servelm.runtime.models.layers import rope_inv_freq
 
     runner = build_runner(tiny_model_dir("llama3_rope"), num_blocks=16)
     cfg = runner.model_config
@@ -103,7 +103,7 @@ def default_runner(default_model_dir: Path, build_runner: Callable[..., ModelRun
 
 @pytest.fixture(scope="module")
 def default_prompt_and_ref(default_model_dir: Path) -> tuple[list[int], torch.Tensor]:
-    from runtime.tokenizer import load_tokenizer
+    from servelm.runtime.tokenizer import load_tokenizer
 
     tok = load_tokenizer(default_model_dir)
     msgs = [{"role": "user", "content": "Explain in two short sentences why the sky is blue, and then say why sunsets look red."}]

@@ -11,9 +11,9 @@ import pytest
 import torch
 import transformers
 
-from runtime.attention.torch_backend import TorchAttentionBackend
-from runtime.batch import PENDING_TOKEN, BatchItem
-from runtime.runner import ModelRunner
+from servelm.runtime.attention.torch_backend import TorchAttentionBackend
+from servelm.runtime.batch import PENDING_TOKEN, BatchItem
+from servelm.runtime.runner import ModelRunner
 
 PROMPTS = [
     "What is the capital of France?",
@@ -70,7 +70,7 @@ def greedy_loop(
 def test_greedy_matches_hf_generate_batched(
     default_model_dir: Path, build_runner: Callable[..., ModelRunner], rt: SimpleNamespace
 ) -> None:
-    from runtime.tokenizer import load_tokenizer
+    from servelm.runtime.tokenizer import load_tokenizer
 
     tok = load_tokenizer(default_model_dir)
     prompts = [
@@ -237,7 +237,7 @@ def test_invalid_steps_are_refused(tiny_llama_dir: Path, build_runner: Callable[
 
 
 def test_runner_reports_sizes(tiny_llama_dir: Path, build_runner: Callable[..., ModelRunner]) -> None:
-    from runtime.capacity import kv_bytes_per_token
+    from servelm.runtime.capacity import kv_bytes_per_token
 
     runner = build_runner(tiny_llama_dir, num_blocks=10)
     cfg = runner.model_config
@@ -266,7 +266,7 @@ class _EagerGraphStandIn:
     the capture itself needs a GPU. Padded sizes are powers of two, as captured."""
 
     def __init__(self, runner: ModelRunner, max_bs: int, max_blocks: int, head_max: int = 0) -> None:
-        from runtime.cuda_graphs import GraphInputs, capture_sizes
+        from servelm.runtime.cuda_graphs import GraphInputs, capture_sizes
 
         self.runner, self.max_bs, self.max_blocks, self.head_max = runner, max_bs, max_blocks, head_max
         self.sizes = capture_sizes(max_bs)
@@ -283,7 +283,7 @@ class _EagerGraphStandIn:
         return next(b for b in self.sizes if b >= num_decodes)
 
     def replay(self, n: int):  # noqa: ANN201
-        from runtime.attention.base import AttentionMetadata
+        from servelm.runtime.attention.base import AttentionMetadata
 
         self.replayed.append(n)
         b, bs = self.inputs, self.padded(n)  # the whole padded batch, as a graph computes it
@@ -327,7 +327,7 @@ def test_weights_first_then_pool(tiny_llama_dir: Path, build_runner: Callable[..
     late = build_runner(tiny_llama_dir, num_blocks=None, max_num_batched_tokens=96, max_num_seqs=8)
     assert late.kv_pool is None
     scratch = late.warm_up()
-    from runtime.capacity import kv_bytes_per_token
+    from servelm.runtime.capacity import kv_bytes_per_token
 
     assert scratch == kv_bytes_per_token(late.model_config, torch.float32) * 6 * 16  # 96 tokens in 16-token blocks
     assert all(layer.self_attn.k_cache is None for layer in late.model.model.layers)
@@ -388,9 +388,9 @@ def test_the_real_graph_runner_with_capture_emulated_gives_the_eager_tokens(
     each step and the sampling from the graphs' logits must give the eager engine's tokens."""
     import torch.nn.functional as F
 
-    from runtime import cpu_linear, pdl
-    from runtime.cuda_graphs import CudaGraphRunner
-    from runtime.models.layers import FewRowKernels
+    from servelm.runtime import cpu_linear, pdl
+    from servelm.runtime.cuda_graphs import CudaGraphRunner
+    from servelm.runtime.models.layers import FewRowKernels
 
     def norm_linear(x, residual, nw, eps, w, b=None):  # type: ignore[no-untyped-def]
         h = x if residual is None else x + residual

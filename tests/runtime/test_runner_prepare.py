@@ -9,9 +9,9 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from runtime.attention.base import AttentionMetadata
-from runtime.batch import BatchItem
-from runtime.runner import ModelRunner
+from servelm.runtime.attention.base import AttentionMetadata
+from servelm.runtime.batch import BatchItem
+from servelm.runtime.runner import ModelRunner
 
 
 @pytest.fixture(scope="module")

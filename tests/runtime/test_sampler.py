@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from runtime.batch import SamplingOptions
-from runtime.sampler import (
+from servelm.runtime.batch import SamplingOptions
+from servelm.runtime.sampler import (
     TOP_P_FIRST_CANDIDATES,
     Sampler,
     _head,
@@ -544,7 +544,7 @@ def test_speed_at_serving_size() -> None:
 
 def test_spec_helper_matches_the_contract() -> None:
     # The protocol fields this file's Spec stands in for must exist on the real SamplingParams.
-    from scheduler.sampling_params import SamplingParams
+    from servelm.scheduler.sampling_params import SamplingParams
 
     real = SamplingParams()
     for name in Spec.__dataclass_fields__:
@@ -568,7 +568,7 @@ class BitMask:
 
 @pytest.mark.parametrize("path", ["kernel", "torch"])
 def test_grammar_mask_leaves_only_allowed_tokens_and_other_rows_alone(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from runtime import cpu_ops
+    from servelm.runtime import cpu_ops
 
     if path == "torch":
         monkeypatch.setattr(cpu_ops, "token_bitmask_kernel", lambda: None)
@@ -597,7 +597,7 @@ def test_grammar_mask_leaves_only_allowed_tokens_and_other_rows_alone(path: str,
 def test_logit_bias_comes_from_tensors_built_once_per_request() -> None:
     """Every row's logit_bias is added in one op from tensors its parameters build on first use (the
     dict is not walked each step); ids outside the vocabulary (unvalidated options only) are ignored."""
-    from scheduler.sampling_params import SamplingParams
+    from servelm.scheduler.sampling_params import SamplingParams
 
     vocab = 1000
     logits = torch.randn(6, vocab, generator=seeded(14))

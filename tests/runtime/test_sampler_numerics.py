@@ -11,8 +11,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.batch import SamplingOptions
-from runtime.sampler import GREEDY_TEMPERATURE, Sampler, _radix_floor, tempered_softmax, truncate
+from servelm.runtime.batch import SamplingOptions
+from servelm.runtime.sampler import GREEDY_TEMPERATURE, Sampler, _radix_floor, tempered_softmax, truncate
 from test_sampler import BitMask, Seq
 
 Spec = SamplingOptions

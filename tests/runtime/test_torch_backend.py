@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from runtime.attention.base import AttentionMetadata
-from runtime.attention.torch_backend import TorchAttentionBackend
+from servelm.runtime.attention.base import AttentionMetadata
+from servelm.runtime.attention.torch_backend import TorchAttentionBackend
 
 BS = 16
 H, KVH, D = 6, 2, 16

@@ -27,7 +27,7 @@ COMPILE = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from runtime.attention import triton_decode as td, triton_kernels as tk
+    from servelm.runtime.attention import triton_decode as td, triton_kernels as tk
 
     def compile_kernel(fn, args, constexprs, arch, num_warps=4, num_stages=3, pdl=False):
         if "PDL" in fn.arg_names:  # the PDL-aware kernels (runtime.pdl)
@@ -97,7 +97,7 @@ COMPILE = textwrap.dedent(
                    NUM_SPLITS=32), 90)
 
     # runtime.triton_ops at the Llama-3-8B shape (hidden 4096, intermediate 14336, 32/8 heads of 128).
-    from runtime import triton_ops as ops
+    from servelm.runtime import triton_ops as ops
     for dt in ("bf16", "fp32"):
         norm = {"x_ptr": "*" + dt, "res_ptr": "*" + dt, "w_ptr": "*" + dt, "out_ptr": "*" + dt,
                 "stride_x": "i32", "stride_res": "i32", "stride_out": "i32", "n_cols": "i32", "eps": "fp32"}
@@ -111,7 +111,7 @@ COMPILE = textwrap.dedent(
         compile_kernel(ops._rope_store_kernel, rope, dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF=64,
                        HEADS_PAD=64, KV_PAD=8, HALF_PAD=64, DIM_PAD=128, PAGE=16), 90)
     # runtime.triton_gemv: each op before the projection, 1 and 4 rows, every tile the autotuner tries.
-    from runtime import triton_gemv as tg
+    from servelm.runtime import triton_gemv as tg
     gemv = {n: "*bf16" for n in ("x_ptr", "res_ptr", "res_out_ptr", "nw_ptr", "w_ptr", "b_ptr", "y_ptr")}
     gemv.update({n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_rm", "stride_rom", "stride_wn", "stride_ym")})
     gemv["eps"] = "fp32"
@@ -163,7 +163,7 @@ SPECIALIZATION = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
-    from runtime.attention import triton_decode as td, triton_kernels as tk
+    from servelm.runtime.attention import triton_decode as td, triton_kernels as tk
 
     backend = make_backend(GPUTarget("cuda", 90, 32))
 

@@ -102,9 +102,9 @@ def test_model_with_few_row_kernels_equals_the_eager_model(tiny_model_dir, build
     """The CUDA-path model (Triton backend, fused ops) with the few-row projections on decode steps of
     1-4 rows and off for longer steps (prefill), against the plain torch path."""
     tiny_llama_dir = tiny_model_dir("llama_small_vocab")  # the head runs through the interpreter too
-    from runtime.attention.torch_backend import TorchAttentionBackend
-    from runtime import cpu_linear
-    from runtime.models.layers import FewRowKernels
+    from servelm.runtime.attention.torch_backend import TorchAttentionBackend
+    from servelm.runtime import cpu_linear
+    from servelm.runtime.models.layers import FewRowKernels
 
     # Dense weights as on CUDA (oneDNN-packed projections would take the CPU's own path first).
     with monkeypatch.context() as m:
@@ -150,8 +150,8 @@ def test_device_check_compares_few_row_and_plain_projections(tiny_llama_dir, bui
     and leaves the runner's setting as it found it."""
     from pathlib import Path
 
-    from runtime import cpu_linear
-    from runtime.models.layers import FewRowKernels
+    from servelm.runtime import cpu_linear
+    from servelm.runtime.models.layers import FewRowKernels
 
     scripts = str(Path(__file__).resolve().parents[2] / "scripts")
     monkeypatch.syspath_prepend(scripts)
@@ -248,7 +248,7 @@ def test_device_check_gemv_probe_compares_like_with_like(monkeypatch) -> None:  
 
     # Where PDL can run, the fused graph is also timed launched with it (not run here: the
     # interpreter has no grid dependency control).
-    from runtime import pdl
+    from servelm.runtime import pdl
 
     launched = []
 
@@ -327,17 +327,17 @@ def test_the_batch1_rerun_offers_the_tiles_then_restores_the_list(tiny_llama_dir
     perf = importlib.import_module("device_checks.performance")
     from device_checks.common import Plan, Report
 
-    import scheduler.engine
+    import servelm.scheduler.engine
 
     added = gemv.Tile(2, 1024, 2, 3, False, prefetch=True)
     seen = []
-    real_engine = scheduler.engine.Engine
+    real_engine = servelm.scheduler.engine.Engine
 
     def engine(*a, **kw):  # type: ignore[no-untyped-def]
         seen.append(list(gemv.ELEMENTWISE_TILES))
         return real_engine(*a, **kw)
 
-    monkeypatch.setattr(scheduler.engine, "Engine", engine)
+    monkeypatch.setattr(servelm.scheduler.engine, "Engine", engine)
     before = list(gemv.ELEMENTWISE_TILES)
     plan = Plan.dry()
     plan.max_model_len = 256  # the tiny model's positions

@@ -11,7 +11,7 @@ from triton_interp import flash_backend, ops, prefill_then_decode, td, tk, torch
 import pytest
 import torch
 
-from runtime.attention.base import AttentionMetadata
+from servelm.runtime.attention.base import AttentionMetadata
 
 
 # ----------------------------------------------------------------------------- references
@@ -310,7 +310,7 @@ def test_flash_backend_passes_flash_attn_the_documented_arguments(monkeypatch) -
 
 
 def test_padded_static_decode_batch_equals_the_plain_step() -> None:
-    from runtime.cuda_graphs import CudaGraphRunner
+    from servelm.runtime.cuda_graphs import CudaGraphRunner
 
     gen = torch.Generator().manual_seed(11)
     block_size, num_blocks, kvh, heads, d, vocab = 4, 16, 2, 4, 16, 50
@@ -392,7 +392,7 @@ def test_silu_mul_of_the_fused_gate_up_projection(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_rope_store_equals_rotation_then_store(dtype: torch.dtype) -> None:
-    from runtime.models.layers import apply_rope
+    from servelm.runtime.models.layers import apply_rope
 
     gen = torch.Generator().manual_seed(5)
     heads, kvh, d, page, blocks = 6, 2, 16, 4, 8
@@ -426,7 +426,7 @@ def test_model_with_fused_ops_equals_the_eager_model(tiny_llama_dir, build_runne
     """The whole CUDA-path model structure on CPU tensors: Triton backend + fused norms, activation and
     RoPE/store against the plain torch path, prefill then decode steps. With split-KV decode (as on a
     GPU a small batch gets) the decode step's RoPE and K/V store run inside the attention kernel."""
-    from runtime.attention.torch_backend import TorchAttentionBackend
+    from servelm.runtime.attention.torch_backend import TorchAttentionBackend
 
     monkeypatch.setattr(td, "decode_splits", lambda num_seqs, num_kv_heads, device: splits)
     fused = build_runner(tiny_llama_dir, backend=flash_backend.TritonPagedBackend(16, fused_rope=True))

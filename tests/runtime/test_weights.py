@@ -11,9 +11,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from runtime.attention.torch_backend import TorchAttentionBackend
-from runtime.config import ModelConfig, UnsupportedModelError
-from runtime.weights import INDEX_FILE, WeightLoadError, checkpoint_files, load_model
+from servelm.runtime.attention.torch_backend import TorchAttentionBackend
+from servelm.runtime.config import ModelConfig, UnsupportedModelError
+from servelm.runtime.weights import INDEX_FILE, WeightLoadError, checkpoint_files, load_model
 
 
 def load(model_dir: Path, dtype: torch.dtype = torch.float32) -> Any:
@@ -169,7 +169,7 @@ def test_gemma3_config_in_both_transformers_layouts(tiny_model_dir: Callable[[st
 
 
 def test_gemma3_is_refused_on_cuda_before_touching_it(tiny_model_dir: Callable[[str], Path]) -> None:
-    from runtime.runner import ModelRunner
+    from servelm.runtime.runner import ModelRunner
 
     d = tiny_model_dir("gemma3")
     with pytest.raises(UnsupportedModelError, match="CPU only"):

@@ -37,26 +37,26 @@ def load(name: str):  # type: ignore[no-untyped-def]
     mod = importlib.import_module(name)
     # Imported earlier in this process without the interpreter: re-decorate the kernels under it.
     first_kernel = {
-        "runtime.attention.triton_kernels": "_store_kv_kernel",
-        "runtime.attention.triton_decode": "_paged_decode_split_kernel",
-        "runtime.triton_ops": "_rms_norm_kernel",
-        "runtime.triton_gemv": "_decode_gemv_kernel",
+        "servelm.runtime.attention.triton_kernels": "_store_kv_kernel",
+        "servelm.runtime.attention.triton_decode": "_paged_decode_split_kernel",
+        "servelm.runtime.triton_ops": "_rms_norm_kernel",
+        "servelm.runtime.triton_gemv": "_decode_gemv_kernel",
     }
     if type(getattr(mod, first_kernel[name])).__name__ != "InterpretedFunction":
         mod = importlib.reload(mod)
     return mod
 
 
-tk = load("runtime.attention.triton_kernels")
-td = load("runtime.attention.triton_decode")  # after tk: it imports tk's helpers
-ops = load("runtime.triton_ops")
-gemv = load("runtime.triton_gemv")
-flash_backend = importlib.import_module("runtime.attention.flash_backend")
+tk = load("servelm.runtime.attention.triton_kernels")
+td = load("servelm.runtime.attention.triton_decode")  # after tk: it imports tk's helpers
+ops = load("servelm.runtime.triton_ops")
+gemv = load("servelm.runtime.triton_gemv")
+flash_backend = importlib.import_module("servelm.runtime.attention.flash_backend")
 
 
 def torch_rms_norm(x, w, eps):  # type: ignore[no-untyped-def]
     """The eager model's RMSNorm (``runtime.models.layers.RMSNorm`` without kernels)."""
-    from runtime.models.layers import RMSNorm
+    from servelm.runtime.models.layers import RMSNorm
 
     norm = RMSNorm(x.shape[-1], eps, x.dtype, torch.device("cpu"))
     norm.weight.data.copy_(w)

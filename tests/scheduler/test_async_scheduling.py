@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from runtime.batch import PENDING_TOKEN
-from scheduler.config import EngineConfig
-from scheduler.engine import Engine
-from scheduler.outputs import RequestOutput
-from scheduler.sampling_params import SamplingParams
+from servelm.runtime.batch import PENDING_TOKEN
+from servelm.scheduler.config import EngineConfig
+from servelm.scheduler.engine import Engine
+from servelm.scheduler.outputs import RequestOutput
+from servelm.scheduler.sampling_params import SamplingParams
 
 MiB = 2**20
 
@@ -33,7 +33,7 @@ def drain(e: Engine, max_steps: int = 3000) -> list[RequestOutput]:
 
 @pytest.fixture(scope="module")
 def prompts(tiny_llama_dir: Path) -> list[list[int]]:
-    from runtime.tokenizer import load_tokenizer
+    from servelm.runtime.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tiny_llama_dir)
     texts = ["1 2 3 4 5 6 7 8 9 10 " * 4, "Hello, my name is", "The capital of France", "def fib(n):\n    "]

@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from scheduler.config import EngineConfig
-from scheduler.engine import Engine
+from servelm.scheduler.config import EngineConfig
+from servelm.scheduler.engine import Engine
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from scheduler.block_manager import BlockManager, PrefixMatch, block_hash_seed
+from servelm.scheduler.block_manager import BlockManager, PrefixMatch, block_hash_seed
 
 
 @dataclass

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.model_files import default_model_dir
-from scheduler.detokenizer import IncrementalDetokenizer
-from scheduler.stop import StopChecker
+from servelm.runtime.model_files import default_model_dir
+from servelm.scheduler.detokenizer import IncrementalDetokenizer
+from servelm.scheduler.stop import StopChecker
 
 SAMPLES = [
     "Hello, world! 😀🎉 emoji 👩‍👩‍👧 family",

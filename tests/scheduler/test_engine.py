@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 
-from metrics.observer import RequestStats, StepStats
-from runtime.batch import BatchItem, RunnerOutput, TokenLogprobs
-from scheduler.config import EngineConfig
-from scheduler.engine import Engine
-from scheduler.outputs import RequestOutput
-from scheduler.sampling_params import InvalidParameterError, PromptTooLongError, SamplingParams
+from servelm.metrics.observer import RequestStats, StepStats
+from servelm.runtime.batch import BatchItem, RunnerOutput, TokenLogprobs
+from servelm.scheduler.config import EngineConfig
+from servelm.scheduler.engine import Engine
+from servelm.scheduler.outputs import RequestOutput
+from servelm.scheduler.sampling_params import InvalidParameterError, PromptTooLongError, SamplingParams
 from sched_reference import assert_matches_reference, hf_greedy_references
 
 MiB = 2**20
@@ -79,7 +79,7 @@ def by_choice(outs: list[RequestOutput], rid: str) -> dict[int, list[Any]]:
 
 @pytest.fixture(scope="module")
 def tok(tiny_llama_dir: Path):
-    from runtime.tokenizer import load_tokenizer
+    from servelm.runtime.tokenizer import load_tokenizer
 
     return load_tokenizer(tiny_llama_dir)
 
@@ -109,7 +109,7 @@ def test_resolved_config_and_capacity(tiny_llama_dir: Path) -> None:
 
 
 def test_max_model_len_must_fit_the_pool(tiny_llama_dir: Path) -> None:
-    from runtime.capacity import CapacityError
+    from servelm.runtime.capacity import CapacityError
 
     with pytest.raises(CapacityError, match="max_model_len=512"):
         Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=64 * 1024, max_model_len=512))
@@ -135,7 +135,7 @@ def test_sliding_window_is_served_on_cpu_and_capped_elsewhere(
     import json
     import shutil
 
-    from scheduler.startup import resolve_max_model_len
+    from servelm.scheduler.startup import resolve_max_model_len
 
     src = tiny_model_dir("mistral" if arch.startswith("Mistral") else "qwen2")
     model = tmp_path / "m"
@@ -362,7 +362,7 @@ def test_step_and_request_metrics(tiny_llama_dir: Path) -> None:
 
 
 def test_flops_and_bytes_follow_the_counts(tiny_llama_dir: Path) -> None:
-    from runtime.capacity import flops_per_token, kv_bytes_per_token, weight_bytes
+    from servelm.runtime.capacity import flops_per_token, kv_bytes_per_token, weight_bytes
     import torch
 
     obs = RecordingObserver()

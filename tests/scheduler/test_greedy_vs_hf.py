@@ -16,9 +16,9 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from scheduler.config import EngineConfig
-from scheduler.engine import Engine
-from scheduler.sampling_params import SamplingParams
+from servelm.scheduler.config import EngineConfig
+from servelm.scheduler.engine import Engine
+from servelm.scheduler.sampling_params import SamplingParams
 from sched_reference import GreedyReference, assert_matches_reference, hf_greedy_references
 
 pytestmark = pytest.mark.slow
@@ -90,7 +90,7 @@ def chat_prompts(tokenizer: Any) -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def default_prompts(default_model_dir: Path) -> list[list[int]]:
-    from runtime.tokenizer import load_tokenizer
+    from servelm.runtime.tokenizer import load_tokenizer
 
     return chat_prompts(load_tokenizer(default_model_dir))
 

@@ -10,10 +10,10 @@ from typing import Any, Callable
 import pytest
 
 from lora_files import save_lora_adapter
-from runtime.lora import LoRAError
-from scheduler.config import EngineConfig
-from scheduler.engine import Engine
-from scheduler.sampling_params import InvalidParameterError, LoRANotFoundError, SamplingParams
+from servelm.runtime.lora import LoRAError
+from servelm.scheduler.config import EngineConfig
+from servelm.scheduler.engine import Engine
+from servelm.scheduler.sampling_params import InvalidParameterError, LoRANotFoundError, SamplingParams
 from sched_reference import GreedyReference, assert_matches_reference, hf_greedy_references
 
 MiB = 2**20

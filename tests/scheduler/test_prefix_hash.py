@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from scheduler.block_manager import BlockManager, block_hash_seed, hash_block
-from scheduler.request import Request
-from scheduler.sampling_params import SamplingParams
+from servelm.scheduler.block_manager import BlockManager, block_hash_seed, hash_block
+from servelm.scheduler.request import Request
+from servelm.scheduler.sampling_params import SamplingParams
 
 
 @dataclass

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 import torch
 
-from runtime.batch import BatchItem
-from scheduler.config import EngineConfig
-from scheduler.engine import Engine
-from scheduler.sampling_params import InvalidParameterError, SamplingParams
+from servelm.runtime.batch import BatchItem
+from servelm.scheduler.config import EngineConfig
+from servelm.scheduler.engine import Engine
+from servelm.scheduler.sampling_params import InvalidParameterError, SamplingParams
 
 MiB = 2**20
 K = 3  # alternatives asked per prompt token
@@ -20,7 +20,7 @@ K = 3  # alternatives asked per prompt token
 
 @pytest.fixture(scope="module")
 def prompts(tiny_llama_dir: Path) -> list[list[int]]:
-    from runtime.tokenizer import load_tokenizer
+    from servelm.runtime.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tiny_llama_dir)
     # The long one first: it holds most of a small pool while the short ones squeeze in (preemption).

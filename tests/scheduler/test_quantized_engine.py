@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from runtime import cpu_linear
-from scheduler.config import EngineConfig
-from scheduler.engine import Engine
-from scheduler.sampling_params import SamplingParams
+from servelm.runtime import cpu_linear
+from servelm.scheduler.config import EngineConfig
+from servelm.scheduler.engine import Engine
+from servelm.scheduler.sampling_params import SamplingParams
 
 QUESTIONS = ["What is the capital of France?", "Name the largest planet of the solar system.",
              "What colour is the sky on a clear day?", "How many legs does a spider have?"]  # fmt: skip
@@ -35,7 +35,7 @@ def test_int8_engine_answers_and_batching_does_not_change_its_tokens() -> None:
     # /metrics says what runs: the info series carries the quantization.
     from prometheus_client import generate_latest
 
-    from server.app import create_prometheus_observer
+    from servelm.server.app import create_prometheus_observer
 
     observer = create_prometheus_observer(engine)
     assert observer is not None
@@ -51,7 +51,7 @@ def test_int4_is_the_default_models_own_precision_same_weights_and_tokens_as_flo
         pytest.skip("no quantized kernels here (the dequantized path is covered by tests/runtime/test_quantization.py)")
     import torch
 
-    from runtime.models.layers import Linear
+    from servelm.runtime.models.layers import Linear
 
     f32 = Engine(EngineConfig(kv_cache_memory=64 * 2**20, max_model_len=1024))
     # auto (what `make serve` and the CPU image pass) finds the weights on int4's grid and takes it.
@@ -78,7 +78,7 @@ def test_int4_is_the_default_models_own_precision_same_weights_and_tokens_as_flo
     assert q4.block_manager.num_used_blocks == 0
     from prometheus_client import generate_latest
 
-    from server.app import create_prometheus_observer
+    from servelm.server.app import create_prometheus_observer
 
     observer = create_prometheus_observer(q4)
     assert observer is not None

@@ -9,11 +9,11 @@ from typing import Any, Sequence
 import pytest
 import torch
 
-from runtime.batch import SequenceView
-from runtime.sampler import Sampler
-from scheduler.config import EngineConfig
-from scheduler.engine import Engine
-from scheduler.sampling_params import SamplingParams
+from servelm.runtime.batch import SequenceView
+from servelm.runtime.sampler import Sampler
+from servelm.scheduler.config import EngineConfig
+from servelm.scheduler.engine import Engine
+from servelm.scheduler.sampling_params import SamplingParams
 
 MiB = 2**20
 FAULTY_SEED = 424242  # the request whose rows the injected fault hits

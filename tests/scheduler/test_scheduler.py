@@ -6,11 +6,11 @@ import itertools
 
 import pytest
 
-from runtime.batch import PENDING_TOKEN
-from scheduler.block_manager import BlockManager
-from scheduler.request import Request, RequestStatus
-from scheduler.sampling_params import SamplingParams
-from scheduler.scheduler import Scheduler, SchedulerOutput
+from servelm.runtime.batch import PENDING_TOKEN
+from servelm.scheduler.block_manager import BlockManager
+from servelm.scheduler.request import Request, RequestStatus
+from servelm.scheduler.sampling_params import SamplingParams
+from servelm.scheduler.scheduler import Scheduler, SchedulerOutput
 
 
 def fake_token(req: Request) -> int:

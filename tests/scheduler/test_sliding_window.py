@@ -8,9 +8,9 @@ from typing import Any, Callable
 
 import pytest
 
-from scheduler.config import EngineConfig
-from scheduler.engine import Engine
-from scheduler.sampling_params import SamplingParams
+from servelm.scheduler.config import EngineConfig
+from servelm.scheduler.engine import Engine
+from servelm.scheduler.sampling_params import SamplingParams
 from sched_reference import GreedyReference, assert_matches_reference, hf_greedy_references
 
 MiB = 2**20

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from scheduler.config import EngineConfig
-from scheduler.engine import Engine
-from scheduler.sampling_params import SamplingParams
-from scheduler.speculative import NgramIndex, SpeculativeConfig
+from servelm.scheduler.config import EngineConfig
+from servelm.scheduler.engine import Engine
+from servelm.scheduler.sampling_params import SamplingParams
+from servelm.scheduler.speculative import NgramIndex, SpeculativeConfig
 from sched_reference import assert_matches_reference, hf_greedy_references
 
 MiB = 2**20
@@ -69,7 +69,7 @@ def _drafts(e: Engine) -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def prompts(tiny_llama_dir: Path) -> list[list[int]]:
-    from runtime.tokenizer import load_tokenizer
+    from servelm.runtime.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tiny_llama_dir)
     texts = ["1 2 3 4 5 6 7 8 9 10 " * 4, "Hello, my name is", "The capital of France", "def fib(n):\n    "]
@@ -196,8 +196,8 @@ def test_default_model_rewrite_keeps_drafts_and_tokens(default_model_dir: Path) 
 
 
 def test_drafting_backs_off_while_drafts_are_wrong() -> None:
-    from scheduler.request import Request
-    from scheduler.speculative import PROBE_EVERY, NgramProposer
+    from servelm.scheduler.request import Request
+    from servelm.scheduler.speculative import PROBE_EVERY, NgramProposer
 
     proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1))
     req = Request(0, "r", [1, 2, 3, 4, 5, 6, 1, 2, 3], SamplingParams(max_tokens=50, temperature=0))

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import torch
 
-from scheduler.config import EngineConfig
-from scheduler.engine import Engine
-from scheduler.sampling_params import InvalidParameterError, SamplingParams
-from scheduler.structured_output import GrammarCompiler, StructuredOutput
+from servelm.scheduler.config import EngineConfig
+from servelm.scheduler.engine import Engine
+from servelm.scheduler.sampling_params import InvalidParameterError, SamplingParams
+from servelm.scheduler.structured_output import GrammarCompiler, StructuredOutput
 
 MiB = 2**20
 
@@ -269,7 +269,7 @@ def test_what_a_structure_allows_first(eng: Engine) -> None:
 
 
 def test_specs_are_bounded_in_length_and_the_cache_in_characters(eng: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    import scheduler.structured_output as so
+    import servelm.scheduler.structured_output as so
 
     c = GrammarCompiler(eng.tokenizer, eng.model_config.vocab_size, eng.eos_token_ids)
     long = "|".join(f"w{i}" for i in range(so.MAX_SPEC_CHARS // 4))

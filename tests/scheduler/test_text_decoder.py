@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from runtime.model_files import default_model_dir
-from scheduler.detokenizer import IncrementalDetokenizer, TextDecoder
+from servelm.runtime.model_files import default_model_dir
+from servelm.scheduler.detokenizer import IncrementalDetokenizer, TextDecoder
 
 
 @pytest.fixture(scope="module")

@@ -6,14 +6,14 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from server.app import ObserverProxy, build_app
-from server.async_engine import AsyncEngine
+from servelm.server.app import ObserverProxy, build_app
+from servelm.server.async_engine import AsyncEngine
 from srv_harness import FakeEngine, ServerThread
 
 
 @pytest.fixture(scope="session")
 def server_tokenizer(default_model_dir: Any) -> Any:
-    from runtime.tokenizer import load_tokenizer
+    from servelm.runtime.tokenizer import load_tokenizer
 
     return load_tokenizer(default_model_dir)
 

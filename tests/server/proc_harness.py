@@ -24,7 +24,7 @@ class ServeProcess:
     def __init__(self, *args: str) -> None:
         env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
         env.pop("SERVELM_API_KEY", None)
-        self.argv = [sys.executable, "-m", "server.cli", "serve", "--port", "0", *args]
+        self.argv = [sys.executable, "-m", "servelm.server.cli", "serve", "--port", "0", *args]
         self.env = env
         self.proc: subprocess.Popen[str] | None = None
         self.lines: list[str] = []

@@ -11,10 +11,10 @@ from typing import Any
 import httpx
 import uvicorn
 
-from runtime.batch import TokenLogprobs
-from scheduler.config import EngineConfig
-from scheduler.outputs import CompletionOutput, RequestOutput
-from scheduler.sampling_params import InvalidParameterError, SamplingParams
+from servelm.runtime.batch import TokenLogprobs
+from servelm.scheduler.config import EngineConfig
+from servelm.scheduler.outputs import CompletionOutput, RequestOutput
+from servelm.scheduler.sampling_params import InvalidParameterError, SamplingParams
 
 SCRIPT = " The quick brown fox jumps over the lazy dog and runs far away into the green hills."
 

@@ -548,8 +548,8 @@ async def test_a_client_gone_before_the_result_is_a_499_not_a_server_error() -> 
     and the outcome is 499 (it used to ask the just-cancelled task for its result and log a 500)."""
     import asyncio
 
-    from server.errors import APIError
-    from server.serving_common import until_disconnect
+    from servelm.server.errors import APIError
+    from servelm.server.serving_common import until_disconnect
 
     class Request:
         async def receive(self) -> dict[str, str]:

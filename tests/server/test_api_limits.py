@@ -12,9 +12,9 @@ from typing import Any
 import httpx
 import pytest
 
-from scheduler.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
-from scheduler.structured_output import MAX_SPEC_CHARS
-from server.limits import MAX_CONTENT_PARTS, MAX_JSON_DEPTH, MAX_JSON_ITEMS, MAX_MESSAGES, MAX_TOOL_CALLS
+from servelm.scheduler.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
+from servelm.scheduler.structured_output import MAX_SPEC_CHARS
+from servelm.server.limits import MAX_CONTENT_PARTS, MAX_JSON_DEPTH, MAX_JSON_ITEMS, MAX_MESSAGES, MAX_TOOL_CALLS
 from srv_harness import assert_error
 
 http = httpx.Client(timeout=30)
@@ -104,7 +104,7 @@ def test_the_prompt_union_keeps_each_form_and_validates_token_ids_without_trying
     """Token ids come first in the prompt union (a 2.5M-id prompt spent 0.6 s of the event loop
     while pydantic collected an error per id for the list[str] member); every form still parses
     as itself."""
-    from server.protocol import CompletionRequest
+    from servelm.server.protocol import CompletionRequest
 
     def parsed(prompt: Any) -> Any:
         return CompletionRequest.model_validate({"prompt": prompt}).prompt
@@ -282,8 +282,8 @@ def test_nesting_is_bounded_before_anything_recursive_runs(shared_fake_server: A
 def test_lora_names_and_paths_are_bounded() -> None:
     from pydantic import ValidationError
 
-    from server.limits import MAX_LORA_NAME_CHARS, MAX_PATH_CHARS
-    from server.serving_lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+    from servelm.server.limits import MAX_LORA_NAME_CHARS, MAX_PATH_CHARS
+    from servelm.server.serving_lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 
     with pytest.raises(ValidationError):
         LoadLoRAAdapterRequest(lora_name="n" * (MAX_LORA_NAME_CHARS + 1), lora_path="/p")
@@ -295,7 +295,7 @@ def test_lora_names_and_paths_are_bounded() -> None:
 
 def test_sampling_params_hold_the_per_step_bounds_offline_too() -> None:
     """The engine trusts SamplingParams: offline use gets the same bounds the HTTP edge documents."""
-    from scheduler.sampling_params import InvalidParameterError, SamplingParams
+    from servelm.scheduler.sampling_params import InvalidParameterError, SamplingParams
 
     SamplingParams(logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS)}, stop_token_ids=list(range(MAX_STOP_TOKEN_IDS)))
     with pytest.raises(InvalidParameterError) as e:

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from scheduler.sampling_params import InvalidParameterError, SamplingParams
-from server.async_engine import AsyncEngine, EngineDeadError, EngineStoppedError, QueueFullError
+from servelm.scheduler.sampling_params import InvalidParameterError, SamplingParams
+from servelm.server.async_engine import AsyncEngine, EngineDeadError, EngineStoppedError, QueueFullError
 from srv_harness import FakeEngine
 
 
@@ -146,7 +146,7 @@ async def test_shutdown_deadline_aborts_the_rest(fake: FakeEngine) -> None:
 
 
 def test_run_in_transient_thread_returns_or_raises_from_a_finished_thread() -> None:
-    from server.async_engine import run_in_transient_thread
+    from servelm.server.async_engine import run_in_transient_thread
 
     threads: list[threading.Thread] = []
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from scheduler.config import EngineConfig
-from server.cli import build_parser, engine_config_from_args, main, parse_size
+from servelm.scheduler.config import EngineConfig
+from servelm.server.cli import build_parser, engine_config_from_args, main, parse_size
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -102,8 +102,8 @@ def test_lora_flags(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_the_cli_offers_what_the_runtime_implements_without_importing_torch() -> None:
-    from runtime.quantization import QUANTIZATIONS
-    from server import cli
+    from servelm.runtime.quantization import QUANTIZATIONS
+    from servelm.server import cli
 
     assert cli.QUANTIZATIONS == QUANTIZATIONS
     code = "import sys, server.cli; sys.exit('torch' in sys.modules)"
@@ -145,7 +145,7 @@ def test_sigterm_during_stream_finishes_it_and_exits_0() -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     env.pop("SERVELM_API_KEY", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "serve", "--port", "0", "--kv-cache-memory", "64MiB",
+        [sys.executable, "-m", "servelm.server.cli", "serve", "--port", "0", "--kv-cache-memory", "64MiB",
          "--max-model-len", "512", "--no-access-log", "--drain-timeout", "60"],
         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -205,10 +205,10 @@ def test_serve_builds_the_engine_in_a_thread_that_is_gone_before_serving(
     """The start-up torch work (engine, CPU peaks) runs in a thread that exits: a thread that ran
     OpenMP keeps its worker team for life, and a second team beside the engine thread's made every
     batch-1 decode step ~30% slower on 2 cores (libgomp stops spinning at its barriers)."""
-    import scheduler.engine
-    import server.app
-    import server.cli as cli
-    from runtime.capacity import CapacityError
+    import servelm.scheduler.engine
+    import servelm.server.app
+    import servelm.server.cli as cli
+    from servelm.runtime.capacity import CapacityError
     from srv_harness import FakeEngine
 
     seen: dict[str, threading.Thread] = {}
@@ -229,8 +229,8 @@ def test_serve_builds_the_engine_in_a_thread_that_is_gone_before_serving(
         def run(self) -> None:
             seen["serve"] = threading.current_thread()
 
-    monkeypatch.setattr(scheduler.engine, "Engine", fake_engine)
-    monkeypatch.setattr(server.app, "create_prometheus_observer", fake_observer)
+    monkeypatch.setattr(servelm.scheduler.engine, "Engine", fake_engine)
+    monkeypatch.setattr(servelm.server.app, "create_prometheus_observer", fake_observer)
     monkeypatch.setattr(cli, "_make_uvicorn_server", lambda app, args, on_stop: NoServer())
     monkeypatch.setattr(cli.signal, "signal", lambda *a: None)  # keep the test session's handlers
     args = build_parser().parse_args(["serve", "--port", "0"])

@@ -18,10 +18,10 @@ import httpx
 import openai
 import pytest
 
-from scheduler.config import EngineConfig
-from scheduler.sampling_params import SamplingParams
-from server.app import ObserverProxy, build_app, create_prometheus_observer
-from server.async_engine import AsyncEngine
+from servelm.scheduler.config import EngineConfig
+from servelm.scheduler.sampling_params import SamplingParams
+from servelm.server.app import ObserverProxy, build_app, create_prometheus_observer
+from servelm.server.async_engine import AsyncEngine
 from srv_harness import ServerThread, parse_sse
 
 pytestmark = pytest.mark.slow
@@ -59,7 +59,7 @@ class Live:
 
 @pytest.fixture(scope="module", params=[False, True], ids=["sync", "async-scheduling"])
 def live(request: pytest.FixtureRequest) -> Iterator[Live]:
-    from scheduler.engine import Engine
+    from servelm.scheduler.engine import Engine
 
     proxy = ObserverProxy()
     engine = Engine(EngineConfig(kv_cache_memory=256 * 2**20, max_model_len=2048, max_num_seqs=64), observer=proxy)
@@ -569,9 +569,9 @@ def test_servelm_bench_against_live_server(live: Live, tmp_path, capsys) -> None
     """``servelm bench`` against the real engine: exact token counts with ignore_eos, plausible latencies."""
     import json
 
-    from metrics.bench import main as bench_main
+    from servelm.bench.loadgen import main as bench_main
 
-    out = tmp_path / "bench.json"
+    out = tmp_path / "servelm.bench.json"
     rc = bench_main(
         ["--base-url", live.srv.url, "--num-prompts", "6", "--input-len", "24", "--output-len", "8",
          "--range-ratio", "0.5", "--max-concurrency", "3", "--ignore-eos", "--seed", "3",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.batch import TokenLogprobs
-from server.logprobs import TokenStrings, chat_logprobs_content, completion_logprobs
+from servelm.runtime.batch import TokenLogprobs
+from servelm.server.logprobs import TokenStrings, chat_logprobs_content, completion_logprobs
 
 TEXT = " héllo 🙂 世界\n\tdef f(x):  return x"
 

@@ -15,10 +15,10 @@ import openai
 import pytest
 
 from lora_files import save_lora_adapter
-from scheduler.config import EngineConfig
-from scheduler.sampling_params import SamplingParams
-from server.app import ObserverProxy, build_app, create_prometheus_observer
-from server.async_engine import AsyncEngine
+from servelm.scheduler.config import EngineConfig
+from servelm.scheduler.sampling_params import SamplingParams
+from servelm.server.app import ObserverProxy, build_app, create_prometheus_observer
+from servelm.server.async_engine import AsyncEngine
 from srv_harness import ServerThread
 
 PROMPT = "The quick brown fox"
@@ -44,7 +44,7 @@ class Lora:
 
 @pytest.fixture(scope="module")
 def lora(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lora]:
-    from scheduler.engine import Engine
+    from servelm.scheduler.engine import Engine
 
     tmp = tmp_path_factory.mktemp("api-lora")
     adapters = {

@@ -13,10 +13,10 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from server.protocol_responses import ResponsesRequest
-from server.response_store import ResponseStore, StoredResponse
-from server.serving_responses import _Response, _StreamedOutput, responses_param, to_chat_request
-from server.tools import tool_mode
+from servelm.server.protocol_responses import ResponsesRequest
+from servelm.server.response_store import ResponseStore, StoredResponse
+from servelm.server.serving_responses import _Response, _StreamedOutput, responses_param, to_chat_request
+from servelm.server.tools import tool_mode
 from srv_harness import assert_error
 
 http = httpx.Client(timeout=30)

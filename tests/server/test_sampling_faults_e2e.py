@@ -12,9 +12,9 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from scheduler.config import EngineConfig
-from server.app import build_app
-from server.async_engine import AsyncEngine
+from servelm.scheduler.config import EngineConfig
+from servelm.server.app import build_app
+from servelm.server.async_engine import AsyncEngine
 from srv_harness import ServerThread, parse_sse
 
 pytestmark = pytest.mark.slow
@@ -28,7 +28,7 @@ FAULTY_SEED = 424242
 
 @pytest.fixture(scope="module", params=[False, True], ids=["sync", "async-scheduling"])
 def live(request: pytest.FixtureRequest, default_model_dir: Path) -> Iterator[tuple[ServerThread, Any]]:
-    from scheduler.engine import Engine
+    from servelm.scheduler.engine import Engine
 
     engine = Engine(EngineConfig(kv_cache_memory=64 * 2**20, max_model_len=512, max_num_seqs=16, async_scheduling=request.param))
     assert engine.served_model_name == FAULT_REQUEST["model"]
@@ -66,7 +66,7 @@ def test_the_issue_request_gets_sensible_tokens(live: tuple[ServerThread, Any], 
 
 
 def test_a_request_whose_sampling_raises_is_a_500_for_it_alone(live: tuple[ServerThread, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    from runtime.sampler import Sampler
+    from servelm.runtime.sampler import Sampler
 
     srv, _ = live
     real = Sampler.process_logits

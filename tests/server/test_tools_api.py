@@ -9,9 +9,9 @@ from typing import Any
 import httpx
 import pytest
 
-from server.protocol import ChatCompletionRequest
-from server.serving_chat import _StreamedCalls
-from server.tools import ToolMode, tool_mode
+from servelm.server.protocol import ChatCompletionRequest
+from servelm.server.serving_chat import _StreamedCalls
+from servelm.server.tools import ToolMode, tool_mode
 from srv_harness import assert_error
 
 http = httpx.Client(timeout=30)
@@ -158,8 +158,8 @@ def test_auto_parses_an_array_and_leaves_text_alone() -> None:
 def test_auto_grammar_constrains_calls_and_frees_text(tiny_llama_dir: Any) -> None:
     """Through the compiler: text answers pass untouched, an answer that starts with "[" must be a
     valid call, and free text may not start with "[" or whitespace."""
-    from runtime.tokenizer import load_tokenizer
-    from scheduler.structured_output import GrammarCompiler
+    from servelm.runtime.tokenizer import load_tokenizer
+    from servelm.scheduler.structured_output import GrammarCompiler
 
     tok = load_tokenizer(tiny_llama_dir)
     matcher = GrammarCompiler(tok, 49152, [2]).compile(_mode({"tools": [WEATHER, CLOCK]}).structured_output()).matcher

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from metrics.datasets import count_tokens, jsonl_requests, load_tokenizer, random_requests
+from servelm.bench.datasets import count_tokens, jsonl_requests, load_tokenizer, random_requests
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ from typing import Any, Callable, Iterator
 import pytest
 from fake_openai_server import FakeState, serve
 
-from metrics import bench
-from metrics.datasets import count_tokens, load_tokenizer
+from servelm.bench import loadgen as bench
+from servelm.bench.datasets import count_tokens, load_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -178,6 +178,6 @@ def test_cli_registration() -> None:
     args = parser.parse_args(["bench", "--num-prompts", "3", "--request-rate", "2.5", "--endpoint", "chat"])
     assert args.func is bench.run and args.num_prompts == 3 and args.request_rate == 2.5
     assert args.base_url == "http://127.0.0.1:8000"
-    r = subprocess.run([sys.executable, "-m", "metrics.bench", "--help"], cwd=REPO, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "servelm.bench.loadgen", "--help"], cwd=REPO, capture_output=True, text=True,
                        timeout=120)  # fmt: skip
     assert r.returncode == 0 and "--compare-base-url" in r.stdout

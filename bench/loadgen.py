@@ -6,7 +6,7 @@ in concurrency), times every streamed chunk, takes token counts from the server'
 latency statistics. ``--compare-base-url`` replays the same workload against a second server
 (e.g. one started with ``--scheduling-policy static``) and prints the ratio of every figure.
 
-Run as ``servelm bench ...`` or ``python -m metrics.bench ...``.
+Run as ``servelm bench ...`` or ``python -m servelm.bench.loadgen ...``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from metrics.datasets import BenchRequest, Tokenizer, count_tokens, jsonl_requests, load_tokenizer, random_requests
+from servelm.bench.datasets import BenchRequest, Tokenizer, count_tokens, jsonl_requests, load_tokenizer, random_requests
 
 PERCENTILES = (50, 90, 99)
 LATENCY_METRICS = (  # (key, title, abbreviation)
@@ -422,7 +422,7 @@ def plot(runs: list[BenchmarkRun], path: str | Path) -> None:
 
 # --- command line ---------------------------------------------------------------------------
 def _default_tokenizer() -> str | None:
-    from runtime.model_files import default_model_dir
+    from servelm.runtime.model_files import default_model_dir
 
     d = default_model_dir()
     return str(d) if (d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file() else None
@@ -562,7 +562,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m metrics.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m servelm.bench.loadgen", description=__doc__.split("\n\n")[0])
     add_arguments(p)
     return run(p.parse_args(argv))
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from runtime.capacity import DEVICE_PRESETS, CapacityError, dtype_bytes, flops_per_token, plan_capacity
-from runtime.config import ModelConfig, UnsupportedModelError
+from servelm.runtime.capacity import DEVICE_PRESETS, CapacityError, dtype_bytes, flops_per_token, plan_capacity
+from servelm.runtime.config import ModelConfig, UnsupportedModelError
 
 # Hugging Face config.json fields of well-known shapes, so plans need no download.
 _LLAMA2 = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5}
