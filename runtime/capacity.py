@@ -44,7 +44,7 @@ DEVICE_PRESETS: dict[str, DevicePreset] = {
     "a100-80g": DevicePreset("a100-80g", 80 * 10**9, 2.039e12, 312e12),
     "h100-80g": DevicePreset("h100-80g", 80 * 10**9, 3.35e12, 989e12),
     "h200": DevicePreset("h200", 141 * 10**9, 4.8e12, 989e12),
-    # This repo's reference CPU (2 cores, AVX-512), measured: see shared FACTS.
+    # This repo's reference CPU (2 cores, AVX-512), measured.
     "cpu": DevicePreset("cpu", 24 * 2**30, 26e9, 200e9),
 }
 
