@@ -24,18 +24,10 @@ from servelm.server.errors import (
     unauthorized,
     unavailable,
 )
-from servelm.server.protocol import (
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionRequest,
-    CompletionResponse,
-    DetokenizeRequest,
-    DetokenizeResponse,
-    ModelCard,
-    ModelList,
-    TokenizeRequest,
-    TokenizeResponse,
-)
+from servelm.server.protocol import ModelCard, ModelList
+from servelm.server.protocol_chat import ChatCompletionRequest, ChatCompletionResponse
+from servelm.server.protocol_completions import CompletionRequest, CompletionResponse
+from servelm.server.protocol_tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from servelm.server.protocol_responses import DeletedResponse, ResponseObject, ResponsesRequest
 from servelm.server.response_store import ResponseStore
 from servelm.server.serving_chat import create_chat_completion

@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 from servelm.server.errors import bad_request, unsupported
-from servelm.server.protocol import CHAT_ROLES, ChatMessage, ChatTool
+from servelm.server.protocol_chat import CHAT_ROLES, ChatMessage, ChatTool
 from servelm.server.tools import calls_as_content, describe_tools, template_knows_tools, tools_for_template
 
 # OpenAI's "developer" role is the newer name for "system"; chat templates only know "system".

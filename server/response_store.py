@@ -7,7 +7,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from servelm.server.protocol import ChatMessage
+from servelm.server.protocol_chat import ChatMessage
 
 # ~32 kB of text for an 8k-token conversation: ~32 MB when full of such.
 DEFAULT_CAPACITY = 1000

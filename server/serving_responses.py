@@ -26,16 +26,15 @@ from pydantic import ValidationError
 
 from servelm.server.errors import APIError, bad_request, loc_to_param, unsupported
 from servelm.server.logprobs import chat_logprobs_content
-from servelm.server.protocol import (
+from servelm.server.protocol import JsonSchemaFormat, ResponseFormat
+from servelm.server.protocol_chat import (
     ChatCompletionRequest,
     ChatMessage,
     ChatTool,
     FunctionCall,
     FunctionDefinition,
-    JsonSchemaFormat,
     NamedFunction,
     NamedToolChoice,
-    ResponseFormat,
     ToolCall,
 )
 from servelm.server.protocol_responses import INCLUDE_LOGPROBS, InputItem, InputPart, ResponsesRequest

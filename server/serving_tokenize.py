@@ -13,7 +13,8 @@ from typing import Any
 
 from servelm.server.chat import chat_text_chars, normalize_messages, render_chat_prompt
 from servelm.server.errors import bad_request
-from servelm.server.protocol import ChatCompletionRequest, DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from servelm.server.protocol_chat import ChatCompletionRequest
+from servelm.server.protocol_tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from servelm.server.serving_common import ServingContext, check_token_ids
 from servelm.server.tools import render_kwargs, tool_mode
 

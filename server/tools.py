@@ -26,7 +26,7 @@ from typing import Any
 
 from servelm.scheduler.structured_output import JSON_WHITESPACE, StructuredOutput
 from servelm.server.errors import bad_request
-from servelm.server.protocol import ChatCompletionRequest, ChatTool
+from servelm.server.protocol_chat import ChatCompletionRequest, ChatTool
 
 # Any JSON object: a function declared without parameters takes any.
 _ANY_PARAMETERS: dict[str, Any] = {"type": "object"}

@@ -104,7 +104,7 @@ def test_the_prompt_union_keeps_each_form_and_validates_token_ids_without_trying
     """Token ids come first in the prompt union (a 2.5M-id prompt spent 0.6 s of the event loop
     while pydantic collected an error per id for the list[str] member); every form still parses
     as itself."""
-    from servelm.server.protocol import CompletionRequest
+    from servelm.server.protocol_completions import CompletionRequest
 
     def parsed(prompt: Any) -> Any:
         return CompletionRequest.model_validate({"prompt": prompt}).prompt

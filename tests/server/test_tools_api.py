@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from servelm.server.protocol import ChatCompletionRequest
+from servelm.server.protocol_chat import ChatCompletionRequest
 from servelm.server.serving_chat import _StreamedCalls
 from servelm.server.tools import ToolMode, tool_mode
 from srv_harness import assert_error
