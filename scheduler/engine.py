@@ -29,6 +29,7 @@ from servelm.runtime.capacity import Capacity, StepCostModel, plan_capacity
 from servelm.runtime.config import ModelConfig
 from servelm.runtime.lora import LoRAAdapter
 from servelm.runtime.model_files import resolve_model_path
+from servelm.runtime.platform import device_defaults, resolve_device
 from servelm.runtime.runner import ModelRunner
 from servelm.runtime.tokenizer import load_tokenizer
 from servelm.scheduler.block_manager import BlockManager
@@ -40,17 +41,7 @@ from servelm.scheduler.lora_registry import LoRARegistry
 from servelm.scheduler.sampling_params import InvalidParameterError, SamplingParams, check_request
 from servelm.scheduler.scheduler import Scheduler, SchedulerOutput
 from servelm.scheduler.speculative import NgramProposer, SpeculativeConfig
-from servelm.scheduler.startup import (
-    CPU_DEFAULT_BLOCK_SIZE,
-    CPU_DEFAULT_KV_MEMORY,
-    CUDA_GRAPH_RESERVE_BYTES,
-    DTYPE_NAMES,
-    eos_ids,
-    new_runner,
-    resolve_device,
-    resolve_dtype,
-    resolve_max_model_len,
-)
+from servelm.scheduler.startup import DTYPE_NAMES, eos_ids, new_runner, resolve_dtype, resolve_max_model_len
 from servelm.scheduler.stop import StopChecker, accept_token
 from servelm.scheduler.structured_output import GrammarCompiler
 
@@ -123,39 +114,31 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
 
-        max_model_len = resolve_max_model_len(mc, config.max_model_len, sliding_window_supported=device.type == "cpu")
-        max_batched = config.max_num_batched_tokens or (8192 if device.type == "cuda" else 512)
-
-        block_size = config.block_size
-        if block_size is None:
-            block_size = CPU_DEFAULT_BLOCK_SIZE
-            if device.type == "cuda":
-                # FlashAttention's paged KV wants large pages; the attention code knows which.
-                from servelm.runtime.attention.flash_backend import default_cuda_block_size
-
-                block_size = default_cuda_block_size(dtype, mc.head_dim)
+        defaults = device_defaults(device, dtype, mc.head_dim)
+        max_model_len = resolve_max_model_len(mc, config.max_model_len, sliding_window_supported=defaults.sliding_window)
+        max_batched = config.max_num_batched_tokens or defaults.max_num_batched_tokens
+        block_size = config.block_size if config.block_size is not None else defaults.block_size
 
         kv_memory = config.kv_cache_memory
-        unpooled: ModelRunner | None = None  # CUDA: weights loaded first, the pool sized from what is left
-        if device.type == "cuda" and runner is None:
+        unpooled: ModelRunner | None = None  # weights loaded first, the pool sized from what is left
+        if defaults.sizes_kv_from_memory and runner is None:
             # Weights first, then the largest step the scheduler can build, once, on a scratch pool:
             # it measures the activation peak when the pool is sized from GPU memory, and it compiles
             # the step's Triton kernels at start-up rather than in the first request.
             unpooled = new_runner(model_dir, mc, device, dtype, block_size, None, max_batched, max_model_len, config)
             if kv_memory is None:
                 kv_memory = unpooled.measure_kv_budget(
-                    config.gpu_memory_utilization, 0 if config.enforce_eager else CUDA_GRAPH_RESERVE_BYTES
+                    config.gpu_memory_utilization, 0 if config.enforce_eager else defaults.graph_reserve_bytes
                 )
             else:
                 unpooled.warm_up()
                 torch.cuda.empty_cache()
         if kv_memory is None:
-            if device.type != "cuda":
-                kv_memory = CPU_DEFAULT_KV_MEMORY
-            else:  # an injected runner
-                kv_memory = getattr(getattr(runner, "kv_pool", None), "nbytes", None)
-                if kv_memory is None:
-                    raise ValueError("an injected runner on CUDA needs kv_cache_memory or a kv_pool")
+            kv_memory = defaults.kv_cache_memory
+        if kv_memory is None:  # an injected runner, where the pool is sized from memory
+            kv_memory = getattr(getattr(runner, "kv_pool", None), "nbytes", None)
+            if kv_memory is None:
+                raise ValueError(f"an injected runner on {device} needs kv_cache_memory or a kv_pool")
         self.capacity: Capacity = plan_capacity(mc, dtype, kv_memory, block_size, max_model_len)
         log.info("KV capacity: %s", self.capacity.describe())
 
@@ -216,16 +199,16 @@ class Engine:
             )
         self.runner = runner
         self._steps = runner if hasattr(runner, "launch") else _Executed(runner)
-        # Default: on for CUDA (the forward runs in the background there), off elsewhere.
+        # Default: on where the forward runs in the background (CUDA), off elsewhere.
         ahead = config.async_scheduling
-        self.async_scheduling = device.type == "cuda" if ahead is None else ahead
+        self.async_scheduling = defaults.async_scheduling if ahead is None else ahead
         if self.async_scheduling and self.proposer is not None:
             log.warning("speculative decoding needs each step's tokens before the next is scheduled: off while scheduling ahead")
-        if self.async_scheduling and device.type != "cuda":
+        if self.async_scheduling and not defaults.async_scheduling:
             log.warning(
                 "--async-scheduling on %s: the forward does not run in the background here, so every token "
                 "reaches its client one step later and nothing is overlapped",
-                device.type,
+                device,
             )
         self._in_flight: _Sampled | None = None  # async: the step whose tokens the next step reads
 

@@ -1,4 +1,4 @@
-"""What the engine settles before it serves: device, dtype, context length, EOS ids, the runner."""
+"""What the engine settles before it serves: dtype, context length, EOS ids, the runner."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from servelm.runtime.config import ModelConfig
+from servelm.runtime.platform import default_dtype
 from servelm.runtime.runner import ModelRunner
 from servelm.scheduler.config import EngineConfig
 
@@ -27,26 +28,13 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
-CPU_DEFAULT_KV_MEMORY = 2 * 2**30
-# CUDA: memory kept out of the KV budget for the decode graphs' private pool (outputs and
-# intermediates of the largest captured batch, shared by all sizes).
-CUDA_GRAPH_RESERVE_BYTES = 2**28
-CPU_DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
 
 
-def resolve_device(name: str) -> torch.device:
-    """``auto``: CUDA when available, else CPU; a bare ``cuda`` becomes the current CUDA device."""
-    auto_device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(auto_device if name == "auto" else name)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """A dtype name, or ``auto``: the device's default."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return default_dtype(device)
     try:
         return DTYPES[name.lower()]
     except KeyError:
