@@ -27,6 +27,7 @@ from servelm.runtime.config import ModelConfig, UnsupportedModelError
 from servelm.runtime.cuda_graphs import CudaGraphRunner
 from servelm.runtime.kv_cache import KVPool
 from servelm.runtime.models.layers import FewRowKernels
+from servelm.runtime.platform import host_to_device
 from servelm.runtime.quantization import (
     QUANTIZATION_LABELS,
     check_group_widths,
@@ -34,7 +35,8 @@ from servelm.runtime.quantization import (
     projection_widths,
     quantize_model,
 )
-from servelm.runtime.sampler import LogprobTensors, Sampler, host_to_device, logprob_tensors
+from servelm.runtime.sampled_rows import LogprobTensors, logprob_tensors
+from servelm.runtime.sampler import Sampler
 from servelm.runtime.step import (
     LaunchedStep,
     LoRAStep,

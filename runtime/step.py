@@ -15,7 +15,7 @@ import torch
 
 from servelm.runtime.attention.base import AttentionMetadata
 from servelm.runtime.batch import BatchItem, PromptLogprobs, RunnerOutput, TokenLogprobs
-from servelm.runtime.sampler import LogprobTensors, SampledRows
+from servelm.runtime.sampled_rows import LogprobTensors, SampledRows
 
 
 @dataclass

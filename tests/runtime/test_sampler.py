@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from servelm.runtime.batch import SamplingOptions
-from servelm.runtime.sampler import (
+from servelm.runtime.sampler import Sampler
+from servelm.runtime.truncation import (
     TOP_P_FIRST_CANDIDATES,
-    Sampler,
     _head,
     argmax_rows,
     inverse_cdf,

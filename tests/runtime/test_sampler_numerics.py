@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from servelm.runtime.batch import SamplingOptions
-from servelm.runtime.sampler import GREEDY_TEMPERATURE, Sampler, _radix_floor, tempered_softmax, truncate
+from servelm.runtime.sampler import GREEDY_TEMPERATURE, Sampler, tempered_softmax
+from servelm.runtime.truncation import _radix_floor, truncate
 from test_sampler import BitMask, Seq
 
 Spec = SamplingOptions
