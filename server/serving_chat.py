@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -11,6 +10,7 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from servelm.scheduler.outputs import RequestOutput
 from servelm.scheduler.sampling_params import SamplingParams
 from servelm.server.async_engine import RequestGroup
 from servelm.server.chat import chat_text_chars, normalize_messages, render_chat_prompt
@@ -21,17 +21,12 @@ from servelm.server.protocol_chat import ChatCompletionRequest
 from servelm.server.serving_common import (
     ServingContext,
     add_requests,
-    check_output_error,
     common_sampling_params,
-    event_stream,
     random_id,
     until_disconnect,
 )
+from servelm.server.serving_outputs import UsageCounter, collect_choices, counted_outputs, dumps, event_stream
 from servelm.server.tools import ToolMode, render_kwargs, tool_mode
-
-
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
 def _refuse_unsupported(req: ChatCompletionRequest) -> None:
@@ -98,7 +93,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     created = int(time.time())
     request_id = random_id("chatcmpl")
     start = await start_chat(ctx, req, arrival, request_id)
-    job = _ChatCompletion(ctx, req, start.params, request_id, created, start.prompt_ids, start.group, start.tools, start.model)
+    job = _ChatCompletion(ctx, req, start, request_id, created)
     if req.stream:
         return event_stream(job.stream, start.group)
     body = await until_disconnect(raw, job.collect(), start.group)
@@ -108,65 +103,34 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
 class _ChatCompletion:
     """One chat request in flight: turns engine outputs into OpenAI chat choices / chunks."""
 
-    def __init__(
-        self,
-        ctx: ServingContext,
-        req: ChatCompletionRequest,
-        params: SamplingParams,
-        request_id: str,
-        created: int,
-        prompt_ids: list[int],
-        group: RequestGroup,
-        tools: ToolMode | None = None,
-        model: str | None = None,
-    ) -> None:
+    def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, start: ChatStart, request_id: str, created: int) -> None:
         self.ctx = ctx
-        self.model = model or ctx.served_model_name
+        self.model = start.model
         self.req = req
-        self.tools = tools
-        self.n = params.n
-        self.want_logprobs = params.logprobs is not None
+        self.tools = start.tools
+        self.n = start.params.n
+        self.want_logprobs = start.params.logprobs is not None
         self.id = request_id
         self.created = created
-        self.prompt_ids = prompt_ids
-        self.group = group
-        self.num_output_tokens = [0] * self.n
-        self.num_cached_tokens = 0
-
-    def _usage(self) -> dict[str, Any]:
-        prompt = len(self.prompt_ids)
-        completion = sum(self.num_output_tokens)
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
-        }
+        self.group = start.group
+        self.usage = UsageCounter([len(start.prompt_ids)], self.n)
 
     async def collect(self) -> dict[str, Any]:
-        texts: list[list[str]] = [[] for _ in range(self.n)]
-        logprobs: list[list[Any]] = [[] for _ in range(self.n)]
-        finish: list[str | None] = [None] * self.n
-        prompt_entries = None
-        async for out in self.group:
-            check_output_error(out)
-            self.num_cached_tokens = out.num_cached_tokens
+        prompt_entries: list[Any] | None = None
+
+        def take_prompt_logprobs(out: RequestOutput) -> None:
+            nonlocal prompt_entries
             if out.prompt_logprobs is not None:
                 prompt_entries = out.prompt_logprobs
-            for c in out.outputs:
-                texts[c.index].append(c.new_text)
-                if c.new_logprobs:
-                    logprobs[c.index].extend(c.new_logprobs)
-                if c.finish_reason is not None:
-                    finish[c.index] = c.finish_reason
-                self.num_output_tokens[c.index] = c.num_output_tokens
+
+        collected = await collect_choices(self.group, self.usage, on_output=take_prompt_logprobs)
         choices = []
         for i in range(self.n):
             lp = None
             if self.want_logprobs:
-                lp = {"content": chat_logprobs_content(self.ctx.token_strings, logprobs[i]), "refusal": None}
-            message: dict[str, Any] = {"role": "assistant", "content": "".join(texts[i]), "refusal": None}
-            reason = finish[i]
+                lp = {"content": chat_logprobs_content(self.ctx.token_strings, collected.logprobs[i]), "refusal": None}
+            message: dict[str, Any] = {"role": "assistant", "content": collected.text(i), "refusal": None}
+            reason = collected.finish[i]
             calls = self.tools.parse(message["content"]) if self.tools is not None else None
             if calls is not None:
                 message["content"], message["tool_calls"] = None, calls
@@ -178,7 +142,7 @@ class _ChatCompletion:
             "created": self.created,
             "model": self.model,
             "choices": choices,
-            "usage": self._usage(),
+            "usage": self.usage.openai(),
             "system_fingerprint": None,
         }
         k = self.req.prompt_logprobs
@@ -193,7 +157,7 @@ class _ChatCompletion:
         assert self.tools is not None
         return reason if reason != "stop" or self.tools.name is not None else "tool_calls"
 
-    def _chunk(self, choice: dict[str, Any] | None, include_usage: bool) -> bytes:
+    def _chunk(self, choice: dict[str, Any] | None, include_usage: bool, usage: dict[str, Any] | None = None) -> bytes:
         chunk: dict[str, Any] = {
             "id": self.id,
             "object": "chat.completion.chunk",
@@ -202,8 +166,8 @@ class _ChatCompletion:
             "choices": [choice] if choice is not None else [],
         }
         if include_usage:
-            chunk["usage"] = None
-        return sse(_dumps(chunk))
+            chunk["usage"] = usage
+        return sse(dumps(chunk))
 
     async def stream(self) -> AsyncIterator[bytes]:
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
@@ -212,12 +176,9 @@ class _ChatCompletion:
             role = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
             yield self._chunk(role, include_usage)
         calls = _StreamedCalls(self.tools, self.n) if self.tools is not None else None
-        async for out in self.group:
-            check_output_error(out)
-            self.num_cached_tokens = out.num_cached_tokens
+        async for _, out in counted_outputs(self.group, self.usage):
             for c in out.outputs:
                 i = c.index
-                self.num_output_tokens[i] = c.num_output_tokens
                 lp = None
                 if self.want_logprobs and c.new_logprobs:
                     lp = {"content": chat_logprobs_content(self.ctx.token_strings, c.new_logprobs), "refusal": None}
@@ -235,15 +196,7 @@ class _ChatCompletion:
                     done = {"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}
                     yield self._chunk(done, include_usage)
         if include_usage:
-            chunk = {
-                "id": self.id,
-                "object": "chat.completion.chunk",
-                "created": self.created,
-                "model": self.model,
-                "choices": [],
-                "usage": self._usage(),
-            }
-            yield sse(_dumps(chunk))
+            yield self._chunk(None, True, self.usage.openai())
 
 
 class _StreamedCalls:

@@ -5,31 +5,25 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import json
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, TypeVar
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 
 from servelm.scheduler.sampling_params import InvalidParameterError, LoRANotFoundError, SamplingParams
 from servelm.scheduler.structured_output import GrammarCompiler, StructuredOutput
 from servelm.server.async_engine import AsyncEngine, EngineDeadError, EngineStoppedError, QueueFullError, RequestGroup
 from servelm.server.errors import APIError, bad_request, internal_error, model_not_found, queue_full, unavailable
 from servelm.server.logprobs import TokenStrings
-from servelm.server.protocol import SSE_DONE, GenerationRequest, sse
+from servelm.server.protocol import GenerationRequest
 from servelm.server.structured_outputs import structured_output_spec
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-# Proxies must pass events through as they come (nginx buffers unless told not to).
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
 
 @dataclass
 class ServingContext:
@@ -307,44 +301,7 @@ async def until_disconnect(request: Request, work: Awaitable[T], group: RequestG
         raise output_error(exc) from None
 
 
-class EventStreamResponse(StreamingResponse):
-    """An SSE response that releases its request group however it ends.
-
-    The body generator's own ``finally`` covers disconnects mid-iteration; this covers the case
-    where the client vanished before the first chunk was even produced (the generator never ran).
-    """
-
-    def __init__(self, body: AsyncIterator[bytes], group: RequestGroup) -> None:
-        super().__init__(body, media_type="text/event-stream", headers=SSE_HEADERS)
-        self._group = group
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._group.close()
-
-
-def event_stream(gen: Callable[[], AsyncIterator[bytes]], group: RequestGroup) -> EventStreamResponse:
-    """SSE response: the chunks, an error event if something fails mid-stream, ``[DONE]`` last."""
-
-    async def body() -> AsyncIterator[bytes]:
-        try:
-            async for chunk in gen():
-                yield chunk
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - reported to the client in-band
-            yield sse(json.dumps(output_error(exc).body(), ensure_ascii=False))
-        finally:
-            group.close()
-        yield SSE_DONE
-
-    return EventStreamResponse(body(), group)
-
-
 __all__ = [
-    "SSE_HEADERS",
     "ServingContext",
     "add_requests",
     "check_output_error",
@@ -353,6 +310,5 @@ __all__ = [
     "engine_error",
     "output_error",
     "random_id",
-    "event_stream",
     "until_disconnect",
 ]

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from servelm.scheduler.outputs import RequestOutput
 from servelm.scheduler.sampling_params import SamplingParams
 from servelm.server.async_engine import RequestGroup
 from servelm.server.errors import bad_request, unsupported
@@ -18,17 +18,12 @@ from servelm.server.protocol_completions import CompletionRequest
 from servelm.server.serving_common import (
     ServingContext,
     add_requests,
-    check_output_error,
     check_token_ids,
     common_sampling_params,
-    event_stream,
     random_id,
     until_disconnect,
 )
-
-
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+from servelm.server.serving_outputs import UsageCounter, collect_choices, counted_outputs, dumps, event_stream
 
 
 def _split_prompt(prompt: Any) -> tuple[list[str | None], list[list[int] | None]]:
@@ -167,50 +162,30 @@ class _Completion:
         self.prompt_entries: list[list[Any] | None] = [None] * len(prompt_ids)
         self.prompt_logprobs: list[dict[str, Any] | None] = [None] * len(prompt_ids)
         num_choices = len(prompt_ids) * self.n
-        self.num_output_tokens = [0] * num_choices
-        self.num_cached_tokens = [0] * len(prompt_ids)  # per prompt
+        self.usage = UsageCounter([len(ids) for ids in prompt_ids], self.n)
         # Where the next token's text starts in the choice's text (logprobs.text_offset).
         self.offsets = [len(echo_texts[i // self.n]) if echo_texts else 0 for i in range(num_choices)]
 
     def _usage(self) -> dict[str, Any]:
-        prompt = sum(len(ids) for ids in self.prompt_ids)
-        completion = 0 if self.prompt_only else sum(self.num_output_tokens)
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(self.num_cached_tokens)},
-        }
+        return self.usage.openai(completion_tokens=0 if self.prompt_only else None)
+
+    def _prompt_of(self, out: RequestOutput) -> int:
+        return self.prompt_index[out.request_id]
 
     async def collect(self) -> dict[str, Any]:
-        num_choices = len(self.num_output_tokens)
-        texts: list[list[str]] = [[] for _ in range(num_choices)]
-        logprobs: list[list[Any]] = [[] for _ in range(num_choices)]
-        finish: list[str | None] = [None] * num_choices
-        async for out in self.group:
-            check_output_error(out)
-            self.num_cached_tokens[self.prompt_index[out.request_id]] = out.num_cached_tokens
-            self._take_prompt_logprobs(out)
-            base = self.prompt_index[out.request_id] * self.n
-            for c in out.outputs:
-                i = base + c.index
-                if not self.prompt_only:
-                    texts[i].append(c.new_text)
-                    if c.new_logprobs:
-                        logprobs[i].extend(c.new_logprobs)
-                if c.finish_reason is not None:
-                    finish[i] = self._finish_reason(c.finish_reason)
-                self.num_output_tokens[i] = c.num_output_tokens
+        collected = await collect_choices(
+            self.group, self.usage, self._prompt_of, on_output=self._take_prompt_logprobs, keep_text=not self.prompt_only
+        )
         choices = []
-        for i in range(num_choices):
-            text = "".join(texts[i])
+        for i in range(len(self.usage.output)):
+            text = collected.text(i)
             if self.echo_texts:
                 text = self.echo_texts[i // self.n] + text
             lp = None
             if self.want_logprobs:
-                lp, _ = completion_logprobs(self.ctx.token_strings, logprobs[i], self.offsets[i])
+                lp, _ = completion_logprobs(self.ctx.token_strings, collected.logprobs[i], self.offsets[i])
                 lp = join_logprobs(self.prompt_logprobs[i // self.n], None if self.prompt_only else lp)
-            choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": finish[i]}
+            choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": self._finish_reason(collected.finish[i])}
             if self.req.prompt_logprobs is not None:
                 entries = self.prompt_entries[i // self.n]
                 choice["prompt_logprobs"] = (
@@ -231,7 +206,7 @@ class _Completion:
         # max_tokens 0 ends by length, whatever stopped the token the engine made and we dropped.
         return "length" if self.prompt_only and reason == "stop" else reason
 
-    def _take_prompt_logprobs(self, out: Any) -> None:
+    def _take_prompt_logprobs(self, out: RequestOutput) -> None:
         if out.prompt_logprobs is None:
             return
         p = self.prompt_index[out.request_id]
@@ -243,16 +218,11 @@ class _Completion:
 
     async def stream(self) -> AsyncIterator[bytes]:
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
-        echo_pending = [bool(self.echo_texts)] * len(self.num_output_tokens)
-        model = self.model
-        async for out in self.group:
-            check_output_error(out)
-            self.num_cached_tokens[self.prompt_index[out.request_id]] = out.num_cached_tokens
+        echo_pending = [bool(self.echo_texts)] * len(self.usage.output)
+        async for base, out in counted_outputs(self.group, self.usage, self._prompt_of):
             self._take_prompt_logprobs(out)
-            base = self.prompt_index[out.request_id] * self.n
             for c in out.outputs:
                 i = base + c.index
-                self.num_output_tokens[i] = c.num_output_tokens
                 text = "" if self.prompt_only else c.new_text
                 lp = None
                 if self.want_logprobs and c.new_logprobs and not self.prompt_only:
@@ -264,26 +234,19 @@ class _Completion:
                     echo_pending[i] = False
                 if not text and lp is None and c.finish_reason is None:
                     continue  # text held back (a possible stop string): nothing to say yet
-                chunk: dict[str, Any] = {
-                    "id": self.id,
-                    "object": "text_completion",
-                    "created": self.created,
-                    "model": model,
-                    "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": self._finish_reason(c.finish_reason)}],
-                }
-                if include_usage:
-                    chunk["usage"] = None
-                yield sse(_dumps(chunk))
+                choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": self._finish_reason(c.finish_reason)}
+                yield self._chunk([choice], include_usage)
         if include_usage:
-            yield sse(
-                _dumps(
-                    {
-                        "id": self.id,
-                        "object": "text_completion",
-                        "created": self.created,
-                        "model": model,
-                        "choices": [],
-                        "usage": self._usage(),
-                    }
-                )
-            )
+            yield self._chunk([], True, self._usage())
+
+    def _chunk(self, choices: list[dict[str, Any]], include_usage: bool, usage: dict[str, Any] | None = None) -> bytes:
+        chunk: dict[str, Any] = {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if include_usage:
+            chunk["usage"] = usage
+        return sse(dumps(chunk))

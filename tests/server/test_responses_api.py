@@ -15,7 +15,9 @@ from pydantic import TypeAdapter
 
 from servelm.server.protocol_responses import ResponsesRequest
 from servelm.server.response_store import ResponseStore, StoredResponse
-from servelm.server.serving_responses import _Response, _StreamedOutput, responses_param, to_chat_request
+from servelm.server.responses_events import StreamedOutput
+from servelm.server.responses_input import responses_param, to_chat_request
+from servelm.server.serving_responses import _Response
 from servelm.server.tools import tool_mode
 from srv_harness import assert_error
 
@@ -285,7 +287,7 @@ class _Job(_Response):
 
 def _run(body: dict[str, Any], pieces: list[str], reason: str = "stop") -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     job = _Job(body)
-    out = _StreamedOutput(job)
+    out = StreamedOutput(job)
     raw: list[bytes] = []
     for k, p in enumerate(pieces):
         raw += out.add(p, [], reason if k == len(pieces) - 1 else None)

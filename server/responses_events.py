@@ -1,0 +1,163 @@
+"""``POST /v1/responses``, the output side: the output items of a response and, for a stream, the typed
+events (``response.output_item.added``, ``response.output_text.delta``...) that announce them as they form."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Protocol
+
+from servelm.server.tools import ToolMode
+
+
+def hex_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def text_part(text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
+
+
+def message_item(message_id: str, text: str, logprobs: list[dict[str, Any]], status: str) -> dict[str, Any]:
+    return {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "status": status,
+        "content": [text_part(text, logprobs)] if status != "in_progress" else [],
+    }
+
+
+def call_item(call: dict[str, Any], item_id: str, status: str = "completed") -> dict[str, Any]:
+    return {
+        "id": item_id,
+        "type": "function_call",
+        "status": status,
+        "call_id": call["id"],
+        "name": call["function"]["name"],
+        "arguments": call["function"]["arguments"],
+    }
+
+
+def output_items(
+    tools: ToolMode | None, message_id: str, text: str, logprobs: list[dict[str, Any]], reason: str | None
+) -> list[dict[str, Any]]:
+    """A finished output as items: one ``function_call`` item per call it parses to, else one message."""
+    calls = tools.parse(text) if tools is not None else None
+    if calls is not None:
+        return [call_item(c, hex_id("fc")) for c in calls]
+    return [message_item(message_id, text, logprobs, "incomplete" if reason == "length" else "completed")]
+
+
+class ResponseEvents(Protocol):
+    """The response a stream's events belong to: its tools, its message item's id, and its event writer
+    (which numbers the events)."""
+
+    tools: ToolMode | None
+    message_id: str
+
+    def event(self, kind: str, **fields: Any) -> bytes: ...
+
+
+class StreamedOutput:
+    """The output items of a streamed response as they form, and the events that announce them.
+
+    Text streams as ``response.output_text.delta`` events of one message item; a named function's
+    arguments stream as ``response.function_call_arguments.delta`` events of one call item; an array of
+    calls ("required", or "auto" once the output starts with ``[``) is announced whole when the output
+    ends and parses (text that does not, cut by ``max_output_tokens``, is sent as the message then)."""
+
+    def __init__(self, job: ResponseEvents) -> None:
+        self.job = job
+        self.tools = job.tools
+        self.output: list[dict[str, Any]] = []  # finished items
+        self.text: list[str] = []
+        self.logprobs: list[dict[str, Any]] = []
+        self.mode: str | None = None if self.tools is not None else "text"  # "text" | "named" | "calls"
+        self.item: dict[str, Any] | None = None  # the item being streamed
+        self.reason: str | None = None
+
+    def add(self, text: str, logprobs: list[dict[str, Any]], reason: str | None) -> list[bytes]:
+        job, events = self.job, []
+        if self.mode is None and text:
+            assert self.tools is not None
+            self.mode = "calls" if self.tools.is_call(text) else "text"
+            if self.mode == "calls" and self.tools.name is not None:
+                self.mode = "named"
+        self.text.append(text)
+        self.logprobs.extend(logprobs)
+        if self.mode == "text" or (self.mode is None and reason is not None):
+            if self.item is None:
+                events += self._open_message()
+            if text or logprobs:
+                events.append(job.event("response.output_text.delta", item_id=job.message_id, output_index=0,
+                                         content_index=0, delta=text, logprobs=logprobs))
+        elif self.mode == "named":
+            if self.item is None:
+                assert self.tools is not None and self.tools.name is not None
+                call = {"id": hex_id("call"), "function": {"name": self.tools.name, "arguments": ""}}
+                self.item = call_item(call, hex_id("fc"), "in_progress")
+                events.append(job.event("response.output_item.added", output_index=0, item=self.item))
+            if text:
+                events.append(job.event("response.function_call_arguments.delta", item_id=self.item["id"], output_index=0, delta=text))
+        if reason is not None:
+            self.reason = reason
+            events += self._close()
+        return events
+
+    def _open_message(self) -> list[bytes]:
+        job = self.job
+        self.mode = "text"
+        self.item = message_item(job.message_id, "", [], "in_progress")
+        return [
+            job.event("response.output_item.added", output_index=0, item=self.item),
+            job.event("response.content_part.added", item_id=job.message_id, output_index=0, content_index=0,
+                       part=text_part("", [])),
+        ]
+
+    def _close(self) -> list[bytes]:
+        job, events = self.job, []
+        text = "".join(self.text)
+        if self.mode == "named" and self.item is not None:
+            assert self.tools is not None
+            calls = self.tools.parse(text)
+            if calls is not None:
+                item = {**self.item, "status": "completed", "arguments": calls[0]["function"]["arguments"]}
+                events.append(job.event("response.function_call_arguments.done", item_id=item["id"], output_index=0,
+                                         name=item["name"], arguments=item["arguments"]))
+                events.append(job.event("response.output_item.done", output_index=0, item=item))
+                self.output = [item]
+                return events
+            # Cut before the arguments were complete: the call item ends incomplete, as it read.
+            item = {**self.item, "status": "incomplete", "arguments": text}
+            events.append(job.event("response.output_item.done", output_index=0, item=item))
+            self.output = [item]
+            return events
+        if self.mode == "calls":
+            items = output_items(self.tools, job.message_id, text, [], self.reason)
+            if items[0]["type"] == "function_call":
+                for k, item in enumerate(items):
+                    added = {**item, "status": "in_progress", "arguments": ""}
+                    events.append(job.event("response.output_item.added", output_index=k, item=added))
+                    events.append(job.event("response.function_call_arguments.delta", item_id=item["id"], output_index=k,
+                                             delta=item["arguments"]))
+                    events.append(job.event("response.function_call_arguments.done", item_id=item["id"], output_index=k,
+                                             name=item["name"], arguments=item["arguments"]))
+                    events.append(job.event("response.output_item.done", output_index=k, item=item))
+                self.output = items
+                return events
+            # Not calls after all (cut by max_output_tokens): the text as the message.
+            events += self._open_message()
+            if text:
+                events.append(job.event("response.output_text.delta", item_id=job.message_id, output_index=0,
+                                         content_index=0, delta=text, logprobs=self.logprobs))
+        elif self.item is None:
+            events += self._open_message()
+        message = message_item(job.message_id, text, self.logprobs, "incomplete" if self.reason == "length" else "completed")
+        part = message["content"][0]
+        events.append(job.event("response.output_text.done", item_id=job.message_id, output_index=0, content_index=0,
+                                 text=text, logprobs=self.logprobs))
+        events.append(job.event("response.content_part.done", item_id=job.message_id, output_index=0, content_index=0,
+                                 part=part))
+        events.append(job.event("response.output_item.done", output_index=0, item=message))
+        self.output = [message]
+        return events
