@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from servelm.runtime import cpu_linear
+from servelm.runtime.cpu import linear as cpu_linear
 from servelm.runtime.capacity import DEVICE_PRESETS
 from servelm.runtime.model_files import cache_dir
 
@@ -64,7 +64,7 @@ def measure_cpu_peaks(budget_s: float = 0.5) -> tuple[float, float]:
     """Measured (FLOP/s, bytes/s) of this CPU with torch's current thread count, in about ``budget_s``.
 
     FLOP/s: a float32 product of 128 rows (a batched decode step's shape; fewer rows run slower here)
-    through oneDNN on a packed weight where the engine uses it (``runtime.cpu_linear``), else
+    through oneDNN on a packed weight where the engine uses it (``runtime.cpu.linear``), else
     ``torch.matmul``. Bytes/s: a copy between two 64 MiB tensors, counted as bytes read plus written.
     """
     m, k, n = 128, 2048, 2048

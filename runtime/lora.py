@@ -13,7 +13,7 @@ into ``B`` at load.
 
 Each step the runner sets the ``LoRAContext`` (which adapter owns which rows) before the forward;
 every projection with an update reads it (``Linear.lora``). Steps of a few float32 rows on a CPU with
-the compiled ops go through one call per projection (``lora_apply`` in ``runtime/csrc/cpu_ops.cpp``:
+the compiled ops go through one call per projection (``lora_apply`` in ``runtime/cpu/csrc/cpu_ops.cpp``:
 each adapter's weights read once for its rows, whatever the mix); otherwise torch ops, per adapter
 in the step: its rows gathered (or all rows when it owns the step), ``x A^T``, one ``addmm_`` per
 shard, added back. A loop over the step's distinct adapters, never over requests. Steps without
@@ -241,7 +241,7 @@ class LoRAContext:
     """The current step's adapter rows, shared by every projection (empty between steps).
 
     ``plan``: ``(adapter id, rows)`` pairs, ``rows`` None when the adapter owns every row of the step;
-    or, with ``row_adapter`` (for ``kernel``, ``runtime.cpu_ops``' ``lora_apply``), each row's index
+    or, with ``row_adapter`` (for ``kernel``, ``runtime.cpu.ops``' ``lora_apply``), each row's index
     into ``plan`` (-1: none), the rows then all None.
     """
 

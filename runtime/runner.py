@@ -18,13 +18,15 @@ from pathlib import Path
 
 import torch
 
-from servelm.runtime import cpu_linear, cpu_ops, lora, pdl
+from servelm.runtime import lora
+from servelm.runtime.cpu import linear as cpu_linear, ops as cpu_ops
+from servelm.runtime.cuda import pdl
 from servelm.runtime.attention.base import AttentionBackend, AttentionMetadata
 from servelm.runtime.attention.selector import select_backend
 from servelm.runtime.batch import PENDING_TOKEN, BatchItem, RunnerOutput, SequenceView
 from servelm.runtime.capacity import kv_bytes_per_token
 from servelm.runtime.config import ModelConfig, UnsupportedModelError
-from servelm.runtime.cuda_graphs import CudaGraphRunner
+from servelm.runtime.cuda.graphs import CudaGraphRunner
 from servelm.runtime.kv_cache import KVPool
 from servelm.runtime.models.layers import FewRowKernels
 from servelm.runtime.platform import host_to_device
@@ -78,7 +80,7 @@ class ModelRunner:
         """``seed`` seeds the sampler's generator for requests without their own seed (None: from the OS).
 
         On CUDA, unless ``enforce_eager``, decode-only steps of up to ``max_num_seqs`` sequences replay
-        CUDA graphs captured at start-up (``runtime.cuda_graphs``) for block tables up to
+        CUDA graphs captured at start-up (``runtime.cuda.graphs``) for block tables up to
         ``max_model_len`` tokens (default: the model's max positions).
 
         ``num_blocks=None`` loads the weights only: measure what is left with ``measure_kv_budget``,
@@ -134,16 +136,16 @@ class ModelRunner:
         self.few_rows_mode = "off"
         self.few_rows_limit = 0  # most rows the fused few-row projections take
         if self.device.type == "cuda":
-            from servelm.runtime.attention.flash_backend import decode_gemv_mode, fused_ops_enabled
+            from servelm.runtime.cuda.flash_backend import decode_gemv_mode, fused_ops_enabled
 
             if fused_ops_enabled():
-                from servelm.runtime import triton_ops
+                from servelm.runtime.cuda import triton_ops
 
                 self.model.use_fused_ops(triton_ops.rms_norm, triton_ops.silu_mul)
                 self.fused_ops = True
                 self.few_rows_mode = decode_gemv_mode()
             if self.few_rows_mode != "off":
-                from servelm.runtime import triton_gemv
+                from servelm.runtime.cuda import triton_gemv
 
                 # Eager steps use them only when forced; graphs decide per size at capture ("auto").
                 self.few_rows = FewRowKernels(
@@ -213,7 +215,7 @@ class ModelRunner:
             )
             self.graph_runner.capture()  # after the pool exists: the graphs read its addresses
             if self.few_rows is not None:
-                from servelm.runtime import triton_gemv
+                from servelm.runtime.cuda import triton_gemv
 
                 for line in triton_gemv.tuned_tiles():
                     log.info("few-row projection tile: %s", line)
@@ -225,7 +227,7 @@ class ModelRunner:
         ``max_num_batched_tokens`` tokens and logits (plus a softmax, as sampling does) for
         ``max_num_seqs`` rows. Returns the scratch pool's bytes; the pool is released afterwards.
 
-        Run under ``runtime.gpu_memory.profile_memory`` it shows the activation peak. Must be called
+        Run under ``runtime.cuda.memory.profile_memory`` it shows the activation peak. Must be called
         before ``allocate_kv_pool``.
         """
         if self.kv_pool is not None:
@@ -260,8 +262,8 @@ class ModelRunner:
             del scratch
 
     def measure_kv_budget(self, gpu_memory_utilization: float, reserve_bytes: int = 0) -> int:
-        """CUDA: bytes the KV pool may take, measured around ``warm_up`` (``runtime.gpu_memory``)."""
-        from servelm.runtime.gpu_memory import kv_budget_bytes
+        """CUDA: bytes the KV pool may take, measured around ``warm_up`` (``runtime.cuda.memory``)."""
+        from servelm.runtime.cuda.memory import kv_budget_bytes
 
         return kv_budget_bytes(
             gpu_memory_utilization,

@@ -25,7 +25,7 @@ import checkout  # noqa: E402
 
 checkout.use_checkout()
 
-from servelm.runtime.attention import cpu_kernel  # noqa: E402
+from servelm.runtime.cpu import paged_attention as cpu_kernel  # noqa: E402
 
 
 def time_ms(fn: Callable[[], object], iters: int, stat: str = "median", before: Callable[[], object] | None = None,

@@ -1,5 +1,5 @@
 """All of one forward's projections on the default model's shapes: ``F.linear`` vs oneDNN-packed weights
-(and, for 1-4 rows, the few-row AVX-512 kernel of ``runtime.cpu_ops`` on the dense weights; for 1-8 rows
+(and, for 1-4 rows, the few-row AVX-512 kernel of ``runtime.cpu.ops`` on the dense weights; for 1-8 rows
 its int8 sibling on the weights ``--quantization int8`` makes, and the int4 kernel with the int8-group
 head on those ``--quantization int4`` makes).
 
@@ -8,7 +8,7 @@ head on those ``--quantization int4`` makes).
 Every layer gets its own weights (30 x qkv, o, gate_up, down: 425 MB in float32), so the numbers include
 streaming them from memory as a real decode step must; the vocabulary head (49152 x 576) is timed apart.
 Prints median milliseconds per full pass, the weight-read rate and GFLOP/s; compare the read rate with
-shared/FACTS.md's memory ceiling (~25-30 GB/s) and GFLOP/s with its matmul ceiling (~200-280).
+the host's memory ceiling (~25-30 GB/s here) and GFLOP/s with its matmul ceiling (~200-280 here).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from servelm.runtime import cpu_linear
+from servelm.runtime.cpu import linear as cpu_linear
 from servelm.runtime import quantization as qz
 from servelm.runtime.quantization import quantize_rows
 

@@ -5,7 +5,7 @@
 Decode: ``B`` sequences with ``--context`` prompt tokens each are prefilled (not timed), then each step
 decodes one token for all of them (greedy, through the sampler); the median step time is reported.
 Prefill: 32 prompts of 128 tokens fed in 512-token steps as the scheduler would chunk them.
-Compare with shared/FACTS.md (plain-torch contiguous forward: batch 1 -> 25-27 ms, 32 -> 97-102 ms;
+Compare with a plain-torch contiguous forward on the same host (here: batch 1 -> 25-27 ms, 32 -> 97-102 ms;
 prefill ~1,000 tok/s). Numbers are noisy on a shared machine: look at the median and the spread.
 """
 
@@ -27,7 +27,7 @@ import checkout  # noqa: E402
 
 checkout.use_checkout()
 
-from servelm.runtime.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from servelm.runtime.cpu.torch_backend import TorchAttentionBackend  # noqa: E402
 from servelm.runtime.batch import BatchItem, SamplingOptions  # noqa: E402
 from servelm.runtime.config import ModelConfig  # noqa: E402
 from servelm.runtime.model_files import ensure_default_model  # noqa: E402
@@ -130,7 +130,7 @@ class HFDecoder:
 
 
 class ContiguousBaseline:
-    """FACTS.md's plain-torch reference, on our own model object: per-sequence contiguous KV
+    """The plain-torch reference, on our own model object: per-sequence contiguous KV
     ([B, KVH, L, D] per layer, all sequences the same length) and SDPA with GQA, no paging.
 
     It stands in for the attention backend (layers call it in order every step), so the difference
@@ -233,7 +233,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--compare-hf", action="store_true", help="interleave HF transformers decode steps as a baseline")
     ap.add_argument(
-        "--compare-contiguous", action="store_true", help="also time FACTS.md's contiguous-KV plain-torch decode"
+        "--compare-contiguous", action="store_true", help="also time a contiguous-KV plain-torch decode"
     )
     ap.add_argument("--profile", type=int, default=0, metavar="B", help="print a torch.profiler table for batch B")
     ap.add_argument("--cpu-time", action="store_true", help="time with process CPU time (use with --threads 1)")

@@ -12,7 +12,7 @@ It needs only torch, triton, transformers (+ tokenizers, safetensors) and this r
    only at a near-tie of HF's own logits), our logprobs, and prefix-cached, chunked-prefill and
    preempted runs against the baseline's tokens.
 3. bf16: our logits' distance from the float32 reference next to HF bf16's own distance.
-4. CUDA graphs: ``runtime.cuda_graphs.CudaGraphRunner`` replays equal eager decode steps; timings.
+4. CUDA graphs: ``runtime.cuda.graphs.CudaGraphRunner`` replays equal eager decode steps; timings.
 5. Profile: kernels per decode forward, the costliest ones, host phases of a runner step, fused vs
    plain ops.
 6. Throughput: ms per output token at batch 1 vs the weight-read floor, output tok/s for 256
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         if exact is not None and "graphs" not in args.skip and device.type == "cuda":
             section(
-                "float32 fused few-row projections (runtime.triton_gemv)",
+                "float32 fused few-row projections (runtime.cuda.triton_gemv)",
                 report,
                 lambda: check_few_row_kernels(exact.runner, plan, vocab, tol, report),
             )
@@ -252,9 +252,9 @@ def main(argv: list[str] | None = None) -> int:
         runner = engine.runner
         if "graphs" not in args.skip:
             if device.type == "cuda":
-                section("CUDA graphs (runtime.cuda_graphs)", report, lambda: check_cuda_graphs(runner, plan, vocab, tol, report))
+                section("CUDA graphs (runtime.cuda.graphs)", report, lambda: check_cuda_graphs(runner, plan, vocab, tol, report))
                 section(
-                    f"{dtype_name} fused few-row projections (runtime.triton_gemv)",
+                    f"{dtype_name} fused few-row projections (runtime.cuda.triton_gemv)",
                     report,
                     lambda: check_few_row_kernels(runner, plan, vocab, tol, report),
                 )
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                 lambda: measure_throughput(runner, model_dir, plan, dtype_name, vocab, device, report),
             )
         if "gemv" not in args.skip and device.type == "cuda":
-            section("fused few-row projections vs the unfused ops (runtime.triton_gemv)", report, lambda: probe_gemv(device, report))
+            section("fused few-row projections vs the unfused ops (runtime.cuda.triton_gemv)", report, lambda: probe_gemv(device, report))
         swept = None
         if "sweep" not in args.skip and device.type == "cuda":
             swept = section("one-row tiles of the fused projections (a sweep)", report, lambda: sweep_gemv(device, report))

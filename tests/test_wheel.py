@@ -27,9 +27,9 @@ def test_the_wheel_holds_only_servelm(wheel: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"servelm"}, sorted(tops)
-    for pkg in ("server", "scheduler", "runtime", "metrics", "bench", "runtime/models", "runtime/attention"):
+    for pkg in ("server", "scheduler", "runtime", "metrics", "bench", "runtime/models", "runtime/attention", "runtime/cpu", "runtime/cuda"):
         assert f"servelm/{pkg}/__init__.py" in names, pkg
-    assert "servelm/runtime/csrc/cpu_ops.cpp" in names  # the C++ sources compiled at first use
+    assert "servelm/runtime/cpu/csrc/cpu_ops.cpp" in names  # the C++ sources compiled at first use
 
 
 def test_the_installed_wheel_imports_from_outside_the_checkout(wheel: Path, tmp_path: Path) -> None:

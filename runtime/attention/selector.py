@@ -28,7 +28,7 @@ def select_backend(
     backend: AttentionBackend
     if device.type == "cuda":
         # Importing flash_backend imports neither flash_attn nor triton; constructing a backend does.
-        from servelm.runtime.attention.flash_backend import FlashAttentionBackend, TritonPagedBackend
+        from servelm.runtime.cuda.flash_backend import FlashAttentionBackend, TritonPagedBackend
 
         if dtype is not None and head_dim is not None:
             why_not = FlashAttentionBackend.supports(dtype, head_dim, block_size)
@@ -44,7 +44,7 @@ def select_backend(
             log.warning("not using flash-attn (%s); using the Triton paged-attention fallback", why_not)
         backend = flash if flash is not None else TritonPagedBackend(block_size)
     elif device.type == "cpu":
-        from servelm.runtime.attention.torch_backend import TorchAttentionBackend
+        from servelm.runtime.cpu.torch_backend import TorchAttentionBackend
 
         backend = TorchAttentionBackend(block_size, use_kernel=use_cpu_kernel)
     else:

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from servelm.runtime import cpu_linear, cpu_ops, quantization
+from servelm.runtime import quantization
+from servelm.runtime.cpu import linear as cpu_linear, ops as cpu_ops
 from servelm.runtime.config import ModelConfig, UnsupportedModelError
 from servelm.runtime.lora import LoRAProjection
 
@@ -31,7 +32,7 @@ FusedRmsNorm = Callable[[torch.Tensor, "torch.Tensor | None", torch.Tensor, floa
 
 @dataclass
 class FewRowKernels:
-    """Projections of a few rows with the op before each fused in (``runtime.triton_gemv`` on CUDA).
+    """Projections of a few rows with the op before each fused in (``runtime.cuda.triton_gemv`` on CUDA).
 
     A forward of at most ``max_rows`` tokens uses them; ``max_rows`` is read at every forward, so the
     CUDA-graph runner can capture each batch size with them (``max_rows >= size``) or without (0).
@@ -57,7 +58,7 @@ class RMSNorm(nn.Module):
         self.weight = empty_param((size,), dtype, device)
         self.eps = eps
         self.kernel: cpu_ops.RmsNorm | None = None  # the compiled CPU op, when the runner sets it
-        self.fused: FusedRmsNorm | None = None  # residual add + norm in one kernel (runtime.triton_ops)
+        self.fused: FusedRmsNorm | None = None  # residual add + norm in one kernel (runtime.cuda.triton_ops)
         # Gemma: the weight is 1 + w in float32 (``CausalLM.after_load``), applied before rounding to
         # the input's dtype, as Gemma3RMSNorm computes it
         self.upcast_weight = False
@@ -124,7 +125,7 @@ class Linear(nn.Module):
                 self.bias.shard_slices = self.shard_rows  # type: ignore[attr-defined]
 
     def pack_for_cpu(self, small_m: tuple[cpu_linear.SmallMLinear, int] | None = None) -> None:
-        """Add the oneDNN-packed copy of the weight (``runtime.cpu_linear``); irreversible.
+        """Add the oneDNN-packed copy of the weight (``runtime.cpu.linear``); irreversible.
 
         With ``small_m`` (the few-row kernel and its row limit) the dense weight stays for steps of
         that many rows or fewer; without it the dense weight is dropped.

@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from servelm.runtime import cpu_linear, cpu_ops, quantization
+from servelm.runtime import quantization
+from servelm.runtime.cpu import linear as cpu_linear, ops as cpu_ops
 from servelm.runtime.attention.base import AttentionBackend, AttentionMetadata
 from servelm.runtime.config import ModelConfig
 from servelm.runtime.lora import LoRAContext
@@ -42,7 +43,7 @@ from servelm.runtime.models.layers import (
 
 
 # Small-batch matmul shapes that MKL's sgemm handles badly (measured with scripts/bench_runner.py's
-# setup; see also shared/FACTS.md): on CPU the fused gate/up projection is faster as two matmuls at a
+# setup): on CPU the fused gate/up projection is faster as two matmuls at a
 # few rows (up to 25% at 4-8 rows), and the vocabulary projection of a few rows is faster as W @ h^T
 # than as h @ W^T (up to 45% at 4 rows). Fixed when the model is built, so forward() never asks the
 # device. Only used when the weights are not packed for oneDNN (``CausalLM.pack_cpu_weights``), which
@@ -338,7 +339,7 @@ class CausalLM(nn.Module):
         return self.model.norm.forward_add(h, residual)[0]
 
     def pack_cpu_weights(self, small_m: tuple[cpu_linear.SmallMLinear, int] | None = None) -> None:
-        """Pack every projection and the vocabulary head for oneDNN (``runtime.cpu_linear``), once,
+        """Pack every projection and the vocabulary head for oneDNN (``runtime.cpu.linear``), once,
         after loading. Without ``small_m`` the dense projection weights are dropped; with it they stay
         for few-row steps. The tied embedding stays dense either way (the token lookup reads it), so a
         tied head costs one extra vocab x hidden copy."""
@@ -403,7 +404,7 @@ class CausalLM(nn.Module):
         return total
 
     def use_cpu_rms_norm(self, kernel: cpu_ops.RmsNorm) -> None:
-        """Route every RMSNorm through the compiled CPU op (``runtime.cpu_ops``; float32 or bfloat16).
+        """Route every RMSNorm through the compiled CPU op (``runtime.cpu.ops``; float32 or bfloat16).
         Gemma's float32 weights under bfloat16 activations keep the torch path (the op rounds as Llama)."""
         float32 = self.model.embed_tokens.weight.dtype == torch.float32
         for module in self.modules():
@@ -412,7 +413,7 @@ class CausalLM(nn.Module):
 
     def use_fused_ops(self, rms_norm: FusedRmsNorm, silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Route every RMSNorm (with the residual add before it) and the MLP activation through fused
-        kernels (``runtime.triton_ops`` on CUDA)."""
+        kernels (``runtime.cuda.triton_ops`` on CUDA)."""
         # The hidden-size norms only: Qwen3's per-head q/k norms see [tokens, heads, head_dim] views.
         for layer in self.model.layers:
             for module in layer.modules():

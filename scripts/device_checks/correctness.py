@@ -257,7 +257,7 @@ def check_paging_variants(
 
 
 def check_cuda_graphs(runner: Any, plan: Plan, vocab: int, tol: float, report: Report) -> None:
-    from servelm.runtime.cuda_graphs import CudaGraphRunner
+    from servelm.runtime.cuda.graphs import CudaGraphRunner
 
     bs = runner.block_size
     graphs = CudaGraphRunner(
@@ -309,14 +309,14 @@ def check_cuda_graphs(runner: Any, plan: Plan, vocab: int, tol: float, report: R
 
 
 def check_few_row_kernels(runner: Any, plan: Plan, vocab: int, tol: float, report: Report) -> None:
-    """The fused few-row projections (``runtime.triton_gemv``) against the plain path, eager, on
+    """The fused few-row projections (``runtime.cuda.triton_gemv``) against the plain path, eager, on
     decode steps of 1 and 3 rows; then what the runner's graph capture measured and chose per size."""
     k = getattr(runner, "few_rows", None)
     if k is None:
         print("  the runner has no few-row kernels (SERVELM_DECODE_GEMV=off or fused ops disabled)")
         return
     dtype = str(runner.dtype).replace("torch.", "")
-    from servelm.runtime.cuda_graphs import few_row_tolerance
+    from servelm.runtime.cuda.graphs import few_row_tolerance
 
     # The capture-time A/B's own limit (float32: tighter, the kernels must match to ~1e-6 per op).
     limit = 1e-4 if runner.dtype == torch.float32 else few_row_tolerance(runner.dtype)
@@ -344,7 +344,7 @@ def check_few_row_kernels(runner: Any, plan: Plan, vocab: int, tol: float, repor
             )
     finally:
         k.max_rows = saved
-    from servelm.runtime import triton_gemv
+    from servelm.runtime.cuda import triton_gemv
 
     for line in triton_gemv.tuned_tiles():
         print(f"  autotuned: {line}")
@@ -373,7 +373,7 @@ def check_few_row_kernels(runner: Any, plan: Plan, vocab: int, tol: float, repor
                 "4 decodes, each storing a new token's K/V at a slot no replay wrote before",
             )
     if graphs is not None and graphs.few_rows_max and not any(v.pdl_ms is not None for v in graphs.variants.values()):
-        from servelm.runtime import pdl
+        from servelm.runtime.cuda import pdl
 
         print(f"  PDL not tried: {pdl.unavailable_reason(runner.device) or 'its capture failed (see the log)'}")
 

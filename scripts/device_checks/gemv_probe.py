@@ -1,11 +1,11 @@
-"""The fused few-row projections (``runtime.triton_gemv``) against what they replace, per projection.
+"""The fused few-row projections (``runtime.cuda.triton_gemv``) against what they replace, per projection.
 
 For each Llama-3-8B projection shape and 1, 2 and 4 rows this times, inside a CUDA graph (as a decode
 step runs them, so launch latency is not counted but the gaps between kernels are):
 
 - fused: the one Triton kernel (norm + q/k/v or gate/up; SiLU x up + down; o_proj and the head alone);
-- plain: the unfused ops (``runtime.triton_ops`` norm or activation, then cuBLAS via ``F.linear``);
-- fused with PDL (where ``runtime.pdl`` can run): the same graph with programmatic dependent launch,
+- plain: the unfused ops (``runtime.cuda.triton_ops`` norm or activation, then cuBLAS via ``F.linear``);
+- fused with PDL (where ``runtime.cuda.pdl`` can run): the same graph with programmatic dependent launch,
   so each kernel's start overlaps the previous one's end, as in a decode graph kept with PDL.
 
 Each graph cycles over several copies of the weight (more bytes than the 50 MB L2), so the weights
@@ -55,7 +55,7 @@ def graph_ms(calls: list[Callable[[], Any]], device: torch.device, iters: int = 
 
 def probe(device: torch.device, rows: tuple[int, ...] = (1,), dtype: torch.dtype = torch.bfloat16) -> list[dict[str, Any]]:
     """Rows: 1 by default (the 2- and 4-row dot tiles lost everywhere on an H200, 2026-12-01)."""
-    from servelm.runtime import pdl, triton_gemv, triton_ops
+    from servelm.runtime.cuda import pdl, triton_gemv, triton_ops
 
     with_pdl = pdl.unavailable_reason(device) is None
     out = []
@@ -130,8 +130,8 @@ SWEEP_TILES = [
 
 
 def tile_of(spec: tuple[int, int, int, bool]) -> Any:
-    """A ``SWEEP_TILES`` entry as the element-wise ``runtime.triton_gemv.Tile`` it stands for."""
-    from servelm.runtime.triton_gemv import Tile
+    """A ``SWEEP_TILES`` entry as the element-wise ``runtime.cuda.triton_gemv.Tile`` it stands for."""
+    from servelm.runtime.cuda.triton_gemv import Tile
 
     block_n, block_k, warps, prefetch = spec
     return Tile(block_n, block_k, warps, 3, False, prefetch=prefetch)
@@ -148,7 +148,7 @@ def sweep(device: torch.device, budget_s: float = 80.0, dtype: torch.dtype = tor
     cuBLAS path as tile None. Stops starting new tiles after ``budget_s`` (compiles dominate)."""
     import time
 
-    from servelm.runtime import triton_gemv, triton_ops
+    from servelm.runtime.cuda import triton_gemv, triton_ops
 
     t0 = time.perf_counter()
     gen = torch.Generator(device=device).manual_seed(1)

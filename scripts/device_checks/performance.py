@@ -355,7 +355,7 @@ def tiles_to_add(results: dict[str, list[tuple[float, Any]]], margin: float = 0.
     """The sweep's fastest one-row tile of each projection, where it beats the autotuner's tiles (and
     cuBLAS) by more than ``margin``: the tiles a batch-1 rerun should let the autotuner pick."""
     from device_checks.gemv_probe import spec_of, tile_of
-    from servelm.runtime.triton_gemv import ELEMENTWISE_TILES
+    from servelm.runtime.cuda.triton_gemv import ELEMENTWISE_TILES
 
     tuned = {spec_of(t) for t in ELEMENTWISE_TILES}
     add: list[Any] = []
@@ -378,7 +378,7 @@ def batch1_with_tiles(
 ) -> None:
     """Batch-1 ms per token again, on a fresh engine whose autotuner may also pick ``tiles`` (the
     sweep's winners), so one device run both finds better tiles and measures what they give."""
-    from servelm.runtime import triton_gemv
+    from servelm.runtime.cuda import triton_gemv
     from servelm.scheduler.engine import Engine
 
     if not tiles:
@@ -419,7 +419,7 @@ def batch1_with_tiles(
 def sweep_gemv(device: torch.device, report: Report, budget_s: float = 80.0) -> dict[str, list[tuple[float, Any]]]:
     """One-row tiles of the fused few-row kernels, forced one at a time (``device_checks.gemv_probe.sweep``)."""
     from device_checks.gemv_probe import LLAMA3_8B_PROJECTIONS, spec_of, sweep
-    from servelm.runtime.triton_gemv import ELEMENTWISE_TILES
+    from servelm.runtime.cuda.triton_gemv import ELEMENTWISE_TILES
 
     sizes = {name: n * k * 2 for name, n, k, _ in LLAMA3_8B_PROJECTIONS}
     autotuned = {spec_of(t) for t in ELEMENTWISE_TILES}

@@ -89,7 +89,7 @@ def _key() -> str:
 def test_cpu_peak_flops_measure_the_engine_matmul_path(monkeypatch) -> None:
     """The engine's projections go through oneDNN on packed weights (MKL's sgemm is ~1.7x slower on
     this project's CPUs): the denominator must come from that path, or MFU reads above 1."""
-    from servelm.runtime import cpu_linear
+    from servelm.runtime.cpu import linear as cpu_linear
 
     if not cpu_linear.onednn_linear_available(torch.float32):
         pytest.skip("no oneDNN linear in this torch build")

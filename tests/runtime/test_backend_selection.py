@@ -52,7 +52,7 @@ def test_cuda_modules_import_without_cuda_packages() -> None:
         import importlib.util, json, sys
         flash = bool(importlib.util.find_spec("flash_attn") and importlib.util.find_spec("triton"))
         import torch
-        import servelm.runtime.attention.flash_backend as fb, servelm.runtime.cuda_graphs, servelm.runtime.gpu_memory
+        import servelm.runtime.cuda.flash_backend as fb, servelm.runtime.cuda.graphs, servelm.runtime.cuda.memory
         block = fb.default_cuda_block_size(torch.bfloat16, 128)
         print(json.dumps({"modules": sorted(sys.modules), "block": block, "flash": flash}))
         """
@@ -83,7 +83,7 @@ def fake_flash_attn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_flash_backend_states_why_it_cannot_serve(fake_flash_attn: None) -> None:
-    from servelm.runtime.attention.flash_backend import FlashAttentionBackend, default_cuda_block_size
+    from servelm.runtime.cuda.flash_backend import FlashAttentionBackend, default_cuda_block_size
 
     if importlib.util.find_spec("triton") is None:
         assert "triton" in (FlashAttentionBackend.supports(torch.bfloat16, 128) or "")
@@ -99,7 +99,7 @@ def test_flash_backend_states_why_it_cannot_serve(fake_flash_attn: None) -> None
 
 
 def test_without_flash_attn_the_block_size_is_tritons(monkeypatch: pytest.MonkeyPatch) -> None:
-    from servelm.runtime.attention import flash_backend
+    from servelm.runtime.cuda import flash_backend
 
     monkeypatch.setattr(flash_backend, "flash_attn_importable", lambda: False)
     assert "not installed" in (flash_backend.FlashAttentionBackend.supports(torch.bfloat16, 128) or "")
@@ -113,7 +113,7 @@ def test_flash_attn_4_alone_or_a_broken_install_falls_back_to_triton(
     """flash-attn-4 installs only ``flash_attn.cute`` (a namespace package without the paged-KV
     functions): not taken for flash-attn 2. An install that is there but does not load (an extension
     built for another torch) is reported and the server still starts, on the Triton fallback."""
-    from servelm.runtime.attention import flash_backend
+    from servelm.runtime.cuda import flash_backend
     from servelm.runtime.attention.selector import select_backend
 
     _install_fake(tmp_path / "fa4", {"flash_attn/cute/__init__.py": ""}, monkeypatch)
@@ -136,7 +136,7 @@ def test_flash_attn_4_alone_or_a_broken_install_falls_back_to_triton(
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the backend's store kernel needs triton")
 def test_a_loadable_flash_attn_2_is_chosen(fake_flash_attn: None) -> None:
-    from servelm.runtime.attention import flash_backend
+    from servelm.runtime.cuda import flash_backend
     from servelm.runtime.attention.selector import select_backend
 
     backend = select_backend("cuda", block_size=256, dtype=torch.bfloat16, head_dim=128)

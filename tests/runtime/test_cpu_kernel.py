@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from servelm.runtime.attention import cpu_kernel
-from servelm.runtime.attention.cpu_kernel import paged_decode_attention_reference as reference
+from servelm.runtime.cpu import paged_attention as cpu_kernel
+from servelm.runtime.cpu.paged_attention import paged_decode_attention_reference as reference
 
 POOL_TOKENS = 16000  # a pool of 1000 blocks of 16 (500 of 32)
 

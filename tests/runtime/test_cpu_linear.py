@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from servelm.runtime import cpu_linear
+from servelm.runtime.cpu import linear as cpu_linear
 from servelm.runtime.batch import BatchItem
 from servelm.runtime.models.layers import Linear
 from servelm.runtime.runner import ModelRunner
@@ -133,7 +133,7 @@ def test_small_m_kernel_builds_on_avx512() -> None:
     # Otherwise a compile error in the .cpp would only show up as skipped tests.
     import shutil
 
-    from servelm.runtime.cpu_extension import cpu_flags
+    from servelm.runtime.cpu.extension import cpu_flags
 
     if shutil.which("c++") is None or shutil.which("ninja") is None or "avx512f" not in (cpu_flags() or set()):
         pytest.skip("no compiler, ninja or AVX-512 here")

@@ -1,4 +1,4 @@
-"""The compiled float32 CPU ops (``runtime.cpu_ops``): RMSNorm equals torch's, and the model uses it."""
+"""The compiled float32 CPU ops (``runtime.cpu.ops``): RMSNorm equals torch's, and the model uses it."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from servelm.runtime import cpu_ops
+from servelm.runtime.cpu import ops as cpu_ops
 from servelm.runtime.batch import BatchItem
-from servelm.runtime.cpu_extension import cpu_flags
+from servelm.runtime.cpu.extension import cpu_flags
 from servelm.runtime.models.layers import RMSNorm
 
 
@@ -21,14 +21,14 @@ from servelm.runtime.models.layers import RMSNorm
 def rms_norm() -> cpu_ops.RmsNorm:
     kernel = cpu_ops.rms_norm_kernel()
     if kernel is None:
-        pytest.skip("servelm.runtime.cpu_ops did not build here (no compiler or no AVX-512; see the logged warning)")
+        pytest.skip("servelm.runtime.cpu.ops did not build here (no compiler or no AVX-512; see the logged warning)")
     return kernel
 
 
 def test_builds_where_it_can() -> None:
     if shutil.which("c++") is None or shutil.which("ninja") is None or "avx512f" not in (cpu_flags() or set()):
         pytest.skip("no compiler, ninja or AVX-512 here")
-    assert cpu_ops.load() is not None, "runtime/csrc/cpu_ops.cpp failed to build; see the logged warning"
+    assert cpu_ops.load() is not None, "runtime/cpu/csrc/cpu_ops.cpp failed to build; see the logged warning"
 
 
 @pytest.mark.parametrize("shape", [(1, 576), (3, 64), (70, 576), (5, 40), (2, 7, 16), (1, 17)])
@@ -119,7 +119,7 @@ def test_rms_norm_bfloat16_rounds_like_hugging_face(rms_norm: cpu_ops.RmsNorm, s
     assert (got != want).float().mean() < 0.02
 
 
-@pytest.mark.parametrize("source", ["runtime/csrc/cpu_ops.cpp", "runtime/attention/csrc/paged_attention_cpu.cpp"])
+@pytest.mark.parametrize("source", ["runtime/cpu/csrc/cpu_ops.cpp", "runtime/cpu/csrc/paged_attention_cpu.cpp"])
 def test_kernel_sources_compile_without_avx512(source: str) -> None:
     """A CPU without AVX-512 (x86-64-v3: AVX2, FMA) must still build every extension: what needs
     AVX-512 is behind its macros, and a build failure would cost every op of the file, not only those."""
@@ -147,7 +147,7 @@ def test_lora_apply_equals_the_torch_path(rows: int) -> None:
 
     kernel = cpu_ops.lora_kernel()
     if kernel is None:
-        pytest.skip("servelm.runtime.cpu_ops did not build here")
+        pytest.skip("servelm.runtime.cpu.ops did not build here")
     g = torch.Generator().manual_seed(rows)
     K, N = 150, 91
     layouts = [[(0, 40, 4), (40, 30, 8), (70, 21, 2)], [(5, 70, 16)], None]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from servelm.runtime.cuda_graphs import (
+from servelm.runtime.cuda.graphs import (
     CudaGraphRunner,
     GraphInputs,
     VariantTiming,
@@ -15,8 +15,8 @@ from servelm.runtime.cuda_graphs import (
     few_row_tolerance,
     padded_size,
 )
-from servelm.runtime import pdl as pdl_state
-from servelm.runtime.gpu_memory import MemoryProfile
+from servelm.runtime.cuda import pdl as pdl_state
+from servelm.runtime.cuda.memory import MemoryProfile
 
 GiB = 2**30
 
@@ -63,7 +63,7 @@ def test_fill_copies_real_rows_and_neutralises_padding() -> None:
 
 @pytest.mark.parametrize("full_rows", [True, False])
 def test_stage_writes_a_step_from_host_lists_with_padding_and_pending_tokens(monkeypatch: pytest.MonkeyPatch, full_rows: bool) -> None:
-    import servelm.runtime.cuda_graphs as cg
+    import servelm.runtime.cuda.graphs as cg
 
     if not full_rows:  # long contexts x many rows: only the used columns are sent
         monkeypatch.setattr(cg, "FULL_TABLE_ROWS_MAX_BYTES", 0)
@@ -192,7 +192,7 @@ def test_forced_fused_graphs_skip_the_ab_and_a_failing_kernel_falls_back_to_plai
 
 
 def test_decode_gemv_mode_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from servelm.runtime.attention.flash_backend import decode_gemv_mode
+    from servelm.runtime.cuda.flash_backend import decode_gemv_mode
 
     monkeypatch.delenv("SERVELM_DECODE_GEMV", raising=False)
     assert decode_gemv_mode() == "auto"

@@ -108,4 +108,4 @@ def test_the_wheel_holds_every_package_file(tmp_path: Path) -> None:
     # Each folder installs as servelm.<folder> (pyproject's package-dir).
     wanted = {"servelm/" + p.relative_to(src).as_posix() for pkg in packages for p in (src / pkg).rglob("*") if p.is_file()}
     assert not wanted - shipped, f"missing from the wheel: {sorted(wanted - shipped)}"
-    assert {"servelm/runtime/csrc/cpu_ops.cpp", "servelm/runtime/attention/csrc/paged_attention_cpu.cpp"} <= shipped
+    assert {"servelm/runtime/cpu/csrc/cpu_ops.cpp", "servelm/runtime/cpu/csrc/paged_attention_cpu.cpp"} <= shipped

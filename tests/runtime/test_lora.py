@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lora_files import peft_model, save_lora_adapter
-from servelm.runtime import cpu_ops
+from servelm.runtime.cpu import ops as cpu_ops
 from servelm.runtime.batch import BatchItem
 from servelm.runtime.lora import LoRAError, load_lora_adapter
 from servelm.runtime.runner import ModelRunner

@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from servelm.runtime.attention.torch_backend import TorchAttentionBackend
+from servelm.runtime.cpu.torch_backend import TorchAttentionBackend
 from servelm.runtime.batch import BatchItem
 from servelm.runtime.runner import ModelRunner
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from servelm.runtime import cpu_linear, cpu_ops
+from servelm.runtime.cpu import linear as cpu_linear, ops as cpu_ops
 from servelm.runtime.capacity import StepCostModel
 from servelm.runtime.config import ModelConfig
 from servelm.runtime.models.layers import Linear

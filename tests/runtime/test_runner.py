@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from servelm.runtime.attention.torch_backend import TorchAttentionBackend
+from servelm.runtime.cpu.torch_backend import TorchAttentionBackend
 from servelm.runtime.batch import PENDING_TOKEN, BatchItem
 from servelm.runtime.runner import ModelRunner
 
@@ -266,7 +266,7 @@ class _EagerGraphStandIn:
     the capture itself needs a GPU. Padded sizes are powers of two, as captured."""
 
     def __init__(self, runner: ModelRunner, max_bs: int, max_blocks: int, head_max: int = 0) -> None:
-        from servelm.runtime.cuda_graphs import GraphInputs, capture_sizes
+        from servelm.runtime.cuda.graphs import GraphInputs, capture_sizes
 
         self.runner, self.max_bs, self.max_blocks, self.head_max = runner, max_bs, max_blocks, head_max
         self.sizes = capture_sizes(max_bs)
@@ -388,8 +388,9 @@ def test_the_real_graph_runner_with_capture_emulated_gives_the_eager_tokens(
     each step and the sampling from the graphs' logits must give the eager engine's tokens."""
     import torch.nn.functional as F
 
-    from servelm.runtime import cpu_linear, pdl
-    from servelm.runtime.cuda_graphs import CudaGraphRunner
+    from servelm.runtime.cpu import linear as cpu_linear
+    from servelm.runtime.cuda import pdl
+    from servelm.runtime.cuda.graphs import CudaGraphRunner
     from servelm.runtime.models.layers import FewRowKernels
 
     def norm_linear(x, residual, nw, eps, w, b=None):  # type: ignore[no-untyped-def]

@@ -568,7 +568,7 @@ class BitMask:
 
 @pytest.mark.parametrize("path", ["kernel", "torch"])
 def test_grammar_mask_leaves_only_allowed_tokens_and_other_rows_alone(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from servelm.runtime import cpu_ops
+    from servelm.runtime.cpu import ops as cpu_ops
 
     if path == "torch":
         monkeypatch.setattr(cpu_ops, "token_bitmask_kernel", lambda: None)

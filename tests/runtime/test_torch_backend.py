@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from servelm.runtime.attention.base import AttentionMetadata
-from servelm.runtime.attention.torch_backend import TorchAttentionBackend
+from servelm.runtime.cpu.torch_backend import TorchAttentionBackend
 
 BS = 16
 H, KVH, D = 6, 2, 16

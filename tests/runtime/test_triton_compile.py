@@ -27,10 +27,10 @@ COMPILE = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from servelm.runtime.attention import triton_decode as td, triton_kernels as tk
+    from servelm.runtime.cuda import triton_decode as td, triton_kernels as tk
 
     def compile_kernel(fn, args, constexprs, arch, num_warps=4, num_stages=3, pdl=False):
-        if "PDL" in fn.arg_names:  # the PDL-aware kernels (runtime.pdl)
+        if "PDL" in fn.arg_names:  # the PDL-aware kernels (runtime.cuda.pdl)
             constexprs = dict(constexprs, PDL=pdl)
         sig = dict(args)
         sig.update({k: "constexpr" for k in constexprs})
@@ -96,8 +96,8 @@ COMPILE = textwrap.dedent(
     compile_kernel(td._paged_decode_reduce_kernel, reduce, dict(NUM_HEADS=32, HEAD_DIM=128, HEAD_DIM_PAD=128,
                    NUM_SPLITS=32), 90)
 
-    # runtime.triton_ops at the Llama-3-8B shape (hidden 4096, intermediate 14336, 32/8 heads of 128).
-    from servelm.runtime import triton_ops as ops
+    # runtime.cuda.triton_ops at the Llama-3-8B shape (hidden 4096, intermediate 14336, 32/8 heads of 128).
+    from servelm.runtime.cuda import triton_ops as ops
     for dt in ("bf16", "fp32"):
         norm = {"x_ptr": "*" + dt, "res_ptr": "*" + dt, "w_ptr": "*" + dt, "out_ptr": "*" + dt,
                 "stride_x": "i32", "stride_res": "i32", "stride_out": "i32", "n_cols": "i32", "eps": "fp32"}
@@ -110,8 +110,8 @@ COMPILE = textwrap.dedent(
                 "stride_cos": "i32", "stride_qo_t": "i32", "stride_cache_block": "i32", "stride_cache_slot": "i32"}
         compile_kernel(ops._rope_store_kernel, rope, dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF=64,
                        HEADS_PAD=64, KV_PAD=8, HALF_PAD=64, DIM_PAD=128, PAGE=16), 90)
-    # runtime.triton_gemv: each op before the projection, 1 and 4 rows, every tile the autotuner tries.
-    from servelm.runtime import triton_gemv as tg
+    # runtime.cuda.triton_gemv: each op before the projection, 1 and 4 rows, every tile the autotuner tries.
+    from servelm.runtime.cuda import triton_gemv as tg
     gemv = {n: "*bf16" for n in ("x_ptr", "res_ptr", "res_out_ptr", "nw_ptr", "w_ptr", "b_ptr", "y_ptr")}
     gemv.update({n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_rm", "stride_rom", "stride_wn", "stride_ym")})
     gemv["eps"] = "fp32"
@@ -122,7 +122,7 @@ COMPILE = textwrap.dedent(
                               DOT_PRECISION="tf32", **cfg.kwargs)
                 compile_kernel(tg._decode_gemv_kernel, gemv, consts, 90, cfg.num_warps, cfg.num_stages)
 
-    # Programmatic dependent launch (runtime.pdl): every kernel of a fused decode step.
+    # Programmatic dependent launch (runtime.cuda.pdl): every kernel of a fused decode step.
     norm = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
             "stride_x": "i32", "stride_res": "i32", "stride_out": "i32", "n_cols": "i32", "eps": "fp32"}
     check_pdl(ops._rms_norm_kernel, norm, dict(HAS_RESIDUAL=True, BLOCK=4096), num_warps=16, loads_before_wait=True)
@@ -163,7 +163,7 @@ SPECIALIZATION = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
-    from servelm.runtime.attention import triton_decode as td, triton_kernels as tk
+    from servelm.runtime.cuda import triton_decode as td, triton_kernels as tk
 
     backend = make_backend(GPUTarget("cuda", 90, 32))
 

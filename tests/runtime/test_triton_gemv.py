@@ -1,4 +1,4 @@
-"""The fused few-row projections (``runtime.triton_gemv``), run on CPU tensors by Triton's interpreter:
+"""The fused few-row projections (``runtime.cuda.triton_gemv``), run on CPU tensors by Triton's interpreter:
 each op against the unfused torch ops, the model with them against the plain model, the autotuner's
 wiring, and the device check's parts that use them."""
 
@@ -102,8 +102,8 @@ def test_model_with_few_row_kernels_equals_the_eager_model(tiny_model_dir, build
     """The CUDA-path model (Triton backend, fused ops) with the few-row projections on decode steps of
     1-4 rows and off for longer steps (prefill), against the plain torch path."""
     tiny_llama_dir = tiny_model_dir("llama_small_vocab")  # the head runs through the interpreter too
-    from servelm.runtime.attention.torch_backend import TorchAttentionBackend
-    from servelm.runtime import cpu_linear
+    from servelm.runtime.cpu.torch_backend import TorchAttentionBackend
+    from servelm.runtime.cpu import linear as cpu_linear
     from servelm.runtime.models.layers import FewRowKernels
 
     # Dense weights as on CUDA (oneDNN-packed projections would take the CPU's own path first).
@@ -150,7 +150,7 @@ def test_device_check_compares_few_row_and_plain_projections(tiny_llama_dir, bui
     and leaves the runner's setting as it found it."""
     from pathlib import Path
 
-    from servelm.runtime import cpu_linear
+    from servelm.runtime.cpu import linear as cpu_linear
     from servelm.runtime.models.layers import FewRowKernels
 
     scripts = str(Path(__file__).resolve().parents[2] / "scripts")
@@ -248,7 +248,7 @@ def test_device_check_gemv_probe_compares_like_with_like(monkeypatch) -> None:  
 
     # Where PDL can run, the fused graph is also timed launched with it (not run here: the
     # interpreter has no grid dependency control).
-    from servelm.runtime import pdl
+    from servelm.runtime.cuda import pdl
 
     launched = []
 

@@ -310,7 +310,7 @@ def test_flash_backend_passes_flash_attn_the_documented_arguments(monkeypatch) -
 
 
 def test_padded_static_decode_batch_equals_the_plain_step() -> None:
-    from servelm.runtime.cuda_graphs import CudaGraphRunner
+    from servelm.runtime.cuda.graphs import CudaGraphRunner
 
     gen = torch.Generator().manual_seed(11)
     block_size, num_blocks, kvh, heads, d, vocab = 4, 16, 2, 4, 16, 50
@@ -355,7 +355,7 @@ def test_padded_static_decode_batch_equals_the_plain_step() -> None:
     assert torch.equal(gkc, kc) and torch.equal(gvc, vc)
 
 
-# ----------------------------------------------------------------------------- fused ops (runtime.triton_ops)
+# ----------------------------------------------------------------------------- fused ops (runtime.cuda.triton_ops)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -426,7 +426,7 @@ def test_model_with_fused_ops_equals_the_eager_model(tiny_llama_dir, build_runne
     """The whole CUDA-path model structure on CPU tensors: Triton backend + fused norms, activation and
     RoPE/store against the plain torch path, prefill then decode steps. With split-KV decode (as on a
     GPU a small batch gets) the decode step's RoPE and K/V store run inside the attention kernel."""
-    from servelm.runtime.attention.torch_backend import TorchAttentionBackend
+    from servelm.runtime.cpu.torch_backend import TorchAttentionBackend
 
     monkeypatch.setattr(td, "decode_splits", lambda num_seqs, num_kv_heads, device: splits)
     fused = build_runner(tiny_llama_dir, backend=flash_backend.TritonPagedBackend(16, fused_rope=True))

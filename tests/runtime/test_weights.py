@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from servelm.runtime.attention.torch_backend import TorchAttentionBackend
+from servelm.runtime.cpu.torch_backend import TorchAttentionBackend
 from servelm.runtime.config import ModelConfig, UnsupportedModelError
 from servelm.runtime.weights import INDEX_FILE, WeightLoadError, checkpoint_files, load_model
 

@@ -37,21 +37,21 @@ def load(name: str):  # type: ignore[no-untyped-def]
     mod = importlib.import_module(name)
     # Imported earlier in this process without the interpreter: re-decorate the kernels under it.
     first_kernel = {
-        "servelm.runtime.attention.triton_kernels": "_store_kv_kernel",
-        "servelm.runtime.attention.triton_decode": "_paged_decode_split_kernel",
-        "servelm.runtime.triton_ops": "_rms_norm_kernel",
-        "servelm.runtime.triton_gemv": "_decode_gemv_kernel",
+        "servelm.runtime.cuda.triton_kernels": "_store_kv_kernel",
+        "servelm.runtime.cuda.triton_decode": "_paged_decode_split_kernel",
+        "servelm.runtime.cuda.triton_ops": "_rms_norm_kernel",
+        "servelm.runtime.cuda.triton_gemv": "_decode_gemv_kernel",
     }
     if type(getattr(mod, first_kernel[name])).__name__ != "InterpretedFunction":
         mod = importlib.reload(mod)
     return mod
 
 
-tk = load("servelm.runtime.attention.triton_kernels")
-td = load("servelm.runtime.attention.triton_decode")  # after tk: it imports tk's helpers
-ops = load("servelm.runtime.triton_ops")
-gemv = load("servelm.runtime.triton_gemv")
-flash_backend = importlib.import_module("servelm.runtime.attention.flash_backend")
+tk = load("servelm.runtime.cuda.triton_kernels")
+td = load("servelm.runtime.cuda.triton_decode")  # after tk: it imports tk's helpers
+ops = load("servelm.runtime.cuda.triton_ops")
+gemv = load("servelm.runtime.cuda.triton_gemv")
+flash_backend = importlib.import_module("servelm.runtime.cuda.flash_backend")
 
 
 def torch_rms_norm(x, w, eps):  # type: ignore[no-untyped-def]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from servelm.runtime import cpu_linear
+from servelm.runtime.cpu import linear as cpu_linear
 from servelm.scheduler.config import EngineConfig
 from servelm.scheduler.engine import Engine
 from servelm.scheduler.sampling_params import SamplingParams

@@ -19,20 +19,20 @@ squares of the input tiles it reads anyway and applies the inverse RMS once, aft
 (it is the same factor for every k), so no pass over the row comes before the weights stream; program
 0 writes the residual sum as it goes.
 
-The inputs are rounded where the unfused path rounds them (``runtime.triton_ops``, i.e. Hugging
+The inputs are rounded where the unfused path rounds them (``runtime.cuda.triton_ops``, i.e. Hugging
 Face's Llama): ``x + residual`` to the activation dtype, ``silu(gate)`` and its product with ``up``.
 The norm is the exception: HF rounds the normalised value, then its product with the weight scale, to
 the activation dtype; here ``weight scale * x`` stays in float32 (rounded once for the ``tl.dot``
 tiles) and ``1/RMS`` multiplies the sum. In float32 the results differ from the unfused path only by
 the order of operations; in bfloat16 also by those two roundings, well inside the tolerance of the
-capture-time A/B (``runtime.cuda_graphs.few_row_tolerance``).
+capture-time A/B (``runtime.cuda.graphs.few_row_tolerance``).
 
 On CUDA the tile shape is picked per (rows, N, K, op) by Triton's autotuner on first use (the
 runner's warm-up forwards, before graph capture); under ``TRITON_INTERPRET=1`` (the CPU tests) one
 default shape runs. Whether a decode graph uses these kernels at all is decided at capture by timing
-both variants (``runtime.cuda_graphs``).
+both variants (``runtime.cuda.graphs``).
 
-The kernel is PDL-aware (``runtime.pdl``): launched with programmatic dependent launch, a program
+The kernel is PDL-aware (``runtime.cuda.pdl``): launched with programmatic dependent launch, a program
 loads its first weight tile (prefetch tiles) before it waits for the previous kernel.
 """
 
@@ -45,12 +45,12 @@ import torch
 import triton
 import triton.language as tl
 
-from servelm.runtime import pdl
-from servelm.runtime.triton_pdl import wait_then_release
+from servelm.runtime.cuda import pdl
+from servelm.runtime.cuda.triton_pdl import wait_then_release
 
 # Up to this many rows (the next power of two of the row count is a compile-time tile dimension).
 MAX_ROWS = 4
-# Decode graphs try the fused kernels (an A/B at capture, ``runtime.cuda_graphs``) up to this many
+# Decode graphs try the fused kernels (an A/B at capture, ``runtime.cuda.graphs``) up to this many
 # rows. On an H200 (Llama-3-8B shape, bf16, 2026-12-01) one row beat cuBLAS + the unfused ops
 # (graph 3.97 vs 4.33 ms), but the dot tiles for 2 and 4 rows lost on every projection (x0.32-0.94;
 # graphs 6.9 vs 4.4 ms), so sizes 2 and 4 would only add compiles and A/B time at start-up.

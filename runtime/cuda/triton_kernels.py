@@ -1,5 +1,5 @@
 """Triton kernels for the CUDA path: the KV-pool store and a paged attention fallback (its split-KV
-decode for small batches, with RoPE + K/V store folded in, is ``runtime.attention.triton_decode``).
+decode for small batches, with RoPE + K/V store folded in, is ``runtime.cuda.triton_decode``).
 
 This module imports triton at import time, so nothing on the CPU path may import it unconditionally:
 backends import it lazily when they are built on a CUDA device. Tests run the kernels on CPU tensors
@@ -325,7 +325,7 @@ def paged_attention(
 
 
 def _split_kv():  # type: ignore[no-untyped-def]
-    """The split-KV decode module (``runtime.attention.triton_decode``), which imports this one's helpers."""
-    from servelm.runtime.attention import triton_decode as td
+    """The split-KV decode module (``runtime.cuda.triton_decode``), which imports this one's helpers."""
+    from servelm.runtime.cuda import triton_decode as td
 
     return td

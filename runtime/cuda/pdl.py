@@ -18,7 +18,7 @@ is a no-op in a kernel launched without it.
 The switch is read at each launch (``launch_kwargs``): the CUDA-graph runner captures the fused batch-1
 graph with and without it (``launching(True)``) and keeps the PDL graph only when it replays faster and
 its outputs equal the other's bit for bit (a race would show there). Eager launches never use it.
-This module imports no Triton: the kernels' side is ``runtime.triton_pdl``.
+This module imports no Triton: the kernels' side is ``runtime.cuda.triton_pdl``.
 """
 
 from __future__ import annotations

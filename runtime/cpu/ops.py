@@ -1,7 +1,7 @@
 """Small float32 CPU ops of the decode step, compiled from ``csrc/cpu_ops.cpp`` (AVX-512).
 
 * ``linear_small_m``: projections of one to four rows, streaming the dense weight (see
-  ``runtime.cpu_linear``, which decides when to use it);
+  ``runtime.cpu.linear``, which decides when to use it);
 * ``linear_small_m_int8``: the same over int8 weights with a float32 scale per output row
   (``--quantization int8``, ``runtime.quantization``): a quarter of the bytes;
 * ``linear_small_m_int4`` / ``linear_small_m_int8_grouped``: over weights quantized in groups of 32
@@ -10,10 +10,10 @@
   call (``CausalLM.use_fused_ops``; the same values as the separate ops);
 * ``rms_norm``: one pass per row instead of ``F.rms_norm``'s five ops (~26 us per call at batch 1 on
   this CPU, 61 calls per step: ~1.6 ms of a ~22 ms batch-1 forward);
-* ``apply_token_bitmask``: a structured output's mask on the logits (``runtime.sampler``);
+* ``apply_token_bitmask``: a structured output's mask on the logits (``runtime.logits_processing``);
 * ``lora_apply``: LoRA adapters' updates of a decode step's rows, one call per projection (``runtime.lora``).
 
-Built on first use and cached under ``$SERVELM_CACHE/torch_extensions`` (``runtime.cpu_extension``);
+Built on first use and cached under ``$SERVELM_CACHE/torch_extensions`` (``runtime.cpu.extension``);
 ``load()`` is None where it cannot be built, the CPU lacks AVX-512, or the self-check fails, and every
 caller then keeps its torch path. ``SERVELM_DISABLE_CPU_OPS=1`` forces that.
 """
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from servelm.runtime import quantization
-from servelm.runtime.cpu_extension import CompiledExtension
+from servelm.runtime.cpu.extension import CompiledExtension
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The kernels' side of programmatic dependent launch (``runtime.pdl``): one Triton helper.
+"""The kernels' side of programmatic dependent launch (``runtime.cuda.pdl``): one Triton helper.
 
 A PDL-aware kernel takes a ``PDL`` constexpr, issues its loads that do not depend on the previous
 kernel (weights), then calls ``wait_then_release(PDL)`` before it reads any activation or writes
@@ -12,7 +12,7 @@ import triton.language as tl
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # an older Triton: runtime.pdl reports PDL unavailable, PDL stays False
+except ImportError:  # an older Triton: runtime.cuda.pdl reports PDL unavailable, PDL stays False
     gdc_launch_dependents = gdc_wait = None
 
 

@@ -10,10 +10,10 @@ The graphs read fixed input buffers (input ids, positions, slot mapping, seq/con
 block tables) that ``run`` fills before each replay, and share one memory pool (captured largest
 first, so smaller graphs reuse its memory). The KV pool must not move after capture.
 
-With the fused few-row projections (``runtime.triton_gemv``, via the model's ``FewRowKernels``), each
+With the fused few-row projections (``runtime.cuda.triton_gemv``, via the model's ``FewRowKernels``), each
 size they can serve is captured twice, with and without them; both are replayed and timed, and the
 faster is kept (``choose_variant``; kept unfused when the two disagree beyond a rounding tolerance,
-``few_row_tolerance``). Where programmatic dependent launch is available (``runtime.pdl``: Hopper
+``few_row_tolerance``). Where programmatic dependent launch is available (``runtime.cuda.pdl``: Hopper
 and newer) the fused graph is also captured with it, and kept when it replays faster still and its
 outputs equal the fused graph's bit for bit. The A/B runs real decodes (a few positions of a short
 context written into the first pool blocks, which hold no sequence yet), not the padding rows.
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import numpy as np
 import torch
 
-from servelm.runtime import pdl
+from servelm.runtime.cuda import pdl
 from servelm.runtime.attention.base import AttentionBackend, AttentionMetadata
 
 if TYPE_CHECKING:
@@ -310,7 +310,7 @@ class CudaGraphRunner:
         """``few_rows`` (the model's shared ``FewRowKernels``) with ``few_rows_max`` > 0: sizes up to
         that are captured with the fused few-row projections, after an A/B against the plain graph
         when ``few_rows_ab``, else unconditionally. ``pdl``: those sizes are also captured with
-        programmatic dependent launch (``runtime.pdl``) and A/B'd against the fused graph.
+        programmatic dependent launch (``runtime.cuda.pdl``) and A/B'd against the fused graph.
         ``num_kv_blocks``: the pool's size; the A/B decodes use its first blocks. ``head`` (hidden ->
         logits): the sizes of the A/B (up to ``few_rows_max``) run it inside the graph, which then
         returns logits (``returns_logits``); it sees the same ``FewRowKernels`` switch as the model."""

@@ -6,7 +6,7 @@ merge kernel combines (``_split_decode``, used by ``triton_kernels.paged_attenti
 decode-only step the same kernel can also rotate q and k from the fused q/k/v projection and store the
 new K/V itself (``rope_paged_decode``), so a layer needs no separate RoPE + store kernel.
 
-Both kernels are PDL-aware (``runtime.pdl``); the split kernel loads the first tile of older keys and
+Both kernels are PDL-aware (``runtime.cuda.pdl``); the split kernel loads the first tile of older keys and
 values before its wait. Like ``triton_kernels``, this module imports triton at import time: only CUDA
 code imports it, and tests run it under ``TRITON_INTERPRET=1``.
 """
@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from servelm.runtime import pdl
-from servelm.runtime.attention.triton_kernels import _LOG2E, _MIN_DOT, _attend_keys, _check_row_contiguous, _fold_keys, _kv_rows
-from servelm.runtime.triton_pdl import wait_then_release
+from servelm.runtime.cuda import pdl
+from servelm.runtime.cuda.triton_kernels import _LOG2E, _MIN_DOT, _attend_keys, _check_row_contiguous, _fold_keys, _kv_rows
+from servelm.runtime.cuda.triton_pdl import wait_then_release
 
 
 @triton.jit

@@ -12,7 +12,7 @@ gap even inside a CUDA graph. These kernels do each group in one pass:
 
 Each rounds where the eager torch code rounds (results are cast to the activation dtype at the same
 points as Hugging Face's Llama), so in bfloat16 they differ from the eager path only by the order of
-the RMSNorm sum. All three are PDL-aware (``runtime.pdl``). This module imports triton at import time: only CUDA code imports it. Tests run the
+the RMSNorm sum. All three are PDL-aware (``runtime.cuda.pdl``). This module imports triton at import time: only CUDA code imports it. Tests run the
 kernels on CPU tensors under ``TRITON_INTERPRET=1``.
 """
 
@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from servelm.runtime import pdl
-from servelm.runtime.triton_pdl import wait_then_release
+from servelm.runtime.cuda import pdl
+from servelm.runtime.cuda.triton_pdl import wait_then_release
 
 
 @triton.jit

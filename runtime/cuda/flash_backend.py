@@ -88,7 +88,7 @@ def split_metadata(meta: AttentionMetadata, *, cu_seqlens: bool) -> CudaAttentio
 
 
 def fused_ops_enabled() -> bool:
-    """Whether the CUDA path uses the fused Triton ops of ``runtime.triton_ops`` (RoPE + K/V store,
+    """Whether the CUDA path uses the fused Triton ops of ``runtime.cuda.triton_ops`` (RoPE + K/V store,
     residual add + RMSNorm, SiLU x up); ``SERVELM_DISABLE_FUSED_OPS=1`` falls back to plain torch ops."""
     return os.environ.get("SERVELM_DISABLE_FUSED_OPS", "").lower() not in ("1", "true", "yes")
 
@@ -98,7 +98,7 @@ DECODE_GEMV_MODES = ("auto", "on", "off")
 
 def decode_gemv_mode() -> str:
     """``SERVELM_DECODE_GEMV``: whether decode steps of 1-4 rows use the fused few-row projections
-    (``runtime.triton_gemv``). ``auto`` (default): per captured CUDA-graph size up to
+    (``runtime.cuda.triton_gemv``). ``auto`` (default): per captured CUDA-graph size up to
     ``triton_gemv.AUTO_MAX_ROWS``, whichever of fused and plain replays faster at start-up (plain
     when eager); ``on``: always, up to ``MAX_ROWS``; ``off``: never."""
     mode = os.environ.get("SERVELM_DECODE_GEMV", "auto").strip().lower() or "auto"
@@ -138,8 +138,8 @@ class PagedCudaBackend(AttentionBackend):
     fused_rope: bool = True
 
     def __init__(self, fused_rope: bool | None) -> None:
-        from servelm.runtime import triton_ops
-        from servelm.runtime.attention.triton_kernels import store_kvcache
+        from servelm.runtime.cuda import triton_ops
+        from servelm.runtime.cuda.triton_kernels import store_kvcache
 
         self._store = store_kvcache
         self._ops = triton_ops
@@ -171,7 +171,7 @@ class PagedCudaBackend(AttentionBackend):
         num_heads: int,
         window: int | None = None,
     ) -> torch.Tensor | None:
-        """One Triton kernel rotates q and k and stores k and v (``runtime.triton_ops``), then
+        """One Triton kernel rotates q and k and stores k and v (``runtime.cuda.triton_ops``), then
         ``_attend`` reads the pool; None (the model's own RoPE, then ``forward``) when the fused ops are off."""
         check_no_window(window, meta)
         if not self.fused_rope:
@@ -281,7 +281,7 @@ class TritonPagedBackend(PagedCudaBackend):
 
     def __init__(self, block_size: int = TRITON_BLOCK_SIZE, fused_rope: bool | None = None) -> None:
         self.block_size = block_size
-        from servelm.runtime.attention import triton_decode, triton_kernels
+        from servelm.runtime.cuda import triton_decode, triton_kernels
 
         super().__init__(fused_rope)
         self._kernels: Any = triton_kernels

@@ -1,7 +1,7 @@
 """Paged attention in plain torch: the CPU backend, and the reference the other backends are tested against.
 
 Decode tokens read their context straight from the pool with the C++ kernel when it loads
-(``runtime.attention.cpu_kernel``), else through one ``index_select`` gather per layer followed by a
+(``runtime.cpu.paged_attention``), else through one ``index_select`` gather per layer followed by a
 batched masked attention (GQA by grouping query heads, never repeating K/V). Prefill tokens gather
 their sequences' whole context (cached + new) and run one ``scaled_dot_product_attention`` per layer,
 either flat under a block-diagonal causal mask or padded to one batch row per sequence, whichever
@@ -28,7 +28,7 @@ from servelm.runtime.attention.base import AttentionBackend, AttentionMetadata
 log = logging.getLogger(__name__)
 
 try:  # written in parallel by another helper; absent or unbuildable => torch fallback
-    from servelm.runtime.attention import cpu_kernel as _cpu_kernel
+    from servelm.runtime.cpu import paged_attention as _cpu_kernel
 except ImportError:  # pragma: no cover - depends on the checkout
     _cpu_kernel = None  # type: ignore[assignment]
 

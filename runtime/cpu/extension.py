@@ -1,6 +1,6 @@
 """JIT-built C++ extensions for the CPU path: build once, cache on disk, check, or fall back quietly.
 
-Each kernel file (``runtime/attention/csrc/paged_attention_cpu.cpp``, ``runtime/csrc/*.cpp``) is built
+Each kernel file (``runtime/cpu/csrc/paged_attention_cpu.cpp``, ``runtime/cpu/csrc/*.cpp``) is built
 with ``torch.utils.cpp_extension`` on first use, under ``$SERVELM_CACHE/torch_extensions/<name>``, where
 the name hashes everything that changes the binary (source, flags, torch, Python, CPU flags). A build
 that fails, or whose result needs an instruction the CPU lacks, or that fails its self-check, logs one

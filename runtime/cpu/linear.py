@@ -8,7 +8,7 @@ Inductor's CPU freezing pass uses) read memory at ~20-30 GB/s and reach ~170-210
 (``torch._mkldnn`` layout): only ``linear`` below may consume it.
 
 A step of one to four rows (decode at low concurrency, the vocabulary head of a prefill step) is a
-pure pass over the weights; there ``csrc/cpu_ops.cpp`` (``runtime.cpu_ops``) streams the dense float32 weight at
+pure pass over the weights; there ``csrc/cpu_ops.cpp`` (``runtime.cpu.ops``) streams the dense float32 weight at
 ~30 GB/s where oneDNN reaches ~20. Using it means keeping the dense weight beside the packed one
 (+425 MB for the default model's layers; the tied head's dense copy is the embedding anyway).
 
@@ -24,8 +24,8 @@ from typing import Callable
 
 import torch
 
-from servelm.runtime import cpu_ops
-from servelm.runtime.cpu_ops import SmallMLinear, SmallMLinearInt8
+from servelm.runtime.cpu import ops as cpu_ops
+from servelm.runtime.cpu.ops import SmallMLinear, SmallMLinearInt8
 
 __all__ = [
     "ENV", "SmallMLinear", "linear", "onednn_linear_available", "pack", "quantized_kernels", "small_m_int8_kernel",
@@ -68,7 +68,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> 
 def small_m_kernel(dtype: torch.dtype = torch.float32) -> tuple[SmallMLinear, int] | None:
     """The compiled few-row projection for ``dtype`` weights and the most rows it takes, or None.
 
-    float32 needs AVX-512, bfloat16 AVX512-BF16. None where ``runtime.cpu_ops`` cannot be built or
+    float32 needs AVX-512, bfloat16 AVX512-BF16. None where ``runtime.cpu.ops`` cannot be built or
     the CPU lacks those, or when ``SERVELM_CPU_LINEAR`` is ``onednn`` or ``torch``. Never raises.
     """
     if _mode() != "auto" or dtype not in (torch.float32, torch.bfloat16):

@@ -3,7 +3,7 @@
 A decode token attends over its sequence's whole context. Gathering the context's blocks and
 calling SDPA copies every K/V row every layer every step; the C++ kernel in
 ``csrc/paged_attention_cpu.cpp`` instead reads each row straight from the pool through the block
-table (see FACTS.md: ~4x faster than gather + SDPA at batch 32). It is JIT-built with
+table (several times faster than gather + SDPA at batch 32). It is JIT-built with
 ``torch.utils.cpp_extension`` on first use and cached on disk; where it cannot be built or run,
 ``paged_decode_attention`` falls back to ``paged_decode_attention_reference``.
 
@@ -27,7 +27,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from servelm.runtime.cpu_extension import CompiledExtension, cpu_flags as _cpu_flags  # noqa: F401 (tests use it)
+from servelm.runtime.cpu.extension import CompiledExtension, cpu_flags as _cpu_flags  # noqa: F401 (tests use it)
 
 log = logging.getLogger(__name__)
 
