@@ -251,7 +251,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from servelm.runtime.config import UnsupportedModelError
     from servelm.scheduler.engine import Engine
     from servelm.server.app import ObserverProxy, build_app, create_prometheus_observer
-    from servelm.server.async_engine import AsyncEngine, run_in_transient_thread
+    from servelm.server.async_engine import AsyncEngine
+    from servelm.server.engine_thread import run_in_transient_thread
 
     config = engine_config_from_args(args)
     proxy = ObserverProxy()

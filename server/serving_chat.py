@@ -12,12 +12,12 @@ from fastapi.responses import JSONResponse, Response
 
 from servelm.scheduler.outputs import RequestOutput
 from servelm.scheduler.sampling_params import SamplingParams
-from servelm.server.async_engine import RequestGroup
 from servelm.server.chat import chat_text_chars, normalize_messages, render_chat_prompt
 from servelm.server.errors import bad_request, unsupported
 from servelm.server.logprobs import chat_logprobs_content, vllm_prompt_logprobs
 from servelm.server.protocol import sse
 from servelm.server.protocol_chat import ChatCompletionRequest
+from servelm.server.request_group import RequestGroup
 from servelm.server.serving_common import (
     ServingContext,
     add_requests,

@@ -15,10 +15,11 @@ from fastapi import Request
 
 from servelm.scheduler.sampling_params import InvalidParameterError, LoRANotFoundError, SamplingParams
 from servelm.scheduler.structured_output import GrammarCompiler, StructuredOutput
-from servelm.server.async_engine import AsyncEngine, EngineDeadError, EngineStoppedError, QueueFullError, RequestGroup
+from servelm.server.async_engine import AsyncEngine, EngineDeadError, EngineStoppedError, QueueFullError
 from servelm.server.errors import APIError, bad_request, internal_error, model_not_found, queue_full, unavailable
 from servelm.server.logprobs import TokenStrings
 from servelm.server.protocol import GenerationRequest
+from servelm.server.request_group import RequestGroup
 from servelm.server.structured_outputs import structured_output_spec
 
 log = logging.getLogger(__name__)

@@ -10,11 +10,11 @@ from fastapi.responses import JSONResponse, Response
 
 from servelm.scheduler.outputs import RequestOutput
 from servelm.scheduler.sampling_params import SamplingParams
-from servelm.server.async_engine import RequestGroup
 from servelm.server.errors import bad_request, unsupported
 from servelm.server.logprobs import completion_logprobs, join_logprobs, prompt_logprobs_object, vllm_prompt_logprobs
 from servelm.server.protocol import sse
 from servelm.server.protocol_completions import CompletionRequest
+from servelm.server.request_group import RequestGroup
 from servelm.server.serving_common import (
     ServingContext,
     add_requests,

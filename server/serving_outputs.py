@@ -13,7 +13,7 @@ from fastapi.responses import StreamingResponse
 from servelm.scheduler.outputs import RequestOutput
 from servelm.server.errors import APIError
 from servelm.server.protocol import SSE_DONE, sse
-from servelm.server.async_engine import RequestGroup
+from servelm.server.request_group import RequestGroup
 from servelm.server.serving_common import check_output_error, output_error
 
 # Proxies must pass events through as they come (nginx buffers unless told not to).

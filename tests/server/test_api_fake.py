@@ -636,7 +636,7 @@ def test_graceful_shutdown_finishes_running_stream(fake_server: Any) -> None:
     text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
     assert text == eng.expected_text(60)
     assert not srv.thread.is_alive()
-    assert ae._thread is not None and not ae._thread.is_alive()
+    assert ae._engine_thread.thread is not None and not ae._engine_thread.thread.is_alive()
 
 
 def test_stream_disconnect_while_queued_aborts_before_it_runs(fake_server: Any) -> None:

@@ -146,7 +146,7 @@ async def test_shutdown_deadline_aborts_the_rest(fake: FakeEngine) -> None:
 
 
 def test_run_in_transient_thread_returns_or_raises_from_a_finished_thread() -> None:
-    from servelm.server.async_engine import run_in_transient_thread
+    from servelm.server.engine_thread import run_in_transient_thread
 
     threads: list[threading.Thread] = []
 
