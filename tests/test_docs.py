@@ -1,12 +1,11 @@
 """The documentation stays true: the configuration page is the CLI's own parser, every relative link
-lands on a file (and heading), the README stays a five-minute read, and nothing points outside the
-repository."""
+lands on a file (and heading), every page is reachable from the README, and the README stays a
+five-minute read. (No file referring outside the repository is tests/test_layout.py's check.)"""
 
 from __future__ import annotations
 
 import importlib.util
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -106,24 +105,3 @@ def test_docs_have_links_from_the_readme():
     orphans = [p.name for p in sorted(DOCS.glob("*.md")) if p.name not in linked]
     assert not orphans, f"docs/ pages the README does not link to: {orphans}"
 
-
-def test_nothing_refers_outside_the_repository():
-    try:
-        files = subprocess.run(
-            ["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True, timeout=30
-        ).stdout.decode().split("\0")
-    except (OSError, subprocess.SubprocessError):
-        pytest.skip("not a git checkout")
-    # Spelled in pieces so that this file does not match itself.
-    outside = re.compile("|".join(["FAC" + "TS\\.md", "sha" + "red" + "/FAC" + "TS", "sha" + "red FAC" + "TS", "DES" + "IGN\\.md"]))
-    hits = []
-    for name in filter(None, files):
-        path = REPO / name
-        if not path.is_file() or path.suffix in (".png", ".gguf", ".safetensors", ".bin"):
-            continue
-        try:
-            text = path.read_text()
-        except (UnicodeDecodeError, OSError):
-            continue
-        hits += [f"{name}:{i}" for i, line in enumerate(text.splitlines(), 1) if outside.search(line)]
-    assert not hits, f"references to files outside the repository: {hits}"
