@@ -14,6 +14,7 @@ serving modules (the hot path).
 
 from __future__ import annotations
 
+import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
@@ -148,6 +149,19 @@ class UsageInfo(BaseModel):
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class GenerationResponse(BaseModel):
+    """The envelope both completions and chat completions answer in; each names its ``object`` and
+    its choices' type."""
+
+    id: str
+    object: str
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[Any]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
 
 
 class PromptLogprob(BaseModel):

@@ -3,13 +3,12 @@ response's schema (``/v1/responses`` and ``/tokenize`` reuse the messages and to
 
 from __future__ import annotations
 
-import time
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from servelm.server.limits import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_TOOL_CALLS, check_metadata
-from servelm.server.protocol import GenerationRequest, PromptLogprobs, UsageInfo
+from servelm.server.protocol import GenerationRequest, GenerationResponse, PromptLogprobs
 
 
 class TextPart(BaseModel):
@@ -145,12 +144,7 @@ class ChatChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(GenerationResponse):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatChoice]
-    usage: UsageInfo | None = None
-    system_fingerprint: str | None = None
     prompt_logprobs: PromptLogprobs | None = None

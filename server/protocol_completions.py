@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, Field, field_validator
 
-from servelm.server.protocol import GenerationRequest, PromptLogprobs, UsageInfo
+from servelm.server.protocol import GenerationRequest, GenerationResponse, PromptLogprobs
 
 # Token ids before strings: pydantic's smart union validates every member, and a member that fails
 # collects an error per element; a 2.5M-id prompt took 0.6 s of the event loop with list[str] first,
@@ -51,11 +50,6 @@ class CompletionChoice(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(GenerationResponse):
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-    system_fingerprint: str | None = None
