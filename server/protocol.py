@@ -4,7 +4,7 @@ extensions, response formats, usage, model cards and the SSE framing.
 Requests forbid unknown fields, like OpenAI ("Unrecognized request argument supplied"): a field we
 do not know could change what the client expects, so it is refused rather than ignored. Fields that
 OpenAI defines but we do not implement are declared and refused by name in the serving code
-(``_refuse_unsupported`` in each serving module); harmless ones (``user``, ``metadata``...) are accepted
+(each surface's ``refuse_unsupported``); harmless ones (``user``, ``metadata``...) are accepted
 and ignored. Every request model is a ``limits.RequestBody``: its body is walked once, before its
 fields are validated, for strings that are no Unicode text and for nesting and size past the bounds.
 Each surface's own models live beside this module: ``protocol_completions``, ``protocol_chat``,

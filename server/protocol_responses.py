@@ -2,9 +2,10 @@
 
 As in ``server.protocol``, the request forbids unknown top-level fields, and fields OpenAI defines but
 this server cannot honour (hosted tools, background mode, reusable prompts...) are declared so that
-``server.serving_responses`` refuses them by name. Input items and tools are kept loose here (their
+``server.responses_input`` refuses them by name. Input items and tools are kept loose here (their
 kinds are many and grow): the serving code checks each one and names the item it refuses.
-Responses are built as plain dicts (``server.serving_responses``); the schema shows their shape.
+Responses are built as plain dicts (``server.serving_responses``, ``server.responses_events``); the schema
+shows their shape.
 """
 
 from __future__ import annotations

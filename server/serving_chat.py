@@ -29,7 +29,7 @@ from servelm.server.serving_outputs import UsageCounter, collect_choices, counte
 from servelm.server.tools import ToolMode, render_kwargs, tool_mode
 
 
-def _refuse_unsupported(req: ChatCompletionRequest) -> None:
+def refuse_unsupported(req: ChatCompletionRequest) -> None:
     """Fields that would change the answer and that we cannot honour: 400 naming the field."""
     if req.functions:
         raise unsupported("functions", "'functions' (function calling) is not supported by this server")
@@ -59,7 +59,7 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, arrival: f
     """Validate ``req``, render its messages through the chat template and queue it (400 naming the
     field for what cannot be served). Shared by /v1/chat/completions and /v1/responses."""
     lora = ctx.resolve_model(req.model)
-    _refuse_unsupported(req)
+    refuse_unsupported(req)
     tools = tool_mode(req)
     messages = normalize_messages(req.messages)
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"

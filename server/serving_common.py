@@ -1,5 +1,6 @@
-"""What both OpenAI endpoints share: the serving context, request -> SamplingParams, engine errors
--> HTTP errors, and running a request until it finishes or its client goes away."""
+"""What every OpenAI surface shares on the way in: the serving context, request -> SamplingParams,
+engine errors -> HTTP errors, and running a request until it finishes or its client goes away
+(``server.serving_outputs`` holds what they share on the way out)."""
 
 from __future__ import annotations
 

@@ -75,7 +75,8 @@ def _check_prompt_sizes(ctx: ServingContext, texts: list[str | None], ids: list[
             )
 
 
-def _refuse_unsupported(req: CompletionRequest, n: int) -> None:
+def refuse_unsupported(req: CompletionRequest, n: int) -> None:
+    """Fields this server cannot honour: 400 naming the field."""
     if req.suffix:
         raise unsupported("suffix", "'suffix' (insertion) is not supported by this server")
     if req.best_of is not None and req.best_of != n:
@@ -93,7 +94,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     created = int(time.time())
     lora = ctx.resolve_model(req.model)
     n = req.n if req.n is not None else 1
-    _refuse_unsupported(req, n)
+    refuse_unsupported(req, n)
     # max_tokens 0 with echo: score the prompt, generate nothing (the engine samples one token, unused).
     prompt_only = req.max_tokens == 0
     if prompt_only and req.min_tokens:
