@@ -13,71 +13,28 @@ step k finishes by length gets no pending token, so it is not scheduled again.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Sequence
 
-import torch
-
-from servelm.metrics.observer import NullObserver, Observer, RequestStats, StepStats
-from servelm.runtime.batch import PENDING_TOKEN, BatchItem, RunnerOutput, TokenLogprobs
-from servelm.runtime.capacity import Capacity, StepCostModel, plan_capacity
-from servelm.runtime.config import ModelConfig
+from servelm.metrics.observer import NullObserver, Observer
+from servelm.runtime.batch import PENDING_TOKEN, BatchItem, TokenLogprobs
+from servelm.runtime.capacity import Capacity, StepCostModel
 from servelm.runtime.lora import LoRAAdapter
-from servelm.runtime.model_files import resolve_model_path
-from servelm.runtime.platform import device_defaults, resolve_device
-from servelm.runtime.runner import ModelRunner
-from servelm.runtime.tokenizer import load_tokenizer
-from servelm.scheduler.block_manager import BlockManager
+from servelm.scheduler import offline
 from servelm.scheduler.config import EngineConfig
 from servelm.scheduler.detokenizer import IncrementalDetokenizer, TextDecoder
-from servelm.scheduler.outputs import ChoiceGroup, GeneratedChoice, GenerationResult, RequestOutput
-from servelm.scheduler.request import Request, RequestStatus
 from servelm.scheduler.lora_registry import LoRARegistry
+from servelm.scheduler.outputs import ChoiceGroup, GenerationResult, RequestOutput
+from servelm.scheduler.request import Request, RequestStatus
 from servelm.scheduler.sampling_params import InvalidParameterError, SamplingParams, check_request
-from servelm.scheduler.scheduler import Scheduler, SchedulerOutput
-from servelm.scheduler.speculative import NgramProposer, SpeculativeConfig
-from servelm.scheduler.startup import DTYPE_NAMES, eos_ids, new_runner, resolve_dtype, resolve_max_model_len
+from servelm.scheduler.startup import RunnerLike, StepResult, start_up
 from servelm.scheduler.stop import StopChecker, accept_token
 from servelm.scheduler.structured_output import GrammarCompiler
 
 log = logging.getLogger(__name__)
-
-class RunnerLike(Protocol):
-    """What the engine needs of ``runtime.runner.ModelRunner`` (tests pass fakes).
-
-    A runner may also split ``execute`` into ``launch(items)`` and ``sample(launched)``, whose
-    ``result()`` gives the ``RunnerOutput`` and whose ``errors`` are the items whose sampling raised
-    (``ModelRunner`` does); ``_Executed`` adapts one that does not.
-    """
-
-    def execute(self, items: list[BatchItem]) -> RunnerOutput: ...
-
-
-class _Done:
-    def __init__(self, output: RunnerOutput) -> None:
-        self._output = output
-        self.errors = output.errors or {}
-
-    def result(self) -> RunnerOutput:
-        return self._output
-
-
-class _Executed:
-    """``launch`` / ``sample`` over a runner that only has ``execute`` (all the work is in ``sample``)."""
-
-    def __init__(self, runner: RunnerLike) -> None:
-        self._runner = runner
-
-    def launch(self, items: list[BatchItem]) -> list[BatchItem]:
-        return items
-
-    def sample(self, items: list[BatchItem]) -> _Done:
-        return _Done(self._runner.execute(items))
 
 
 @dataclass
@@ -85,14 +42,15 @@ class _Sampled:
     """A step whose sampling was issued: its items and its ``StepOutput`` (tokens not read yet)."""
 
     items: list[BatchItem]
-    output: Any  # has result() -> RunnerOutput
+    output: StepResult
 
 
 class Engine:
     """Owns the tokenizer, the scheduler, the block manager and the model runner; ``step`` runs one iteration.
 
     ``Engine(EngineConfig(model=str(folder), kv_cache_memory=..., max_model_len=...))`` is all a test
-    needs. ``runner`` (keyword) replaces the real ``ModelRunner`` with anything that has ``execute``.
+    needs. ``runner`` (keyword) replaces the real ``ModelRunner`` with anything that implements
+    ``RunnerLike``.
     """
 
     def __init__(
@@ -103,118 +61,26 @@ class Engine:
         runner: RunnerLike | None = None,
     ) -> None:
         self.observer: Observer = observer if observer is not None else NullObserver()
-        model_dir = resolve_model_path(config.model)
-        self.model_dir = model_dir
-        self.model_config = ModelConfig.from_dir(model_dir)
-        mc = self.model_config
+        settled = start_up(config, runner)
+        self.config = settled.config
+        self.model_dir, self.model_config = settled.model_dir, settled.model_config
+        self.device, self.dtype = settled.device, settled.dtype
+        self.capacity: Capacity = settled.capacity
+        self.served_model_name = settled.served_model_name
+        self.tokenizer, self.eos_token_ids = settled.tokenizer, settled.eos_token_ids
+        self.runner: RunnerLike = settled.runner
+        self.async_scheduling = settled.async_scheduling
+        self.enable_lora = settled.enable_lora
 
-        device = resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype, device)
-        self.device, self.dtype = device, dtype
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-
-        defaults = device_defaults(device, dtype, mc.head_dim)
-        max_model_len = resolve_max_model_len(mc, config.max_model_len, sliding_window_supported=defaults.sliding_window)
-        max_batched = config.max_num_batched_tokens or defaults.max_num_batched_tokens
-        block_size = config.block_size if config.block_size is not None else defaults.block_size
-
-        kv_memory = config.kv_cache_memory
-        unpooled: ModelRunner | None = None  # weights loaded first, the pool sized from what is left
-        if defaults.sizes_kv_from_memory and runner is None:
-            # Weights first, then the largest step the scheduler can build, once, on a scratch pool:
-            # it measures the activation peak when the pool is sized from GPU memory, and it compiles
-            # the step's Triton kernels at start-up rather than in the first request.
-            unpooled = new_runner(model_dir, mc, device, dtype, block_size, None, max_batched, max_model_len, config)
-            if kv_memory is None:
-                kv_memory = unpooled.measure_kv_budget(
-                    config.gpu_memory_utilization, 0 if config.enforce_eager else defaults.graph_reserve_bytes
-                )
-            else:
-                unpooled.warm_up()
-                torch.cuda.empty_cache()
-        if kv_memory is None:
-            kv_memory = defaults.kv_cache_memory
-        if kv_memory is None:  # an injected runner, where the pool is sized from memory
-            kv_memory = getattr(getattr(runner, "kv_pool", None), "nbytes", None)
-            if kv_memory is None:
-                raise ValueError(f"an injected runner on {device} needs kv_cache_memory or a kv_pool")
-        self.capacity: Capacity = plan_capacity(mc, dtype, kv_memory, block_size, max_model_len)
-        log.info("KV capacity: %s", self.capacity.describe())
-
-        self.config = dataclasses.replace(
-            config,
-            device=str(device),
-            dtype=DTYPE_NAMES.get(dtype, str(dtype)),
-            block_size=block_size,
-            kv_cache_memory=kv_memory,
-            max_model_len=max_model_len,
-            max_num_batched_tokens=max_batched,
-        )
-        gguf = Path(config.model).suffix == ".gguf" if config.model else False
-        self.served_model_name = config.served_model_name or (
-            Path(config.model).stem if gguf else model_dir.name  # type: ignore[arg-type]
-        )
-
-        self.tokenizer = load_tokenizer(config.tokenizer or model_dir)
-        self.eos_token_ids = eos_ids(model_dir, mc, self.tokenizer)
         # Shared by every request's detokenizer (by skip_special_tokens): they memoise single tokens.
         self._text_decoders = {skip: TextDecoder(self.tokenizer, skip) for skip in (True, False)}
         # Structured outputs the edge did not compile (offline use); reads the vocabulary on first use.
-        self.grammar_compiler = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)
-
-        num_blocks = self.capacity.num_blocks
-        if runner is not None:
-            # A runner built elsewhere (tests, device checks) must match the blocks handed out here.
-            pool = getattr(runner, "kv_pool", None)
-            runner_bs = getattr(runner, "block_size", block_size)
-            if runner_bs != block_size:
-                raise ValueError(f"the runner's KV pool uses block_size {runner_bs}, the engine {block_size}")
-            if pool is not None and pool.num_blocks < num_blocks:
-                raise ValueError(
-                    f"the runner's KV pool has {pool.num_blocks} blocks, the KV budget asks for {num_blocks}"
-                )
-        self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
-        self.proposer: NgramProposer | None = None
-        if config.speculative_config:
-            self.proposer = NgramProposer(SpeculativeConfig.parse(config.speculative_config))
-            log.info("speculative decoding: %s", self.proposer.config)
-        self.enable_lora = config.enable_lora or bool(config.lora_modules)
-        if self.enable_lora and (config.max_loras < 1 or config.max_lora_rank < 1):
-            raise ValueError("max_loras and max_lora_rank must be at least 1")
-        self.scheduler = Scheduler(
-            self.block_manager,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=max_batched,
-            policy=config.scheduling_policy,
-            proposer=self.proposer,
-            max_loras=config.max_loras if self.enable_lora else None,
-        )
-        if unpooled is not None:
-            unpooled.allocate_kv_pool(num_blocks)
-            runner = unpooled
-        elif runner is None:
-            runner = new_runner(
-                model_dir, mc, device, dtype, block_size, num_blocks, max_batched, max_model_len, config
-            )
-        self.runner = runner
-        self._steps = runner if hasattr(runner, "launch") else _Executed(runner)
-        # Default: on where the forward runs in the background (CUDA), off elsewhere.
-        ahead = config.async_scheduling
-        self.async_scheduling = defaults.async_scheduling if ahead is None else ahead
-        if self.async_scheduling and self.proposer is not None:
-            log.warning("speculative decoding needs each step's tokens before the next is scheduled: off while scheduling ahead")
-        if self.async_scheduling and not defaults.async_scheduling:
-            log.warning(
-                "--async-scheduling on %s: the forward does not run in the background here, so every token "
-                "reaches its client one step later and nothing is overlapped",
-                device,
-            )
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        self.block_manager, self.proposer, self.scheduler = settled.block_manager, settled.proposer, settled.scheduler
         self._in_flight: _Sampled | None = None  # async: the step whose tokens the next step reads
-
         # The bytes a step reads of the weights: the runner's count (quantized weights count their own
         # bytes), else parameters x dtype.
-        self._step_cost = StepCostModel(mc, dtype, getattr(runner, "weight_bytes", None))
+        self._step_cost = StepCostModel(self.model_config, self.dtype, self.runner.weight_bytes)
 
         self._groups: dict[str, ChoiceGroup] = {}
         self._seq_ids = itertools.count()
@@ -223,7 +89,7 @@ class Engine:
         self.drafts_verified = 0  # speculative decoding, cumulative: drafts computed ...
         self.num_accepted_drafts = 0  # ... and kept
 
-        self.loras = LoRARegistry(runner, enabled=self.enable_lora, max_rank=config.max_lora_rank, base_name=self.served_model_name)
+        self.loras = LoRARegistry(self.runner, enabled=self.enable_lora, max_rank=config.max_lora_rank, base_name=self.served_model_name)
         for name, path in config.lora_modules:
             self.loras.add(name, path)
 
@@ -348,7 +214,7 @@ class Engine:
         sched = self.scheduler.schedule()
         self.drafts_verified += sched.num_draft_tokens
         cost = self._step_cost(sched.items)  # before the counts below move on
-        launched = self._steps.launch(sched.items) if sched.items else None
+        launched = self.runner.launch(sched.items) if sched.items else None
 
         changed: dict[str, ChoiceGroup] = self._pending_groups
         self._pending_groups = {}
@@ -376,13 +242,15 @@ class Engine:
         outputs = [self._request_output(g) for g in changed.values()]
         if sched.items or changed:
             accepted = self.num_accepted_drafts - accepted_before
-            self._observe_step(sched, time.perf_counter() - t0, num_sampled, ttfts, itls, cost, accepted)
+            loras = self.lora_request_names() if self.enable_lora else None
+            stats = self.scheduler.step_stats(sched, time.perf_counter() - t0, num_sampled, ttfts, itls, cost, accepted, loras)
+            self.observer.on_step(stats)
         return outputs
 
     def _sample(self, items: list[BatchItem], launched: Any, changed: dict[str, ChoiceGroup]) -> _Sampled:
         """Issue a launched step's sampling and move its sequences on: their new tokens are computed
         (and full blocks cached); scheduling ahead, each sampled one that goes on gets a pending token."""
-        output = self._steps.sample(launched)
+        output = self.runner.sample(launched)
         for i, e in output.errors.items():  # its row raised in the sampler: that request fails, not the step
             if not items[i].seq.is_finished:  # type: ignore[attr-defined]
                 self._fail(items[i].seq, e, changed)  # type: ignore[arg-type]
@@ -494,18 +362,7 @@ class Engine:
     def _on_finished(self, req: Request) -> None:
         if req.lora_id:
             self.loras.release(req.lora_id)
-        self.observer.on_request_finished(
-            RequestStats(
-                finish_reason=req.finish_reason or "error",
-                arrival_time=req.arrival_time,
-                first_scheduled_time=req.first_scheduled_time,
-                first_token_time=req.first_token_time,
-                last_token_time=req.last_token_time,
-                finished_time=req.finished_time if req.finished_time is not None else time.monotonic(),
-                num_prompt_tokens=req.num_prompt_tokens,
-                num_generation_tokens=req.num_output_tokens,
-            )
-        )
+        self.observer.on_request_finished(req.stats())
 
     # -- outputs -------------------------------------------------------------------------------------
     def _request_output(self, group: ChoiceGroup) -> RequestOutput:
@@ -513,39 +370,6 @@ class Engine:
         if out.finished:
             self._groups.pop(group.request_id, None)
         return out
-
-    # -- metrics -------------------------------------------------------------------------------------
-    def _observe_step(
-        self,
-        sched: SchedulerOutput,
-        duration: float,
-        num_sampled: int,
-        ttfts: list[float],
-        itls: list[float],
-        cost: tuple[float, float],
-        num_accepted_drafts: int = 0,
-    ) -> None:
-        flops, moved = cost
-        self.observer.on_step(
-            StepStats(
-                duration_s=duration,
-                num_running=self.scheduler.num_running,
-                num_waiting=self.scheduler.num_waiting,
-                kv_cache_usage=self.block_manager.usage,
-                num_prompt_tokens=sched.num_prompt_tokens,
-                num_generation_tokens=num_sampled,
-                num_preemptions=sched.num_preemptions,
-                prefix_cache_queries=sched.prefix_cache_queries,
-                prefix_cache_hits=sched.prefix_cache_hits,
-                flops=flops,
-                bytes_moved=moved,
-                time_to_first_tokens=ttfts,
-                inter_token_latencies=itls,
-                num_draft_tokens=sched.num_draft_tokens,
-                num_accepted_draft_tokens=num_accepted_drafts,
-                lora_adapters=self.lora_request_names() if self.enable_lora else None,
-            )
-        )
 
     # -- offline -------------------------------------------------------------------------------------
     def generate(
@@ -556,52 +380,17 @@ class Engine:
     ) -> list[GenerationResult]:
         """Run prompts (texts or token ids) to completion, each with its LoRA adapter (one name for
         all, or one per prompt; None: the base model); results in prompt order."""
-        if isinstance(params, SamplingParams):
-            plist = [params] * len(prompts)
-        else:
-            plist = list(params)
-            if len(plist) != len(prompts):
-                raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
-        if lora_names is None or isinstance(lora_names, str):
-            loras: list[str | None] = [lora_names] * len(prompts)
-        else:
-            loras = list(lora_names)
-            if len(loras) != len(prompts):
-                raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA names")
-        groups: list[ChoiceGroup] = []
-        try:
-            for prompt, p, lora_name in zip(prompts, plist, loras):
-                # Text is tokenized as the tokenizer does by default (BOS where the model expects one).
-                ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-                rid = f"generate-{next(self._generate_ids)}"
-                self.add_request(rid, ids, p, lora_name=lora_name)
-                groups.append(self._groups[rid])
-        except Exception:
-            for g in groups:
-                self.abort(g.request_id)
-            raise
-        while any(not g.finished for g in groups):
-            self.step()
-        for g in groups:  # drop their pending abort/error news: the caller gets the results below
-            self._pending_groups.pop(g.request_id, None)
-            self._groups.pop(g.request_id, None)
-        return [
-            GenerationResult(
-                g.request_id,
-                g.prompt_token_ids,
-                [
-                    GeneratedChoice(
-                        index=r.index,
-                        text="".join(r.text_parts),
-                        token_ids=r.output_token_ids,
-                        finish_reason=r.finish_reason,
-                        stop_reason=r.stop_reason,
-                        logprobs=r.output_logprobs,
-                        error=r.error,
-                    )
-                    for r in g.choices
-                ],
-                g.complete_prompt_logprobs(),
-            )
-            for g in groups
-        ]
+        return offline.generate(self, prompts, params, lora_names)
+
+    def new_offline_id(self) -> str:
+        """A request id of this engine's own, for a ``generate`` prompt."""
+        return f"generate-{next(self._generate_ids)}"
+
+    def choice_group(self, request_id: str) -> ChoiceGroup:
+        """The choices of a request not yet reported finished."""
+        return self._groups[request_id]
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request and any news of it not yet reported (its caller reads the choices)."""
+        self._pending_groups.pop(request_id, None)
+        self._groups.pop(request_id, None)

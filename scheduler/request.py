@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
+from servelm.metrics.observer import RequestStats
 from servelm.runtime.batch import PENDING_TOKEN, PromptLogprobs, TokenLogprobs
 from servelm.scheduler.block_manager import block_hash_seed
 from servelm.scheduler.sampling_params import SamplingParams
@@ -209,6 +210,19 @@ class Request:
         """Forget a pending token whose value will not be read (the sequence finished meanwhile)."""
         if self.token_ids[-1] == PENDING_TOKEN:
             self.token_ids.pop()
+
+    def stats(self) -> RequestStats:
+        """What the metrics record of this choice once it has finished."""
+        return RequestStats(
+            finish_reason=self.finish_reason or "error",
+            arrival_time=self.arrival_time,
+            first_scheduled_time=self.first_scheduled_time,
+            first_token_time=self.first_token_time,
+            last_token_time=self.last_token_time,
+            finished_time=self.finished_time if self.finished_time is not None else time.monotonic(),
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_output_tokens,
+        )
 
     def __repr__(self) -> str:
         return (

@@ -11,6 +11,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from servelm.metrics.observer import StepStats
 from servelm.runtime.batch import PENDING_TOKEN, BatchItem
 from servelm.scheduler.block_manager import BlockManager, PrefixMatch
 from servelm.scheduler.request import Request, RequestStatus
@@ -296,6 +297,38 @@ class Scheduler:
         else:
             (self._batch if self.policy == "static" else self.waiting).appendleft(req)
         out.preempted.append(req)
+
+    def step_stats(
+        self,
+        out: SchedulerOutput,
+        duration: float,
+        num_sampled: int,
+        ttfts: list[float],
+        itls: list[float],
+        cost: tuple[float, float],
+        num_accepted_drafts: int,
+        lora_adapters: tuple[list[str], list[str]] | None,
+    ) -> StepStats:
+        """The metrics of the step that scheduled ``out``, with what the engine measured of it."""
+        flops, moved = cost
+        return StepStats(
+            duration_s=duration,
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            kv_cache_usage=self.bm.usage,
+            num_prompt_tokens=out.num_prompt_tokens,
+            num_generation_tokens=num_sampled,
+            num_preemptions=out.num_preemptions,
+            prefix_cache_queries=out.prefix_cache_queries,
+            prefix_cache_hits=out.prefix_cache_hits,
+            flops=flops,
+            bytes_moved=moved,
+            time_to_first_tokens=ttfts,
+            inter_token_latencies=itls,
+            num_draft_tokens=out.num_draft_tokens,
+            num_accepted_draft_tokens=num_accepted_drafts,
+            lora_adapters=lora_adapters,
+        )
 
     def _never_fits(self, req: Request) -> bool:
         longest = req.num_prompt_tokens + req.max_tokens

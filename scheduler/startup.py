@@ -1,18 +1,31 @@
-"""What the engine settles before it serves: dtype, context length, EOS ids, the runner."""
+"""What the engine settles before it serves: device, dtype, context length, KV capacity, tokenizer,
+EOS ids and the runner; and what the engine needs of a runner."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from servelm.runtime.batch import BatchItem, RunnerOutput
+from servelm.runtime.capacity import Capacity, plan_capacity
 from servelm.runtime.config import ModelConfig
-from servelm.runtime.platform import default_dtype
+from servelm.runtime.model_files import resolve_model_path
+from servelm.runtime.platform import default_dtype, device_defaults, resolve_device
 from servelm.runtime.runner import ModelRunner
+from servelm.runtime.tokenizer import load_tokenizer
+from servelm.scheduler.block_manager import BlockManager
 from servelm.scheduler.config import EngineConfig
+from servelm.scheduler.scheduler import Scheduler
+from servelm.scheduler.speculative import NgramProposer, SpeculativeConfig
+
+if TYPE_CHECKING:
+    from servelm.runtime.kv_cache import KVPool
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +42,167 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
+
+
+class StepResult(Protocol):
+    """A step's sampling on its way to the host (``runtime.step.StepOutput``)."""
+
+    errors: dict[int, Exception]  # items whose sampling raised, by item index (known at once)
+
+    def result(self) -> RunnerOutput:
+        """The step's tokens, one entry per item (waits for them)."""
+        ...
+
+
+class RunnerLike(Protocol):
+    """What the engine needs of ``runtime.runner.ModelRunner`` (tests pass fakes implementing it).
+
+    A step is issued in two halves so that, scheduling ahead, host work runs between them while the
+    device computes: ``launch`` starts the forward, ``sample`` issues the sampling.
+    """
+
+    block_size: int
+    kv_pool: KVPool | None  # None until allocated
+    weight_bytes: int | None  # what a step reads of the weights (None: parameters x dtype)
+
+    def launch(self, items: list[BatchItem]) -> Any: ...
+
+    def sample(self, launched: Any) -> StepResult: ...
+
+
+@dataclass
+class StartUp:
+    """What ``start_up`` settled: the configuration with every default resolved, what it loaded, and
+    the scheduler over the KV blocks sized for it."""
+
+    config: EngineConfig
+    model_dir: Path
+    model_config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    capacity: Capacity
+    served_model_name: str
+    tokenizer: Any
+    eos_token_ids: tuple[int, ...]
+    runner: RunnerLike
+    async_scheduling: bool
+    enable_lora: bool
+    block_manager: BlockManager
+    proposer: NgramProposer | None
+    scheduler: Scheduler
+
+
+def start_up(config: EngineConfig, runner: RunnerLike | None = None) -> StartUp:
+    """Resolve every default of ``config`` (from the model and the device), size the KV pool and load
+    the runner, unless ``runner`` is given (it must match the blocks the engine will hand out)."""
+    model_dir = resolve_model_path(config.model)
+    mc = ModelConfig.from_dir(model_dir)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    # Refused before the weights are loaded.
+    speculative = SpeculativeConfig.parse(config.speculative_config) if config.speculative_config else None
+    enable_lora = config.enable_lora or bool(config.lora_modules)
+    if enable_lora and (config.max_loras < 1 or config.max_lora_rank < 1):
+        raise ValueError("max_loras and max_lora_rank must be at least 1")
+
+    defaults = device_defaults(device, dtype, mc.head_dim)
+    max_model_len = resolve_max_model_len(mc, config.max_model_len, sliding_window_supported=defaults.sliding_window)
+    max_batched = config.max_num_batched_tokens or defaults.max_num_batched_tokens
+    block_size = config.block_size if config.block_size is not None else defaults.block_size
+
+    kv_memory = config.kv_cache_memory
+    unpooled: ModelRunner | None = None  # weights loaded first, the pool sized from what is left
+    if defaults.sizes_kv_from_memory and runner is None:
+        # Weights first, then the largest step the scheduler can build, once, on a scratch pool:
+        # it measures the activation peak when the pool is sized from GPU memory, and it compiles
+        # the step's Triton kernels at start-up rather than in the first request.
+        unpooled = new_runner(model_dir, mc, device, dtype, block_size, None, max_batched, max_model_len, config)
+        if kv_memory is None:
+            kv_memory = unpooled.measure_kv_budget(
+                config.gpu_memory_utilization, 0 if config.enforce_eager else defaults.graph_reserve_bytes
+            )
+        else:
+            unpooled.warm_up()
+            torch.cuda.empty_cache()
+    if kv_memory is None:
+        kv_memory = defaults.kv_cache_memory
+    if kv_memory is None:  # an injected runner, where the pool is sized from memory
+        if runner is None or runner.kv_pool is None:
+            raise ValueError(f"an injected runner on {device} needs kv_cache_memory or a kv_pool")
+        kv_memory = runner.kv_pool.nbytes
+    capacity = plan_capacity(mc, dtype, kv_memory, block_size, max_model_len)
+    log.info("KV capacity: %s", capacity.describe())
+
+    resolved = dataclasses.replace(
+        config,
+        device=str(device),
+        dtype=DTYPE_NAMES.get(dtype, str(dtype)),
+        block_size=block_size,
+        kv_cache_memory=kv_memory,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max_batched,
+    )
+    gguf = Path(config.model).suffix == ".gguf" if config.model else False
+    served_model_name = config.served_model_name or (Path(config.model).stem if gguf else model_dir.name)  # type: ignore[arg-type]
+    tokenizer = load_tokenizer(config.tokenizer or model_dir)
+    eos_token_ids = eos_ids(model_dir, mc, tokenizer)
+
+    num_blocks = capacity.num_blocks
+    if runner is not None:
+        # A runner built elsewhere (tests, device checks) must match the blocks handed out here.
+        if runner.block_size != block_size:
+            raise ValueError(f"the runner's KV pool uses block_size {runner.block_size}, the engine {block_size}")
+        if runner.kv_pool is not None and runner.kv_pool.num_blocks < num_blocks:
+            raise ValueError(
+                f"the runner's KV pool has {runner.kv_pool.num_blocks} blocks, the KV budget asks for {num_blocks}"
+            )
+    block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
+    proposer = NgramProposer(speculative) if speculative is not None else None
+    if proposer is not None:
+        log.info("speculative decoding: %s", proposer.config)
+    scheduler = Scheduler(
+        block_manager,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=max_batched,
+        policy=config.scheduling_policy,
+        proposer=proposer,
+        max_loras=config.max_loras if enable_lora else None,
+    )
+    if unpooled is not None:
+        unpooled.allocate_kv_pool(num_blocks)
+        runner = unpooled
+    elif runner is None:
+        runner = new_runner(model_dir, mc, device, dtype, block_size, num_blocks, max_batched, max_model_len, config)
+
+    # Default: on where the forward runs in the background (CUDA), off elsewhere.
+    ahead = defaults.async_scheduling if config.async_scheduling is None else config.async_scheduling
+    if ahead and speculative is not None:
+        log.warning("speculative decoding needs each step's tokens before the next is scheduled: off while scheduling ahead")
+    if ahead and not defaults.async_scheduling:
+        log.warning(
+            "--async-scheduling on %s: the forward does not run in the background here, so every token "
+            "reaches its client one step later and nothing is overlapped",
+            device,
+        )
+    return StartUp(
+        config=resolved,
+        model_dir=model_dir,
+        model_config=mc,
+        device=device,
+        dtype=dtype,
+        capacity=capacity,
+        served_model_name=served_model_name,
+        tokenizer=tokenizer,
+        eos_token_ids=eos_token_ids,
+        runner=runner,
+        async_scheduling=ahead,
+        enable_lora=enable_lora,
+        block_manager=block_manager,
+        proposer=proposer,
+        scheduler=scheduler,
+    )
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -92,6 +266,7 @@ def new_runner(
     max_model_len: int,
     config: EngineConfig,
 ) -> ModelRunner:
+    """The real runner for the settled configuration (``num_blocks`` None: its pool comes later)."""
     return ModelRunner(
         model_dir,
         mc,

@@ -9,6 +9,7 @@ import pytest
 
 from servelm.metrics.observer import RequestStats, StepStats
 from servelm.runtime.batch import BatchItem, RunnerOutput, TokenLogprobs
+from servelm.runtime.platform import CPU_DEFAULT_BLOCK_SIZE
 from servelm.scheduler.config import EngineConfig
 from servelm.scheduler.engine import Engine
 from servelm.scheduler.outputs import RequestOutput
@@ -34,14 +35,36 @@ class RecordingObserver:
         self.rejected += 1
 
 
+class ScriptedStep:
+    """A scripted step's sampling (the ``StepResult`` protocol): its tokens, and no sampler errors."""
+
+    def __init__(self, output: RunnerOutput) -> None:
+        self._output = output
+        self.errors: dict[int, Exception] = {}
+
+    def result(self) -> RunnerOutput:
+        return self._output
+
+
 class ScriptedRunner:
-    """Emits, for each request, the next token of ``script[prompt[0]]`` (prompt's first token picks the script)."""
+    """Emits, for each request, the next token of ``script[prompt[0]]`` (prompt's first token picks the script).
+
+    Implements the engine's ``RunnerLike``: no KV pool of its own, the CPU's default block size.
+    """
+
+    block_size = CPU_DEFAULT_BLOCK_SIZE
+    kv_pool = None
+    weight_bytes = None
 
     def __init__(self, scripts: dict[int, list[int]]) -> None:
         self.scripts = scripts
         self.steps = 0
 
-    def execute(self, items: list[BatchItem]) -> RunnerOutput:
+    def launch(self, items: list[BatchItem]) -> list[BatchItem]:
+        return items
+
+    def sample(self, items: list[BatchItem]) -> ScriptedStep:
+        # Tokens are read from the sequences at sampling time, as the real runner's sampler sees them.
         self.steps += 1
         toks: list[int | None] = []
         lps: list[TokenLogprobs | None] = []
@@ -56,7 +79,7 @@ class ScriptedRunner:
             tok = script[n_out % len(script)]
             toks.append(tok)
             lps.append(TokenLogprobs(tok, -0.5, 1, [(tok, -0.5)]) if seq.params.logprobs is not None else None)
-        return RunnerOutput(toks, lps)
+        return ScriptedStep(RunnerOutput(toks, lps))
 
 
 def drain(engine: Engine, max_steps: int = 2000) -> list[RequestOutput]:

@@ -1,0 +1,69 @@
+"""Offline use: run a list of prompts to completion on an engine and return their results in order."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+from servelm.scheduler.outputs import ChoiceGroup, GeneratedChoice, GenerationResult
+from servelm.scheduler.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from servelm.scheduler.engine import Engine
+
+
+def generate(
+    engine: Engine,
+    prompts: Sequence[str] | Sequence[Sequence[int]],
+    params: SamplingParams | Sequence[SamplingParams],
+    lora_names: str | Sequence[str | None] | None = None,
+) -> list[GenerationResult]:
+    """``Engine.generate``: steps ``engine`` until every prompt's choices have finished."""
+    if isinstance(params, SamplingParams):
+        plist = [params] * len(prompts)
+    else:
+        plist = list(params)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+    if lora_names is None or isinstance(lora_names, str):
+        loras: list[str | None] = [lora_names] * len(prompts)
+    else:
+        loras = list(lora_names)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA names")
+    groups: list[ChoiceGroup] = []
+    try:
+        for prompt, p, lora_name in zip(prompts, plist, loras):
+            # Text is tokenized as the tokenizer does by default (BOS where the model expects one).
+            ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            rid = engine.new_offline_id()
+            engine.add_request(rid, ids, p, lora_name=lora_name)
+            groups.append(engine.choice_group(rid))
+    except Exception:
+        for g in groups:
+            engine.abort(g.request_id)
+        raise
+    while any(not g.finished for g in groups):
+        engine.step()
+    for g in groups:  # drop their pending abort/error news: the caller gets the results below
+        engine.forget(g.request_id)
+    return [_result(g) for g in groups]
+
+
+def _result(group: ChoiceGroup) -> GenerationResult:
+    return GenerationResult(
+        group.request_id,
+        group.prompt_token_ids,
+        [
+            GeneratedChoice(
+                index=r.index,
+                text="".join(r.text_parts),
+                token_ids=r.output_token_ids,
+                finish_reason=r.finish_reason,
+                stop_reason=r.stop_reason,
+                logprobs=r.output_logprobs,
+                error=r.error,
+            )
+            for r in group.choices
+        ],
+        group.complete_prompt_logprobs(),
+    )
