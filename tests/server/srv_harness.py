@@ -91,8 +91,16 @@ class FakeEngine:
         )
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
+        """``Engine.add_request``'s signature; the scripted model has no adapters, prefix cache or priorities."""
         params.validate(vocab_size=self.model_config.vocab_size)
         if not prompt_token_ids:
             raise InvalidParameterError("prompt", "the prompt is empty")
