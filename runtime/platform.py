@@ -7,10 +7,16 @@ plain values, and never branches on ``device.type`` itself.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
+
+from servelm.runtime.attention.base import AttentionBackend
+from servelm.runtime.model_kernels import ModelKernels
+
+log = logging.getLogger(__name__)
 
 # CPU: the KV pool's size when none is given (there is no device memory to size it from).
 CPU_DEFAULT_KV_MEMORY = 2 * 2**30
@@ -106,3 +112,116 @@ def token_bitmask_kernel(device: torch.device) -> Callable[[torch.Tensor, torch.
     from servelm.runtime.cpu import ops  # (not at import: only a CPU process loads the CPU kernels)
 
     return ops.token_bitmask_kernel()
+
+
+# ---- the runner's kernels ----------------------------------------------------------------------
+
+
+def select_attention_backend(
+    device: torch.device | str,
+    *,
+    block_size: int,
+    dtype: torch.dtype | None = None,
+    head_dim: int | None = None,
+    use_cpu_kernel: bool = True,
+) -> AttentionBackend:
+    """CUDA: FlashAttention, else the Triton paged fallback (``cuda.flash_backend.select_cuda_backend``).
+    CPU: ``TorchAttentionBackend`` (the C++ decode kernel when it builds, unless ``use_cpu_kernel`` is
+    False). CUDA-only packages are never imported on a CPU start."""
+    device = torch.device(device)
+    backend: AttentionBackend
+    if device.type == "cuda":
+        # Importing flash_backend imports neither flash_attn nor triton; constructing a backend does.
+        from servelm.runtime.cuda.flash_backend import select_cuda_backend
+
+        backend = select_cuda_backend(block_size, dtype, head_dim)
+    elif device.type == "cpu":
+        from servelm.runtime.cpu.torch_backend import TorchAttentionBackend
+
+        backend = TorchAttentionBackend(block_size, use_kernel=use_cpu_kernel)
+    else:
+        raise ValueError(f"unsupported device {device}; expected cpu or cuda")
+    log.info("attention backend: %s on %s (block size %d)", backend.name, device, block_size)
+    return backend
+
+
+def serves_gemma(device: torch.device) -> bool:
+    """Whether Gemma's sliding windows and norms have a path here (the CPU's only)."""
+    return device.type == "cpu"
+
+
+def quantization_supported(device: torch.device) -> bool:
+    """Whether ``--quantization`` has kernels here (weight-only int8/int4: the CPU's)."""
+    return device.type == "cpu"
+
+
+def quantized_kernels(device: torch.device) -> dict[str, Any]:
+    """The quantized projection kernels by format (``cpu.linear.quantized_kernels``); none off CPU."""
+    if device.type != "cpu":
+        return {}
+    from servelm.runtime.cpu import linear
+
+    return linear.quantized_kernels()
+
+
+def small_batch_splits(device: torch.device) -> tuple[int, int]:
+    """Most rows for which dense torch splits the gate/up projection, and computes the head as W @ h^T
+    (``cpu.linear.SPLIT_GATE_UP_MAX_ROWS`` / ``TALL_SKINNY_HEAD_MAX_ROWS``); (0, 0) off CPU."""
+    if device.type != "cpu":
+        return 0, 0
+    from servelm.runtime.cpu import linear
+
+    return linear.SPLIT_GATE_UP_MAX_ROWS, linear.TALL_SKINNY_HEAD_MAX_ROWS
+
+
+def install_kernels(model: Any, device: torch.device, dtype: torch.dtype, quant_rows: int) -> ModelKernels:
+    """Put this device's kernels into a loaded (and quantized) model: packing and compiled ops on CPU,
+    fused Triton ops and few-row projections on CUDA."""
+    if device.type == "cpu":
+        from servelm.runtime.cpu import setup as cpu_setup
+
+        return cpu_setup.install_kernels(model, dtype, quant_rows)
+    if device.type == "cuda":
+        from servelm.runtime.cuda import setup as cuda_setup
+
+        return cuda_setup.install_kernels(model)
+    return ModelKernels()
+
+
+def capture_decode_graphs(runner: Any, num_blocks: int) -> Any:
+    """The runner's captured decode graphs (``cuda.graphs.CudaGraphRunner``), or None where there are none."""
+    if runner.device.type != "cuda":
+        return None
+    from servelm.runtime.cuda import setup as cuda_setup
+
+    return cuda_setup.capture_decode_graphs(runner, num_blocks)
+
+
+def kv_budget_bytes(
+    device: torch.device, utilization: float, warm_up: Callable[[], int], scratch_bytes: int, reserve_bytes: int
+) -> int:
+    """Bytes the KV pool may take within ``utilization`` of the device's memory (CUDA)."""
+    from servelm.runtime.cuda import setup as cuda_setup
+
+    return cuda_setup.kv_budget_bytes(device, utilization, warm_up, scratch_bytes, reserve_bytes)
+
+
+def lora_kernel(device: torch.device) -> Any:
+    """The compiled LoRA op (``cpu.ops.lora_kernel``), or None where there is none."""
+    if device.type != "cpu":
+        return None
+    from servelm.runtime.cpu import ops
+
+    return ops.lora_kernel()
+
+
+def copies_results_async(device: torch.device) -> bool:
+    """Whether a step's results go to pinned host memory without blocking, waited on by an event."""
+    return device.type == "cuda"
+
+
+def results_ready_event(device: torch.device) -> Any:
+    """An event recorded after the copies queued so far on ``device`` (see ``copies_results_async``)."""
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event

@@ -24,13 +24,11 @@ weights replace the float32 ones here too, so more rows (oneDNN) compute with th
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
-log = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("int8", "int4", "auto")
 # "auto": int4 where it is exact for the checkpoint (every projection and the head already on its grid,
@@ -61,17 +59,6 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
     """``q * scale[:, None]`` in ``dtype``: the weight the quantized model computes with."""
     return (q.float() * scale[:, None]).to(dtype)
 
-
-def check_quantization(quantization: str | None, device: torch.device, dtype: torch.dtype) -> None:
-    """Refuse what is not implemented, at start-up, with the reason."""
-    if quantization is None or quantization == AUTO:
-        return  # auto decides at load time, and says no where int4 cannot run
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"unknown quantization {quantization!r}; supported: {', '.join(QUANTIZATIONS)}")
-    if device.type != "cpu":
-        raise ValueError(f"--quantization {quantization} is implemented for the CPU path only (device {device})")
-    if dtype != torch.float32:
-        raise ValueError(f"--quantization {quantization} takes float32 activations: use --dtype float32 (got {dtype})")
 
 
 def _group_view(weight: torch.Tensor) -> torch.Tensor:
@@ -195,44 +182,3 @@ def projection_widths(cfg: Any) -> list[int]:
     """The input widths of a Llama-family model's projections (a ``ModelConfig``): hidden (q/k/v,
     gate/up, head), heads x head_dim (o), intermediate (down)."""
     return [cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size]
-
-
-def quantize_model(
-    model: Any,
-    quantization: str | None,
-    kernels: dict[str, tuple[QuantizedKernel, int]],
-    device: torch.device,
-    dtype: torch.dtype,
-    widths: list[int],
-) -> str | None:
-    """Apply ``--quantization`` to a loaded ``CausalLM`` (before packing); returns what runs: ``"int8"``,
-    ``"int4"`` or None. ``kernels``: ``cpu_linear.quantized_kernels()`` (empty: the quantized weights run
-    dequantized). ``auto`` takes int4 only where it is exact for these weights and can run on its
-    kernels (CPU, float32), and says in the log which it took and why."""
-    if quantization is None:
-        return None
-    if quantization != AUTO:
-        if not kernels:
-            log.warning(
-                "--quantization %s: the quantized kernels are unavailable here (no AVX-512, no compiler, or "
-                "SERVELM_CPU_LINEAR set), so the quantized weights run dequantized: same tokens, no speed-up",
-                quantization,
-            )
-        model.quantize(quantization, kernels)
-        return quantization
-    if device.type != "cpu" or dtype != torch.float32:
-        log.info("--quantization auto: no quantization (it is for CPU float32; here %s %s)", device.type, dtype)
-        return None
-    if not kernels or any(k % GROUP for k in widths):
-        why = "no quantized kernels here" if not kernels else f"input widths {widths} not all multiples of {GROUP}"
-        log.info("--quantization auto: no quantization (%s)", why)
-        return None
-    try:
-        off_grid = model.quantize_if_exact(kernels)
-    except ValueError as e:  # e.g. a weight beyond float16's range: not int4's grid either
-        off_grid = str(e)
-    if off_grid is not None:
-        log.info("--quantization auto: float32 weights (int4 would not be exact: %s is off its grid)", off_grid)
-        return None
-    log.info("--quantization auto: int4, exact for these weights (every projection and the head on its grid)")
-    return "int4"

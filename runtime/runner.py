@@ -15,28 +15,20 @@ from __future__ import annotations
 import logging
 from itertools import accumulate
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from servelm.runtime import lora
-from servelm.runtime.cpu import linear as cpu_linear, ops as cpu_ops
-from servelm.runtime.cuda import pdl
+from servelm.runtime import lora, platform
 from servelm.runtime.attention.base import AttentionBackend, AttentionMetadata
-from servelm.runtime.attention.selector import select_backend
 from servelm.runtime.batch import PENDING_TOKEN, BatchItem, RunnerOutput, SequenceView
 from servelm.runtime.capacity import kv_bytes_per_token
 from servelm.runtime.config import ModelConfig, UnsupportedModelError
-from servelm.runtime.cuda.graphs import CudaGraphRunner
 from servelm.runtime.kv_cache import KVPool
 from servelm.runtime.models.layers import FewRowKernels
 from servelm.runtime.platform import host_to_device
-from servelm.runtime.quantization import (
-    QUANTIZATION_LABELS,
-    check_group_widths,
-    check_quantization,
-    projection_widths,
-    quantize_model,
-)
+from servelm.runtime.quantization import QUANTIZATION_LABELS, check_group_widths, projection_widths
+from servelm.runtime.quantization_setup import check_quantization, quantize_model
 from servelm.runtime.sampled_rows import LogprobTensors, logprob_tensors
 from servelm.runtime.sampler import Sampler
 from servelm.runtime.step import (
@@ -50,6 +42,9 @@ from servelm.runtime.step import (
     to_device,
 )
 from servelm.runtime.weights import load_model
+
+if TYPE_CHECKING:
+    from servelm.runtime.cuda.graphs import CudaGraphRunner
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +86,7 @@ class ModelRunner:
         (``self.quantization`` says which runs).
         """
         check_quantization(quantization, torch.device(device), dtype)
-        if torch.device(device).type != "cpu" and model_config.gemma_norms:
+        if not platform.serves_gemma(torch.device(device)) and model_config.gemma_norms:
             raise UnsupportedModelError(f"{model_config.architecture} is served on CPU only (its sliding windows and norms have no CUDA path yet)")
         widths = projection_widths(model_config)
         check_group_widths(widths, quantization)
@@ -102,7 +97,7 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         if backend is None:
-            backend = select_backend(
+            backend = platform.select_attention_backend(
                 self.device, block_size=block_size, dtype=dtype, head_dim=model_config.head_dim
             )
         self.backend = backend
@@ -110,52 +105,20 @@ class ModelRunner:
         if backend_bs != block_size:
             raise ValueError(f"attention backend expects block_size {backend_bs}, the pool uses {block_size}")
         self.model = load_model(model_dir, model_config, self.backend, dtype=dtype, device=self.device)
-        kernels = cpu_linear.quantized_kernels() if quantization is not None and self.device.type == "cpu" else {}
+        kernels = platform.quantized_kernels(self.device) if quantization is not None else {}
         quantization = quantize_model(self.model, quantization, kernels, self.device, dtype, widths)
         self.quantized_kernels = kernels if quantization else {}
         self.quantization = quantization  # what runs ("auto" resolved): "int8", "int4" or None
         quant_rows = self.quantized_kernels[quantization][1] if quantization and self.quantized_kernels else 0
         # What a decode step reads (MBU, the device check's floor): quantized weights count their own bytes.
         self.weight_bytes = self.model.weight_bytes_read()
-        self.packed_linears = self.device.type == "cpu" and cpu_linear.onednn_linear_available(dtype)
-        self.small_m_linear = None
-        if self.packed_linears:
-            # With a quantized kernel serving few-row steps, the dense float copies are not needed.
-            self.small_m_linear = None if quant_rows else cpu_linear.small_m_kernel(dtype)
-            self.model.pack_cpu_weights(self.small_m_linear)
-        cpu_norm = self.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-        rms_norm = cpu_ops.rms_norm_kernel() if cpu_norm else None
-        if rms_norm is not None:
-            self.model.use_cpu_rms_norm(rms_norm)
-        fused_cpu = cpu_ops.fused_ops() if self.device.type == "cpu" and dtype == torch.float32 else None
-        if fused_cpu is not None:
-            # One compiled call for each residual add + norm and for SiLU x up: same values, fewer calls.
-            self.model.use_fused_ops(*fused_cpu)
-        self.fused_ops = False
-        self.few_rows: FewRowKernels | None = None
-        self.few_rows_mode = "off"
-        self.few_rows_limit = 0  # most rows the fused few-row projections take
-        if self.device.type == "cuda":
-            from servelm.runtime.cuda.flash_backend import decode_gemv_mode, fused_ops_enabled
-
-            if fused_ops_enabled():
-                from servelm.runtime.cuda import triton_ops
-
-                self.model.use_fused_ops(triton_ops.rms_norm, triton_ops.silu_mul)
-                self.fused_ops = True
-                self.few_rows_mode = decode_gemv_mode()
-            if self.few_rows_mode != "off":
-                from servelm.runtime.cuda import triton_gemv
-
-                # Eager steps use them only when forced; graphs decide per size at capture ("auto").
-                self.few_rows = FewRowKernels(
-                    triton_gemv.linear,
-                    triton_gemv.rms_norm_linear,
-                    triton_gemv.silu_mul_linear,
-                    max_rows=triton_gemv.MAX_ROWS if self.few_rows_mode == "on" else 0,
-                )
-                self.model.use_few_row_kernels(self.few_rows)
-                self.few_rows_limit = triton_gemv.MAX_ROWS if self.few_rows_mode == "on" else triton_gemv.AUTO_MAX_ROWS
+        installed = platform.install_kernels(self.model, self.device, dtype, quant_rows)
+        self.packed_linears = installed.packed_linears
+        self.small_m_linear = installed.small_m_linear
+        self.fused_ops = installed.fused_ops
+        self.few_rows: FewRowKernels | None = installed.few_rows
+        self.few_rows_mode = installed.few_rows_mode
+        self.few_rows_limit = installed.few_rows_limit  # most rows the fused few-row projections take
         self.max_model_len = max_model_len or model_config.max_position_embeddings
         self.enforce_eager = enforce_eager
         self.kv_pool: KVPool = None  # type: ignore[assignment]  # set by allocate_kv_pool
@@ -193,32 +156,8 @@ class ModelRunner:
             raise RuntimeError("the KV pool is already allocated")
         self.kv_pool = self._new_pool(num_blocks)
         self.model.bind_kv_cache(self.kv_pool.k_cache, self.kv_pool.v_cache)
-        if self.device.type == "cuda" and not self.enforce_eager:
-            no_pdl = pdl.unavailable_reason(self.device) if self.few_rows_limit else "no fused few-row projections"
-            if no_pdl is not None:
-                log.info("programmatic dependent launch: not tried (%s)", no_pdl)
-            self.graph_runner = CudaGraphRunner(
-                self.model,
-                self.backend,
-                self.max_num_seqs,
-                -(-self.max_model_len // self.block_size),
-                self.block_size,
-                self.device,
-                few_rows=self.few_rows,
-                few_rows_max=self.few_rows_limit,
-                few_rows_ab=self.few_rows_mode == "auto",
-                pdl=no_pdl is None,
-                num_kv_blocks=num_blocks,
-                # Batch 1's graph ends with the head (few-row kernel or cuBLAS, as the A/B decides):
-                # one kernel less outside it, and the head is part of the PDL chain.
-                head=self.model.compute_logits,
-            )
-            self.graph_runner.capture()  # after the pool exists: the graphs read its addresses
-            if self.few_rows is not None:
-                from servelm.runtime.cuda import triton_gemv
-
-                for line in triton_gemv.tuned_tiles():
-                    log.info("few-row projection tile: %s", line)
+        if not self.enforce_eager:
+            self.graph_runner = platform.capture_decode_graphs(self, num_blocks)
         log.info("KV pool: %r", self.kv_pool)
 
     @torch.inference_mode()
@@ -263,16 +202,12 @@ class ModelRunner:
 
     def measure_kv_budget(self, gpu_memory_utilization: float, reserve_bytes: int = 0) -> int:
         """CUDA: bytes the KV pool may take, measured around ``warm_up`` (``runtime.cuda.memory``)."""
-        from servelm.runtime.cuda.memory import kv_budget_bytes
-
-        return kv_budget_bytes(
+        return platform.kv_budget_bytes(
+            self.device,
             gpu_memory_utilization,
             self.warm_up,
-            device=self.device,
-            scratch_bytes=kv_bytes_per_token(self.model_config, self.dtype)
-            * self.block_size
-            * -(-self.max_num_batched_tokens // self.block_size),
-            reserve_bytes=reserve_bytes,
+            kv_bytes_per_token(self.model_config, self.dtype) * self.block_size * -(-self.max_num_batched_tokens // self.block_size),
+            reserve_bytes,
         )
 
     # ---- LoRA adapters ---------------------------------------------------------------------------
@@ -282,7 +217,7 @@ class ModelRunner:
         if adapter_id <= 0 or adapter_id in self.lora_ids:
             raise ValueError(f"LoRA adapter id {adapter_id} is not positive or already in use")
         if self._lora is None:
-            kernel = cpu_ops.lora_kernel() if self.device.type == "cpu" else None
+            kernel = platform.lora_kernel(self.device)
             self._lora = lora.attach(self.model, kernel)
         lora.add_adapter(self.model, adapter_id, adapter.to(self.device, self.dtype))
         self.lora_ids.add(adapter_id)
@@ -359,14 +294,13 @@ class ModelRunner:
         else:
             self._last_tokens, self._last_seqs, self._last_rows = None, [], None
         ready = None
-        if self.device.type == "cuda" and (rows is not None or scored is not None):
+        if platform.copies_results_async(self.device) and (rows is not None or scored is not None):
             # Into pinned host memory without blocking; ``result`` waits on this event alone.
             if rows is not None:
                 rows = rows.with_tensors([t.to("cpu", non_blocking=True) for t in rows.tensors()])
             if scored is not None:
                 scored = (scored[0], [p.with_tensors([t.to("cpu", non_blocking=True) for t in p.tensors()]) for p in scored[1]])
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))
+            ready = platform.results_ready_event(self.device)
         return StepOutput(len(step.items), inputs.sample_items, rows, ready, scored)
 
     def score_prompt(self, score: PromptScoring, out: torch.Tensor, is_logits: bool) -> list[LogprobTensors]:

@@ -1,7 +1,7 @@
 """CUDA attention backends: FlashAttention 2 over the paged pool, and a Triton fallback.
 
 Importing this module imports neither ``flash_attn`` nor ``triton``: both are imported when a
-backend is constructed, so the selector may import it to ask questions (block size, availability).
+backend is constructed, so ``runtime.platform`` may import it to ask questions (block size, availability).
 
 Token order (``runtime/attention/base.py``): the first ``num_decodes`` tokens are single-token
 decodes, the rest are prefill chunks. Every derived tensor the decode half reads is a *view* of
@@ -12,6 +12,7 @@ the runner writes into those buffers before each replay.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -20,6 +21,8 @@ from typing import Any
 import torch
 
 from servelm.runtime.attention.base import AttentionBackend, AttentionMetadata
+
+log = logging.getLogger(__name__)
 
 # Upstream flash-attn 2.x checks ``page_block_size % 256 == 0`` for a paged KV cache, in both
 # ``flash_attn_with_kvcache`` and ``flash_attn_varlen_func`` ("Paged KV cache block size must be
@@ -111,7 +114,7 @@ def flash_attn_importable() -> bool:
     """True when flash-attn 2 is installed: a ``flash_attn`` package with its ``flash_attn_interface``
     (checked without importing it). flash-attn-4 alone installs only ``flash_attn.cute``, without the
     paged-KV functions this backend calls; a package that is there but does not load is caught when the
-    backend is built (``runtime.attention.selector``)."""
+    backend is built (``select_cuda_backend``)."""
     spec = importlib.util.find_spec("flash_attn")
     if spec is None:
         return False
@@ -372,3 +375,21 @@ def default_cuda_block_size(dtype: torch.dtype, head_dim: int) -> int:
     if FlashAttentionBackend.supports(dtype, head_dim) is None:
         return FlashAttentionBackend.required_block_size
     return TritonPagedBackend.preferred_block_size
+
+
+def select_cuda_backend(block_size: int, dtype: torch.dtype | None = None, head_dim: int | None = None) -> AttentionBackend:
+    """FlashAttention when it can serve (installed, fp16/bf16, head_dim, ``block_size``), else the
+    Triton paged fallback with a warning saying why; ``dtype``/``head_dim`` refine the check when given."""
+    if dtype is not None and head_dim is not None:
+        why_not = FlashAttentionBackend.supports(dtype, head_dim, block_size)
+    else:
+        why_not = FlashAttentionBackend.supports(torch.bfloat16, 128, block_size)
+    flash: AttentionBackend | None = None
+    if why_not is None:
+        try:
+            flash = FlashAttentionBackend(block_size)
+        except Exception as exc:  # installed but not loadable: built for another torch / CUDA, say
+            why_not = f"it is installed but does not load: {type(exc).__name__}: {exc}"
+    if flash is None:
+        log.warning("not using flash-attn (%s); using the Triton paged-attention fallback", why_not)
+    return flash if flash is not None else TritonPagedBackend(block_size)

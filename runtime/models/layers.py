@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +17,9 @@ from torch import nn
 from servelm.runtime import quantization
 from servelm.runtime.cpu import linear as cpu_linear, ops as cpu_ops
 from servelm.runtime.config import ModelConfig, UnsupportedModelError
-from servelm.runtime.lora import LoRAProjection
+
+if TYPE_CHECKING:  # (lora imports this module: the projections it wraps)
+    from servelm.runtime.lora import LoRAProjection
 
 
 def empty_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:

@@ -19,17 +19,16 @@ the top-level module as usual.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from servelm.runtime import quantization
+from servelm.runtime import platform, quantization
 from servelm.runtime.cpu import linear as cpu_linear, ops as cpu_ops
 from servelm.runtime.attention.base import AttentionBackend, AttentionMetadata
 from servelm.runtime.config import ModelConfig
-from servelm.runtime.lora import LoRAContext
 from servelm.runtime.models.layers import (
     CosSin,
     FewRowKernels,
@@ -41,15 +40,8 @@ from servelm.runtime.models.layers import (
     apply_rope,
 )
 
-
-# Small-batch matmul shapes that MKL's sgemm handles badly (measured with scripts/bench_runner.py's
-# setup): on CPU the fused gate/up projection is faster as two matmuls at a
-# few rows (up to 25% at 4-8 rows), and the vocabulary projection of a few rows is faster as W @ h^T
-# than as h @ W^T (up to 45% at 4 rows). Fixed when the model is built, so forward() never asks the
-# device. Only used when the weights are not packed for oneDNN (``CausalLM.pack_cpu_weights``), which
-# is faster than either at every batch size.
-CPU_SPLIT_GATE_UP_MAX_ROWS = 16
-CPU_TALL_SKINNY_HEAD_MAX_ROWS = 8
+if TYPE_CHECKING:  # (lora imports this module: the layers it attaches to)
+    from servelm.runtime.lora import LoRAContext
 
 
 class Attention(nn.Module):
@@ -133,7 +125,7 @@ class MLP(nn.Module):
             cfg.hidden_size, [("gate", cfg.intermediate_size), ("up", cfg.intermediate_size)], False, dtype, device
         )
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, device)
-        self.split_max_rows = CPU_SPLIT_GATE_UP_MAX_ROWS if device.type == "cpu" else 0
+        self.split_max_rows = platform.small_batch_splits(device)[0]
         self.act_mul: Callable[[torch.Tensor], torch.Tensor] | None = None  # silu(gate) * up in one kernel
         self.gelu = cfg.hidden_act == "gelu_tanh"  # Gemma: GELU (tanh approximation) instead of SiLU
 
@@ -283,7 +275,7 @@ class CausalLM(nn.Module):
         # Gemma rounds its embedding multiplier to the weights' dtype first (bfloat16: sqrt(1152) -> 34.0)
         scale = cfg.embedding_multiplier
         self.embed_scale = float(torch.tensor(scale, dtype=torch.float32).to(dtype)) if cfg.embedding_multiplier_in_dtype else scale
-        self.tall_skinny_head_max_rows = CPU_TALL_SKINNY_HEAD_MAX_ROWS if device.type == "cpu" else 0
+        self.tall_skinny_head_max_rows = platform.small_batch_splits(device)[1]
         self.lm_head_packed: torch.Tensor | None = None
         self.lm_head_small_m: cpu_linear.SmallMLinear | None = None
         self.lm_head_small_m_rows = 0

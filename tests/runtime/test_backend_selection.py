@@ -28,15 +28,12 @@ def run_python(code: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("servelm.runtime.attention.selector") is None, reason="runtime/attention/selector.py not there yet"
-)
 def test_cpu_gets_the_torch_backend_and_imports_nothing_cuda_only() -> None:
     got = run_python(
         """
         import json, sys, torch
-        from servelm.runtime.attention.selector import select_backend
-        backend = select_backend(torch.device("cpu"), block_size=16)
+        from servelm.runtime.platform import select_attention_backend
+        backend = select_attention_backend(torch.device("cpu"), block_size=16)
         print(json.dumps({"backend": type(backend).__name__, "modules": sorted(sys.modules)}))
         """
     )
@@ -45,7 +42,7 @@ def test_cpu_gets_the_torch_backend_and_imports_nothing_cuda_only() -> None:
 
 
 def test_cuda_modules_import_without_cuda_packages() -> None:
-    # The selector and the runner may import these on any machine; only building a CUDA backend
+    # The platform seam and the runner may import these on any machine; only building a CUDA backend
     # (or capturing graphs) may pull triton / flash_attn in.
     got = run_python(
         """
@@ -114,7 +111,7 @@ def test_flash_attn_4_alone_or_a_broken_install_falls_back_to_triton(
     functions): not taken for flash-attn 2. An install that is there but does not load (an extension
     built for another torch) is reported and the server still starts, on the Triton fallback."""
     from servelm.runtime.cuda import flash_backend
-    from servelm.runtime.attention.selector import select_backend
+    from servelm.runtime.platform import select_attention_backend as select_backend
 
     _install_fake(tmp_path / "fa4", {"flash_attn/cute/__init__.py": ""}, monkeypatch)
     assert importlib.util.find_spec("flash_attn") is not None and not flash_backend.flash_attn_importable()
@@ -137,7 +134,7 @@ def test_flash_attn_4_alone_or_a_broken_install_falls_back_to_triton(
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the backend's store kernel needs triton")
 def test_a_loadable_flash_attn_2_is_chosen(fake_flash_attn: None) -> None:
     from servelm.runtime.cuda import flash_backend
-    from servelm.runtime.attention.selector import select_backend
+    from servelm.runtime.platform import select_attention_backend as select_backend
 
     backend = select_backend("cuda", block_size=256, dtype=torch.bfloat16, head_dim=128)
     assert isinstance(backend, flash_backend.FlashAttentionBackend)

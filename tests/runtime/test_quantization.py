@@ -16,7 +16,8 @@ from servelm.runtime.capacity import StepCostModel
 from servelm.runtime.config import ModelConfig
 from servelm.runtime.models.layers import Linear
 from servelm.runtime import quantization as qz
-from servelm.runtime.quantization import check_quantization, dequantize_rows, quantize_rows
+from servelm.runtime.quantization import dequantize_rows, quantize_rows
+from servelm.runtime.quantization_setup import check_quantization
 
 
 def test_rows_are_quantized_symmetrically_to_within_half_a_step() -> None:
@@ -305,7 +306,7 @@ def test_auto_takes_int4_only_where_it_is_exact(
     """``--quantization auto``: random float32 weights are not on int4's grid, so they run as loaded; a
     checkpoint that is (as the default model is) runs int4, computing with the very same weights."""
     kernels = _grouped_kernels()
-    with caplog.at_level("INFO", logger="servelm.runtime.quantization"):
+    with caplog.at_level("INFO", logger="servelm.runtime.quantization_setup"):
         plain = build_runner(tiny_llama_dir, quantization="auto")
     assert plain.quantization is None and plain.quantized_kernels == {}
     assert all(m.quant is None for m in plain.model.modules() if isinstance(m, Linear))
