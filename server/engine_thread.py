@@ -103,6 +103,8 @@ class Add:
 
 @dataclass
 class Abort:
+    """Abort requests that may still be in the engine (their group is gone or failed)."""
+
     request_ids: list[str]
 
 
