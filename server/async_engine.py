@@ -74,9 +74,8 @@ class AsyncEngine:
         tokenizer_threads: int = 1,
     ) -> None:
         self.engine = engine
-        cfg = getattr(engine, "config", None)
         self.max_waiting_requests = (
-            max_waiting_requests if max_waiting_requests is not None else getattr(cfg, "max_waiting_requests", 1024)
+            max_waiting_requests if max_waiting_requests is not None else engine.config.max_waiting_requests
         )
         self.observer: Observer = observer or NullObserver()
         self._engine_thread = EngineThread(engine)

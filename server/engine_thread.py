@@ -15,6 +15,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, TypeVar
 
+from servelm.scheduler.config import EngineConfig
 from servelm.scheduler.outputs import RequestOutput
 from servelm.scheduler.sampling_params import SamplingParams
 from servelm.server.request_group import RequestGroup
@@ -52,8 +53,24 @@ def run_in_transient_thread(fn: Callable[[], T], name: str = "servelm-startup") 
     return box["result"]
 
 
+class UsedBlocks(Protocol):
+    """The block manager's count the bridge publishes."""
+
+    @property
+    def num_used_blocks(self) -> int: ...
+
+
 class EngineLike(Protocol):
     """The part of ``scheduler.engine.Engine`` the bridge uses (only ever from the engine thread)."""
+
+    config: EngineConfig
+    block_manager: UsedBlocks
+
+    @property
+    def num_running(self) -> int: ...
+
+    @property
+    def num_waiting(self) -> int: ...
 
     def add_request(
         self,
@@ -253,12 +270,9 @@ class EngineThread:
             self._call_soon(_deliver, deliveries)
 
     def _snapshot_now(self) -> EngineSnapshot:
-        e: Any = self.engine
-        bm = getattr(e, "block_manager", None)
+        e = self.engine
         return EngineSnapshot(
-            num_running=int(getattr(e, "num_running", 0)),
-            num_waiting=int(getattr(e, "num_waiting", 0)),
-            num_used_blocks=int(getattr(bm, "num_used_blocks", 0)) if bm is not None else 0,
+            num_running=e.num_running, num_waiting=e.num_waiting, num_used_blocks=e.block_manager.num_used_blocks
         )
 
     def _publish(self) -> None:
