@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from servelm.runtime.cuda import pdl
-from servelm.runtime.cuda.triton_kernels import _LOG2E, _MIN_DOT, _attend_keys, _check_row_contiguous, _fold_keys, _kv_rows
+from servelm.runtime.cuda.triton_tiles import _LOG2E, _MIN_DOT, _attend_keys, _check_row_contiguous, _fold_keys, _kv_rows
 from servelm.runtime.cuda.triton_pdl import wait_then_release
 
 

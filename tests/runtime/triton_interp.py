@@ -37,6 +37,7 @@ def load(name: str):  # type: ignore[no-untyped-def]
     mod = importlib.import_module(name)
     # Imported earlier in this process without the interpreter: re-decorate the kernels under it.
     first_kernel = {
+        "servelm.runtime.cuda.triton_tiles": "_attend_keys",
         "servelm.runtime.cuda.triton_kernels": "_store_kv_kernel",
         "servelm.runtime.cuda.triton_decode": "_paged_decode_split_kernel",
         "servelm.runtime.cuda.triton_ops": "_rms_norm_kernel",
@@ -47,8 +48,9 @@ def load(name: str):  # type: ignore[no-untyped-def]
     return mod
 
 
-tk = load("servelm.runtime.cuda.triton_kernels")
-td = load("servelm.runtime.cuda.triton_decode")  # after tk: it imports tk's helpers
+load("servelm.runtime.cuda.triton_tiles")  # first: both attention modules import its helpers
+td = load("servelm.runtime.cuda.triton_decode")
+tk = load("servelm.runtime.cuda.triton_kernels")  # after td: it calls td's split decode
 ops = load("servelm.runtime.cuda.triton_ops")
 gemv = load("servelm.runtime.cuda.triton_gemv")
 flash_backend = importlib.import_module("servelm.runtime.cuda.flash_backend")
