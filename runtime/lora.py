@@ -295,7 +295,7 @@ class LoRAProjection:
 def attach(model: CausalLM, kernel: LoRAKernel | None = None) -> LoRAContext:
     """Give every projection of ``model`` an (empty) ``LoRAProjection`` over one shared context."""
     from servelm.runtime.models.layers import Linear
-    from servelm.runtime.models.llama import DecoderLayer
+    from servelm.runtime.models.decoder import DecoderLayer
 
     ctx = LoRAContext(kernel)
     for module in model.modules():

@@ -316,7 +316,7 @@ def check_few_row_kernels(runner: Any, plan: Plan, vocab: int, tol: float, repor
         print("  the runner has no few-row kernels (SERVELM_DECODE_GEMV=off or fused ops disabled)")
         return
     dtype = str(runner.dtype).replace("torch.", "")
-    from servelm.runtime.cuda.graphs import few_row_tolerance
+    from servelm.runtime.cuda.graph_variants import few_row_tolerance
 
     # The capture-time A/B's own limit (float32: tighter, the kernels must match to ~1e-6 per op).
     limit = 1e-4 if runner.dtype == torch.float32 else few_row_tolerance(runner.dtype)

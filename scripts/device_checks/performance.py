@@ -34,7 +34,7 @@ class unfused:
 
     def __enter__(self) -> None:
         from servelm.runtime.models.layers import RMSNorm
-        from servelm.runtime.models.llama import MLP
+        from servelm.runtime.models.decoder import MLP
 
         self.saved = [(m, "fused", m.fused) for m in self.runner.model.modules() if isinstance(m, RMSNorm)]
         self.saved += [(m, "act_mul", m.act_mul) for m in self.runner.model.modules() if isinstance(m, MLP)]

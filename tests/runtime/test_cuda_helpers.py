@@ -6,15 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from servelm.runtime.cuda.graphs import (
-    CudaGraphRunner,
-    GraphInputs,
-    VariantTiming,
-    capture_sizes,
-    choose_variant,
-    few_row_tolerance,
-    padded_size,
-)
+from servelm.runtime.cuda.graph_inputs import GraphInputs, capture_sizes, padded_size
+from servelm.runtime.cuda.graph_variants import VariantTiming, choose_variant, few_row_tolerance
+from servelm.runtime.cuda.graphs import CudaGraphRunner
 from servelm.runtime.cuda import pdl as pdl_state
 from servelm.runtime.cuda.memory import MemoryProfile
 
@@ -63,7 +57,7 @@ def test_fill_copies_real_rows_and_neutralises_padding() -> None:
 
 @pytest.mark.parametrize("full_rows", [True, False])
 def test_stage_writes_a_step_from_host_lists_with_padding_and_pending_tokens(monkeypatch: pytest.MonkeyPatch, full_rows: bool) -> None:
-    import servelm.runtime.cuda.graphs as cg
+    import servelm.runtime.cuda.graph_inputs as cg
 
     if not full_rows:  # long contexts x many rows: only the used columns are sent
         monkeypatch.setattr(cg, "FULL_TABLE_ROWS_MAX_BYTES", 0)

@@ -266,7 +266,7 @@ class _EagerGraphStandIn:
     the capture itself needs a GPU. Padded sizes are powers of two, as captured."""
 
     def __init__(self, runner: ModelRunner, max_bs: int, max_blocks: int, head_max: int = 0) -> None:
-        from servelm.runtime.cuda.graphs import GraphInputs, capture_sizes
+        from servelm.runtime.cuda.graph_inputs import GraphInputs, capture_sizes
 
         self.runner, self.max_bs, self.max_blocks, self.head_max = runner, max_bs, max_blocks, head_max
         self.sizes = capture_sizes(max_bs)

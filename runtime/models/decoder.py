@@ -1,0 +1,229 @@
+"""The blocks of our Llama-family decoder: attention (fused q/k/v, optional q/k norms, biases, NoPE
+layers, sliding windows), the gated MLP, the decoder layer (with its few-row fused path) and the
+stack of layers. ``runtime.models.llama.CausalLM`` puts the embedding and the vocabulary head around
+them. Submodules are called through ``.forward`` (see ``runtime.models.llama``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from servelm.runtime import platform
+from servelm.runtime.attention.base import AttentionBackend, AttentionMetadata
+from servelm.runtime.config import ModelConfig
+from servelm.runtime.models.layers import (
+    CosSin,
+    FewRowKernels,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    empty_param,
+    apply_rope,
+)
+
+if TYPE_CHECKING:  # (lora imports this module: the layers it attaches to)
+    from servelm.runtime.lora import LoRAContext
+
+
+class Attention(nn.Module):
+    """Self-attention with fused q/k/v, optional q/k RMSNorm (Qwen3), q/k/v bias (Qwen2), no RoPE at
+    all on SmolLM3's NoPE layers, Granite's attention multiplier as the score scale, and a sliding
+    window on the layers the config names."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device,
+        layer_idx: int = 0,
+    ) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim**-0.5 if cfg.attention_multiplier is None else cfg.attention_multiplier
+        self.use_rope = layer_idx not in cfg.nope_layers
+        # Sliding-window layers hand their window to the backend (others pass nothing: backends and
+        # test stand-ins without windows are called exactly as before).
+        window = cfg.sliding_window if layer_idx in cfg.window_layers else None
+        self.window_kw: dict[str, int] = {} if window is None else {"window": window}
+        self.qkv_proj = Linear(
+            cfg.hidden_size,
+            [("q", self.q_size), ("k", self.kv_size), ("v", self.kv_size)],
+            cfg.attention_bias,
+            dtype,
+            device,
+        )
+        # Llama's ``attention_bias`` also puts a bias on o_proj; Qwen2's q/k/v bias does not.
+        o_bias = cfg.attention_bias and cfg.architecture != "Qwen2ForCausalLM"
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, o_bias, dtype, device)
+        if cfg.qk_norm:
+            self.q_norm: RMSNorm | None = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
+            self.k_norm: RMSNorm | None = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
+        else:
+            self.q_norm = self.k_norm = None
+        self.backend = backend
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, cos_sin: CosSin, meta: AttentionMetadata) -> torch.Tensor:
+        return self.attend(self.qkv_proj.forward(x), cos_sin, meta)
+
+    def attend(self, qkv: torch.Tensor, cos_sin: CosSin, meta: AttentionMetadata) -> torch.Tensor:
+        """Everything after the q/k/v projection: RoPE, the K/V store, attention and o_proj."""
+        t = qkv.shape[0]
+        if self.use_rope and self.q_norm is None and self.k_cache is not None and self.v_cache is not None:
+            # A backend may do RoPE, the K/V store and attention straight from the fused projection.
+            fused = self.backend.forward_from_qkv(
+                qkv, cos_sin, self.k_cache, self.v_cache, meta, self.scale, self.num_heads, **self.window_kw
+            )
+            if fused is not None:
+                return self.o_proj.forward(fused.reshape(t, self.q_size))
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = torch.cat((self.q_norm.forward(qk[:, : self.num_heads]), self.k_norm.forward(qk[:, self.num_heads :])), dim=1)
+        # One rotation over q and k together: half the element-wise ops of rotating them apart.
+        qk = apply_rope(qk, cos_sin) if self.use_rope else qk.contiguous()
+        q = qk[:, : self.num_heads]
+        k = qk[:, self.num_heads :]
+        if self.k_cache is None or self.v_cache is None:
+            raise RuntimeError("KV cache not bound: call CausalLM.bind_kv_cache() first")
+        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, **self.window_kw)
+        return self.o_proj.forward(out.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    """SiLU-gated MLP with a fused gate/up projection."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = Linear(
+            cfg.hidden_size, [("gate", cfg.intermediate_size), ("up", cfg.intermediate_size)], False, dtype, device
+        )
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, device)
+        self.split_max_rows = platform.small_batch_splits(device)[0]
+        self.act_mul: Callable[[torch.Tensor], torch.Tensor] | None = None  # silu(gate) * up in one kernel
+        self.gelu = cfg.hidden_act == "gelu_tanh"  # Gemma: GELU (tanh approximation) instead of SiLU
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act_mul is not None:
+            return self.down_proj.forward(self.act_mul(self.gate_up_proj.forward(x)))
+        proj = self.gate_up_proj
+        if proj.packed is None and proj.lora is None and proj.quant_rows < x.shape[0] <= self.split_max_rows:
+            w = proj.weight
+            gate = F.linear(x, w[: self.intermediate])
+            up = F.linear(x, w[self.intermediate :])
+        else:
+            gate_up = proj.forward(x)
+            gate = gate_up[:, : self.intermediate]
+            up = gate_up[:, self.intermediate :]
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj.forward(act.mul_(up))  # in place: one [T, intermediate] temporary fewer
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device,
+        layer_idx: int = 0,
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(cfg, backend, dtype, device, layer_idx)
+        # Granite: each sublayer's output is scaled before its residual add (1.0 elsewhere: no op)
+        self.residual_multiplier = cfg.residual_multiplier
+        # Gemma 3: the sliding layers' own RoPE tables; and "sandwich" norms: post_attention_layernorm
+        # normalises the attention's output, pre_feedforward_layernorm the MLP's input (the role
+        # post_attention_layernorm has in Llama), post_feedforward_layernorm the MLP's output
+        self.local_rope = cfg.local_rope is not None and layer_idx in cfg.window_layers
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mlp = MLP(cfg, dtype, device)
+        self.few_rows: FewRowKernels | None = None
+        self.lora_ctx: LoRAContext | None = None  # set by runtime.lora.attach
+
+    def _few_rows_apply(self, rows: int) -> bool:
+        # The fused kernels take the weights directly: a step with LoRA rows goes through the projections.
+        lora = self.lora_ctx
+        return self.few_rows is not None and self.few_rows.applies(rows) and not (lora is not None and lora.plan)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: CosSin, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x``: the previous layer's MLP output (the embeddings for the first layer, with no
+        residual yet); returns this layer's MLP output and the residual stream before it. The residual
+        adds happen inside the norms, so a fused norm does each add and its norm in one pass; the sums
+        are the same as ``h = h + attn(norm(h)); h = h + mlp(norm(h))``."""
+        if self.few_rows is not None and self._few_rows_apply(x.shape[0]):
+            return self._forward_few_rows(self.few_rows, x, residual, cos_sin, meta)
+        if residual is None:
+            residual = x
+            x = self.input_layernorm.forward(x)
+        else:
+            x, residual = self.input_layernorm.forward_add(x, residual)
+        x = self.self_attn.forward(x, cos_sin, meta)
+        if self.sandwich:
+            x, residual = self.pre_feedforward_layernorm.forward_add(self.post_attention_layernorm.forward(x), residual)
+            return self.post_feedforward_layernorm.forward(self.mlp.forward(x)), residual
+        m = self.residual_multiplier
+        if m != 1.0:
+            x = x * m
+        x, residual = self.post_attention_layernorm.forward_add(x, residual)
+        out = self.mlp.forward(x)
+        return (out * m if m != 1.0 else out), residual
+
+    def _forward_few_rows(
+        self,
+        k: FewRowKernels,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin: CosSin,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same layer with each norm inside the projection after it and SiLU x up inside the down
+        projection: 3 kernels instead of 7 around attention."""
+        attn, mlp = self.self_attn, self.mlp
+        norm = self.input_layernorm
+        qkv, residual = k.rms_norm_linear(x, residual, norm.weight, norm.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        x = attn.attend(qkv, cos_sin, meta)
+        m = self.residual_multiplier
+        if m != 1.0:
+            x = x * m
+        norm = self.post_attention_layernorm
+        gate_up, residual = k.rms_norm_linear(
+            x, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias
+        )
+        out = k.silu_mul_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias)
+        return (out * m if m != 1.0 else out), residual
+
+
+class DecoderStack(nn.Module):
+    """Embeddings, layers and final norm: HF's ``model.*`` namespace."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Module()
+        self.embed_tokens.weight = empty_param((cfg.vocab_size, cfg.hidden_size), dtype, device)
+        self.rotary_emb = RotaryEmbedding(cfg, dtype, device)
+        # Gemma 3: the sliding layers' RoPE (another theta), when the model has one
+        self.rotary_emb_local: RotaryEmbedding | None = None
+        if cfg.local_rope is not None:
+            theta, scaling = cfg.local_rope
+            self.rotary_emb_local = RotaryEmbedding(dataclasses.replace(cfg, rope_theta=theta, rope_scaling=scaling), dtype, device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, dtype, device, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
