@@ -144,8 +144,8 @@ def build_step(runner: ModelRunner, items: list[BatchItem]) -> StepInputs:
         and lora_plan is None
         and runner.graph_runner.can_run(len(decodes), num_tokens, width)
     ):
-        staged = _stage_graph_step(runner, 
-            input_ids, positions, slots, seq_lens, flat_tables, width, pending_at, pending_from,
+        staged = _stage_graph_step(
+            runner, input_ids, positions, slots, seq_lens, flat_tables, width, pending_at, pending_from,
             order, sample_rows, sample_items,
         )  # fmt: skip
         staged.score = score
