@@ -17,6 +17,7 @@ from torch import nn
 from servelm.runtime import quantization
 from servelm.runtime.cpu import linear as cpu_linear, ops as cpu_ops
 from servelm.runtime.config import ModelConfig, UnsupportedModelError
+from servelm.runtime.projection import DenseMethod, ProjectionMethod, select_method
 
 if TYPE_CHECKING:  # (lora imports this module: the projections it wraps)
     from servelm.runtime.lora import LoRAProjection
@@ -114,6 +115,7 @@ class Linear(nn.Module):
         self.quant: quantization.QuantizedWeight | None = None
         self.bias = empty_param((self.out_features,), dtype, device) if bias else None
         self.few_rows: FewRowKernels | None = None
+        self.method: ProjectionMethod = DenseMethod()  # how forward computes (``choose_method``)
         self.lora: LoRAProjection | None = None  # LoRA adapters' updates (runtime.lora.attach)
         # checkpoint shard name -> our output rows (kept here too: packing may drop the weight)
         self.shard_rows: dict[str, slice] = {}
@@ -138,6 +140,7 @@ class Linear(nn.Module):
             self.weight = None
         else:
             self.small_m, self.small_m_rows = small_m
+        self.choose_method()
 
     @property
     def quant_rows(self) -> int:
@@ -151,20 +154,24 @@ class Linear(nn.Module):
         self.quant = quantization.quantize(self.weight, scheme, kernels)
         with torch.no_grad():
             self.weight.copy_(self.quant.dequantize(self.weight.dtype))
+        self.choose_method()
+
+    def choose_method(self) -> None:
+        """Pick the projection method for the weight's present form (``runtime.projection``): called
+        whenever packing, quantization or the few-row kernels change it, never per step."""
+        self.method = select_method(
+            packed=self.packed,
+            packed_linear=cpu_linear.linear,
+            small_m=self.small_m,
+            small_m_rows=self.small_m_rows,
+            quant=self.quant,
+            few_rows=self.few_rows,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The projection. With LoRA adapters attached (``runtime.lora.attach``) the instance's
         ``forward`` becomes ``forward_with_lora``: a model without them pays nothing for them."""
-        quant = self.quant
-        if quant is not None and x.shape[0] <= quant.max_rows:
-            return quant.linear(x, self.bias)
-        if self.packed is not None:
-            if x.shape[0] <= self.small_m_rows:
-                return self.small_m(x.contiguous(), self.weight, self.bias)  # type: ignore[misc]
-            return cpu_linear.linear(x, self.packed, self.bias)
-        if self.few_rows is not None and self.few_rows.applies(x.shape[0]):
-            return self.few_rows.linear(x, self.weight, self.bias)  # type: ignore[arg-type]
-        return F.linear(x, self.weight, self.bias)
+        return self.method.apply(x, self.weight, self.bias)
 
     def forward_with_lora(self, x: torch.Tensor) -> torch.Tensor:
         """The projection plus the step's LoRA updates of its rows (``self.lora``)."""

@@ -29,6 +29,7 @@ from servelm.runtime.cpu import linear as cpu_linear, ops as cpu_ops
 from servelm.runtime.attention.base import AttentionBackend, AttentionMetadata
 from servelm.runtime.config import ModelConfig
 from servelm.runtime.models.decoder import DecoderLayer, DecoderStack
+from servelm.runtime.projection import ProjectionMethod, select_method
 from servelm.runtime.models.layers import (
     FewRowKernels,
     FusedRmsNorm,
@@ -78,6 +79,7 @@ class CausalLM(nn.Module):
         self.lm_head_quant: quantization.QuantizedWeight | None = None
         self._lm_head_dequantized: torch.Tensor | None = None
         self.few_rows: FewRowKernels | None = None  # the head of a few rows too (CUDA graphs)
+        self.head_method: ProjectionMethod = select_method(tall_skinny_rows=self.tall_skinny_head_max_rows)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Module()
             self.lm_head.weight = empty_param((cfg.vocab_size, cfg.hidden_size), dtype, device)
@@ -137,6 +139,19 @@ class CausalLM(nn.Module):
             self.lm_head_small_m, self.lm_head_small_m_rows = small_m
         elif not self.config.tie_word_embeddings:
             self.lm_head.weight = None
+        self.choose_head_method()
+
+    def choose_head_method(self) -> None:
+        """Pick the vocabulary head's projection method for its present form (``runtime.projection``)."""
+        self.head_method = select_method(
+            packed=self.lm_head_packed,
+            packed_linear=cpu_linear.linear,
+            small_m=self.lm_head_small_m,
+            small_m_rows=self.lm_head_small_m_rows,
+            quant=self.lm_head_quant,
+            few_rows=self.few_rows,
+            tall_skinny_rows=self.tall_skinny_head_max_rows,
+        )
 
     def quantize(self, quantization_name: str, kernels: dict[str, tuple[quantization.QuantizedKernel, int]]) -> None:
         """Weight-only quantization (``runtime.quantization``: ``int8`` or ``int4``) of every projection
@@ -153,6 +168,7 @@ class CausalLM(nn.Module):
         else:
             with torch.no_grad():
                 self.lm_head.weight.copy_(head)
+        self.choose_head_method()
 
     def quantize_if_exact(self, kernels: dict[str, tuple[quantization.QuantizedKernel, int]]) -> str | None:
         """``--quantization auto``: int4 (``quantize("int4", ...)``) only if it is lossless here, that is
@@ -171,7 +187,9 @@ class CausalLM(nn.Module):
             return "lm_head"
         for module, quant in plan:
             module.quant = quant  # its weight already equals the dequantized values
+            module.choose_method()
         self.lm_head_quant = head  # likewise the head (for a tied one, the embedding itself)
+        self.choose_head_method()
         return None
 
     def weight_bytes_read(self) -> int:
@@ -215,6 +233,9 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (Linear, DecoderLayer, CausalLM)):
                 module.few_rows = kernels
+            if isinstance(module, Linear):
+                module.choose_method()
+        self.choose_head_method()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[R, hidden]`` -> ``[R, vocab]``; the runner passes only the rows it samples."""
@@ -224,17 +245,7 @@ class CausalLM(nn.Module):
         return logits
 
     def _project_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.few_rows is not None and self.few_rows.applies(hidden.shape[0]):
-            return self.few_rows.linear(hidden, self.lm_head_weight, None)
-        if self.lm_head_quant is not None and hidden.shape[0] <= self.lm_head_quant.max_rows:
-            return self.lm_head_quant.linear(hidden, None)
-        if self.lm_head_packed is not None:
-            if hidden.shape[0] <= self.lm_head_small_m_rows:
-                return self.lm_head_small_m(hidden.contiguous(), self.lm_head_weight, None)  # type: ignore[misc]
-            return cpu_linear.linear(hidden, self.lm_head_packed, None)
-        if 1 < hidden.shape[0] <= self.tall_skinny_head_max_rows:
-            return torch.mm(self.lm_head_weight, hidden.t()).t().contiguous()
-        return F.linear(hidden, self.lm_head_weight)
+        return self.head_method.apply(hidden, self.lm_head_weight, None)
 
     def checkpoint_target(self, name: str) -> tuple[str, str | None] | None:
         """Map a checkpoint tensor name to (our parameter name, shard) or None if we have no use for it."""

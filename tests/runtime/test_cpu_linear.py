@@ -177,13 +177,13 @@ def test_runner_uses_small_m_kernel_for_few_rows(
     qkv = runner.model.model.layers[0].self_attn.qkv_proj
     assert qkv.weight is not None and qkv.packed is not None and qkv.small_m_rows == 4
     calls: list[int] = []
-    inner = qkv.small_m
+    inner = qkv.method.small_m  # the kernel lives in the projection's method (runtime.projection)
 
     def spy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         calls.append(x.shape[0])
         return inner(x, w, b)
 
-    monkeypatch.setattr(qkv, "small_m", spy)
+    monkeypatch.setattr(qkv.method, "small_m", spy)
     few = _logits(runner, rt, list(range(5, 9)))  # 4 rows: the kernel
     many = _logits(runner, rt, list(range(5, 15)))  # 10 rows: oneDNN
     assert calls == [4]

@@ -1,0 +1,133 @@
+"""Projection methods: how one projection's ``x W^T (+ b)`` runs, chosen once at load as an object.
+
+A projection (``models.layers.Linear``) and the vocabulary head hold a ``ProjectionMethod`` and call
+``method.apply(x, weight, bias)``, as vLLM's layers call ``quant_method.apply``. The base method is
+how the dense weight multiplies: plain torch (``DenseMethod``), torch with the head's few-row shape
+(``TallSkinnyMethod``), or oneDNN on a packed copy with the few-row kernel under it
+(``PackedMethod``). Wrappers take the steps of a few rows where a faster kernel serves them: a
+quantized weight format (``QuantizedMethod``, one per ``WEIGHT_FORMATS`` entry) or the fused few-row
+projections (``FewRowMethod``), and hand every other step to the method inside. LoRA adds its
+updates around whichever method runs (``runtime.lora``). A new weight format is one method class
+registered in ``WEIGHT_FORMATS``.
+
+Each method reads its row limits at every call (tests and the CUDA-graph A/B change them in place).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+class ProjectionMethod(Protocol):
+    """Computes one projection; ``name`` says which kernels it runs, for logs and tests."""
+
+    name: str
+
+    def apply(self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+
+class DenseMethod:
+    """``F.linear`` over the dense weight."""
+
+    name = "dense"
+
+    def apply(self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, weight, bias)  # type: ignore[arg-type]
+
+
+class TallSkinnyMethod:
+    """Dense, but a step of 2..``max_rows`` rows as ``W @ x^T`` (faster for the head's shape on CPU)."""
+
+    name = "dense+tall-skinny"
+
+    def __init__(self, max_rows: int) -> None:
+        self.max_rows = max_rows
+
+    def apply(self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+        if bias is None and 1 < x.shape[0] <= self.max_rows:
+            return torch.mm(weight, x.t()).t().contiguous()  # type: ignore[arg-type]
+        return F.linear(x, weight, bias)  # type: ignore[arg-type]
+
+
+class PackedMethod:
+    """oneDNN on a packed copy of the weight (``cpu.linear``); steps of up to ``small_m_rows`` rows
+    run the few-row kernel ``small_m`` over the dense weight instead."""
+
+    def __init__(self, packed: torch.Tensor, linear: Callable[..., torch.Tensor], small_m: Any = None, small_m_rows: int = 0) -> None:
+        self.packed = packed
+        self.linear = linear
+        self.small_m = small_m
+        self.small_m_rows = small_m_rows
+        self.name = "onednn" + ("+few-row" if small_m is not None else "")
+
+    def apply(self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.shape[0] <= self.small_m_rows:
+            return self.small_m(x.contiguous(), weight, bias)  # type: ignore[misc]
+        return self.linear(x, self.packed, bias)
+
+
+class QuantizedMethod:
+    """A weight-only quantized copy (``quantization.QuantizedWeight``) for steps its kernel takes;
+    the dequantized dense weight, through ``inner``, for the rest."""
+
+    def __init__(self, quant: Any, inner: ProjectionMethod) -> None:
+        self.quant = quant
+        self.inner = inner
+        self.name = f"{quant.scheme}+{inner.name}"
+
+    def apply(self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.shape[0] <= self.quant.max_rows:
+            return self.quant.linear(x, bias)
+        return self.inner.apply(x, weight, bias)
+
+
+class FewRowMethod:
+    """The fused few-row projection (``models.layers.FewRowKernels.linear``) while its ``max_rows``
+    admits the step; ``inner`` otherwise."""
+
+    def __init__(self, kernels: Any, inner: ProjectionMethod) -> None:
+        self.kernels = kernels
+        self.inner = inner
+        self.name = f"few-row+{inner.name}"
+
+    def apply(self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.kernels.applies(x.shape[0]):
+            return self.kernels.linear(x, weight, bias)
+        return self.inner.apply(x, weight, bias)
+
+
+# Weight format (``QuantizedWeight.scheme``) -> the method that serves it around the dense one.
+WEIGHT_FORMATS: dict[str, Callable[[Any, ProjectionMethod], ProjectionMethod]] = {
+    "int8": QuantizedMethod,
+    "int4": QuantizedMethod,
+    "int8_groups": QuantizedMethod,
+}
+
+
+def select_method(
+    *,
+    packed: torch.Tensor | None = None,
+    packed_linear: Callable[..., torch.Tensor] | None = None,
+    small_m: Any = None,
+    small_m_rows: int = 0,
+    quant: Any = None,
+    few_rows: Any = None,
+    tall_skinny_rows: int = 0,
+) -> ProjectionMethod:
+    """The method for a projection in this state: the base (packed, tall-skinny or dense), wrapped
+    by the fused few-row projections and by its weight format, if any."""
+    method: ProjectionMethod
+    if packed is not None:
+        method = PackedMethod(packed, packed_linear, small_m, small_m_rows)  # type: ignore[arg-type]
+    elif tall_skinny_rows > 1:
+        method = TallSkinnyMethod(tall_skinny_rows)
+    else:
+        method = DenseMethod()
+    if few_rows is not None:
+        method = FewRowMethod(few_rows, method)
+    if quant is not None:
+        method = WEIGHT_FORMATS[quant.scheme](quant, method)
+    return method
