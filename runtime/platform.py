@@ -54,6 +54,12 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def is_cuda(device: torch.device) -> bool:
+    """Whether ``device`` is a CUDA device, for code outside the runtime (the device-check scripts)
+    that times, sizes or skips work by it without asking ``device.type`` itself."""
+    return device.type == "cuda"
+
+
 def default_dtype(device: torch.device) -> torch.dtype:
     """The weights' dtype when ``auto``: bfloat16 on CUDA, float32 elsewhere."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -44,6 +44,8 @@ REPO = checkout.use_checkout()
 
 import torch  # noqa: E402
 
+from servelm.runtime.platform import default_dtype, is_cuda  # noqa: E402
+
 from device_checks.common import (  # noqa: E402  (scripts/ is on sys.path: this file's folder)
     GiB,
     LLAMA3_8B,
@@ -108,7 +110,7 @@ def environment(device: torch.device) -> dict[str, Any]:
             env[name] = None
         else:
             env[name] = getattr(__import__(name), "__version__", "?")
-    if device.type == "cuda":
+    if is_cuda(device):
         env["gpu"] = torch.cuda.get_device_name(device)
         env["gpu_memory_gib"] = round(torch.cuda.get_device_properties(device).total_memory / GiB, 1)
         env["cuda"] = torch.version.cuda
@@ -132,14 +134,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if is_cuda(device) and not torch.cuda.is_available():
         print("no CUDA device; use --device cpu --tiny --dry-run for the plumbing check", file=sys.stderr)
         return 2
-    if device.type == "cuda" and device.index is None:
+    if is_cuda(device) and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    if device.type == "cpu" and args.tiny:
+    if not is_cuda(device) and args.tiny:
         torch.set_num_threads(1)  # a tiny model gains nothing from threads, and they thrash on a busy machine
-    dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    dtype_name = args.dtype or str(default_dtype(device)).removeprefix("torch.")
     dtype = getattr(torch, dtype_name)
     shape = TINY if args.tiny else LLAMA3_8B
     plan = Plan.dry() if args.dry_run else Plan()
@@ -225,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                 report,
                 lambda: check_paging_variants(exact, exact.runner, model_dir, plan, "float32", vocab, tol, report),
             )
-        if exact is not None and "graphs" not in args.skip and device.type == "cuda":
+        if exact is not None and "graphs" not in args.skip and is_cuda(device):
             section(
                 "float32 fused few-row projections (runtime.cuda.triton_gemv)",
                 report,
@@ -251,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         del ref, hf_low
         runner = engine.runner
         if "graphs" not in args.skip:
-            if device.type == "cuda":
+            if is_cuda(device):
                 section("CUDA graphs (runtime.cuda.graphs)", report, lambda: check_cuda_graphs(runner, plan, vocab, tol, report))
                 section(
                     f"{dtype_name} fused few-row projections (runtime.cuda.triton_gemv)",
@@ -268,12 +270,12 @@ def main(argv: list[str] | None = None) -> int:
                 report,
                 lambda: measure_throughput(runner, model_dir, plan, dtype_name, vocab, device, report),
             )
-        if "gemv" not in args.skip and device.type == "cuda":
+        if "gemv" not in args.skip and is_cuda(device):
             section("fused few-row projections vs the unfused ops (runtime.cuda.triton_gemv)", report, lambda: probe_gemv(device, report))
         swept = None
-        if "sweep" not in args.skip and device.type == "cuda":
+        if "sweep" not in args.skip and is_cuda(device):
             swept = section("one-row tiles of the fused projections (a sweep)", report, lambda: sweep_gemv(device, report))
-        if "budget" not in args.skip and device.type == "cuda":
+        if "budget" not in args.skip and is_cuda(device):
             del runner, engine
             engine = runner = None
             free_memory(device)

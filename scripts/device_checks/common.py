@@ -12,6 +12,8 @@ from typing import Any, Callable
 
 import torch
 
+from servelm.runtime.platform import is_cuda
+
 # Packages the GPU machine does not have: the check must not import them.
 # (httpx is not among them: huggingface_hub, which transformers imports, uses it, and the machine has it.)
 SERVER_ONLY = ("fastapi", "uvicorn", "pydantic", "prometheus_client", "starlette")
@@ -158,7 +160,7 @@ class SeqView:
 
 
 def sync(device: torch.device) -> None:
-    if device.type == "cuda":
+    if is_cuda(device):
         torch.cuda.synchronize(device)
 
 
@@ -177,7 +179,7 @@ def timed(fn: Callable[[], Any], device: torch.device, iters: int) -> float:
 
 def free_memory(device: torch.device) -> None:
     gc.collect()
-    if device.type == "cuda":
+    if is_cuda(device):
         torch.cuda.empty_cache()
 
 

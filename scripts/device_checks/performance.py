@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from servelm.runtime.platform import is_cuda
+
 from device_checks.common import (
     H200_BANDWIDTH,
     CountingObserver,
@@ -51,7 +53,7 @@ def gpu_timeline(fn: Any, device: torch.device) -> tuple[int, float, float] | No
     """Profile one call of ``fn``: (GPU kernels, their summed time in ms, first start to last end in
     ms). The difference of the last two is the device's idle time: gaps between kernels, host work.
     None off CUDA or when the profiler gives no kernel timings (e.g. inside a CUDA graph)."""
-    if device.type != "cuda":
+    if not is_cuda(device):
         return None
     from torch.profiler import ProfilerActivity, profile
 
@@ -195,7 +197,7 @@ def measure_throughput(
     # Batch 1: decode-only step time against the time to read every weight once.
     floor = runner.weight_bytes / H200_BANDWIDTH * 1e3
     # The bandwidth this card really gives a plain copy (bytes read + written), for a second floor.
-    n_copy = (1 << 30) if device.type == "cuda" else (1 << 20)
+    n_copy = (1 << 30) if is_cuda(device) else (1 << 20)
     copy_bw = copy_bandwidth(n_copy, device, plan.timing_iters)
     floor_measured = runner.weight_bytes / copy_bw * 1e3
     report.row("device copy bandwidth (read + write)", copy_bw / 1e12, "TB/s", f"{2 * n_copy * 2 / 1e9:.1f} GB per copy")
@@ -257,7 +259,7 @@ def measure_throughput(
         sync_vs_ahead.append([r.outputs[0].token_ids for r in res])
     same = sum(a == b for a, b in zip(*sync_vs_ahead))
     report.check("async scheduling gives the synchronous engine's tokens", same == 8, f"{same}/8 token-exact, 32 tokens")
-    if device.type == "cuda":
+    if is_cuda(device):
         # What the overlap rests on: nothing between issuing a step and reading its tokens waits for
         # the device (greedy, with and without logprobs, logit_bias, min_tokens and penalties).
         from servelm.scheduler.sampling_params import SamplingParams
@@ -300,7 +302,7 @@ def measure_throughput(
 
 def engine_timeline(engine: Any, prompt: list[int], device: torch.device) -> tuple[int, float, float] | None:
     """``gpu_timeline`` of 8 decode steps of one request (after 4 to settle)."""
-    if device.type != "cuda":
+    if not is_cuda(device):
         return None
     engine.add_request(f"timeline-{time.monotonic_ns()}", prompt, greedy_params(20, logprobs=None))
     for _ in range(4):
