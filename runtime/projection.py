@@ -52,13 +52,22 @@ class TallSkinnyMethod:
         return F.linear(x, weight, bias)  # type: ignore[arg-type]
 
 
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """The oneDNN-packed copy of a weight that ``PackedMethod`` multiplies by (``cpu.linear.pack``)."""
+    from servelm.runtime.cpu import linear  # (only a CPU model packs: CUDA never loads the CPU kernels)
+
+    return linear.pack(weight)
+
+
 class PackedMethod:
     """oneDNN on a packed copy of the weight (``cpu.linear``); steps of up to ``small_m_rows`` rows
     run the few-row kernel ``small_m`` over the dense weight instead."""
 
-    def __init__(self, packed: torch.Tensor, linear: Callable[..., torch.Tensor], small_m: Any = None, small_m_rows: int = 0) -> None:
+    def __init__(self, packed: torch.Tensor, small_m: Any = None, small_m_rows: int = 0) -> None:
+        from servelm.runtime.cpu import linear
+
         self.packed = packed
-        self.linear = linear
+        self.linear = linear.linear
         self.small_m = small_m
         self.small_m_rows = small_m_rows
         self.name = "onednn" + ("+few-row" if small_m is not None else "")
@@ -110,7 +119,6 @@ WEIGHT_FORMATS: dict[str, Callable[[Any, ProjectionMethod], ProjectionMethod]] =
 def select_method(
     *,
     packed: torch.Tensor | None = None,
-    packed_linear: Callable[..., torch.Tensor] | None = None,
     small_m: Any = None,
     small_m_rows: int = 0,
     quant: Any = None,
@@ -121,7 +129,7 @@ def select_method(
     by the fused few-row projections and by its weight format, if any."""
     method: ProjectionMethod
     if packed is not None:
-        method = PackedMethod(packed, packed_linear, small_m, small_m_rows)  # type: ignore[arg-type]
+        method = PackedMethod(packed, small_m, small_m_rows)
     elif tall_skinny_rows > 1:
         method = TallSkinnyMethod(tall_skinny_rows)
     else:

@@ -15,11 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from servelm.runtime import quantization
-from servelm.runtime.cpu import linear as cpu_linear, ops as cpu_ops
 from servelm.runtime.config import ModelConfig, UnsupportedModelError
-from servelm.runtime.projection import DenseMethod, ProjectionMethod, select_method
+from servelm.runtime.projection import DenseMethod, ProjectionMethod, pack, select_method
 
 if TYPE_CHECKING:  # (lora imports this module: the projections it wraps)
+    from servelm.runtime.cpu.linear import SmallMLinear
+    from servelm.runtime.cpu.ops import RmsNorm
     from servelm.runtime.lora import LoRAProjection
 
 
@@ -60,7 +61,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = empty_param((size,), dtype, device)
         self.eps = eps
-        self.kernel: cpu_ops.RmsNorm | None = None  # the compiled CPU op, when the runner sets it
+        self.kernel: RmsNorm | None = None  # the compiled CPU op, when the runner sets it
         self.fused: FusedRmsNorm | None = None  # residual add + norm in one kernel (runtime.cuda.triton_ops)
         # Gemma: the weight is 1 + w in float32 (``CausalLM.after_load``), applied before rounding to
         # the input's dtype, as Gemma3RMSNorm computes it
@@ -109,7 +110,7 @@ class Linear(nn.Module):
         self.in_features = in_features
         self.weight: nn.Parameter | None = empty_param((self.out_features, in_features), dtype, device)
         self.packed: torch.Tensor | None = None  # the oneDNN copy of ``weight`` once packed
-        self.small_m: cpu_linear.SmallMLinear | None = None  # few-row kernel over the dense weight
+        self.small_m: SmallMLinear | None = None  # few-row kernel over the dense weight
         self.small_m_rows = 0
         # --quantization: the quantized copy and the few-row kernel over it
         self.quant: quantization.QuantizedWeight | None = None
@@ -128,14 +129,14 @@ class Linear(nn.Module):
             if self.bias is not None:
                 self.bias.shard_slices = self.shard_rows  # type: ignore[attr-defined]
 
-    def pack_for_cpu(self, small_m: tuple[cpu_linear.SmallMLinear, int] | None = None) -> None:
+    def pack_for_cpu(self, small_m: tuple[SmallMLinear, int] | None = None) -> None:
         """Add the oneDNN-packed copy of the weight (``runtime.cpu.linear``); irreversible.
 
         With ``small_m`` (the few-row kernel and its row limit) the dense weight stays for steps of
         that many rows or fewer; without it the dense weight is dropped.
         """
         assert self.weight is not None and self.packed is None, "already packed"
-        self.packed = cpu_linear.pack(self.weight)
+        self.packed = pack(self.weight)
         if small_m is None:
             self.weight = None
         else:
@@ -161,7 +162,6 @@ class Linear(nn.Module):
         whenever packing, quantization or the few-row kernels change it, never per step."""
         self.method = select_method(
             packed=self.packed,
-            packed_linear=cpu_linear.linear,
             small_m=self.small_m,
             small_m_rows=self.small_m_rows,
             quant=self.quant,

@@ -18,18 +18,17 @@ the top-level module as usual.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from servelm.runtime import platform, quantization
-from servelm.runtime.cpu import linear as cpu_linear, ops as cpu_ops
 from servelm.runtime.attention.base import AttentionBackend, AttentionMetadata
 from servelm.runtime.config import ModelConfig
 from servelm.runtime.models.decoder import DecoderLayer, DecoderStack
-from servelm.runtime.projection import ProjectionMethod, select_method
+from servelm.runtime.projection import ProjectionMethod, pack, select_method
 from servelm.runtime.models.layers import (
     FewRowKernels,
     FusedRmsNorm,
@@ -37,6 +36,10 @@ from servelm.runtime.models.layers import (
     RMSNorm,
     empty_param,
 )
+
+if TYPE_CHECKING:
+    from servelm.runtime.cpu.linear import SmallMLinear
+    from servelm.runtime.cpu.ops import RmsNorm
 
 
 class CausalLM(nn.Module):
@@ -72,7 +75,7 @@ class CausalLM(nn.Module):
         self.embed_scale = float(torch.tensor(scale, dtype=torch.float32).to(dtype)) if cfg.embedding_multiplier_in_dtype else scale
         self.tall_skinny_head_max_rows = platform.small_batch_splits(device)[1]
         self.lm_head_packed: torch.Tensor | None = None
-        self.lm_head_small_m: cpu_linear.SmallMLinear | None = None
+        self.lm_head_small_m: SmallMLinear | None = None
         self.lm_head_small_m_rows = 0
         # --quantization: the head's quantized copy and kernel; and, for a tied head, its dequantized
         # float copy (the embedding itself stays as loaded)
@@ -126,7 +129,7 @@ class CausalLM(nn.Module):
             return self.model.norm.forward(h)
         return self.model.norm.forward_add(h, residual)[0]
 
-    def pack_cpu_weights(self, small_m: tuple[cpu_linear.SmallMLinear, int] | None = None) -> None:
+    def pack_cpu_weights(self, small_m: tuple[SmallMLinear, int] | None = None) -> None:
         """Pack every projection and the vocabulary head for oneDNN (``runtime.cpu.linear``), once,
         after loading. Without ``small_m`` the dense projection weights are dropped; with it they stay
         for few-row steps. The tied embedding stays dense either way (the token lookup reads it), so a
@@ -134,7 +137,7 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear) and module.packed is None:
                 module.pack_for_cpu(small_m)
-        self.lm_head_packed = cpu_linear.pack(self.lm_head_weight)
+        self.lm_head_packed = pack(self.lm_head_weight)
         if small_m is not None:
             self.lm_head_small_m, self.lm_head_small_m_rows = small_m
         elif not self.config.tie_word_embeddings:
@@ -145,7 +148,6 @@ class CausalLM(nn.Module):
         """Pick the vocabulary head's projection method for its present form (``runtime.projection``)."""
         self.head_method = select_method(
             packed=self.lm_head_packed,
-            packed_linear=cpu_linear.linear,
             small_m=self.lm_head_small_m,
             small_m_rows=self.lm_head_small_m_rows,
             quant=self.lm_head_quant,
@@ -207,7 +209,7 @@ class CausalLM(nn.Module):
                 total += quant.nbytes - dense.numel() * dense.element_size()
         return total
 
-    def use_cpu_rms_norm(self, kernel: cpu_ops.RmsNorm) -> None:
+    def use_cpu_rms_norm(self, kernel: RmsNorm) -> None:
         """Route every RMSNorm through the compiled CPU op (``runtime.cpu.ops``; float32 or bfloat16).
         Gemma's float32 weights under bfloat16 activations keep the torch path (the op rounds as Llama)."""
         float32 = self.model.embed_tokens.weight.dtype == torch.float32
