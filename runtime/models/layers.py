@@ -54,35 +54,107 @@ class FewRowKernels:
         return 0 < rows <= self.max_rows
 
 
+class TorchNorm:
+    """RMSNorm in torch, computed in float32 as Hugging Face's Llama does (matters for bf16)."""
+
+    def __init__(self, upcast_weight: bool) -> None:
+        self.upcast_weight = upcast_weight
+        self.name = "torch" + ("+upcast" if upcast_weight else "")
+
+    def apply(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # One fused op instead of six; the same arithmetic as HF's (x * rsqrt(mean(x^2) + eps)) * w.
+            return F.rms_norm(x, weight.shape, weight, eps)
+        if self.upcast_weight:
+            return F.rms_norm(x.float(), weight.shape, weight, eps).to(x.dtype)
+        return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+
+
+class CompiledNorm:
+    """The compiled CPU op (``cpu.ops.RmsNorm``) on contiguous input; ``inner`` on any other."""
+
+    name = "compiled"
+
+    def __init__(self, kernel: RmsNorm, inner: TorchNorm) -> None:
+        self.kernel = kernel
+        self.inner = inner
+
+    def apply(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.is_contiguous():
+            return self.kernel(x, weight, eps)
+        return self.inner.apply(x, weight, eps)
+
+
+class FusedNorm:
+    """A fused norm kernel (``cuda.triton_ops.rms_norm``), without a residual."""
+
+    name = "fused"
+
+    def __init__(self, fused: FusedRmsNorm) -> None:
+        self.fused = fused
+
+    def apply(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.fused(x, None, weight, eps)[0]
+
+
 class RMSNorm(nn.Module):
-    """RMS normalisation, computed in float32 as Hugging Face's Llama does (matters for bf16)."""
+    """RMS normalisation through a norm method (torch, compiled or fused) chosen whenever its kernels
+    or its weight's form change (setting ``kernel``, ``fused`` or ``upcast_weight``), never per call."""
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.weight = empty_param((size,), dtype, device)
         self.eps = eps
-        self.kernel: RmsNorm | None = None  # the compiled CPU op, when the runner sets it
-        self.fused: FusedRmsNorm | None = None  # residual add + norm in one kernel (runtime.cuda.triton_ops)
+        self._kernel: RmsNorm | None = None  # the compiled CPU op, when the runner sets it
+        self._fused: FusedRmsNorm | None = None  # residual add + norm in one kernel (runtime.cuda.triton_ops)
         # Gemma: the weight is 1 + w in float32 (``CausalLM.after_load``), applied before rounding to
         # the input's dtype, as Gemma3RMSNorm computes it
-        self.upcast_weight = False
+        self._upcast_weight = False
+        self.method: TorchNorm | CompiledNorm | FusedNorm = TorchNorm(False)
+
+    def _choose_method(self) -> None:
+        torch_norm = TorchNorm(self._upcast_weight)
+        if self._fused is not None:
+            self.method = FusedNorm(self._fused)
+        elif self._kernel is not None:
+            self.method = CompiledNorm(self._kernel, torch_norm)
+        else:
+            self.method = torch_norm
+
+    @property
+    def kernel(self) -> RmsNorm | None:
+        return self._kernel
+
+    @kernel.setter
+    def kernel(self, kernel: RmsNorm | None) -> None:
+        self._kernel = kernel
+        self._choose_method()
+
+    @property
+    def fused(self) -> FusedRmsNorm | None:
+        return self._fused
+
+    @fused.setter
+    def fused(self, fused: FusedRmsNorm | None) -> None:
+        self._fused = fused
+        self._choose_method()
+
+    @property
+    def upcast_weight(self) -> bool:
+        return self._upcast_weight
+
+    @upcast_weight.setter
+    def upcast_weight(self, upcast: bool) -> None:
+        self._upcast_weight = upcast
+        self._choose_method()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused is not None:
-            return self.fused(x, None, self.weight, self.eps)[0]
-        if self.kernel is not None and x.is_contiguous():
-            return self.kernel(x, self.weight, self.eps)
-        if x.dtype == torch.float32:
-            # One fused op instead of six; the same arithmetic as HF's (x * rsqrt(mean(x^2) + eps)) * w.
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        if self.upcast_weight:
-            return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+        return self.method.apply(x, self.weight, self.eps)
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(norm(x + residual), x + residual)``: the residual add that precedes every norm but the first."""
-        if self.fused is not None:
-            out, r = self.fused(x, residual, self.weight, self.eps)
+        if self._fused is not None:
+            out, r = self._fused(x, residual, self.weight, self.eps)
             return out, r  # type: ignore[return-value]
         r = x + residual
         return self.forward(r), r

@@ -83,3 +83,17 @@ def test_a_weight_format_wraps_any_base_and_hands_larger_steps_on() -> None:
     assert torch.equal(method.apply(torch.ones(2, 5), w, None), torch.full((2, 3), 7.0))
     x = torch.randn(3, 5)
     assert torch.equal(method.apply(x, w, None), torch.nn.functional.linear(x, w))
+
+
+def test_norms_get_their_method_the_same_way(tiny_llama_dir: Path, build_runner: Callable[..., Any]) -> None:
+    """Every RMSNorm calls one norm method, chosen when its kernels are installed: on CPU float32 the
+    compiled fused add + norm where it builds, else the compiled norm, else torch."""
+    from servelm.runtime.cpu import ops as cpu_ops
+    from servelm.runtime.models.layers import RMSNorm
+
+    runner = build_runner(tiny_llama_dir)
+    names = {m.method.name for m in runner.model.modules() if isinstance(m, RMSNorm)}
+    if cpu_ops.fused_ops() is not None:
+        assert names == {"fused"}
+    else:
+        assert names == ({"compiled"} if cpu_ops.rms_norm_kernel() is not None else {"torch"})
