@@ -27,7 +27,7 @@ def test_the_wheel_holds_only_servelm(wheel: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"servelm"}, sorted(tops)
-    for pkg in ("server", "scheduler", "runtime", "metrics", "bench", "runtime/models", "runtime/attention", "runtime/cpu", "runtime/cuda"):
+    for pkg in ("server", "scheduler", "runtime", "metrics", "bench", "runtime/models", "runtime/attention", "runtime/cpu", "runtime/cuda", "runtime/gguf"):
         assert f"servelm/{pkg}/__init__.py" in names, pkg
     assert "servelm/runtime/cpu/csrc/cpu_ops.cpp" in names  # the C++ sources compiled at first use
 

@@ -151,8 +151,8 @@ def test_a_gguf_file_reads_as_zero_copy_blocks_of_every_format(tmp_path: Path) -
         assert t.raw.dtype == torch.uint8 and t.raw.shape == (data.size // block_elems, block_bytes)
         start, end = t.raw.data_ptr(), t.raw.data_ptr() + t.raw.numel()
         assert any(lo <= start and end <= hi for lo, hi in mapped), f"{name} was copied out of the map"
-        raw = np.ascontiguousarray(encoded[name][0]).view(np.uint8)
-        _assert_bitwise_equal(dequantize(t), gguf.quants.dequantize(raw.reshape(data.shape[0], -1), qtype).reshape(data.shape))
+        raw = np.ascontiguousarray(encoded[name][0]).view(np.uint8).reshape(data.shape[0], -1)
+        _assert_bitwise_equal(dequantize(t), gguf.quants.dequantize(raw, qtype).reshape(data.shape))
 
 
 def test_dequantize_timings_for_the_record() -> None:
@@ -165,4 +165,5 @@ def test_dequantize_timings_for_the_record() -> None:
             start = time.perf_counter()
             dequantize((raw, qtype, data.shape))
             runs.append(time.perf_counter() - start)
-        print(f"dequantize {qtype.name} 576x1536: median {statistics.median(runs) * 1e3:.2f} ms over {len(runs)} runs, {torch.get_num_threads()} threads")
+        median_ms = statistics.median(runs) * 1e3
+        print(f"dequantize {qtype.name} 576x1536: median {median_ms:.2f} ms of {len(runs)}, {torch.get_num_threads()} threads")
