@@ -17,7 +17,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # identity equality: comparing tensors elementwise has no single truth
 class GGUFTensor:
     """One tensor of a GGUF file: its name, its block format, its logical shape and its raw blocks.
 
