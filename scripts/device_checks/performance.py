@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from servelm.runtime.cuda.profiling import gpu_kernel_events
 from servelm.runtime.platform import is_cuda
 
 from device_checks.common import (
@@ -61,7 +62,7 @@ def gpu_timeline(fn: Any, device: torch.device) -> tuple[int, float, float] | No
     with profile(activities=[ProfilerActivity.CUDA]) as prof:  # no host tracing: it would widen the gaps
         fn()
         sync(device)
-    kernels = [e for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start]
+    kernels = [e for e in gpu_kernel_events(prof) if e.time_range.end > e.time_range.start]
     if not kernels:
         return None
     busy_us = sum(e.time_range.end - e.time_range.start for e in kernels)
@@ -102,7 +103,7 @@ def profile_decode(runner: Any, plan: Plan, vocab: int, report: Report) -> None:
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 runner.model(inputs.input_ids, inputs.positions, meta)
                 sync(dev)
-        kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        kernels = gpu_kernel_events(prof)
         total_us = sum(e.device_time_total for e in kernels)
         top = sorted(prof.key_averages(), key=lambda e: -getattr(e, "self_device_time_total", 0))[:12]
         print(f"  eager decode forward, batch {batch}: {len(kernels)} GPU kernels, {total_us / 1e3:.2f} ms of kernel time")

@@ -356,3 +356,14 @@ def test_the_head_runs_inside_the_graphs_of_the_a_b_sizes_only() -> None:
     assert not build(few_rows_max=1).returns_logits(1)  # no head given
     assert not build(few_rows_max=0, head=lambda h: h).returns_logits(1)  # no few-row sizes: no head inside
     assert build(few_rows_max=4, head=lambda h: h).returns_logits(3)  # 3 decodes replay the graph of 4
+
+
+def test_gpu_kernel_events_reads_real_profiler_events() -> None:
+    """On a CPU-only run the profiler records CPU ops only: none of them is a GPU kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from servelm.runtime.cuda.profiling import gpu_kernel_events
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.ones(8, 8) @ torch.ones(8, 8)
+    assert prof.events() and gpu_kernel_events(prof) == []
