@@ -203,6 +203,12 @@ def capture_decode_graphs(runner: Any, num_blocks: int) -> Any:
     return cuda_setup.capture_decode_graphs(runner, num_blocks)
 
 
+def release_cached_memory(device: torch.device) -> None:
+    """Hand the allocator's cached blocks back to the device (after a scratch step, before the pool is made)."""
+    if is_cuda(device):
+        torch.cuda.empty_cache()
+
+
 def kv_budget_bytes(
     device: torch.device, utilization: float, warm_up: Callable[[], int], scratch_bytes: int, reserve_bytes: int
 ) -> int:

@@ -16,7 +16,7 @@ from servelm.runtime.batch import BatchItem, RunnerOutput
 from servelm.runtime.capacity import Capacity, plan_capacity
 from servelm.runtime.config import ModelConfig
 from servelm.runtime.model_files import resolve_model_path
-from servelm.runtime.platform import default_dtype, device_defaults, resolve_device
+from servelm.runtime.platform import default_dtype, device_defaults, release_cached_memory, resolve_device
 from servelm.runtime.runner import ModelRunner
 from servelm.runtime.tokenizer import load_tokenizer
 from servelm.scheduler.block_manager import BlockManager
@@ -125,7 +125,7 @@ def start_up(config: EngineConfig, runner: RunnerLike | None = None) -> StartUp:
             )
         else:
             unpooled.warm_up()
-            torch.cuda.empty_cache()
+            release_cached_memory(device)
     if kv_memory is None:
         kv_memory = defaults.kv_cache_memory
     if kv_memory is None:  # an injected runner, where the pool is sized from memory
