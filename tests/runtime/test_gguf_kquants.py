@@ -8,8 +8,6 @@ written from the block layout; random raw blocks and edge cases cover every bit.
 from __future__ import annotations
 
 import importlib.metadata
-import statistics
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -18,6 +16,8 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
+
+from gguf_files import median_seconds, write_gguf
 
 from servelm.runtime.gguf.kquants import (
     QK_K,
@@ -271,14 +271,8 @@ def k_quant_tensors_in_file(path: Path) -> set[QType]:
 
 def test_k_quant_tensors_read_from_a_written_gguf_file(tmp_path: Path) -> None:
     path = tmp_path / "k_quants.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for i, qtype in enumerate(FORMATS):
-        raw = random_blocks(qtype, 4 * 3, seed=20 + i).reshape(4, -1)  # a [4, 768] weight
-        writer.add_tensor(f"w.{qtype.name}", raw, raw_dtype=qtype)  # shape in bytes
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    # Each a [4, 768] weight, as [4, 3 blocks' bytes] rows.
+    write_gguf(path, {f"w.{q.name}": (random_blocks(q, 4 * 3, seed=20 + i).reshape(4, -1), q) for i, q in enumerate(FORMATS)})
     assert k_quant_tensors_in_file(path) == set(FORMATS)
 
 
@@ -290,16 +284,6 @@ def test_real_gemma_q4_k_m_tensors_match_reference() -> None:
 
 
 # --- timing, for the record (run with -s to see it) ---
-
-
-def median_seconds(fn: Callable[[], object], runs: int = 7) -> float:
-    fn()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 @pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q6_K], ids=lambda q: q.name)

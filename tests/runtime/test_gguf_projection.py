@@ -9,8 +9,6 @@ within ``1e-5 * (|x| @ |W|^T + |b|)`` of it, a float32 summation-order bound (K 
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
+
+from gguf_files import median_seconds, write_gguf
 
 from servelm.runtime.gguf.projection import GGUFMethod, gguf_method, tile_rows_for
 from servelm.runtime.gguf.reader import GGUFTensor, read_gguf_tensors
@@ -54,19 +54,6 @@ def encoded_weight(qtype: Q, shape: tuple[int, int], seed: int) -> np.ndarray:
     if qtype in K_QUANTS:
         return random_k_blocks(qtype, shape[0] * shape[1] // gguf.QK_K, seed).reshape(shape[0], -1)
     return np.ascontiguousarray(gguf.quants.quantize(weights(shape, seed), qtype))
-
-
-def write_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, Q]]) -> None:
-    writer = gguf.GGUFWriter(path, arch="llama")
-    for name, (data, qtype) in tensors.items():
-        if qtype in (Q.F32, Q.F16):
-            writer.add_tensor(name, data)  # typed arrays name their own format
-        else:
-            writer.add_tensor(name, data, raw_dtype=qtype)  # uint8 rows; the writer derives the shape
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 @pytest.fixture(scope="module")
@@ -235,16 +222,6 @@ def test_rejects_what_it_cannot_serve() -> None:
 
 
 # --- timing, for the record (run with -s to see it) ---
-
-
-def median_seconds(fn: Callable[[], object], runs: int) -> float:
-    fn()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0], ids=lambda q: q.name)

@@ -13,6 +13,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from gguf_files import write_gguf
+
 from servelm.runtime.gguf import quants, registry
 from servelm.runtime.gguf.reader import GGUFTensor, read_gguf_tensors
 from servelm.runtime.gguf.registry import BLOCK_LAYOUT, SUPPORTED, dequantize
@@ -116,19 +118,6 @@ def _file_mappings(path: Path) -> list[tuple[int, int]]:
     return ranges
 
 
-def _write_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, Q]]) -> None:
-    writer = gguf.GGUFWriter(path, arch="llama")
-    for name, (raw, qtype) in tensors.items():
-        if qtype in (Q.F32, Q.F16):
-            writer.add_tensor(name, raw)  # typed arrays name their own format
-        else:
-            writer.add_tensor(name, raw, raw_dtype=qtype)  # uint8 rows; the writer derives the shape
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 def test_a_gguf_file_reads_as_zero_copy_blocks_of_every_format(tmp_path: Path) -> None:
     weights: dict[str, tuple[np.ndarray, Q]] = {}
     for i, qtype in enumerate(FORMATS):
@@ -136,7 +125,7 @@ def test_a_gguf_file_reads_as_zero_copy_blocks_of_every_format(tmp_path: Path) -
     weights["output_norm.weight"] = (np.linspace(0.5, 1.5, 96, dtype=np.float32), Q.F32)  # one dimension
     encoded = {name: (gguf.quants.quantize(data, qtype), qtype) for name, (data, qtype) in weights.items()}
     path = tmp_path / "tiny.gguf"
-    _write_gguf(path, encoded)
+    write_gguf(path, encoded)
 
     tensors = read_gguf_tensors(path)
 
