@@ -18,6 +18,7 @@ setup: $(STAMP)
 
 model: $(STAMP)
 	$(VPY) -m servelm.runtime.model_files
+	$(VPY) -m servelm.runtime.model_fetch
 
 serve: model
 	$(VENV)/bin/servelm serve --quantization auto $(ARGS)

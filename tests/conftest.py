@@ -18,6 +18,7 @@ import torch
 
 from servelm.runtime.batch import SamplingOptions
 from servelm.runtime.config import ModelConfig
+from servelm.runtime.model_fetch import ensure_gemma3_gguf
 from servelm.runtime.model_files import ensure_default_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -129,6 +130,12 @@ def save_tiny_model(variant: str, out: Path, *, max_shard_size: str | None = Non
 def default_model_dir() -> Path:
     """The embedded SmolLM2-135M-Instruct as a float32 HF folder."""
     return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """Gemma 3 270M (base) as its Q4_K_M GGUF file, stored as shipped (`make test`'s set-up prepares it)."""
+    return ensure_gemma3_gguf()
 
 
 @pytest.fixture(scope="session")
