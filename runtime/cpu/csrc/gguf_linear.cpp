@@ -1,0 +1,574 @@
+// Projections and embedding lookups straight from GGUF's quantized blocks (float32 activations):
+//   * gguf_linear: out[M, N] = x[M, K] @ W^T (+ bias), W given as its raw block rows [N, row_bytes];
+//   * gguf_get_rows: the rows ids of W as float32 [T, K] (an embedding lookup), only those decoded.
+// Formats: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16, F32.
+//
+// A decode step's projection is a pass over the weight, so the bytes read set its speed: reading the
+// quantized blocks instead of a float32 copy reads 4-8x fewer. Each block is decoded once, into L1
+// floats with the same roundings as the reference dequantizers (so only the summation order differs
+// from dequantize-then-F.linear), and multiplied into every activation row's accumulators. x stays
+// float32: no int8 activations as llama.cpp does, so results match a float32 reference.
+//
+// Work split: contiguous ranges of output rows per thread (at::parallel_for). Up to kGroup activation
+// rows share one decode of each block; with more rows, each weight row is decoded once into a
+// per-thread buffer and every group of rows reads it from there.
+//
+// AVX2 + FMA + F16C where the compiler targets them (so AVX-512 machines run it too), plain C++ else.
+
+// Narrow headers on purpose: <torch/extension.h> doubles the one-off compile time.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define SERVELM_GGUF_AVX2 1
+#else
+#define SERVELM_GGUF_AVX2 0
+#endif
+
+namespace {
+
+constexpr int kGroup = 8;          // activation rows that share one decode of a block
+constexpr int kFloatChunk = 256;   // elements decoded at a time for the float formats
+
+// gguf.GGMLQuantizationType values.
+enum QType : int { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,
+                   Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30 };
+
+inline uint16_t u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
+inline uint32_t u32(const uint8_t* p) { uint32_t v; std::memcpy(&v, p, 4); return v; }
+inline float f16(const uint8_t* p) { return c10::detail::fp16_ieee_to_fp32_value(u16(p)); }
+inline float bf16(const uint8_t* p) { uint32_t v = uint32_t(u16(p)) << 16; float f; std::memcpy(&f, &v, 4); return f; }
+
+// Q4_K / Q5_K: sub-block j's 6-bit scale and min from the 12 packed bytes s.
+inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& mn) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    mn = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+#if SERVELM_GGUF_AVX2
+// 8 bytes (the low half of v) widened to 8 floats, unsigned or signed.
+inline __m256 u8f(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+inline __m256 i8f(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
+inline __m128i hi8(__m128i v) { return _mm_srli_si128(v, 8); }
+inline __m128i lo128(__m256i v) { return _mm256_castsi256_si128(v); }
+inline __m128i hi128(__m256i v) { return _mm256_extracti128_si256(v, 1); }
+inline __m128i load128(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// 32 quant bytes q (unsigned) -> dst[0..32) = dsc * q - dm, as (d*scale)*q - dmin*min is rounded.
+inline void scaled_minus(__m256i q, float dsc, float dm, float* dst) {
+  const __m256 s = _mm256_set1_ps(dsc), m = _mm256_set1_ps(dm);
+  const __m128i a = lo128(q), b = hi128(q);
+  _mm256_storeu_ps(dst, _mm256_sub_ps(_mm256_mul_ps(s, u8f(a)), m));
+  _mm256_storeu_ps(dst + 8, _mm256_sub_ps(_mm256_mul_ps(s, u8f(hi8(a))), m));
+  _mm256_storeu_ps(dst + 16, _mm256_sub_ps(_mm256_mul_ps(s, u8f(b)), m));
+  _mm256_storeu_ps(dst + 24, _mm256_sub_ps(_mm256_mul_ps(s, u8f(hi8(b))), m));
+}
+
+// 5th bits of a Q5_0 / Q5_1 block's elements base..base+7 from qh, as 0 or 16 per int32 lane.
+inline __m256i q5_high(uint32_t qh, int base) {
+  const __m256i shifts = _mm256_add_epi32(_mm256_set1_epi32(base), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i bit = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(int(qh)), shifts), _mm256_set1_epi32(1));
+  return _mm256_slli_epi32(bit, 4);
+}
+#endif
+
+// One block of each format decoded to floats, bit-equal to runtime.gguf's dequantizers.
+template <int Q> struct Format;
+
+template <> struct Format<Q4_0> {
+  static constexpr int elems = 32, bytes = 18;
+  static void decode(const uint8_t* b, float* dst) {
+    const float d = f16(b);
+#if SERVELM_GGUF_AVX2
+    const __m128i qs = load128(b + 2), mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(qs, mask), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
+    const __m256 dv = _mm256_set1_ps(d), off = _mm256_set1_ps(8.0f);
+    _mm256_storeu_ps(dst, _mm256_mul_ps(dv, _mm256_sub_ps(u8f(lo), off)));
+    _mm256_storeu_ps(dst + 8, _mm256_mul_ps(dv, _mm256_sub_ps(u8f(hi8(lo)), off)));
+    _mm256_storeu_ps(dst + 16, _mm256_mul_ps(dv, _mm256_sub_ps(u8f(hi), off)));
+    _mm256_storeu_ps(dst + 24, _mm256_mul_ps(dv, _mm256_sub_ps(u8f(hi8(hi)), off)));
+#else
+    for (int i = 0; i < 16; ++i) {
+      dst[i] = d * float((b[2 + i] & 0x0F) - 8);
+      dst[i + 16] = d * float((b[2 + i] >> 4) - 8);
+    }
+#endif
+  }
+};
+
+template <> struct Format<Q4_1> {
+  static constexpr int elems = 32, bytes = 20;
+  static void decode(const uint8_t* b, float* dst) {
+    const float d = f16(b), m = f16(b + 2);
+#if SERVELM_GGUF_AVX2
+    const __m128i qs = load128(b + 4), mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(qs, mask), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
+    const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+    _mm256_storeu_ps(dst, _mm256_add_ps(_mm256_mul_ps(dv, u8f(lo)), mv));
+    _mm256_storeu_ps(dst + 8, _mm256_add_ps(_mm256_mul_ps(dv, u8f(hi8(lo))), mv));
+    _mm256_storeu_ps(dst + 16, _mm256_add_ps(_mm256_mul_ps(dv, u8f(hi)), mv));
+    _mm256_storeu_ps(dst + 24, _mm256_add_ps(_mm256_mul_ps(dv, u8f(hi8(hi))), mv));
+#else
+    for (int i = 0; i < 16; ++i) {
+      dst[i] = d * float(b[4 + i] & 0x0F) + m;
+      dst[i + 16] = d * float(b[4 + i] >> 4) + m;
+    }
+#endif
+  }
+};
+
+// Q5_0 (signed, offset 16) and Q5_1 (unsigned with a min) share the bit layout.
+template <bool kMin>
+inline void decode_q5(const uint8_t* b, float* dst) {
+  const float d = f16(b), m = kMin ? f16(b + 2) : 0.0f;
+  const uint32_t qh = u32(b + (kMin ? 4 : 2));
+  const uint8_t* qs = b + (kMin ? 8 : 6);
+#if SERVELM_GGUF_AVX2
+  const __m128i q = load128(qs), mask = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(q, mask), hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
+  const __m128i parts[4] = {lo, hi8(lo), hi, hi8(hi)};
+  const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m), off = _mm256_set1_ps(16.0f);
+  for (int p = 0; p < 4; ++p) {
+    const __m256 v = _mm256_cvtepi32_ps(_mm256_or_si256(_mm256_cvtepu8_epi32(parts[p]), q5_high(qh, 8 * p)));
+    const __m256 w = kMin ? _mm256_add_ps(_mm256_mul_ps(dv, v), mv) : _mm256_mul_ps(dv, _mm256_sub_ps(v, off));
+    _mm256_storeu_ps(dst + 8 * p, w);
+  }
+#else
+  for (int i = 0; i < 16; ++i) {
+    const int lo = (qs[i] & 0x0F) | (((qh >> i) & 1) << 4);
+    const int hi = (qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
+    dst[i] = kMin ? d * float(lo) + m : d * float(lo - 16);
+    dst[i + 16] = kMin ? d * float(hi) + m : d * float(hi - 16);
+  }
+#endif
+}
+template <> struct Format<Q5_0> {
+  static constexpr int elems = 32, bytes = 22;
+  static void decode(const uint8_t* b, float* dst) { decode_q5<false>(b, dst); }
+};
+template <> struct Format<Q5_1> {
+  static constexpr int elems = 32, bytes = 24;
+  static void decode(const uint8_t* b, float* dst) { decode_q5<true>(b, dst); }
+};
+
+template <> struct Format<Q8_0> {
+  static constexpr int elems = 32, bytes = 34;
+  static void decode(const uint8_t* b, float* dst) {
+    const float d = f16(b);
+#if SERVELM_GGUF_AVX2
+    const __m256 dv = _mm256_set1_ps(d);
+    for (int p = 0; p < 4; ++p)
+      _mm256_storeu_ps(dst + 8 * p, _mm256_mul_ps(dv, i8f(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * p)))));
+#else
+    for (int i = 0; i < 32; ++i) dst[i] = d * float(int8_t(b[2 + i]));
+#endif
+  }
+};
+
+// Q4_K (no 5th bits) and Q5_K: 8 sub-blocks of 32, each (d*scale)*q - dmin*min.
+template <bool kHigh>
+inline void decode_k45(const uint8_t* b, float* dst) {
+  const float d = f16(b), dmin = f16(b + 2);
+  const uint8_t* s = b + 4;
+  const uint8_t* qh = b + 16;
+  const uint8_t* qs = b + (kHigh ? 48 : 16);
+  for (int c = 0; c < 4; ++c) {  // 32 bytes feed sub-blocks 2c (low nibbles) and 2c+1 (high)
+    int sc0, m0, sc1, m1;
+    scale_min_k4(s, 2 * c, sc0, m0);
+    scale_min_k4(s, 2 * c + 1, sc1, m1);
+#if SERVELM_GGUF_AVX2
+    const __m256i q = load256(qs + 32 * c), mask = _mm256_set1_epi8(0x0F);
+    __m256i lo = _mm256_and_si256(q, mask), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
+    if (kHigh) {  // bit j of qh[l]: the 5th bit of element l of sub-block j
+      const __m256i h = load256(qh), one = _mm256_set1_epi8(1);
+      const __m256i h0 = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * c)), one);
+      const __m256i h1 = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * c + 1)), one);
+      lo = _mm256_or_si256(lo, _mm256_slli_epi16(h0, 4));
+      hi = _mm256_or_si256(hi, _mm256_slli_epi16(h1, 4));
+    }
+    scaled_minus(lo, d * float(sc0), dmin * float(m0), dst + 64 * c);
+    scaled_minus(hi, d * float(sc1), dmin * float(m1), dst + 64 * c + 32);
+#else
+    const float ds0 = d * float(sc0), dm0 = dmin * float(m0), ds1 = d * float(sc1), dm1 = dmin * float(m1);
+    for (int l = 0; l < 32; ++l) {
+      int lo = qs[32 * c + l] & 0x0F, hi = qs[32 * c + l] >> 4;
+      if (kHigh) {
+        lo |= ((qh[l] >> (2 * c)) & 1) << 4;
+        hi |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
+      }
+      dst[64 * c + l] = ds0 * float(lo) - dm0;
+      dst[64 * c + 32 + l] = ds1 * float(hi) - dm1;
+    }
+#endif
+  }
+}
+template <> struct Format<Q4_K> {
+  static constexpr int elems = 256, bytes = 144;
+  static void decode(const uint8_t* b, float* dst) { decode_k45<false>(b, dst); }
+};
+template <> struct Format<Q5_K> {
+  static constexpr int elems = 256, bytes = 176;
+  static void decode(const uint8_t* b, float* dst) { decode_k45<true>(b, dst); }
+};
+
+// Q6_K: two halves of 128; element 128h + 32p + l takes low bits from ql (byte l or 32 + l of the
+// half's 64, low or high nibble) and 2 high bits from qh[32h + l] at shift 2p; (d*scale)*(q - 32).
+template <> struct Format<Q6_K> {
+  static constexpr int elems = 256, bytes = 210;
+  static void decode(const uint8_t* b, float* dst) {
+    const uint8_t* ql = b;
+    const uint8_t* qh = b + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = f16(b + 208);
+    for (int h = 0; h < 2; ++h) {
+#if SERVELM_GGUF_AVX2
+      const __m256i A = load256(ql + 64 * h), B = load256(ql + 64 * h + 32), H = load256(qh + 32 * h);
+      const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03), off = _mm256_set1_epi8(32);
+      const __m256i low[4] = {_mm256_and_si256(A, m4), _mm256_and_si256(B, m4),
+                              _mm256_and_si256(_mm256_srli_epi16(A, 4), m4), _mm256_and_si256(_mm256_srli_epi16(B, 4), m4)};
+      for (int p = 0; p < 4; ++p) {
+        const __m256i high = _mm256_and_si256(_mm256_srl_epi16(H, _mm_cvtsi32_si128(2 * p)), m2);
+        const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low[p], _mm256_slli_epi16(high, 4)), off);
+        const int e = 128 * h + 32 * p;
+        const __m256 s0 = _mm256_set1_ps(d * float(sc[e / 16])), s1 = _mm256_set1_ps(d * float(sc[e / 16 + 1]));
+        const __m128i a = lo128(q), c = hi128(q);
+        _mm256_storeu_ps(dst + e, _mm256_mul_ps(s0, i8f(a)));
+        _mm256_storeu_ps(dst + e + 8, _mm256_mul_ps(s0, i8f(hi8(a))));
+        _mm256_storeu_ps(dst + e + 16, _mm256_mul_ps(s1, i8f(c)));
+        _mm256_storeu_ps(dst + e + 24, _mm256_mul_ps(s1, i8f(hi8(c))));
+      }
+#else
+      for (int p = 0; p < 4; ++p) {
+        const int e = 128 * h + 32 * p;
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t byte = ql[64 * h + (p & 1) * 32 + l];
+          const int lo = p < 2 ? (byte & 0x0F) : (byte >> 4);
+          const int q = (lo | (((qh[32 * h + l] >> (2 * p)) & 3) << 4)) - 32;
+          dst[e + l] = (d * float(sc[(e + l) / 16])) * float(q);
+        }
+      }
+#endif
+    }
+  }
+};
+
+// The float formats: one element a "block", decoded kFloatChunk (or fewer, at a row's end) at a time.
+template <int Q> struct FloatFormat;
+template <> struct FloatFormat<F32> {
+  static constexpr int size = 4;
+  static void decode(const uint8_t* b, float* dst, int n) { std::memcpy(dst, b, size_t(n) * 4); }
+};
+template <> struct FloatFormat<F16> {
+  static constexpr int size = 2;
+  static void decode(const uint8_t* b, float* dst, int n) {
+    int i = 0;
+#if SERVELM_GGUF_AVX2
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(load128(b + 2 * i)));
+#endif
+    for (; i < n; ++i) dst[i] = f16(b + 2 * i);
+  }
+};
+template <> struct FloatFormat<BF16> {
+  static constexpr int size = 2;
+  static void decode(const uint8_t* b, float* dst, int n) {
+    int i = 0;
+#if SERVELM_GGUF_AVX2
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load128(b + 2 * i)), 16)));
+#endif
+    for (; i < n; ++i) dst[i] = bf16(b + 2 * i);
+  }
+};
+
+// Decodes elements [k0, k0 + n) of a weight row; n is a whole number of blocks (any n for floats).
+template <int Q, bool kFloat = (Q == F32 || Q == F16 || Q == BF16)>
+struct RowDecoder {
+  static constexpr int chunk = Format<Q>::elems;
+  static void decode(const uint8_t* row, int64_t k0, int n, float* dst) {
+    for (int i = 0; i < n; i += chunk) Format<Q>::decode(row + (k0 + i) / chunk * Format<Q>::bytes, dst + i);
+  }
+};
+template <int Q>
+struct RowDecoder<Q, true> {
+  static constexpr int chunk = kFloatChunk;
+  static void decode(const uint8_t* row, int64_t k0, int n, float* dst) {
+    FloatFormat<Q>::decode(row + k0 * FloatFormat<Q>::size, dst, n);
+  }
+};
+
+// M rows' running dot products with one weight row.
+template <int M>
+struct Accumulators {
+#if SERVELM_GGUF_AVX2
+  // Independent chains per row, so one row does not wait on FMA latency.
+  static constexpr int A = M == 1 ? 4 : (M == 2 ? 2 : 1);
+  __m256 v[M][A];
+#endif
+  float tail[M];
+
+  Accumulators() {
+    for (int m = 0; m < M; ++m) {
+      tail[m] = 0.0f;
+#if SERVELM_GGUF_AVX2
+      for (int a = 0; a < A; ++a) v[m][a] = _mm256_setzero_ps();
+#endif
+    }
+  }
+
+  // += w[0..n) . x[m * ldx + 0..n) for each row m.
+  inline void add(const float* w, const float* x, int64_t ldx, int n) {
+    int j = 0;
+#if SERVELM_GGUF_AVX2
+    for (; j + 8 * A <= n; j += 8 * A)
+      for (int a = 0; a < A; ++a) {
+        const __m256 wv = _mm256_loadu_ps(w + j + 8 * a);
+        for (int m = 0; m < M; ++m) v[m][a] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * ldx + j + 8 * a), v[m][a]);
+      }
+    for (; j + 8 <= n; j += 8) {
+      const __m256 wv = _mm256_loadu_ps(w + j);
+      for (int m = 0; m < M; ++m) v[m][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * ldx + j), v[m][0]);
+    }
+#endif
+    for (; j < n; ++j)
+      for (int m = 0; m < M; ++m) tail[m] += w[j] * x[m * ldx + j];
+  }
+
+  inline float total(int m) const {
+#if SERVELM_GGUF_AVX2
+    __m256 s = v[m][0];
+    for (int a = 1; a < A; ++a) s = _mm256_add_ps(s, v[m][a]);
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_add_ss(r, _mm_movehdup_ps(r));
+    return _mm_cvtss_f32(r) + tail[m];
+#else
+    return tail[m];
+#endif
+  }
+};
+
+// f(std::integral_constant<int, M>{}) for M in 1..kGroup.
+template <typename F>
+void with_rows(int64_t M, F&& f) {
+  switch (M) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
+
+struct LinearArgs {
+  const float* x;        // [M, K], row stride K
+  const uint8_t* w;      // [N, row_bytes], row stride ldw
+  float* out;            // [M, N], row stride ldo
+  const float* bias;     // [N] or nullptr
+  int64_t M, N, K, ldw, ldo;
+};
+
+// Output row n for activation rows [m0, m0 + M): dot products written (plus bias) to out.
+template <int M>
+inline void store_row(const LinearArgs& a, const Accumulators<M>& acc, int64_t m0, int64_t n) {
+  const float b = a.bias ? a.bias[n] : 0.0f;
+  for (int m = 0; m < M; ++m) a.out[(m0 + m) * a.ldo + n] = acc.total(m) + b;
+}
+
+template <int Q>
+void linear_rows(const LinearArgs& a, int64_t n0, int64_t n1) {
+  using D = RowDecoder<Q>;
+  if (a.M <= kGroup) {
+    // Decode each chunk once into L1 and multiply it into every row's accumulators.
+    alignas(64) float wbuf[kFloatChunk];
+    with_rows(a.M, [&](auto mm) {
+      constexpr int M = decltype(mm)::value;
+      for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t* row = a.w + n * a.ldw;
+        Accumulators<M> acc;
+        for (int64_t k = 0; k < a.K; k += D::chunk) {
+          const int len = int(std::min<int64_t>(D::chunk, a.K - k));
+          if (Q == F32 && reinterpret_cast<uintptr_t>(row) % alignof(float) == 0) {
+            acc.add(reinterpret_cast<const float*>(row) + k, a.x + k, a.K, len);  // already floats
+            continue;
+          }
+          D::decode(row, k, len, wbuf);
+          acc.add(wbuf, a.x + k, a.K, len);
+        }
+        store_row<M>(a, acc, 0, n);
+      }
+    });
+    return;
+  }
+  // Many rows: decode each weight row once, then let every group of rows read the floats.
+  std::vector<float> wrow(size_t(a.K));
+  for (int64_t n = n0; n < n1; ++n) {
+    D::decode(a.w + n * a.ldw, 0, int(a.K), wrow.data());
+    for (int64_t m0 = 0; m0 < a.M; m0 += kGroup) {
+      with_rows(std::min<int64_t>(kGroup, a.M - m0), [&](auto mm) {
+        constexpr int M = decltype(mm)::value;
+        Accumulators<M> acc;
+        acc.add(wrow.data(), a.x + m0 * a.K, a.K, int(a.K));
+        store_row<M>(a, acc, m0, n);
+      });
+    }
+  }
+}
+
+// (elements, bytes) of one block of qtype; elements == 1 for the float formats.
+std::pair<int, int> layout(int64_t qtype) {
+  switch (qtype) {
+    case F32: return {1, 4};
+    case F16: return {1, 2};
+    case BF16: return {1, 2};
+    case Q4_0: return {32, 18};
+    case Q4_1: return {32, 20};
+    case Q5_0: return {32, 22};
+    case Q5_1: return {32, 24};
+    case Q8_0: return {32, 34};
+    case Q4_K: return {256, 144};
+    case Q5_K: return {256, 176};
+    case Q6_K: return {256, 210};
+  }
+  TORCH_CHECK(false, "GGUF kernels: unsupported quantization type ", qtype,
+              " (supported: F32 0, F16 1, Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14, BF16 30)");
+  return {0, 0};
+}
+
+// f(std::integral_constant<int, Q>{}) for a supported qtype.
+template <typename F>
+void with_qtype(int64_t qtype, F&& f) {
+  switch (qtype) {
+    case F32: f(std::integral_constant<int, F32>{}); break;
+    case F16: f(std::integral_constant<int, F16>{}); break;
+    case BF16: f(std::integral_constant<int, BF16>{}); break;
+    case Q4_0: f(std::integral_constant<int, Q4_0>{}); break;
+    case Q4_1: f(std::integral_constant<int, Q4_1>{}); break;
+    case Q5_0: f(std::integral_constant<int, Q5_0>{}); break;
+    case Q5_1: f(std::integral_constant<int, Q5_1>{}); break;
+    case Q8_0: f(std::integral_constant<int, Q8_0>{}); break;
+    case Q4_K: f(std::integral_constant<int, Q4_K>{}); break;
+    case Q5_K: f(std::integral_constant<int, Q5_K>{}); break;
+    case Q6_K: f(std::integral_constant<int, Q6_K>{}); break;
+    default: layout(qtype);  // raises
+  }
+}
+
+// Checks blocks against [N, K / block_elems * block_bytes] uint8 with contiguous rows.
+void check_blocks(const at::Tensor& blocks, int64_t qtype, int64_t K) {
+  const auto [elems, bytes] = layout(qtype);
+  TORCH_CHECK(K > 0 && K % elems == 0, "GGUF kernels: K = ", K, " is not a positive multiple of ", elems);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.device().is_cpu(),
+              "GGUF kernels: blocks must be uint8 [N, row_bytes] on the CPU");
+  TORCH_CHECK(blocks.size(1) == K / elems * bytes, "GGUF kernels: K = ", K, " wants ", K / elems * bytes,
+              " bytes a row, blocks have ", blocks.size(1));
+  TORCH_CHECK(blocks.stride(1) == 1 && (blocks.size(0) <= 1 || blocks.stride(0) >= blocks.size(1)),
+              "GGUF kernels: each row of blocks must be contiguous");
+}
+
+void gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, const at::Tensor& out,
+                 const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(),
+              "gguf_linear: x must be contiguous float32 [M, K] on the CPU");
+  const int64_t M = x.size(0), K = x.size(1);
+  check_blocks(blocks, qtype, K);
+  const int64_t N = blocks.size(0);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == M && out.size(1) == N &&
+                  (N <= 1 || out.stride(1) == 1) && out.device().is_cpu(),
+              "gguf_linear: out must be float32 [", M, ", ", N, "] with unit column stride");
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "gguf_linear: bias must be contiguous float32 [", N, "]");
+    b = bias->data_ptr<float>();
+  }
+  if (M == 0 || N == 0) return;
+  const LinearArgs a{x.data_ptr<float>(), static_cast<const uint8_t*>(blocks.const_data_ptr()), out.data_ptr<float>(),
+                     b, M, N, K, blocks.stride(0), out.stride(0)};
+  // Threads only where each gets ~64 KB of blocks: a fork/join costs more than a smaller read.
+  const int64_t grain = std::max<int64_t>(1, (int64_t(64) << 10) / std::max<int64_t>(1, blocks.size(1)));
+  with_qtype(qtype, [&](auto qq) {
+    constexpr int Q = decltype(qq)::value;
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { linear_rows<Q>(a, n0, n1); });
+  });
+}
+
+at::Tensor gguf_get_rows(const at::Tensor& blocks, const at::Tensor& ids, int64_t qtype, int64_t K) {
+  check_blocks(blocks, qtype, K);
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "gguf_get_rows: ids must be int64 [T]");
+  const at::Tensor idx = ids.contiguous();
+  const int64_t T = idx.size(0), N = blocks.size(0), ldw = blocks.stride(0);
+  const int64_t* id = idx.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(id[t] >= 0 && id[t] < N, "gguf_get_rows: id ", id[t], " out of range [0, ", N, ")");
+  at::Tensor out = at::empty({T, K}, at::kFloat);
+  float* o = out.data_ptr<float>();
+  const uint8_t* w = static_cast<const uint8_t*>(blocks.const_data_ptr());
+  with_qtype(qtype, [&](auto qq) {
+    constexpr int Q = decltype(qq)::value;
+    using D = RowDecoder<Q>;
+    at::parallel_for(0, T, std::max<int64_t>(1, 16384 / K), [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t k = 0; k < K; k += D::chunk)
+          D::decode(w + id[t] * ldw, k, int(std::min<int64_t>(D::chunk, K - k)), o + t * K + k);
+    });
+  });
+  return out;
+}
+
+// Instruction-set extensions this build was compiled for, named as in /proc/cpuinfo, so the
+// loader can refuse a binary the running CPU cannot execute.
+std::vector<std::string> compiled_isa() {
+  std::vector<std::string> isa;
+#ifdef __AVX__
+  isa.emplace_back("avx");
+#endif
+#ifdef __AVX2__
+  isa.emplace_back("avx2");
+#endif
+#ifdef __FMA__
+  isa.emplace_back("fma");
+#endif
+#ifdef __F16C__
+  isa.emplace_back("f16c");
+#endif
+#ifdef __AVX512F__
+  isa.emplace_back("avx512f");
+#endif
+  return isa;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  m.doc() = "servelm projections and embedding lookups from GGUF quantized blocks";
+  m.def("gguf_linear", &gguf_linear,
+        "out[M, N] = x[M, K] float32 @ W^T (+ bias), W the GGUF blocks [N, row_bytes] of qtype",
+        py::arg("x"), py::arg("blocks"), py::arg("qtype"), py::arg("out"), py::arg("bias") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gguf_get_rows", &gguf_get_rows, "rows ids of the GGUF weight [N, K] as float32 [T, K]",
+        py::arg("blocks"), py::arg("ids"), py::arg("qtype"), py::arg("K"), py::call_guard<py::gil_scoped_release>());
+  m.def("compiled_isa", &compiled_isa);
+  m.attr("vectorized") = py::bool_(SERVELM_GGUF_AVX2 != 0);
+  m.attr("group_rows") = kGroup;
+}

@@ -1,0 +1,96 @@
+"""A projection from GGUF blocks three ways: the native block kernel (``runtime.gguf.kernels``), the
+dequantize-a-tile-then-``F.linear`` fallback (``runtime.gguf.projection.GGUFMethod``), and ``F.linear``
+on the dense float32 weight, for decode-sized inputs (1 and 4 rows).
+
+    .venv/bin/python scripts/bench_gguf_linear.py [--formats Q4_K Q8_0] [--rows 1 4] [--threads 2] [--copies 0]
+
+Prints median (and best) milliseconds per call and the kernel's read rate (quantized weight bytes / time). Each
+timed call uses the next of several copies of the weight, enough that they do not fit in the last-level
+cache (``--copies`` overrides), so every method streams its weight from memory as a decode step does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+
+from servelm.runtime.gguf import kernels
+from servelm.runtime.gguf.projection import GGUFMethod
+from servelm.runtime.gguf.registry import dequantize
+
+SHAPES = ((2048, 2048), (8192, 2048))  # (out_features, in_features)
+DEFAULT_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32")
+CACHE_BYTES = 32 << 20  # last-level cache to defeat (this host: 32 MiB L3)
+
+
+def timed_ms(fns: list[Callable[[], object]], reps: int) -> tuple[float, float]:
+    """(median, best) time of one call, cycling through ``fns`` (one per weight copy) after a warm-up pass."""
+    for fn in fns:
+        fn()
+    times = []
+    for i in range(reps):
+        fn = fns[i % len(fns)]
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times), 1e3 * min(times)
+
+
+def copies_for(nbytes: int, requested: int) -> int:
+    """Copies of an ``nbytes`` weight that together overflow the cache twice over (at most 64)."""
+    return requested if requested > 0 else int(min(64, max(2, -(-2 * CACHE_BYTES // nbytes))))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--formats", nargs="+", default=list(DEFAULT_FORMATS))
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 4])
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--reps", type=int, default=21)
+    parser.add_argument("--copies", type=int, default=0, help="weight copies to cycle through (0: enough to overflow the cache)")
+    parser.add_argument("--skip-fallback", action="store_true", help="do not time GGUFMethod (slow)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if kernels.load() is None:
+        raise SystemExit("the GGUF kernels are unavailable here")
+    rng = np.random.default_rng(0)
+    print(f"threads {args.threads}; times in ms (median of {args.reps}); GB/s = quantized weight bytes / kernel time")
+    print(f"{'format':6} {'weight':>11} {'M':>2} {'kernel':>8} {'(best)':>8} {'GB/s':>6} {'fallback':>9} "
+          f"{'dense f32':>9} {'(best)':>8} {'dense GB/s':>10}")
+    for name in args.formats:
+        qtype = Q[name]
+        for out_f, in_f in SHAPES:
+            base = kernels.random_blocks(qtype, out_f, in_f, rng)
+            qbytes = base.numel()
+            n_q = copies_for(qbytes, args.copies)
+            n_d = copies_for(out_f * in_f * 4, args.copies)
+            blocks = [base.clone() for _ in range(n_q)]
+            dense_w = dequantize((base.reshape(-1), qtype, (out_f, in_f)))
+            dense = [dense_w.clone() for _ in range(n_d)]
+            methods = [GGUFMethod(b.reshape(-1), qtype, (out_f, in_f)) for b in blocks[: min(n_q, 4)]]
+            for m in args.rows:
+                x = torch.randn(m, in_f)
+                out = torch.empty(m, out_f)
+                t_kernel, best_kernel = timed_ms([lambda b=b: kernels.linear(x, b, qtype, out) for b in blocks], args.reps)
+                t_fallback = (
+                    float("nan") if args.skip_fallback
+                    else timed_ms([lambda g=g: g.apply(x) for g in methods], max(5, args.reps // 3))[0]
+                )
+                t_dense, best_dense = timed_ms([lambda w=w: F.linear(x, w) for w in dense], args.reps)
+                print(
+                    f"{name:6} {out_f:5}x{in_f:<5} {m:2} {t_kernel:8.3f} {best_kernel:8.3f} {qbytes / t_kernel / 1e6:6.1f} "
+                    f"{t_fallback:9.2f} {t_dense:9.3f} {best_dense:8.3f} {out_f * in_f * 4 / t_dense / 1e6:10.1f}",
+                    flush=True,
+                )
+            del blocks, dense, methods
+
+
+if __name__ == "__main__":
+    main()

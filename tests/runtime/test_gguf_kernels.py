@@ -1,0 +1,179 @@
+"""The native GGUF block kernels (``runtime.gguf.kernels``) against dequantize-then-``F.linear``.
+
+What is asserted, for every format the kernels serve, on weights written to a GGUF file and mapped
+back read-only: ``linear`` equals ``F.linear(x, registry.dequantize(W), b)`` within a float32
+summation-order bound (``1e-5 * (|x| @ |W|^T + |b|)`` elementwise) for 1 to 64 activation rows, with
+and without bias, writing only its own column slice of a wider output; ``get_rows`` equals the
+registry's rows bit for bit; unsupported formats and mismatched shapes raise.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+
+from gguf_files import write_gguf
+
+from servelm.runtime.gguf import kernels
+from servelm.runtime.gguf.reader import GGUFTensor, read_gguf_tensors
+from servelm.runtime.gguf.registry import BLOCK_LAYOUT, dequantize
+
+OUT = 37  # output rows: not a multiple of anything the kernel splits by
+ROWS = (1, 2, 3, 4, 5, 8, 17, 64)
+FLOATS = (Q.F32, Q.F16, Q.BF16)
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)  # gguf-py cannot quantize these: random blocks stand in
+SUM_ORDER_RTOL = 1e-5
+
+
+def in_features_for(qtype: Q) -> tuple[int, ...]:
+    """Multiples of 256 for every format, of 32 for the 32-element ones, odd counts for the floats."""
+    ks = (256, 512, 1024)
+    if BLOCK_LAYOUT[qtype][0] == 32:
+        ks += (32, 96, 160)
+    if qtype in FLOATS:
+        ks += (40, 100, 333)
+    return ks
+
+
+CASES = [(q, k) for q in sorted(kernels.KERNEL_TYPES) for k in in_features_for(q)]
+
+
+def encoded_weight(qtype: Q, shape: tuple[int, int], seed: int) -> np.ndarray:
+    """A ``shape`` weight in ``qtype``, as the array ``GGUFWriter.add_tensor`` takes for it."""
+    rng = np.random.default_rng(seed)
+    if qtype in K_QUANTS:
+        return kernels.random_blocks(qtype, shape[0], shape[1], rng).numpy()
+    # Rows spanning several orders of magnitude, as real layers' rows do.
+    scale = np.logspace(-3, 1, shape[0], dtype=np.float32)[:, None]
+    values = (rng.standard_normal(shape, dtype=np.float32) * scale).astype(np.float32)
+    return np.ascontiguousarray(gguf.quants.quantize(values, qtype))
+
+
+@pytest.fixture(scope="module")
+def module():
+    m = kernels.load()
+    if m is None:
+        pytest.skip("the GGUF kernel extension cannot be built here (no compiler or self-check failed)")
+    return m
+
+
+@pytest.fixture(scope="module")
+def gguf_weights(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[Q, int], GGUFTensor]:
+    """One ``[OUT, K]`` weight per case, written to one GGUF file and mapped back read-only."""
+    path = tmp_path_factory.mktemp("gguf") / "kernels.gguf"
+    write_gguf(path, {f"w.{q.name}.{k}": (encoded_weight(q, (OUT, k), seed=i), q) for i, (q, k) in enumerate(CASES)})
+    tensors = read_gguf_tensors(path)
+    return {(q, k): tensors[f"w.{q.name}.{k}"] for q, k in CASES}
+
+
+def rows_of(tensor: GGUFTensor) -> torch.Tensor:
+    """The tensor's blocks as ``[out_features, row_bytes]``: a view of the map, no copy."""
+    return tensor.raw.reshape(tensor.shape[0], -1)
+
+
+def mapped_read_only(t: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes lie in a read-only mapping (Linux; True where that cannot be read)."""
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.readlines()
+    except OSError:
+        return True
+    address = t.data_ptr()
+    for line in lines:
+        span, perms = line.split()[:2]
+        lo, hi = (int(v, 16) for v in span.split("-"))
+        if lo <= address < hi:
+            return perms[1] == "-"
+    return False
+
+
+def assert_within_sum_order(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    want = F.linear(x, w, b)
+    bound = SUM_ORDER_RTOL * (F.linear(x.abs().double(), w.abs().double(), None if b is None else b.abs().double()))
+    err = (got.double() - want.double()).abs()
+    worst = float((err - bound).max())
+    assert worst <= 1e-30, f"max excess over the summation bound {worst:.3g}"
+
+
+@pytest.mark.parametrize("qtype,k", CASES, ids=lambda v: getattr(v, "name", str(v)))
+def test_linear_matches_dequantize_then_f_linear(module, qtype: Q, k: int, gguf_weights) -> None:
+    tensor = gguf_weights[(qtype, k)]
+    assert tensor.qtype == qtype and tensor.shape == (OUT, k)
+    assert mapped_read_only(tensor.raw)  # the kernel reads the file's read-only map itself
+    blocks = rows_of(tensor)
+    w = dequantize(tensor)
+    assert torch.isfinite(w).all()
+    gen = torch.Generator().manual_seed(k + int(qtype))
+    for m in ROWS:
+        x = torch.randn(m, k, generator=gen)
+        for bias in (None, torch.randn(OUT, generator=gen)):
+            wide = torch.full((m, OUT + 7), 12345.0)
+            out = wide[:, 3 : 3 + OUT]  # a column slice: row stride OUT + 7
+            assert kernels.linear(x, blocks, qtype, out, bias) is out
+            assert_within_sum_order(out, x, w, bias)
+            assert torch.all(wide[:, :3] == 12345.0) and torch.all(wide[:, 3 + OUT :] == 12345.0)
+
+
+@pytest.mark.parametrize("qtype", sorted(kernels.KERNEL_TYPES), ids=lambda q: q.name)
+def test_linear_at_model_sizes(module, qtype: Q) -> None:
+    """Long rows (K = 4096) and enough output rows that both threads get work, against the assert_close form."""
+    rows, k = 300, 4096
+    blocks = kernels.random_blocks(qtype, rows, k, np.random.default_rng(int(qtype)))
+    w = dequantize((blocks.reshape(-1), qtype, (rows, k)))
+    x = torch.randn(4, k, generator=torch.Generator().manual_seed(1))
+    got = kernels.linear(x, blocks, qtype, torch.empty(4, rows))
+    scale = float(x.abs().max() * w.abs().max())
+    torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5 * math.sqrt(k) * scale)
+
+
+@pytest.mark.parametrize("qtype", sorted(kernels.KERNEL_TYPES), ids=lambda q: q.name)
+def test_get_rows_equals_dequantized_rows(module, qtype: Q, gguf_weights) -> None:
+    k = 512
+    tensor = gguf_weights[(qtype, k)]
+    ids = torch.tensor([OUT - 1, 0, 7, 7, 20])
+    got = kernels.get_rows(rows_of(tensor), ids, qtype, k)
+    assert got.dtype == torch.float32 and got.shape == (5, k)
+    # The kernels decode with the reference's roundings, so the rows are bit-equal.
+    np.testing.assert_array_equal(got.numpy().view(np.uint32), dequantize(tensor)[ids].numpy().view(np.uint32))
+    assert kernels.get_rows(rows_of(tensor), torch.tensor([], dtype=torch.long), qtype, k).shape == (0, k)
+
+
+def test_errors(module, gguf_weights) -> None:
+    tensor = gguf_weights[(Q.Q4_K, 256)]
+    blocks = rows_of(tensor)
+    x = torch.randn(2, 256)
+    with pytest.raises(RuntimeError, match="unsupported quantization type"):
+        kernels.linear(x, blocks, Q.Q2_K, torch.empty(2, OUT))
+    with pytest.raises(RuntimeError, match="unsupported quantization type"):
+        kernels.get_rows(blocks, torch.tensor([0]), Q.IQ4_NL, 256)
+    with pytest.raises(RuntimeError, match="bytes a row"):
+        kernels.linear(torch.randn(2, 512), blocks, Q.Q4_K, torch.empty(2, OUT))
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        kernels.linear(torch.randn(2, 100), blocks, Q.Q4_K, torch.empty(2, OUT))
+    with pytest.raises(RuntimeError, match="out must be"):
+        kernels.linear(x, blocks, Q.Q4_K, torch.empty(2, OUT + 1))
+    with pytest.raises(RuntimeError, match="bias"):
+        kernels.linear(x, blocks, Q.Q4_K, torch.empty(2, OUT), torch.zeros(OUT - 1))
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.get_rows(blocks, torch.tensor([OUT]), Q.Q4_K, 256)
+
+
+def test_disable_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(kernels.DISABLE_ENV, "1")
+    assert kernels.load() is None
+    with pytest.raises(RuntimeError, match=kernels.DISABLE_ENV):
+        kernels.linear(torch.randn(1, 32), torch.zeros(1, 18, dtype=torch.uint8), Q.Q4_0, torch.empty(1, 1))
+
+
+def test_kernel_types_are_registry_formats() -> None:
+    from servelm.runtime.gguf.registry import SUPPORTED
+
+    assert kernels.KERNEL_TYPES <= set(SUPPORTED)
+    assert kernels.SOURCE.is_file() and kernels.SOURCE.parent == Path(kernels.__file__).resolve().parents[1] / "cpu" / "csrc"
