@@ -397,7 +397,9 @@ def _check_representable(cfg: dict[str, Any], model_type: str, head_dim: int, lo
         raise ValueError("HF config not representable in GGUF: " + "; ".join(problems))
 
 
-def write_tiny_gguf(hf_dir: Path, path: Path, *, arch: str, qtype: QType = Q.F32, seed: int = 0) -> Path:
+def write_tiny_gguf(
+    hf_dir: Path, path: Path, *, arch: str, qtype: QType = Q.F32, seed: int = 0, strict: bool = True
+) -> Path:
     """Convert the HF folder ``hf_dir`` (float safetensors + config.json) into the GGUF file ``path``.
 
     ``arch`` is the GGUF architecture: ``llama`` (for Llama and Mistral), ``qwen2``, ``qwen3`` or ``gemma3``.
@@ -405,6 +407,11 @@ def write_tiny_gguf(hf_dir: Path, path: Path, *, arch: str, qtype: QType = Q.F32
     (``"attn_q"``, ``"ffn_down"``, ``"token_embd"``, ``"output"``, ``"*"``) to formats (see
     ``tensor_format``); norms and biases stay F32. A format whose block does not divide a tensor's rows
     raises ``ValueError``. ``seed`` is accepted for call-site symmetry; the conversion is deterministic.
+
+    ``strict`` (default) refuses an HF config that transformers or llama.cpp would read back as another
+    model (see the module docstring); ``strict=False`` writes it anyway, as llama.cpp's converter would
+    (e.g. a qwen3 of head_dim 16, which llama.cpp and ``names.hf_config_from_gguf`` read right and
+    transformers does not; a gemma3 then runs with llama.cpp's fixed pattern and scale, not the source's).
     """
     from safetensors.torch import load_file
 
@@ -418,7 +425,8 @@ def write_tiny_gguf(hf_dir: Path, path: Path, *, arch: str, qtype: QType = Q.F32
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     head_dim = int(cfg.get("head_dim") or hidden // heads)
     theta, local_theta = _rope_theta(cfg, model_type)
-    _check_representable(cfg, model_type, head_dim, local_theta)
+    if strict:
+        _check_representable(cfg, model_type, head_dim, local_theta)
 
     state: dict[str, torch.Tensor] = {}
     for f in sorted(hf_dir.glob("*.safetensors")):
@@ -464,7 +472,7 @@ def write_tiny_gguf(hf_dir: Path, path: Path, *, arch: str, qtype: QType = Q.F32
     if arch == "llama":
         writer.add_vocab_size(int(cfg["vocab_size"]))
         writer.add_rope_dimension_count(head_dim)
-    if arch == "gemma3":
+    if arch == "gemma3" and cfg.get("sliding_window"):
         writer.add_sliding_window(int(cfg["sliding_window"]))
     quantized = Counter(q for name, _, q in tensors if name.endswith(".weight") and "norm" not in name)
     writer.add_file_type(int(_FILE_TYPE[quantized.most_common(1)[0][0]] if quantized else gguf.LlamaFileType.ALL_F32))
