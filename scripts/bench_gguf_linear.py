@@ -12,6 +12,7 @@ cache (``--copies`` overrides), so every method streams its weight from memory a
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from typing import Callable
@@ -48,6 +49,20 @@ def copies_for(nbytes: int, requested: int) -> int:
     return requested if requested > 0 else int(min(64, max(2, -(-2 * CACHE_BYTES // nbytes))))
 
 
+def tile_methods(blocks: list[torch.Tensor], qtype: Q, shape: tuple[int, int]) -> list[GGUFMethod]:
+    """``GGUFMethod``s held to their dequantize-a-tile path: built with the kernels disabled, so a
+    method that would route few-row steps to the kernel does not."""
+    saved = os.environ.get(kernels.DISABLE_ENV)
+    os.environ[kernels.DISABLE_ENV] = "1"
+    try:
+        return [GGUFMethod(b.reshape(-1), qtype, shape) for b in blocks]
+    finally:
+        if saved is None:
+            del os.environ[kernels.DISABLE_ENV]
+        else:
+            os.environ[kernels.DISABLE_ENV] = saved
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--formats", nargs="+", default=list(DEFAULT_FORMATS))
@@ -74,7 +89,7 @@ def main() -> None:
             blocks = [base.clone() for _ in range(n_q)]
             dense_w = dequantize((base.reshape(-1), qtype, (out_f, in_f)))
             dense = [dense_w.clone() for _ in range(n_d)]
-            methods = [GGUFMethod(b.reshape(-1), qtype, (out_f, in_f)) for b in blocks[: min(n_q, 4)]]
+            methods = tile_methods(blocks[: min(n_q, 4)], qtype, (out_f, in_f))
             for m in args.rows:
                 x = torch.randn(m, in_f)
                 out = torch.empty(m, out_f)

@@ -36,6 +36,13 @@
 #define SERVELM_GGUF_AVX2 0
 #endif
 
+// Decoded weights must round as the reference does (a multiply, then an add): no fused contraction.
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
 namespace {
 
 constexpr int kGroup = 8;          // activation rows that share one decode of a block
@@ -47,7 +54,11 @@ enum QType : int { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_
 
 inline uint16_t u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
 inline uint32_t u32(const uint8_t* p) { uint32_t v; std::memcpy(&v, p, 4); return v; }
+#if SERVELM_GGUF_AVX2
+inline float f16(const uint8_t* p) { return _cvtsh_ss(u16(p)); }  // one instruction, exact
+#else
 inline float f16(const uint8_t* p) { return c10::detail::fp16_ieee_to_fp32_value(u16(p)); }
+#endif
 inline float bf16(const uint8_t* p) { uint32_t v = uint32_t(u16(p)) << 16; float f; std::memcpy(&f, &v, 4); return f; }
 
 // Q4_K / Q5_K: sub-block j's 6-bit scale and min from the 12 packed bytes s.
@@ -62,181 +73,176 @@ inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& mn) {
 }
 
 #if SERVELM_GGUF_AVX2
-// 8 bytes (the low half of v) widened to 8 floats, unsigned or signed.
-inline __m256 u8f(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
-inline __m256 i8f(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
 inline __m128i hi8(__m128i v) { return _mm_srli_si128(v, 8); }
-inline __m128i lo128(__m256i v) { return _mm256_castsi256_si128(v); }
-inline __m128i hi128(__m256i v) { return _mm256_extracti128_si256(v, 1); }
 inline __m128i load128(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 inline __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
-// 32 quant bytes q (unsigned) -> dst[0..32) = dsc * q - dm, as (d*scale)*q - dmin*min is rounded.
-inline void scaled_minus(__m256i q, float dsc, float dm, float* dst) {
-  const __m256 s = _mm256_set1_ps(dsc), m = _mm256_set1_ps(dm);
-  const __m128i a = lo128(q), b = hi128(q);
-  _mm256_storeu_ps(dst, _mm256_sub_ps(_mm256_mul_ps(s, u8f(a)), m));
-  _mm256_storeu_ps(dst + 8, _mm256_sub_ps(_mm256_mul_ps(s, u8f(hi8(a))), m));
-  _mm256_storeu_ps(dst + 16, _mm256_sub_ps(_mm256_mul_ps(s, u8f(b)), m));
-  _mm256_storeu_ps(dst + 24, _mm256_sub_ps(_mm256_mul_ps(s, u8f(hi8(b))), m));
+// 32 bytes (unsigned or signed) widened to 32 floats at dst.
+template <bool kSigned>
+inline void bytes_to_floats(__m256i q, float* dst) {
+  const __m128i a = _mm256_castsi256_si128(q), b = _mm256_extracti128_si256(q, 1);
+  const __m128i parts[4] = {a, hi8(a), b, hi8(b)};
+  for (int p = 0; p < 4; ++p) {
+    const __m256i v = kSigned ? _mm256_cvtepi8_epi32(parts[p]) : _mm256_cvtepu8_epi32(parts[p]);
+    _mm256_storeu_ps(dst + 8 * p, _mm256_cvtepi32_ps(v));
+  }
 }
 
-// 5th bits of a Q5_0 / Q5_1 block's elements base..base+7 from qh, as 0 or 16 per int32 lane.
-inline __m256i q5_high(uint32_t qh, int base) {
-  const __m256i shifts = _mm256_add_epi32(_mm256_set1_epi32(base), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  const __m256i bit = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(int(qh)), shifts), _mm256_set1_epi32(1));
-  return _mm256_slli_epi32(bit, 4);
+// 16 packed bytes -> 32 nibbles as bytes, low nibbles (elements 0..15) first as ggml packs them.
+inline __m256i nibbles32(const uint8_t* qs) {
+  const __m128i q = load128(qs), mask = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
+}
+
+// Bit i of the 32-bit qh as byte i: 0x10 where set, else 0 (the 5th bit of Q5_0 / Q5_1 element i).
+inline __m256i fifth_bits(uint32_t qh) {
+  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+  const __m256i bytes = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(int(qh)), shuf),
+                                        _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
 }
 #endif
 
-// One block of each format decoded to floats, bit-equal to runtime.gguf's dequantizers.
+// A block of each format as integer-valued floats q, with a scale s (and for formats with a minimum
+// an offset b) per sub-block of `sub` elements: w = s * q (+ b), rounded as the reference rounds it
+// (b is -dmin*min for the K-quants: adding the negation rounds as subtracting does).
 template <int Q> struct Format;
 
 template <> struct Format<Q4_0> {
-  static constexpr int elems = 32, bytes = 18;
-  static void decode(const uint8_t* b, float* dst) {
-    const float d = f16(b);
+  static constexpr int elems = 32, bytes = 18, sub = 32;
+  static constexpr bool has_min = false;
+  static void decode_q(const uint8_t* b, float* q, float* s, float*) {
+    s[0] = f16(b);
 #if SERVELM_GGUF_AVX2
-    const __m128i qs = load128(b + 2), mask = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(qs, mask), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
-    const __m256 dv = _mm256_set1_ps(d), off = _mm256_set1_ps(8.0f);
-    _mm256_storeu_ps(dst, _mm256_mul_ps(dv, _mm256_sub_ps(u8f(lo), off)));
-    _mm256_storeu_ps(dst + 8, _mm256_mul_ps(dv, _mm256_sub_ps(u8f(hi8(lo)), off)));
-    _mm256_storeu_ps(dst + 16, _mm256_mul_ps(dv, _mm256_sub_ps(u8f(hi), off)));
-    _mm256_storeu_ps(dst + 24, _mm256_mul_ps(dv, _mm256_sub_ps(u8f(hi8(hi)), off)));
+    bytes_to_floats<true>(_mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8)), q);
 #else
     for (int i = 0; i < 16; ++i) {
-      dst[i] = d * float((b[2 + i] & 0x0F) - 8);
-      dst[i + 16] = d * float((b[2 + i] >> 4) - 8);
+      q[i] = float((b[2 + i] & 0x0F) - 8);
+      q[i + 16] = float((b[2 + i] >> 4) - 8);
     }
 #endif
   }
 };
 
 template <> struct Format<Q4_1> {
-  static constexpr int elems = 32, bytes = 20;
-  static void decode(const uint8_t* b, float* dst) {
-    const float d = f16(b), m = f16(b + 2);
+  static constexpr int elems = 32, bytes = 20, sub = 32;
+  static constexpr bool has_min = true;
+  static void decode_q(const uint8_t* b, float* q, float* s, float* m) {
+    s[0] = f16(b);
+    m[0] = f16(b + 2);
 #if SERVELM_GGUF_AVX2
-    const __m128i qs = load128(b + 4), mask = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(qs, mask), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
-    const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
-    _mm256_storeu_ps(dst, _mm256_add_ps(_mm256_mul_ps(dv, u8f(lo)), mv));
-    _mm256_storeu_ps(dst + 8, _mm256_add_ps(_mm256_mul_ps(dv, u8f(hi8(lo))), mv));
-    _mm256_storeu_ps(dst + 16, _mm256_add_ps(_mm256_mul_ps(dv, u8f(hi)), mv));
-    _mm256_storeu_ps(dst + 24, _mm256_add_ps(_mm256_mul_ps(dv, u8f(hi8(hi))), mv));
+    bytes_to_floats<false>(nibbles32(b + 4), q);
 #else
     for (int i = 0; i < 16; ++i) {
-      dst[i] = d * float(b[4 + i] & 0x0F) + m;
-      dst[i + 16] = d * float(b[4 + i] >> 4) + m;
+      q[i] = float(b[4 + i] & 0x0F);
+      q[i + 16] = float(b[4 + i] >> 4);
     }
 #endif
   }
 };
 
-// Q5_0 (signed, offset 16) and Q5_1 (unsigned with a min) share the bit layout.
+// Q5_0 (offset 16) and Q5_1 (with a min) share the bit layout: qh bit i is element i's 5th bit.
 template <bool kMin>
-inline void decode_q5(const uint8_t* b, float* dst) {
-  const float d = f16(b), m = kMin ? f16(b + 2) : 0.0f;
+inline void decode_q5(const uint8_t* b, float* q, float* s, float* m) {
+  s[0] = f16(b);
+  if (kMin) m[0] = f16(b + 2);
   const uint32_t qh = u32(b + (kMin ? 4 : 2));
   const uint8_t* qs = b + (kMin ? 8 : 6);
 #if SERVELM_GGUF_AVX2
-  const __m128i q = load128(qs), mask = _mm_set1_epi8(0x0F);
-  const __m128i lo = _mm_and_si128(q, mask), hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
-  const __m128i parts[4] = {lo, hi8(lo), hi, hi8(hi)};
-  const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m), off = _mm256_set1_ps(16.0f);
-  for (int p = 0; p < 4; ++p) {
-    const __m256 v = _mm256_cvtepi32_ps(_mm256_or_si256(_mm256_cvtepu8_epi32(parts[p]), q5_high(qh, 8 * p)));
-    const __m256 w = kMin ? _mm256_add_ps(_mm256_mul_ps(dv, v), mv) : _mm256_mul_ps(dv, _mm256_sub_ps(v, off));
-    _mm256_storeu_ps(dst + 8 * p, w);
-  }
+  const __m256i v = _mm256_or_si256(nibbles32(qs), fifth_bits(qh));
+  bytes_to_floats<true>(kMin ? v : _mm256_sub_epi8(v, _mm256_set1_epi8(16)), q);
 #else
   for (int i = 0; i < 16; ++i) {
     const int lo = (qs[i] & 0x0F) | (((qh >> i) & 1) << 4);
     const int hi = (qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
-    dst[i] = kMin ? d * float(lo) + m : d * float(lo - 16);
-    dst[i + 16] = kMin ? d * float(hi) + m : d * float(hi - 16);
+    q[i] = float(kMin ? lo : lo - 16);
+    q[i + 16] = float(kMin ? hi : hi - 16);
   }
 #endif
 }
 template <> struct Format<Q5_0> {
-  static constexpr int elems = 32, bytes = 22;
-  static void decode(const uint8_t* b, float* dst) { decode_q5<false>(b, dst); }
+  static constexpr int elems = 32, bytes = 22, sub = 32;
+  static constexpr bool has_min = false;
+  static void decode_q(const uint8_t* b, float* q, float* s, float* m) { decode_q5<false>(b, q, s, m); }
 };
 template <> struct Format<Q5_1> {
-  static constexpr int elems = 32, bytes = 24;
-  static void decode(const uint8_t* b, float* dst) { decode_q5<true>(b, dst); }
+  static constexpr int elems = 32, bytes = 24, sub = 32;
+  static constexpr bool has_min = true;
+  static void decode_q(const uint8_t* b, float* q, float* s, float* m) { decode_q5<true>(b, q, s, m); }
 };
 
 template <> struct Format<Q8_0> {
-  static constexpr int elems = 32, bytes = 34;
-  static void decode(const uint8_t* b, float* dst) {
-    const float d = f16(b);
+  static constexpr int elems = 32, bytes = 34, sub = 32;
+  static constexpr bool has_min = false;
+  static void decode_q(const uint8_t* b, float* q, float* s, float*) {
+    s[0] = f16(b);
 #if SERVELM_GGUF_AVX2
-    const __m256 dv = _mm256_set1_ps(d);
-    for (int p = 0; p < 4; ++p)
-      _mm256_storeu_ps(dst + 8 * p, _mm256_mul_ps(dv, i8f(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * p)))));
+    bytes_to_floats<true>(load256(b + 2), q);
 #else
-    for (int i = 0; i < 32; ++i) dst[i] = d * float(int8_t(b[2 + i]));
+    for (int i = 0; i < 32; ++i) q[i] = float(int8_t(b[2 + i]));
 #endif
   }
 };
 
-// Q4_K (no 5th bits) and Q5_K: 8 sub-blocks of 32, each (d*scale)*q - dmin*min.
+// Q4_K (no 5th bits) and Q5_K: 8 sub-blocks of 32, each (d*scale)*q - dmin*min; 32 quant bytes feed
+// sub-blocks 2c (low nibbles) and 2c+1 (high); bit j of qh[l] is the 5th bit of element l of sub-block j.
 template <bool kHigh>
-inline void decode_k45(const uint8_t* b, float* dst) {
+inline void decode_k45(const uint8_t* b, float* q, float* s, float* m) {
   const float d = f16(b), dmin = f16(b + 2);
-  const uint8_t* s = b + 4;
+  for (int j = 0; j < 8; ++j) {
+    int sc, mn;
+    scale_min_k4(b + 4, j, sc, mn);
+    s[j] = d * float(sc);
+    m[j] = -(dmin * float(mn));
+  }
   const uint8_t* qh = b + 16;
   const uint8_t* qs = b + (kHigh ? 48 : 16);
-  for (int c = 0; c < 4; ++c) {  // 32 bytes feed sub-blocks 2c (low nibbles) and 2c+1 (high)
-    int sc0, m0, sc1, m1;
-    scale_min_k4(s, 2 * c, sc0, m0);
-    scale_min_k4(s, 2 * c + 1, sc1, m1);
+  for (int c = 0; c < 4; ++c) {
 #if SERVELM_GGUF_AVX2
-    const __m256i q = load256(qs + 32 * c), mask = _mm256_set1_epi8(0x0F);
-    __m256i lo = _mm256_and_si256(q, mask), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
-    if (kHigh) {  // bit j of qh[l]: the 5th bit of element l of sub-block j
+    const __m256i raw = load256(qs + 32 * c), mask = _mm256_set1_epi8(0x0F);
+    __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+    if (kHigh) {
       const __m256i h = load256(qh), one = _mm256_set1_epi8(1);
-      const __m256i h0 = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * c)), one);
-      const __m256i h1 = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * c + 1)), one);
-      lo = _mm256_or_si256(lo, _mm256_slli_epi16(h0, 4));
-      hi = _mm256_or_si256(hi, _mm256_slli_epi16(h1, 4));
+      lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * c)), one), 4));
+      hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * c + 1)), one), 4));
     }
-    scaled_minus(lo, d * float(sc0), dmin * float(m0), dst + 64 * c);
-    scaled_minus(hi, d * float(sc1), dmin * float(m1), dst + 64 * c + 32);
+    bytes_to_floats<false>(lo, q + 64 * c);
+    bytes_to_floats<false>(hi, q + 64 * c + 32);
 #else
-    const float ds0 = d * float(sc0), dm0 = dmin * float(m0), ds1 = d * float(sc1), dm1 = dmin * float(m1);
     for (int l = 0; l < 32; ++l) {
       int lo = qs[32 * c + l] & 0x0F, hi = qs[32 * c + l] >> 4;
       if (kHigh) {
         lo |= ((qh[l] >> (2 * c)) & 1) << 4;
         hi |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
       }
-      dst[64 * c + l] = ds0 * float(lo) - dm0;
-      dst[64 * c + 32 + l] = ds1 * float(hi) - dm1;
+      q[64 * c + l] = float(lo);
+      q[64 * c + 32 + l] = float(hi);
     }
 #endif
   }
 }
 template <> struct Format<Q4_K> {
-  static constexpr int elems = 256, bytes = 144;
-  static void decode(const uint8_t* b, float* dst) { decode_k45<false>(b, dst); }
+  static constexpr int elems = 256, bytes = 144, sub = 32;
+  static constexpr bool has_min = true;
+  static void decode_q(const uint8_t* b, float* q, float* s, float* m) { decode_k45<false>(b, q, s, m); }
 };
 template <> struct Format<Q5_K> {
-  static constexpr int elems = 256, bytes = 176;
-  static void decode(const uint8_t* b, float* dst) { decode_k45<true>(b, dst); }
+  static constexpr int elems = 256, bytes = 176, sub = 32;
+  static constexpr bool has_min = true;
+  static void decode_q(const uint8_t* b, float* q, float* s, float* m) { decode_k45<true>(b, q, s, m); }
 };
 
 // Q6_K: two halves of 128; element 128h + 32p + l takes low bits from ql (byte l or 32 + l of the
-// half's 64, low or high nibble) and 2 high bits from qh[32h + l] at shift 2p; (d*scale)*(q - 32).
+// half's 64, low or high nibble) and 2 high bits from qh[32h + l] at shift 2p; (d*scale)*(q - 32)
+// with an int8 scale per 16 elements.
 template <> struct Format<Q6_K> {
-  static constexpr int elems = 256, bytes = 210;
-  static void decode(const uint8_t* b, float* dst) {
+  static constexpr int elems = 256, bytes = 210, sub = 16;
+  static constexpr bool has_min = false;
+  static void decode_q(const uint8_t* b, float* q, float* s, float*) {
     const uint8_t* ql = b;
     const uint8_t* qh = b + 128;
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
     const float d = f16(b + 208);
+    for (int j = 0; j < 16; ++j) s[j] = d * float(int8_t(b[192 + j]));
     for (int h = 0; h < 2; ++h) {
 #if SERVELM_GGUF_AVX2
       const __m256i A = load256(ql + 64 * h), B = load256(ql + 64 * h + 32), H = load256(qh + 32 * h);
@@ -245,29 +251,42 @@ template <> struct Format<Q6_K> {
                               _mm256_and_si256(_mm256_srli_epi16(A, 4), m4), _mm256_and_si256(_mm256_srli_epi16(B, 4), m4)};
       for (int p = 0; p < 4; ++p) {
         const __m256i high = _mm256_and_si256(_mm256_srl_epi16(H, _mm_cvtsi32_si128(2 * p)), m2);
-        const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low[p], _mm256_slli_epi16(high, 4)), off);
-        const int e = 128 * h + 32 * p;
-        const __m256 s0 = _mm256_set1_ps(d * float(sc[e / 16])), s1 = _mm256_set1_ps(d * float(sc[e / 16 + 1]));
-        const __m128i a = lo128(q), c = hi128(q);
-        _mm256_storeu_ps(dst + e, _mm256_mul_ps(s0, i8f(a)));
-        _mm256_storeu_ps(dst + e + 8, _mm256_mul_ps(s0, i8f(hi8(a))));
-        _mm256_storeu_ps(dst + e + 16, _mm256_mul_ps(s1, i8f(c)));
-        _mm256_storeu_ps(dst + e + 24, _mm256_mul_ps(s1, i8f(hi8(c))));
+        bytes_to_floats<true>(_mm256_sub_epi8(_mm256_or_si256(low[p], _mm256_slli_epi16(high, 4)), off), q + 128 * h + 32 * p);
       }
 #else
-      for (int p = 0; p < 4; ++p) {
-        const int e = 128 * h + 32 * p;
+      for (int p = 0; p < 4; ++p)
         for (int l = 0; l < 32; ++l) {
           const uint8_t byte = ql[64 * h + (p & 1) * 32 + l];
           const int lo = p < 2 ? (byte & 0x0F) : (byte >> 4);
-          const int q = (lo | (((qh[32 * h + l] >> (2 * p)) & 3) << 4)) - 32;
-          dst[e + l] = (d * float(sc[(e + l) / 16])) * float(q);
+          q[128 * h + 32 * p + l] = float((lo | (((qh[32 * h + l] >> (2 * p)) & 3) << 4)) - 32);
         }
-      }
 #endif
     }
   }
 };
+
+// A whole block's float weights from its q, s, b: s * q, then + b where the format has a minimum.
+template <int Q>
+inline void decode_block(const uint8_t* blk, float* dst) {
+  using F = Format<Q>;
+  alignas(32) float q[F::elems];
+  float s[F::elems / F::sub], m[F::elems / F::sub];
+  F::decode_q(blk, q, s, m);
+  for (int j = 0; j < F::elems / F::sub; ++j) {
+#if SERVELM_GGUF_AVX2
+    const __m256 sv = _mm256_set1_ps(s[j]), mv = _mm256_set1_ps(F::has_min ? m[j] : 0.0f);
+    for (int i = j * F::sub; i < (j + 1) * F::sub; i += 8) {
+      const __m256 w = _mm256_mul_ps(sv, _mm256_load_ps(q + i));
+      _mm256_storeu_ps(dst + i, F::has_min ? _mm256_add_ps(w, mv) : w);
+    }
+#else
+    for (int i = j * F::sub; i < (j + 1) * F::sub; ++i) {
+      const float w = s[j] * q[i];
+      dst[i] = F::has_min ? w + m[j] : w;
+    }
+#endif
+  }
+}
 
 // The float formats: one element a "block", decoded kFloatChunk (or fewer, at a row's end) at a time.
 template <int Q> struct FloatFormat;
@@ -298,11 +317,13 @@ template <> struct FloatFormat<BF16> {
 };
 
 // Decodes elements [k0, k0 + n) of a weight row; n is a whole number of blocks (any n for floats).
-template <int Q, bool kFloat = (Q == F32 || Q == F16 || Q == BF16)>
+template <int Q> constexpr bool kIsFloat = Q == F32 || Q == F16 || Q == BF16;
+
+template <int Q, bool kFloat = kIsFloat<Q>>
 struct RowDecoder {
   static constexpr int chunk = Format<Q>::elems;
   static void decode(const uint8_t* row, int64_t k0, int n, float* dst) {
-    for (int i = 0; i < n; i += chunk) Format<Q>::decode(row + (k0 + i) / chunk * Format<Q>::bytes, dst + i);
+    for (int i = 0; i < n; i += chunk) decode_block<Q>(row + (k0 + i) / chunk * Format<Q>::bytes, dst + i);
   }
 };
 template <int Q>
@@ -350,6 +371,32 @@ struct Accumulators {
       for (int m = 0; m < M; ++m) tail[m] += w[j] * x[m * ldx + j];
   }
 
+  // += s * (q[0..S) . x[m * ldx + 0..S)) for each row m: one sub-block's integer-valued quants, its scale.
+  template <int S>
+  inline void add_scaled(const float* q, const float* x, int64_t ldx, float s) {
+#if SERVELM_GGUF_AVX2
+    const __m256 sv = _mm256_set1_ps(s);
+    for (int m0 = 0; m0 < M; m0 += 4) {  // four rows at a time keep t and v in registers
+      constexpr int kChunk = M < 4 ? M : 4;
+      __m256 t[kChunk];
+      const __m256 q0 = _mm256_load_ps(q);
+      for (int i = 0; i < kChunk && m0 + i < M; ++i) t[i] = _mm256_mul_ps(q0, _mm256_loadu_ps(x + (m0 + i) * ldx));
+      for (int j = 8; j < S; j += 8) {
+        const __m256 qv = _mm256_load_ps(q + j);
+        for (int i = 0; i < kChunk && m0 + i < M; ++i)
+          t[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(x + (m0 + i) * ldx + j), t[i]);
+      }
+      for (int i = 0; i < kChunk && m0 + i < M; ++i) v[m0 + i][0] = _mm256_fmadd_ps(sv, t[i], v[m0 + i][0]);
+    }
+#else
+    for (int m = 0; m < M; ++m) {
+      float t = 0.0f;
+      for (int j = 0; j < S; ++j) t += q[j] * x[m * ldx + j];
+      tail[m] += s * t;
+    }
+#endif
+  }
+
   inline float total(int m) const {
 #if SERVELM_GGUF_AVX2
     __m256 s = v[m][0];
@@ -384,6 +431,7 @@ struct LinearArgs {
   const uint8_t* w;      // [N, row_bytes], row stride ldw
   float* out;            // [M, N], row stride ldo
   const float* bias;     // [N] or nullptr
+  const float* xsum;     // [M, K / sub]: each sub-block's sum of x, for formats with a minimum
   int64_t M, N, K, ldw, ldo;
 };
 
@@ -394,9 +442,39 @@ inline void store_row(const LinearArgs& a, const Accumulators<M>& acc, int64_t m
   for (int m = 0; m < M; ++m) a.out[(m0 + m) * a.ldo + n] = acc.total(m) + b;
 }
 
+// Few rows of a quantized format: sum_i (s q_i + b) x_i = s * sum_i q_i x_i + b * sum_i x_i per
+// sub-block, so each weight costs one conversion and one FMA per row.
+template <int Q, int M>
+void quant_rows(const LinearArgs& a, int64_t n0, int64_t n1) {
+  using F = Format<Q>;
+  constexpr int nsub = F::elems / F::sub;
+  alignas(32) float q[F::elems];
+  float s[nsub], mn[nsub];
+  const int64_t subs_per_row = a.K / F::sub;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = a.w + n * a.ldw;
+    Accumulators<M> acc;
+    for (int64_t blk = 0; blk < a.K / F::elems; ++blk) {
+      F::decode_q(row + blk * F::bytes, q, s, mn);
+      const float* xb = a.x + blk * F::elems;
+      for (int j = 0; j < nsub; ++j) acc.template add_scaled<F::sub>(q + j * F::sub, xb + j * F::sub, a.K, s[j]);
+      if constexpr (F::has_min)
+        for (int m = 0; m < M; ++m)
+          for (int j = 0; j < nsub; ++j) acc.tail[m] += mn[j] * a.xsum[m * subs_per_row + blk * nsub + j];
+    }
+    store_row<M>(a, acc, 0, n);
+  }
+}
+
 template <int Q>
 void linear_rows(const LinearArgs& a, int64_t n0, int64_t n1) {
   using D = RowDecoder<Q>;
+  if constexpr (!kIsFloat<Q>) {
+    if (a.M <= kGroup) {
+      with_rows(a.M, [&](auto mm) { quant_rows<Q, decltype(mm)::value>(a, n0, n1); });
+      return;
+    }
+  }
   if (a.M <= kGroup) {
     // Decode each chunk once into L1 and multiply it into every row's accumulators.
     alignas(64) float wbuf[kFloatChunk];
@@ -502,12 +580,22 @@ void gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, c
     b = bias->data_ptr<float>();
   }
   if (M == 0 || N == 0) return;
-  const LinearArgs a{x.data_ptr<float>(), static_cast<const uint8_t*>(blocks.const_data_ptr()), out.data_ptr<float>(),
-                     b, M, N, K, blocks.stride(0), out.stride(0)};
+  LinearArgs a{x.data_ptr<float>(), static_cast<const uint8_t*>(blocks.const_data_ptr()), out.data_ptr<float>(),
+               b, nullptr, M, N, K, blocks.stride(0), out.stride(0)};
+  std::vector<float> xsum;
   // Threads only where each gets ~64 KB of blocks: a fork/join costs more than a smaller read.
   const int64_t grain = std::max<int64_t>(1, (int64_t(64) << 10) / std::max<int64_t>(1, blocks.size(1)));
   with_qtype(qtype, [&](auto qq) {
     constexpr int Q = decltype(qq)::value;
+    if constexpr (!kIsFloat<Q>) {
+      constexpr int sub = Format<Q>::sub;
+      if (Format<Q>::has_min && M <= kGroup) {
+        xsum.assign(size_t(M * (K / sub)), 0.0f);
+        for (int64_t i = 0; i < M * (K / sub); ++i)
+          for (int j = 0; j < sub; ++j) xsum[i] += a.x[i * sub + j];
+        a.xsum = xsum.data();
+      }
+    }
     at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { linear_rows<Q>(a, n0, n1); });
   });
 }
