@@ -4,14 +4,13 @@
 // Formats: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16, F32.
 //
 // A decode step's projection is a pass over the weight, so the bytes read set its speed: reading the
-// quantized blocks instead of a float32 copy reads 4-8x fewer. Each block is decoded once, into L1
-// floats with the same roundings as the reference dequantizers (so only the summation order differs
-// from dequantize-then-F.linear), and multiplied into every activation row's accumulators. x stays
-// float32: no int8 activations as llama.cpp does, so results match a float32 reference.
-//
-// Work split: contiguous ranges of output rows per thread (at::parallel_for). Up to kGroup activation
-// rows share one decode of each block; with more rows, each weight row is decoded once into a
-// per-thread buffer and every group of rows reads it from there.
+// quantized blocks instead of a float32 copy reads 4-8x fewer. For up to kGroup activation rows each
+// block is decoded once into L1 as integer-valued floats q with a scale s (and offset b) per
+// sub-block, and every row accumulates s * sum(q x) + b * sum(x): the same sum as over the
+// dequantized weights, in another order. x stays float32 (no int8 activations as llama.cpp uses),
+// so results match a float32 reference within summation noise. With more rows, each weight row is
+// decoded once to floats (the reference's roundings: get_rows is bit-equal) in a per-thread buffer
+// and every group of rows reads it there. Output rows are split over threads (at::parallel_for).
 //
 // AVX2 + FMA + F16C where the compiler targets them (so AVX-512 machines run it too), plain C++ else.
 
@@ -411,19 +410,13 @@ struct Accumulators {
   }
 };
 
-// f(std::integral_constant<int, M>{}) for M in 1..kGroup.
-template <typename F>
-void with_rows(int64_t M, F&& f) {
-  switch (M) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    case 6: f(std::integral_constant<int, 6>{}); break;
-    case 7: f(std::integral_constant<int, 7>{}); break;
-    default: f(std::integral_constant<int, 8>{}); break;
+// f(std::integral_constant<int, M>{}) for M = min(rows, kGroup), M >= 1.
+template <int M = 1, typename F>
+void with_rows(int64_t rows, F&& f) {
+  if constexpr (M < kGroup) {
+    if (rows > M) return with_rows<M + 1>(rows, std::forward<F>(f));
   }
+  f(std::integral_constant<int, M>{});
 }
 
 struct LinearArgs {
@@ -512,43 +505,31 @@ void linear_rows(const LinearArgs& a, int64_t n0, int64_t n1) {
   }
 }
 
-// (elements, bytes) of one block of qtype; elements == 1 for the float formats.
-std::pair<int, int> layout(int64_t qtype) {
-  switch (qtype) {
-    case F32: return {1, 4};
-    case F16: return {1, 2};
-    case BF16: return {1, 2};
-    case Q4_0: return {32, 18};
-    case Q4_1: return {32, 20};
-    case Q5_0: return {32, 22};
-    case Q5_1: return {32, 24};
-    case Q8_0: return {32, 34};
-    case Q4_K: return {256, 144};
-    case Q5_K: return {256, 176};
-    case Q6_K: return {256, 210};
+// f(std::integral_constant<int, Q>{}) for the supported qtype Q; raises for any other.
+template <int Q, int... Rest, typename F>
+void dispatch_qtype(int64_t qtype, F&& f) {
+  if (qtype == Q) return f(std::integral_constant<int, Q>{});
+  if constexpr (sizeof...(Rest) > 0) {
+    dispatch_qtype<Rest...>(qtype, std::forward<F>(f));
+  } else {
+    TORCH_CHECK(false, "GGUF kernels: unsupported quantization type ", qtype,
+                " (supported: F32 0, F16 1, Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14, BF16 30)");
   }
-  TORCH_CHECK(false, "GGUF kernels: unsupported quantization type ", qtype,
-              " (supported: F32 0, F16 1, Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14, BF16 30)");
-  return {0, 0};
 }
-
-// f(std::integral_constant<int, Q>{}) for a supported qtype.
 template <typename F>
 void with_qtype(int64_t qtype, F&& f) {
-  switch (qtype) {
-    case F32: f(std::integral_constant<int, F32>{}); break;
-    case F16: f(std::integral_constant<int, F16>{}); break;
-    case BF16: f(std::integral_constant<int, BF16>{}); break;
-    case Q4_0: f(std::integral_constant<int, Q4_0>{}); break;
-    case Q4_1: f(std::integral_constant<int, Q4_1>{}); break;
-    case Q5_0: f(std::integral_constant<int, Q5_0>{}); break;
-    case Q5_1: f(std::integral_constant<int, Q5_1>{}); break;
-    case Q8_0: f(std::integral_constant<int, Q8_0>{}); break;
-    case Q4_K: f(std::integral_constant<int, Q4_K>{}); break;
-    case Q5_K: f(std::integral_constant<int, Q5_K>{}); break;
-    case Q6_K: f(std::integral_constant<int, Q6_K>{}); break;
-    default: layout(qtype);  // raises
-  }
+  dispatch_qtype<F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K>(qtype, std::forward<F>(f));
+}
+
+// (elements, bytes) of one block of qtype; elements == 1 for the float formats.
+std::pair<int, int> layout(int64_t qtype) {
+  std::pair<int, int> result;
+  with_qtype(qtype, [&](auto qq) {
+    constexpr int Q = decltype(qq)::value;
+    if constexpr (kIsFloat<Q>) result = {1, FloatFormat<Q>::size};
+    else result = {Format<Q>::elems, Format<Q>::bytes};
+  });
+  return result;
 }
 
 // Checks blocks against [N, K / block_elems * block_bytes] uint8 with contiguous rows.
