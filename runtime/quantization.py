@@ -30,7 +30,8 @@ from typing import Any, Callable, Optional
 import torch
 
 
-QUANTIZATIONS = ("int8", "int4", "auto")
+QUANTIZATIONS = ("int8", "int4", "auto", "none")
+NONE = "none"  # no quantization; for a GGUF file: dequantized into the dtype instead of kept as stored
 # "auto": int4 where it is exact for the checkpoint (every projection and the head already on its grid,
 # as for a model dequantized from a Q4_1 GGUF with a Q8_0 embedding), else none; CPU float32 only.
 AUTO = "auto"

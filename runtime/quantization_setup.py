@@ -12,14 +12,14 @@ from typing import Any
 import torch
 
 from servelm.runtime import platform
-from servelm.runtime.quantization import AUTO, GROUP, QUANTIZATIONS, QuantizedKernel
+from servelm.runtime.quantization import AUTO, GROUP, NONE, QUANTIZATIONS, QuantizedKernel
 
 log = logging.getLogger(__name__)
 
 
 def check_quantization(quantization: str | None, device: torch.device, dtype: torch.dtype) -> None:
     """Refuse what is not implemented, at start-up, with the reason."""
-    if quantization is None or quantization == AUTO:
+    if quantization is None or quantization in (AUTO, NONE):
         return  # auto decides at load time, and says no where int4 cannot run
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; supported: {', '.join(QUANTIZATIONS)}")
@@ -41,7 +41,7 @@ def quantize_model(
     ``"int4"`` or None. ``kernels``: ``cpu_linear.quantized_kernels()`` (empty: the quantized weights run
     dequantized). ``auto`` takes int4 only where it is exact for these weights and can run on its
     kernels (CPU, float32), and says in the log which it took and why."""
-    if quantization is None:
+    if quantization is None or quantization == NONE:
         return None
     if quantization != AUTO:
         if not kernels:

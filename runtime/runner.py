@@ -26,7 +26,8 @@ from servelm.runtime.config import ModelConfig, UnsupportedModelError
 from servelm.runtime.kv_cache import KVPool
 from servelm.runtime.models.layers import FewRowKernels
 from servelm.runtime.platform import host_to_device
-from servelm.runtime.quantization import QUANTIZATION_LABELS, check_group_widths, projection_widths
+from servelm.runtime.gguf.folder import gguf_source
+from servelm.runtime.quantization import AUTO, NONE, QUANTIZATION_LABELS, check_group_widths, projection_widths
 from servelm.runtime.quantization_setup import check_quantization, quantize_model
 from servelm.runtime.sampled_rows import LogprobTensors, logprob_tensors
 from servelm.runtime.sampler import Sampler
@@ -95,8 +96,20 @@ class ModelRunner:
         backend_bs = getattr(self.backend, "block_size", block_size)
         if backend_bs != block_size:
             raise ValueError(f"attention backend expects block_size {backend_bs}, the pool uses {block_size}")
-        self.model = load_model(model_dir, model_config, self.backend, dtype=dtype, device=self.device)
-        kernels = platform.quantized_kernels(self.device) if quantization is not None else {}
+        # A GGUF file keeps its quantized weights as stored unless another form is asked for (or the
+        # device or dtype has no kernels for them: CPU float32 only), as llama.cpp serves it.
+        self.weights_as_stored = (
+            gguf_source(model_dir) is not None
+            and quantization in (None, AUTO)
+            and platform.quantization_supported(self.device)
+            and dtype == torch.float32
+        )
+        if self.weights_as_stored:
+            quantization = None
+        self.model = load_model(
+            model_dir, model_config, self.backend, dtype=dtype, device=self.device, gguf_as_stored=self.weights_as_stored
+        )
+        kernels = platform.quantized_kernels(self.device) if quantization not in (None, NONE) else {}
         quantization = quantize_model(self.model, quantization, kernels, self.device, dtype, widths)
         self.quantized_kernels = kernels if quantization else {}
         self.quantization = quantization  # what runs ("auto" resolved): "int8", "int4" or None
@@ -132,6 +145,7 @@ class ModelRunner:
             + (f" + few-row kernel (<= {self.small_m_linear[1]} rows)" if self.small_m_linear else "")
             + (f" + {quantization} few-row kernel (<= {quant_rows} rows)" if quant_rows else "")
             + (f"; weights {QUANTIZATION_LABELS[quantization]}" if quantization else "")
+            + ("; weights as stored in the GGUF file" if self.weights_as_stored else "")
             + ("; fused Triton norms/activation/RoPE" if self.fused_ops else "")
             + (f"; fused few-row projections: {self.few_rows_mode}" if self.few_rows is not None else ""),
         )

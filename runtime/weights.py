@@ -17,6 +17,8 @@ from safetensors import safe_open
 
 from servelm.runtime.attention.base import AttentionBackend
 from servelm.runtime.config import ModelConfig, UnsupportedModelError
+from servelm.runtime.gguf.folder import gguf_source
+from servelm.runtime.gguf.loader import load_gguf_weights
 from servelm.runtime.models.llama import CausalLM, build_model, param_shards
 
 log = logging.getLogger(__name__)
@@ -101,9 +103,23 @@ def load_model(
     *,
     dtype: torch.dtype,
     device: torch.device | str,
+    gguf_as_stored: bool = False,
 ) -> CausalLM:
-    """Build the model for ``cfg`` on ``device`` in ``dtype`` and load the folder's weights into it."""
+    """Build the model for ``cfg`` on ``device`` in ``dtype`` and load the folder's weights into it.
+
+    A folder prepared for a GGUF file (``gguf.loader.gguf_source``) loads from that file: with
+    ``gguf_as_stored`` its quantized weights stay in their blocks, else they are dequantized.
+    """
     model = build_model(cfg, backend, dtype, device)
+    source = gguf_source(model_dir)
+    if source is not None:
+        held = load_gguf_weights(model, model_dir, as_stored=gguf_as_stored)
+        model.after_load()
+        model.eval()
+        formats = ", ".join(f"{name} {n / 2**20:.1f} MiB" for name, n in sorted(held.items()))
+        how = "as stored" if gguf_as_stored else f"dequantized to {dtype}"
+        log.info("loaded %s from %s, %s (%s), on %s", cfg.architecture, source, how, formats, device)
+        return model
     nbytes = load_weights(model, model_dir)
     model.after_load()
     model.eval()

@@ -16,7 +16,7 @@ from servelm.scheduler.config import EngineConfig
 
 # runtime.quantization.QUANTIZATIONS, spelled out here: this module must not import torch (`servelm bench`
 # and `--help` stay light); a test keeps the two equal.
-QUANTIZATIONS = ("int8", "int4", "auto")
+QUANTIZATIONS = ("int8", "int4", "auto", "none")
 
 log = logging.getLogger("servelm")
 
@@ -153,7 +153,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--max-waiting-requests", type=_positive_int, default=d.max_waiting_requests, help="queue bound in sequences: beyond it requests get 503 with Retry-After (default: %(default)s)")
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: do not capture CUDA graphs")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None, help="schedule the next step while the device computes this one; its host work (outputs, detokenization) then overlaps the device (default: on for CUDA, off for CPU, where nothing runs in the background)")
-    g.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help="weight-only quantization (CPU, float32 activations). int8: projections and vocabulary head in int8, one float32 scale per output row: a quarter of the weight bytes a decode step reads; tokens differ from the float32 model's. int4: projections in 4 bits, groups of 32 with an fp16 scale and minimum (llama.cpp's Q4_1), head in int8 groups of 32 (Q8_0): a sixth of the bytes; exact for the default model, which ships in those formats. auto: int4 where that is exact for the checkpoint's weights (checked at load: the default model, or a model dequantized from such a GGUF file), else none (default: none; `make serve` passes auto)")
+    g.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help="weight-only quantization (CPU, float32 activations). int8: projections and vocabulary head in int8, one float32 scale per output row: a quarter of the weight bytes a decode step reads; tokens differ from the float32 model's. int4: projections in 4 bits, groups of 32 with an fp16 scale and minimum (llama.cpp's Q4_1), head in int8 groups of 32 (Q8_0): a sixth of the bytes; exact for the default model, which ships in those formats. auto: int4 where that is exact for the checkpoint's weights (checked at load: the default model, or a model dequantized from such a GGUF file), else none; for a GGUF file on CPU float32, the weights as stored in the file (as they are by default too). none: no quantization; a GGUF file is then dequantized into --dtype (default: none, and a GGUF file as stored; `make serve` passes auto)")
     g.add_argument("--num-threads", type=_positive_int, default=None, help="CPU: torch intra-op threads (default: torch's choice)")
     g.add_argument("--seed", type=int, default=d.seed, help="sampling seed for requests without one (default: %(default)s)")
     g.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON", help='speculative decoding by n-gram lookup, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2, "max_running": 1}\' (greedy and unseeded sampled requests without penalties; drafts only while at most max_running requests run; off while scheduling ahead) (default: off)')

@@ -128,13 +128,13 @@ def norm_offset(gguf_name: str, arch: str) -> float:
     return -1.0 if arch in NORM_PLUS_ONE_ARCHITECTURES and "norm.weight" in gguf_name else 0.0
 
 
-def gguf_metadata(path: str | PathLike[str]) -> tuple[dict[str, Any], list[str]]:
+def gguf_metadata(path: str | PathLike[str] | GGUFReader) -> tuple[dict[str, Any], list[str]]:
     """The file's metadata as plain Python values, and its tensor names in file order.
 
     The vocabulary-sized tokenizer arrays are given as their lengths: decoding 150k strings to read a
     config would cost more than the rest of the file's metadata together.
     """
-    reader = GGUFReader(path, "r")
+    reader = path if isinstance(path, GGUFReader) else GGUFReader(path, "r")
     meta = {
         key: len(field.data) if key in _VOCAB_ARRAYS else field.contents() for key, field in reader.fields.items()
     }

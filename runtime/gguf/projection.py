@@ -1,19 +1,23 @@
 """A projection whose weight stays in its GGUF block format: ``x W^T (+ b)`` over the file's raw blocks.
 
 ``GGUFMethod`` is a ``runtime.projection.ProjectionMethod`` that holds a tensor's raw blocks (the
-memory-mapped view the reader returns, never a float copy) and, at every call, dequantizes a tile of
-output rows at a time with the registry's dequantizer and multiplies it with ``F.linear`` into a
-preallocated output. The float weight therefore exists only one tile at a time, so serving a GGUF
-file costs its quantized size in memory plus one tile; native kernels that never materialise floats
-are the next step and will replace this method behind the same protocol.
+memory-mapped view the reader returns, never a float copy). Steps of a few rows run the compiled
+kernel (``gguf.kernels``), which multiplies straight from the blocks; larger steps, or where the kernel
+cannot be built, dequantize a tile of output rows at a time with the registry's dequantizer and
+multiply it with ``F.linear`` (oneDNN) into the output, so the float weight exists one tile at a time.
+``GGUFShardedMethod`` is a fused projection (q/k/v, gate/up) whose parts are separate GGUF tensors,
+and ``GGUFEmbedding`` the token lookup from quantized rows.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
+from . import kernels
 from .reader import GGUFTensor
 from .registry import BLOCK_LAYOUT, Dequantizer, dequantizer
 
@@ -21,11 +25,19 @@ from .registry import BLOCK_LAYOUT, Dequantizer, dequantizer
 # large enough that the per-tile Python and dispatch overhead is small against the decode itself.
 TILE_BYTES = 2 << 20
 MIN_TILE_ROWS = 16
+# Most rows a step may have for the compiled kernel; larger steps amortise a dequantized tile over
+# enough rows that oneDNN's matmul wins.
+KERNEL_MAX_ROWS = 16
 
 
 def tile_rows_for(in_features: int, tile_bytes: int = TILE_BYTES) -> int:
     """Output rows per tile so that one float32 tile takes about ``tile_bytes``."""
     return max(MIN_TILE_ROWS, tile_bytes // (4 * in_features))
+
+
+def _kernel(qtype: GGMLQuantizationType) -> Any:
+    """The compiled kernel module where it serves ``qtype``, else None (the tile path serves all)."""
+    return kernels.load() if qtype in kernels.KERNEL_TYPES else None
 
 
 class GGUFMethod:
@@ -64,13 +76,30 @@ class GGUFMethod:
         self.out_features = out_features
         self.in_features = in_features
         self.block_bytes = block_bytes
-        # A view of the file's memory map: the reader's blocks are contiguous, so reshaping copies nothing.
-        self.blocks = raw.reshape(out_features, blocks_per_row, block_bytes)
+        self.blocks_per_row = blocks_per_row
+        # A view of the file's memory map, one row of blocks per output feature: the reader's blocks
+        # are contiguous, so reshaping copies nothing.
+        self.rows2d = raw.reshape(out_features, blocks_per_row * block_bytes)
         self.decode: Dequantizer = dequantizer(qtype)
         self.tile_rows = tile_rows if tile_rows is not None else tile_rows_for(in_features)
         if self.tile_rows < 1:
             raise ValueError(f"tile_rows must be positive, got {self.tile_rows}")
-        self.name = f"gguf-{qtype.name}"
+        self.kernel = _kernel(qtype)
+        self.name = f"gguf-{qtype.name}" + ("+kernel" if self.kernel is not None else "")
+
+    @classmethod
+    def of(cls, tensor: GGUFTensor, tile_rows: int | None = None) -> "GGUFMethod":
+        """The method serving ``tensor``, a ``[out, in]`` GGUF weight, from its own blocks."""
+        return gguf_method(tensor, tile_rows)
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        """The weight's blocks ``[out_features, blocks_per_row, block_bytes]`` (a view)."""
+        return self.rows2d.view(self.out_features, self.blocks_per_row, self.block_bytes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows2d.numel()
 
     def dequantize_rows(self, start: int, stop: int) -> torch.Tensor:
         """Output rows ``start:stop`` of the weight as float32 ``[stop - start, in_features]``."""
@@ -84,6 +113,15 @@ class GGUFMethod:
             raise ValueError(f"{self.name} projection takes {self.in_features} features, got {x.shape[-1]}")
         rows = x.reshape(-1, self.in_features)
         out = rows.new_empty((rows.shape[0], self.out_features))
+        self.apply_into(rows, out, bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def apply_into(self, rows: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """Write ``rows W^T (+ bias)`` into ``out`` ``[M, out_features]`` (a column slice of a wider
+        output is fine: the fused projections write each part into its own columns)."""
+        if self.kernel is not None and rows.shape[0] <= KERNEL_MAX_ROWS and rows.dtype == torch.float32:
+            self.kernel.gguf_linear(rows.contiguous(), self.rows2d, int(self.qtype), out, bias)
+            return
         for start in range(0, self.out_features, self.tile_rows):
             stop = min(start + self.tile_rows, self.out_features)
             tile = self.dequantize_rows(start, stop)
@@ -91,7 +129,47 @@ class GGUFMethod:
                 tile = tile.to(rows.dtype)  # a bfloat16 or float16 model multiplies in its own dtype
             tile_bias = bias[start:stop] if bias is not None else None
             out[:, start:stop] = F.linear(rows, tile, tile_bias)
+
+
+class GGUFShardedMethod:
+    """A fused projection (q/k/v or gate/up) whose parts are separate GGUF tensors, possibly of
+    different formats: each part writes its own output columns."""
+
+    def __init__(self, parts: list[tuple[slice, GGUFMethod]]) -> None:
+        self.parts = parts
+        self.in_features = parts[0][1].in_features
+        self.out_features = sum(m.out_features for _, m in parts)
+        self.name = "gguf-" + "/".join(m.name.removeprefix("gguf-") for _, m in parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for _, m in self.parts)
+
+    def apply(
+        self, x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).contiguous()
+        out = rows.new_empty((rows.shape[0], self.out_features))
+        for cols, method in self.parts:
+            method.apply_into(rows, out[:, cols], bias[cols] if bias is not None else None)
         return out.reshape(*x.shape[:-1], self.out_features)
+
+
+class GGUFEmbedding:
+    """The token embedding read per token from its quantized rows; also the tied vocabulary head."""
+
+    def __init__(self, tensor: GGUFTensor) -> None:
+        self.tensor = tensor
+        self.vocab_size, self.hidden_size = tensor.shape
+        self.head = GGUFMethod.of(tensor)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids`` ``[T]`` -> float32 ``[T, hidden]``: only those rows are decoded."""
+        head = self.head
+        if head.kernel is not None:
+            return head.kernel.gguf_get_rows(head.rows2d, ids, int(head.qtype), self.hidden_size)
+        rows = head.blocks.index_select(0, ids).reshape(-1, head.block_bytes)
+        return head.decode(rows).reshape(ids.shape[0], self.hidden_size)
 
 
 def gguf_method(tensor: GGUFTensor, tile_rows: int | None = None) -> GGUFMethod:

@@ -2,6 +2,9 @@
 
 ``gguf.GGUFReader`` maps the file read-only; each tensor here is a uint8 torch view of its bytes,
 ``[n_blocks, block_bytes]``, so the OS pages weights in on use and shares them between processes.
+Parsing a file's metadata costs seconds (tens of thousands of token strings), so ``tensor_index``
+gives the tensor table as plain values, to keep beside the model, and ``read_indexed_tensors`` maps
+the file from that table alone.
 GGUF lists a tensor's dimensions innermost first (``ne0`` = input features); ``GGUFTensor.shape`` is
 the reverse, the ``[out_features, in_features]`` order of Hugging Face and ``nn.Linear``.
 """
@@ -42,6 +45,29 @@ def read_gguf_tensors(path: str | PathLike[str]) -> dict[str, GGUFTensor]:
         # Block bytes are decoded as little-endian; a byte-swapped file would decode to garbage.
         raise ValueError(f"{path}: GGUF file of the other byte order is not supported")
     return {t.name: _tensor(t.name, t.tensor_type, t.shape, t.data) for t in reader.tensors}
+
+
+def tensor_index(path: str | PathLike[str] | GGUFReader) -> list[list]:
+    """The file's tensor table, JSON-ready: ``[name, format, dims innermost first, byte offset]``."""
+    reader = path if isinstance(path, GGUFReader) else GGUFReader(path, "r")
+    if reader.byte_order != "I":
+        raise ValueError(f"{path}: GGUF file of the other byte order is not supported")
+    return [[t.name, int(t.tensor_type), [int(d) for d in t.shape], int(t.data_offset)] for t in reader.tensors]
+
+
+def read_indexed_tensors(path: str | PathLike[str], index: list[list]) -> dict[str, GGUFTensor]:
+    """``read_gguf_tensors`` from a table ``tensor_index`` made: one memory map, no metadata parsing."""
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    tensors: dict[str, GGUFTensor] = {}
+    for name, qtype_value, dims, offset in index:
+        qtype = GGMLQuantizationType(qtype_value)
+        block_elems, block_bytes = GGML_QUANT_SIZES[qtype]
+        n_elems = int(np.prod(dims, dtype=np.int64))
+        nbytes = n_elems // block_elems * block_bytes
+        if offset + nbytes > data.shape[0]:
+            raise ValueError(f"{path}: tensor {name} ends past the end of the file (changed since it was indexed?)")
+        tensors[name] = _tensor(name, qtype, np.array(dims), data[offset : offset + nbytes])
+    return tensors
 
 
 def _tensor(name: str, qtype: GGMLQuantizationType, dims: np.ndarray, data: np.ndarray) -> GGUFTensor:

@@ -190,6 +190,8 @@ class Linear(nn.Module):
         self.few_rows: FewRowKernels | None = None
         self.method: ProjectionMethod = DenseMethod()  # how forward computes (``choose_method``)
         self.lora: LoRAProjection | None = None  # LoRA adapters' updates (runtime.lora.attach)
+        # A weight kept in the blocks of the file it came from (``runtime.gguf``): the method over them
+        self.stored: ProjectionMethod | None = None
         # checkpoint shard name -> our output rows (kept here too: packing may drop the weight)
         self.shard_rows: dict[str, slice] = {}
         if len(shards) > 1:
@@ -215,6 +217,13 @@ class Linear(nn.Module):
             self.small_m, self.small_m_rows = small_m
         self.choose_method()
 
+    def use_stored(self, method: ProjectionMethod) -> None:
+        """Compute from a weight kept in its file's format (``runtime.gguf.projection``): the dense
+        parameter is dropped, and packing and quantization leave this projection alone."""
+        self.weight = None
+        self.stored = method
+        self.choose_method()
+
     @property
     def quant_rows(self) -> int:
         """Most rows the quantized few-row kernel takes (0: not quantized, or no kernel)."""
@@ -233,6 +242,7 @@ class Linear(nn.Module):
         """Pick the projection method for the weight's present form (``runtime.projection``): called
         whenever packing, quantization or the few-row kernels change it, never per step."""
         self.method = select_method(
+            stored=self.stored,
             packed=self.packed,
             small_m=self.small_m,
             small_m_rows=self.small_m_rows,

@@ -82,6 +82,9 @@ class CausalLM(nn.Module):
         self.lm_head_quant: quantization.QuantizedWeight | None = None
         self._lm_head_dequantized: torch.Tensor | None = None
         self.few_rows: FewRowKernels | None = None  # the head of a few rows too (CUDA graphs)
+        # Weights kept in their GGUF blocks (``runtime.gguf.loader``): the token lookup and the head
+        self.stored_embedding: Any = None  # gguf.projection.GGUFEmbedding
+        self.stored_head: ProjectionMethod | None = None
         self.head_method: ProjectionMethod = select_method(tall_skinny_rows=self.tall_skinny_head_max_rows)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Module()
@@ -116,7 +119,10 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """``input_ids``, ``positions``: ``[T]`` -> final-normed hidden states ``[T, hidden]``."""
-        h = F.embedding(input_ids, self.model.embed_tokens.weight)
+        if self.stored_embedding is not None:
+            h = self.stored_embedding.lookup(input_ids)
+        else:
+            h = F.embedding(input_ids, self.model.embed_tokens.weight)
         if self.embed_scale != 1.0:  # Granite, Gemma
             h = h * self.embed_scale
         cos_sin = self.model.rotary_emb.tables(positions)
@@ -135,8 +141,10 @@ class CausalLM(nn.Module):
         for few-row steps. The tied embedding stays dense either way (the token lookup reads it), so a
         tied head costs one extra vocab x hidden copy."""
         for module in self.modules():
-            if isinstance(module, Linear) and module.packed is None:
+            if isinstance(module, Linear) and module.packed is None and module.stored is None:
                 module.pack_for_cpu(small_m)
+        if self.stored_head is not None:
+            return  # the head stays in its file's blocks
         self.lm_head_packed = pack(self.lm_head_weight)
         if small_m is not None:
             self.lm_head_small_m, self.lm_head_small_m_rows = small_m
@@ -147,6 +155,7 @@ class CausalLM(nn.Module):
     def choose_head_method(self) -> None:
         """Pick the vocabulary head's projection method for its present form (``runtime.projection``)."""
         self.head_method = select_method(
+            stored=self.stored_head,
             packed=self.lm_head_packed,
             small_m=self.lm_head_small_m,
             small_m_rows=self.lm_head_small_m_rows,
@@ -154,6 +163,22 @@ class CausalLM(nn.Module):
             few_rows=self.few_rows,
             tall_skinny_rows=self.tall_skinny_head_max_rows,
         )
+
+    def use_stored_embedding(self, embedding: Any) -> None:
+        """Read tokens from the embedding's GGUF blocks (``gguf.projection.GGUFEmbedding``); a tied head
+        then multiplies by those blocks too. The dense parameter is dropped (kept empty for its dtype)."""
+        weight = self.model.embed_tokens.weight
+        self.model.embed_tokens.weight = empty_param((0, weight.shape[1]), weight.dtype, weight.device)
+        self.stored_embedding = embedding
+        if self.config.tie_word_embeddings:
+            self.use_stored_head(embedding.head)
+
+    def use_stored_head(self, method: ProjectionMethod) -> None:
+        """Compute the vocabulary head from a weight kept in its file's blocks; its dense copy is dropped."""
+        if not self.config.tie_word_embeddings:
+            self.lm_head.weight = None
+        self.stored_head = method
+        self.choose_head_method()
 
     def quantize(self, quantization_name: str, kernels: dict[str, tuple[quantization.QuantizedKernel, int]]) -> None:
         """Weight-only quantization (``runtime.quantization``: ``int8`` or ``int4``) of every projection
@@ -199,6 +224,10 @@ class CausalLM(nn.Module):
         quantized projections and head as their codes plus scales. Call before ``pack_cpu_weights``
         (which may drop dense weights)."""
         total = sum(p.numel() * p.element_size() for p in self.parameters())
+        # Weights kept in their file's blocks: their bytes (a tied head reads the embedding's).
+        stored = [m.stored for m in self.modules() if isinstance(m, Linear) and m.stored is not None]
+        stored.append(self.stored_head)
+        total += sum(int(getattr(s, "nbytes", 0)) for s in stored if s is not None)
         # (dense weight, its quantized copy) of every projection and the head
         weights: list[tuple[torch.Tensor, quantization.QuantizedWeight | None]] = [
             (m.weight, m.quant) for m in self.modules() if isinstance(m, Linear) and m.weight is not None

@@ -24,6 +24,14 @@ from gguf_files import median_seconds, write_gguf
 from servelm.runtime.gguf.projection import GGUFMethod, gguf_method, tile_rows_for
 from servelm.runtime.gguf.reader import GGUFTensor, read_gguf_tensors
 from servelm.runtime.gguf.registry import BLOCK_LAYOUT, SUPPORTED
+from servelm.runtime.gguf.kernels import DISABLE_ENV
+
+
+@pytest.fixture(autouse=True)
+def _tile_path_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are the tile path's (what serves where the compiled kernels cannot be built, and
+    every large step); the kernels are test_gguf_kernels'."""
+    monkeypatch.setenv(DISABLE_ENV, "1")
 
 OUT, IN = 96, 256  # in_features one K-quant super-block, eight 32-element blocks
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)  # gguf-py cannot quantize these: random blocks stand in
