@@ -1,0 +1,242 @@
+"""Tiny GGUF files of every architecture servelm serves from GGUF, in every block format, served AS STORED
+(quantized projections, embedding and head kept in the file's memory-mapped blocks) and dequantized
+(``quantization="none"``): our logits equal transformers' logits of the same file (issue 22).
+
+The reference is transformers loading the GGUF file itself (``from_pretrained(dir, gguf_file=name)``,
+dequantized to float32), run over each whole sequence at once; ours is a batched prefill of two prompts
+(20 and 13 tokens) on scattered KV blocks, then 4 decode steps of both. Gemma 3's 16-token sliding window
+is crossed by the 24-token sequence.
+
+Each file is written once per module (``gguf_models.write_tiny_gguf``, the configs it can write so that
+transformers reads them back as the source model). Every file carries the default model's tokenizer: its
+folder's tokenizer is built from the first file and reused (``_fast_gguf_parsing``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from gguf_models import save_tiny_model_for_gguf, tensor_format, write_tiny_gguf
+
+transformers = pytest.importorskip("transformers")
+
+
+@dataclass(frozen=True)
+class Case:
+    variant: str  # conftest TINY_VARIANTS name
+    arch: str  # GGUF architecture
+    wide: bool  # widths of 256 (K-quants) rather than 64
+    qtype: dict[str, Q]
+
+
+CASES: dict[str, Case] = {
+    # llama.cpp's q/k row permutation over K-quant and 32-element blocks; an untied quantized head
+    "llama_untied": Case(
+        "llama_untied", "llama", True,
+        {"attn_q": Q.Q4_K, "attn_k": Q.Q4_0, "attn_v": Q.Q5_1, "attn_output": Q.Q6_K, "ffn_gate": Q.Q5_K,
+         "ffn_up": Q.Q4_1, "ffn_down": Q.Q8_0, "token_embd": Q.Q8_0, "output": Q.Q6_K},
+    ),  # fmt: skip
+    # Mistral, written as llama (transformers reads it back as Mistral by the file's name)
+    "mistral": Case(
+        "mistral", "llama", False,
+        {"attn": Q.Q5_0, "ffn_down": Q.F16, "ffn": Q.Q4_1, "token_embd": Q.BF16, "output": Q.Q8_0},
+    ),  # fmt: skip
+    # q/k/v biases; a tied head read from a quantized embedding
+    "qwen2": Case(
+        "qwen2", "qwen2", False,
+        {"attn_q": Q.Q8_0, "attn_k": Q.Q4_0, "attn_v": Q.Q5_1, "attn_output": Q.BF16, "ffn": Q.Q5_0,
+         "token_embd": Q.Q4_1},
+    ),  # fmt: skip
+    # q/k norms, head_dim 128; the K-quant mix of a Q4_K_M file
+    "qwen3": Case(
+        "qwen3", "qwen3", True, {"attn": Q.Q4_K, "ffn_down": Q.Q6_K, "ffn": Q.Q5_K, "token_embd": Q.Q8_0}
+    ),
+    # norms stored as 1 + w, sliding window 16 on layers 0-4, head_dim 256
+    "gemma3": Case(
+        "gemma3", "gemma3", True,
+        {"attn_q": Q.Q6_K, "attn_k": Q.Q6_K, "attn_v": Q.Q8_0, "attn_output": Q.Q4_K, "ffn_gate": Q.Q4_0,
+         "ffn_up": Q.Q5_K, "ffn_down": Q.F16, "token_embd": Q.Q6_K},
+    ),  # fmt: skip
+}
+FORMATS = {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F16, Q.BF16}
+
+# Two prompts (20 and 13 tokens) prefilled together, then DECODE_STEPS tokens of each decoded one at a time.
+DECODE_STEPS = 4
+PROMPT_LENGTHS = (20, 13)
+RTOL_OF_MAX = 1e-4  # atol = RTOL_OF_MAX * max |logit|: float32 summation-order noise
+
+
+def sequences(vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(22)
+    return [rng.integers(0, vocab, n + DECODE_STEPS).tolist() for n in PROMPT_LENGTHS]
+
+
+@contextlib.contextmanager
+def _fast_gguf_parsing() -> Iterator[None]:
+    """Parsing the 49,152-token vocabulary every tiny file carries dominates building a case (~15 s a file
+    as shipped). While the cases are built: gguf-py's reader gets the file's bytes as a plain array instead
+    of ``np.memmap`` slices (~3x faster, same parse); each file is parsed once for transformers' two loads
+    and the folder's config; and the folders' tokenizer is built once, from the first file, since every file
+    holds the same ``tokenizer.*`` keys (the default model's). Weights are read as usual afterwards."""
+    import gguf
+    import gguf.gguf_reader as gguf_reader
+
+    from servelm.runtime.gguf import folder
+
+    fake_np = types.ModuleType("numpy_plain_map")
+    fake_np.__dict__.update(np.__dict__)
+    fake_np.memmap = lambda path, mode="r", **_: np.fromfile(path, dtype=np.uint8)  # type: ignore[attr-defined]
+    real_reader = gguf.GGUFReader
+    readers: dict[tuple[str, int, int], Any] = {}
+
+    def cached_reader(path: Any, mode: str = "r") -> Any:
+        p = Path(path).resolve()
+        st = p.stat()
+        key = (str(p), st.st_size, st.st_mtime_ns)
+        if key not in readers:
+            readers[key] = real_reader(p, mode)
+        return readers[key]
+
+    real_tokenizer = transformers.AutoTokenizer.from_pretrained
+    tokenizers: list[Any] = []
+
+    def tokenizer_once(*args: Any, **kwargs: Any) -> Any:
+        if not kwargs.get("gguf_file"):
+            return real_tokenizer(*args, **kwargs)
+        if not tokenizers:
+            tokenizers.append(real_tokenizer(*args, **kwargs))
+        return tokenizers[0]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf_reader, "np", fake_np)
+        mp.setattr(gguf, "GGUFReader", cached_reader)
+        mp.setattr(folder, "GGUFReader", cached_reader)
+        mp.setattr(transformers.AutoTokenizer, "from_pretrained", staticmethod(tokenizer_once))
+        yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    """One intra-op thread, as the scheduler's HF comparisons use: this shared 2-core machine runs other
+    processes, and two threads competing with them make every step slower and erratic."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@dataclass
+class Served:
+    case: Case
+    path: Path  # the GGUF file
+    folder: Path  # its prepared folder (config, tokenizer, gguf.json)
+    seqs: list[list[int]]
+    reference: list[torch.Tensor]  # transformers' logits over each whole sequence [len, vocab]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Served]:
+    """``served(case_id)``: the case's GGUF file, its prepared folder and transformers' logits (built once)."""
+    from servelm.runtime.gguf.folder import prepare_folder
+
+    cache: dict[str, Served] = {}
+
+    def get(case_id: str) -> Served:
+        if case_id not in cache:
+            case = CASES[case_id]
+            root = tmp_path_factory.mktemp(f"gguf-{case_id}")
+            with _fast_gguf_parsing():
+                hf_dir = save_tiny_model_for_gguf(case.variant, root / "hf", wide=case.wide)
+                (root / "file").mkdir()
+                path = write_tiny_gguf(hf_dir, root / "file" / f"tiny-{case_id}.gguf", arch=case.arch, qtype=case.qtype)
+                model = transformers.AutoModelForCausalLM.from_pretrained(
+                    str(path.parent), gguf_file=path.name, dtype=torch.float32
+                ).eval()
+                # resolve_model_path's preparation, into the test's own folder rather than the user's cache
+                folder = prepare_folder(path, root / "prepared")
+            seqs = sequences(model.config.vocab_size)
+            with torch.inference_mode():
+                reference = [model(torch.tensor([s])).logits[0].float() for s in seqs]
+            del model
+            cache[case_id] = Served(case, path, folder, seqs, reference)
+        return cache[case_id]
+
+    return get
+
+
+def run_ours(runner: Any, rt: Any, seqs: list[list[int]]) -> list[torch.Tensor]:
+    """Prefill all but the last DECODE_STEPS tokens of every sequence in one batch, then decode them one
+    step at a time; per sequence, the logits of all its positions [len, vocab]."""
+    from servelm.runtime.batch import BatchItem
+
+    blocks = rt.ScatteredBlocks(runner.kv_pool.num_blocks, runner.block_size, seed=3)
+    fakes = [rt.FakeSeq(seq_id=i, token_ids=list(s[:-DECODE_STEPS])) for i, s in enumerate(seqs)]
+    for f, s in zip(fakes, seqs):
+        blocks.grow(f, len(s))
+    per_seq: list[list[torch.Tensor]] = [[] for _ in seqs]
+    for i, logits in enumerate(rt.step_logits(runner, [BatchItem(f, len(f.token_ids), sample=True) for f in fakes])):
+        per_seq[i].append(logits)
+    for step in range(DECODE_STEPS - 1, -1, -1):
+        for f, s in zip(fakes, seqs):
+            f.token_ids.append(s[len(s) - 1 - step])  # the next token of the sequence (not our sample)
+        for i, logits in enumerate(rt.step_logits(runner, [BatchItem(f, 1, sample=True) for f in fakes])):
+            per_seq[i].append(logits)
+    # the last decode step's logits follow the last token: compared positions are 0 .. len - 1
+    return [torch.cat(parts) for parts in per_seq]
+
+
+def assert_logits_match(ours: list[torch.Tensor], theirs: list[torch.Tensor], label: str) -> None:
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        assert a.shape == b.shape, (label, i, a.shape, b.shape)
+        scale = b.abs().max().item()
+        atol = RTOL_OF_MAX * scale
+        err = (a - b).abs()
+        worst = int(err.max(dim=-1).values.argmax())
+        assert err.max().item() <= atol, (
+            f"{label} seq {i}: max |ours - transformers| {err.max().item():.3e} at position {worst} "
+            f"> atol {atol:.3e} (max |logit| {scale:.3f}); per position: "
+            f"{[round(x, 6) for x in err.max(dim=-1).values.tolist()]}"
+        )
+        # argmax equal, except where transformers' own top two are within the tolerance of each other
+        top = b.topk(2, dim=-1)
+        tie = (top.values[:, 0] - top.values[:, 1]) <= atol
+        differ = (a.argmax(-1) != top.indices[:, 0]) & ~tie
+        assert not differ.any(), f"{label} seq {i}: argmax differs at positions {differ.nonzero().flatten().tolist()}"
+
+
+def test_cases_cover_every_architecture_and_format() -> None:
+    assert {c.variant for c in CASES.values()} == {"llama_untied", "mistral", "qwen2", "qwen3", "gemma3"}
+    assert {c.arch for c in CASES.values()} == {"llama", "qwen2", "qwen3", "gemma3"}
+    assert {q for c in CASES.values() for q in c.qtype.values()} == FORMATS
+    for c in CASES.values():
+        assert len(set(c.qtype.values())) >= 3, c  # mixed formats within each model
+    # the spec says what each tensor gets: e.g. qwen3's ffn_down is Q6_K, its other ffn weights Q5_K
+    assert tensor_format("blk.0.ffn_down.weight", (256, 512), CASES["qwen3"].qtype) == Q.Q6_K
+    assert tensor_format("blk.0.ffn_up.weight", (512, 256), CASES["qwen3"].qtype) == Q.Q5_K
+
+
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_served_as_stored_equals_transformers(case_id: str, served, build_runner, rt) -> None:  # type: ignore[no-untyped-def]
+    s = served(case_id)
+    runner = build_runner(s.folder, num_blocks=8)
+    assert runner.weights_as_stored
+    assert_logits_match(run_ours(runner, rt, s.seqs), s.reference, f"{case_id} as stored")
+
+
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_dequantized_equals_transformers(case_id: str, served, build_runner, rt) -> None:  # type: ignore[no-untyped-def]
+    s = served(case_id)
+    runner = build_runner(s.folder, num_blocks=8, quantization="none")
+    assert not runner.weights_as_stored
+    assert_logits_match(run_ours(runner, rt, s.seqs), s.reference, f"{case_id} dequantized")
