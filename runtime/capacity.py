@@ -117,11 +117,18 @@ class StepCostModel:
 
 
 def plan_capacity(
-    cfg: ModelConfig, dtype: torch.dtype, kv_budget_bytes: int, block_size: int, max_model_len: int
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    kv_budget_bytes: int,
+    block_size: int,
+    max_model_len: int,
+    stored_weight_bytes: int | None = None,
 ) -> Capacity:
+    """``stored_weight_bytes``: the weights' size where they are not parameters x dtype (a GGUF file)."""
     per_tok = kv_bytes_per_token(cfg, dtype)
     num_blocks = int(kv_budget_bytes // (per_tok * block_size))
-    cap = Capacity(weight_bytes(cfg, dtype), per_tok, block_size, num_blocks, max_model_len)
+    weights = stored_weight_bytes if stored_weight_bytes is not None else weight_bytes(cfg, dtype)
+    cap = Capacity(weights, per_tok, block_size, num_blocks, max_model_len)
     if cap.token_capacity < max_model_len:
         raise CapacityError(
             f"max_model_len={max_model_len} does not fit the KV pool: {kv_budget_bytes / 2**20:.1f} MiB holds "

@@ -15,6 +15,7 @@ import torch
 from servelm.runtime.batch import BatchItem, RunnerOutput
 from servelm.runtime.capacity import Capacity, plan_capacity
 from servelm.runtime.config import ModelConfig
+from servelm.runtime.gguf.folder import stored_weight_bytes
 from servelm.runtime.model_files import resolve_model_path
 from servelm.runtime.platform import default_dtype, device_defaults, release_cached_memory, resolve_device
 from servelm.runtime.runner import ModelRunner
@@ -132,7 +133,7 @@ def start_up(config: EngineConfig, runner: RunnerLike | None = None) -> StartUp:
         if runner is None or runner.kv_pool is None:
             raise ValueError(f"an injected runner on {device} needs kv_cache_memory or a kv_pool")
         kv_memory = runner.kv_pool.nbytes
-    capacity = plan_capacity(mc, dtype, kv_memory, block_size, max_model_len)
+    capacity = plan_capacity(mc, dtype, kv_memory, block_size, max_model_len, stored_weight_bytes(model_dir))
     log.info("KV capacity: %s", capacity.describe())
 
     resolved = dataclasses.replace(

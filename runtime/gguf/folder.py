@@ -33,6 +33,23 @@ def gguf_source(model_dir: str | Path) -> Path | None:
     return Path(json.loads(marker.read_text())["path"])
 
 
+def stored_weight_bytes(model_dir: str | Path) -> int | None:
+    """Bytes of the tensors of the GGUF file a prepared folder serves (None for a plain folder)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    marker = Path(model_dir) / SOURCE_FILE
+    if not marker.is_file():
+        return None
+    total = 0
+    for _, qtype, dims, _ in json.loads(marker.read_text())["tensors"]:
+        block_elems, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+        n = 1
+        for d in dims:
+            n *= d
+        total += n // block_elems * block_bytes
+    return total
+
+
 def folder_is_current(model_dir: Path) -> bool:
     """Whether ``model_dir`` was prepared for the GGUF file as it is now (same size and mtime)."""
     try:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from servelm.runtime.gguf.folder import folder_is_current, gguf_source
+from servelm.runtime.gguf.folder import folder_is_current, gguf_source, stored_weight_bytes
 from servelm.runtime.gguf.loader import GGUFLoadError
 from servelm.runtime.gguf.projection import GGUFEmbedding, GGUFMethod, GGUFShardedMethod
 from servelm.runtime.model_files import default_gguf_file, default_model_dir, resolve_model_path
@@ -120,3 +120,11 @@ def test_a_file_that_does_not_fit_the_model_is_refused(build_runner, gguf_folder
     (broken / "config.json").write_text(json.dumps(config))
     with pytest.raises(GGUFLoadError, match="missing from the file: model.layers.30"):
         build_runner(broken, num_blocks=8)
+
+
+def test_weight_bytes_are_the_files_tensors(stored_runner, gguf_folder: Path) -> None:  # type: ignore[no-untyped-def]
+    stored = stored_weight_bytes(gguf_folder)
+    size = default_gguf_file().stat().st_size
+    assert stored is not None and 0.9 * size < stored < size, (stored, size)  # the rest is metadata
+    # What a decode step reads: every tensor once (the tied head is the embedding), nothing dense besides.
+    assert abs(stored_runner.weight_bytes - stored) < 0.001 * stored, (stored_runner.weight_bytes, stored)
