@@ -8,6 +8,8 @@ C++ elsewhere), built on first use and cached under ``$SERVELM_CACHE/torch_exten
   the same values as ``F.linear(x, registry.dequantize(W), bias)`` up to float32 summation order,
   without ever holding a float copy of ``W``; a decode step reads 4-8x fewer bytes than a float32
   projection;
+* ``linear_parts``: a fused projection (q/k/v, gate/up) whose parts are separate weights, possibly of
+  different formats, in one call and one parallel region;
 * ``get_rows``: an embedding lookup, decoding only the rows asked for.
 
 ``load()`` is None where the extension cannot be built or fails its self-check, and callers then
@@ -119,6 +121,22 @@ def linear(
     if x.dtype != torch.float32 or not x.is_contiguous():
         x = x.float().contiguous()
     _module().gguf_linear(x, blocks2d, int(qtype), out, bias)
+    return out
+
+
+def linear_parts(
+    x: torch.Tensor,
+    blocks_list: list[torch.Tensor],
+    qtypes: list[Q],
+    out: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A fused projection whose parts are separate weights (``blocks_list[i]`` ``[N_i, row_bytes_i]`` of
+    ``qtypes[i]``): ``out[:, N_0 + ... + N_{i-1} :][:, :N_i] = x W_i^T``, plus ``bias`` ``[sum N_i]``, all
+    parts' rows split over the threads in one parallel region. Returns out."""
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        x = x.float().contiguous()
+    _module().gguf_linear_parts(x, list(blocks_list), [int(q) for q in qtypes], out, bias)
     return out
 
 

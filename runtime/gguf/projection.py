@@ -137,13 +137,38 @@ class GGUFMethod:
 
 class GGUFShardedMethod:
     """A fused projection (q/k/v or gate/up) whose parts are separate GGUF tensors, possibly of
-    different formats: each part writes its own output columns."""
+    different formats: each part writes its own output columns. Where every part has the compiled
+    kernel and the parts' columns tile the output in order, steps of a few rows run all parts in one
+    kernel call (``gguf_linear_parts``: one parallel region over every part's rows); other steps go
+    part by part."""
 
     def __init__(self, parts: list[tuple[slice, GGUFMethod]]) -> None:
         self.parts = parts
         self.in_features = parts[0][1].in_features
         self.out_features = sum(m.out_features for _, m in parts)
         self.name = "gguf-" + "/".join(m.name.removeprefix("gguf-") for _, m in parts)
+        self.fused_kernel: Any = None
+        ordered = sorted(parts, key=lambda p: p[0].start or 0)
+        kernel = parts[0][1].kernel
+        if (
+            self._tile(ordered, self.out_features)
+            and all(m.kernel is kernel for _, m in parts)
+            and hasattr(kernel, "gguf_linear_parts")
+        ):
+            self.fused_kernel = kernel
+            self.fused_blocks = [m.rows2d for _, m in ordered]
+            self.fused_qtypes = [int(m.qtype) for _, m in ordered]
+
+    @staticmethod
+    def _tile(ordered: list[tuple[slice, GGUFMethod]], out_features: int) -> bool:
+        """Whether the parts' columns, in order, are contiguous and cover ``[0, out_features)``."""
+        edge = 0
+        for cols, method in ordered:
+            start, stop, step = cols.indices(out_features)
+            if start != edge or step != 1 or stop - start != method.out_features:
+                return False
+            edge = stop
+        return edge == out_features
 
     @property
     def nbytes(self) -> int:
@@ -154,8 +179,15 @@ class GGUFShardedMethod:
     ) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).contiguous()
         out = rows.new_empty((rows.shape[0], self.out_features))
-        for cols, method in self.parts:
-            method.apply_into(rows, out[:, cols], bias[cols] if bias is not None else None)
+        if (
+            self.fused_kernel is not None
+            and rows.dtype == torch.float32
+            and all(rows.shape[0] <= m.kernel_max_rows for _, m in self.parts)
+        ):
+            self.fused_kernel.gguf_linear_parts(rows, self.fused_blocks, self.fused_qtypes, out, bias)
+        else:
+            for cols, method in self.parts:
+                method.apply_into(rows, out[:, cols], bias[cols] if bias is not None else None)
         return out.reshape(*x.shape[:-1], self.out_features)
 
 

@@ -177,3 +177,80 @@ def test_kernel_types_are_registry_formats() -> None:
 
     assert kernels.KERNEL_TYPES <= set(SUPPORTED)
     assert kernels.SOURCE.is_file() and kernels.SOURCE.parent == Path(kernels.__file__).resolve().parents[1] / "cpu" / "csrc"
+
+
+PART_FORMATS = (Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.F16, Q.Q5_0, Q.Q5_1, Q.Q4_0, Q.Q5_K, Q.BF16, Q.F32)
+
+
+@pytest.mark.parametrize("m", (1, 2, 5, 8, 17))
+@pytest.mark.parametrize("formats", [(Q.Q4_1, Q.Q4_1, Q.Q4_1), (Q.Q4_K, Q.Q6_K, Q.Q8_0), PART_FORMATS],
+                         ids=lambda fs: "-".join(q.name for q in fs))
+def test_linear_parts_matches_each_part(module, formats: tuple[Q, ...], m: int) -> None:
+    """One fused call equals each part's reference in its own columns, mixed formats, any row count."""
+    k = 512
+    rng = np.random.default_rng(m)
+    sizes = [37 + 29 * i for i in range(len(formats))]  # uneven parts: the byte split crosses them
+    blocks = [kernels.random_blocks(q, n, k, rng) for q, n in zip(formats, sizes)]
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=gen)
+    for bias in (None, torch.randn(sum(sizes), generator=gen)):
+        wide = torch.full((m, sum(sizes) + 5), 12345.0)
+        out = wide[:, 2 : 2 + sum(sizes)]
+        assert kernels.linear_parts(x, blocks, list(formats), out, bias) is out
+        col = 0
+        for q, n, b in zip(formats, sizes, blocks):
+            w = dequantize((b.reshape(-1), q, (n, k)))
+            part_bias = None if bias is None else bias[col : col + n]
+            assert_within_sum_order(out[:, col : col + n], x, w, part_bias)
+            col += n
+        assert torch.all(wide[:, :2] == 12345.0) and torch.all(wide[:, 2 + sum(sizes) :] == 12345.0)
+
+
+def test_linear_parts_threads_split_large_parts(module) -> None:
+    """Parts large enough that both threads get work (the split is by bytes, across part edges)."""
+    k, sizes, formats = 1024, (700, 300, 900), (Q.Q8_0, Q.Q4_1, Q.Q6_K)
+    rng = np.random.default_rng(3)
+    blocks = [kernels.random_blocks(q, n, k, rng) for q, n in zip(formats, sizes)]
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(3))
+    got = kernels.linear_parts(x, blocks, list(formats), torch.empty(3, sum(sizes)))
+    parts = [kernels.linear(x, b, q, torch.empty(3, n)) for q, n, b in zip(formats, sizes, blocks)]
+    torch.testing.assert_close(got, torch.cat(parts, dim=1), rtol=0, atol=0)
+
+
+def test_linear_parts_errors(module) -> None:
+    blocks = kernels.random_blocks(Q.Q4_1, 4, 64, np.random.default_rng(0))
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="one qtype per part"):
+        kernels.linear_parts(x, [blocks, blocks], [Q.Q4_1], torch.empty(2, 8))
+    with pytest.raises(RuntimeError, match="out must be"):
+        kernels.linear_parts(x, [blocks, blocks], [Q.Q4_1, Q.Q4_1], torch.empty(2, 4))
+    with pytest.raises(RuntimeError, match="bytes a row"):
+        kernels.linear_parts(x, [blocks, blocks], [Q.Q4_1, Q.Q8_0], torch.empty(2, 8))
+
+
+@pytest.mark.parametrize("m", (1, 5, 8, 17))
+def test_sharded_method_fuses_parts(module, m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GGUFShardedMethod runs few-row steps as one gguf_linear_parts call, larger ones part by part."""
+    from servelm.runtime.gguf.projection import GGUFMethod, GGUFShardedMethod
+
+    k, formats, sizes = 256, (Q.Q4_1, Q.Q8_0, Q.Q6_K), (64, 32, 48)
+    rng = np.random.default_rng(m)
+    blocks = [kernels.random_blocks(q, n, k, rng) for q, n in zip(formats, sizes)]
+    edges = np.cumsum((0,) + sizes)
+    method = GGUFShardedMethod(
+        [(slice(int(lo), int(hi)), GGUFMethod(b.reshape(-1), q, (n, k)))
+         for lo, hi, b, q, n in zip(edges[:-1], edges[1:], blocks, formats, sizes)]
+    )
+    assert method.fused_kernel is module
+    calls = []
+    monkeypatch.setattr(method, "fused_kernel", type("Spy", (), {
+        "gguf_linear_parts": staticmethod(lambda *a: (calls.append(1), module.gguf_linear_parts(*a)))})())
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    bias = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(m + 1))
+    got = method.apply(x, None, bias)
+    assert len(calls) == (1 if m <= 8 else 0)
+    w = torch.cat([dequantize((b.reshape(-1), q, (n, k))) for b, q, n in zip(blocks, formats, sizes)])
+    if m <= 8:
+        assert_within_sum_order(got, x, w, bias)
+    else:
+        torch.testing.assert_close(got, F.linear(x, w, bias), rtol=1e-5, atol=1e-4)

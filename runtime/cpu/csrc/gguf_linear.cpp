@@ -424,7 +424,7 @@ struct LinearArgs {
   const uint8_t* w;      // [N, row_bytes], row stride ldw
   float* out;            // [M, N], row stride ldo
   const float* bias;     // [N] or nullptr
-  const float* xsum;     // [M, K / sub]: each sub-block's sum of x, for formats with a minimum
+  const float* xsum;     // x's sums per 32 elements (x_sums), for formats with a minimum
   int64_t M, N, K, ldw, ldo;
 };
 
@@ -435,6 +435,172 @@ inline void store_row(const LinearArgs& a, const Accumulators<M>& acc, int64_t m
   for (int m = 0; m < M; ++m) a.out[(m0 + m) * a.ldo + n] = acc.total(m) + b;
 }
 
+#if SERVELM_GGUF_AVX2
+// Few rows, vectorized: each block is decoded in registers, 8 elements at a time as int32 lanes
+// (no round trip through memory), and kRowsAt<M> weight rows are walked together so their
+// accumulator chains overlap (FMA latency, not throughput, bounds a single dot product).
+// 8 bytes at p zero- or sign-extended to 8 int32 lanes (one load + widen).
+inline __m256i u8x8(const void* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline __m256i i8x8(const void* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+// The low or high nibbles of 8 bytes at p.
+inline __m256i nib8(const uint8_t* p, bool high) {
+  const __m256i v = u8x8(p);
+  return high ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(0x0F));
+}
+inline __m256i minus(__m256i v, int c) { return _mm256_sub_epi32(v, _mm256_set1_epi32(c)); }
+
+// Per format: scales(b, s, m) gives each sub-block's scale (and offset b where has_min) as Format
+// does; q8(b, j, g) the integer quants of elements 8g..8g+7 of sub-block j as int32 lanes, or where
+// kBuffered, decode_i8(b, q) all of the block's quants as int8 (32-byte aligned q).
+template <int Q> struct Regs;
+template <> struct Regs<Q4_0> {
+  static constexpr bool kBuffered = false;
+  static void scales(const uint8_t* b, float* s, float*) { s[0] = f16(b); }
+  static __m256i q8(const uint8_t* b, int, int g) { return minus(nib8(b + 2 + 8 * (g & 1), g >= 2), 8); }
+};
+template <> struct Regs<Q4_1> {
+  static constexpr bool kBuffered = false;
+  static void scales(const uint8_t* b, float* s, float* m) { s[0] = f16(b); m[0] = f16(b + 2); }
+  static __m256i q8(const uint8_t* b, int, int g) { return nib8(b + 4 + 8 * (g & 1), g >= 2); }
+};
+// Formats whose bits take many steps per element decode a whole block to int8 in 256-bit steps
+// first (decode_i8, kBuffered), and the kernel widens 8 of those at a time.
+inline void store_i8(int8_t* dst, __m256i v) { _mm256_store_si256(reinterpret_cast<__m256i*>(dst), v); }
+template <bool kMin> struct RegsQ5 {
+  static constexpr bool kBuffered = true;
+  static void scales(const uint8_t* b, float* s, float* m) { s[0] = f16(b); if (kMin) m[0] = f16(b + 2); }
+  static void decode_i8(const uint8_t* b, int8_t* q) {
+    const __m256i v = _mm256_or_si256(nibbles32(b + (kMin ? 8 : 6)), fifth_bits(u32(b + (kMin ? 4 : 2))));
+    store_i8(q, kMin ? v : _mm256_sub_epi8(v, _mm256_set1_epi8(16)));
+  }
+};
+template <> struct Regs<Q5_0> : RegsQ5<false> {};
+template <> struct Regs<Q5_1> : RegsQ5<true> {};
+template <> struct Regs<Q8_0> {
+  static constexpr bool kBuffered = false;
+  static void scales(const uint8_t* b, float* s, float*) { s[0] = f16(b); }
+  static __m256i q8(const uint8_t* b, int, int g) { return i8x8(b + 2 + 8 * g); }
+};
+template <bool kHigh> struct RegsK45 {
+  static constexpr bool kBuffered = kHigh;
+  static void scales(const uint8_t* b, float* s, float* m) {
+    const float d = f16(b), dmin = f16(b + 2);
+    for (int j = 0; j < 8; ++j) {
+      int sc, mn;
+      scale_min_k4(b + 4, j, sc, mn);
+      s[j] = d * float(sc);
+      m[j] = -(dmin * float(mn));
+    }
+  }
+  static __m256i q8(const uint8_t* b, int j, int g) { return nib8(b + 16 + 32 * (j / 2) + 8 * g, j & 1); }
+  static void decode_i8(const uint8_t* b, int8_t* q) {  // Q5_K
+    const __m256i h = load256(b + 16), one = _mm256_set1_epi8(1), mask = _mm256_set1_epi8(0x0F);
+    for (int c = 0; c < 4; ++c) {
+      const __m256i raw = load256(b + 48 + 32 * c);
+      const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+      store_i8(q + 64 * c, _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * c)), one), 4)));
+      store_i8(q + 64 * c + 32, _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * c + 1)), one), 4)));
+    }
+  }
+};
+template <> struct Regs<Q4_K> : RegsK45<false> {};
+template <> struct Regs<Q5_K> : RegsK45<true> {};
+template <> struct Regs<Q6_K> {
+  static constexpr bool kBuffered = true;
+  static void scales(const uint8_t* b, float* s, float*) {
+    const float d = f16(b + 208);
+    for (int j = 0; j < 16; ++j) s[j] = d * float(int8_t(b[192 + j]));
+  }
+  static void decode_i8(const uint8_t* b, int8_t* q) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03), off = _mm256_set1_epi8(32);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i A = load256(b + 64 * h), B = load256(b + 64 * h + 32), H = load256(b + 128 + 32 * h);
+      const __m256i low[4] = {_mm256_and_si256(A, m4), _mm256_and_si256(B, m4),
+                              _mm256_and_si256(_mm256_srli_epi16(A, 4), m4), _mm256_and_si256(_mm256_srli_epi16(B, 4), m4)};
+      for (int p = 0; p < 4; ++p) {
+        const __m256i high = _mm256_and_si256(_mm256_srl_epi16(H, _mm_cvtsi32_si128(2 * p)), m2);
+        store_i8(q + 128 * h + 32 * p, _mm256_sub_epi8(_mm256_or_si256(low[p], _mm256_slli_epi16(high, 4)), off));
+      }
+    }
+  }
+};
+
+// Weight rows walked together for M activation rows: enough independent accumulators to cover
+// the FMA latency without spilling (R * M <= 4 where M is small). The 256-element formats take
+// one row at a time: 4 rows' unrolled super-blocks measured ~1.5-2x slower (code size, spills);
+// so does Q8_0, whose 4 interleaved row streams read memory slower than one (the 49152x576 head:
+// 5.8 ms best with 4 rows, 2.8 ms with 1, 1 thread).
+template <int Q, int M>
+constexpr int kRowsAt = Format<Q>::elems == 256 || Q == Q8_0 ? 1 : (M == 1 ? 4 : (M == 2 ? 2 : 1));
+
+// Output rows [n, n + R) for all M activation rows. Per sub-block j and row m: t = sum q x over its
+// elements, acc += s_j * t (+ b_j * lane sums of x, for formats with a minimum).
+template <int Q, int M, int R>
+inline void regs_rows(const LinearArgs& a, int64_t n) {
+  using F = Format<Q>;
+  constexpr int subs = F::elems / F::sub, G = F::sub / 8;
+  static_assert(!F::has_min || F::sub == 32, "the x lane sums are per 32 elements");
+  __m256 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+  const int64_t nblk = a.K / F::elems, ldxs = a.K / 4;
+  const uint8_t* row0 = a.w + n * a.ldw;
+  for (int64_t blk = 0; blk < nblk; ++blk) {
+    const float* xb = a.x + blk * F::elems;
+    const float* xs = a.xsum + blk * subs * 8;
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* b = row0 + r * a.ldw + blk * F::bytes;
+      float s[subs], mn[subs];
+      Regs<Q>::scales(b, s, mn);
+      alignas(32) int8_t qb[Regs<Q>::kBuffered ? F::elems : 32];
+      if constexpr (Regs<Q>::kBuffered) Regs<Q>::decode_i8(b, qb);
+#pragma GCC unroll 16
+      for (int j = 0; j < subs; ++j) {
+        __m256 q[G];
+#pragma GCC unroll 4
+        for (int g = 0; g < G; ++g) {
+          if constexpr (Regs<Q>::kBuffered) q[g] = _mm256_cvtepi32_ps(i8x8(qb + j * F::sub + 8 * g));
+          else q[g] = _mm256_cvtepi32_ps(Regs<Q>::q8(b, j, g));
+        }
+        const __m256 sv = _mm256_set1_ps(s[j]);
+#pragma GCC unroll 8
+        for (int m = 0; m < M; ++m) {
+          const float* xj = xb + m * a.K + j * F::sub;
+          __m256 t = _mm256_mul_ps(q[0], _mm256_loadu_ps(xj));
+          for (int g = 1; g < G; ++g) t = _mm256_fmadd_ps(q[g], _mm256_loadu_ps(xj + 8 * g), t);
+          acc[r][m] = _mm256_fmadd_ps(sv, t, acc[r][m]);
+          if constexpr (F::has_min)
+            acc[r][m] = _mm256_fmadd_ps(_mm256_set1_ps(mn[j]), _mm256_loadu_ps(xs + m * ldxs + j * 8), acc[r][m]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    Accumulators<M> sums;
+    for (int m = 0; m < M; ++m) sums.v[m][0] = acc[r][m];
+    store_row<M>(a, sums, 0, n + r);
+  }
+}
+
+template <int Q, int M>
+void quant_rows(const LinearArgs& a, int64_t n0, int64_t n1) {
+  constexpr int R = kRowsAt<Q, M>;
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) regs_rows<Q, M, R>(a, n);
+  for (; n < n1; ++n) regs_rows<Q, M, 1>(a, n);
+}
+
+// For formats with a minimum: x's sums per 32 elements, kept as 8 lane sums [M, K / 32, 8].
+inline void x_sums(const float* x, int64_t M, int64_t K, std::vector<float>& xs) {
+  xs.assign(size_t(M * (K / 4)), 0.0f);
+  for (int64_t i = 0; i < M * (K / 32); ++i) {
+    __m256 v = _mm256_loadu_ps(x + 32 * i);
+    for (int g = 1; g < 4; ++g) v = _mm256_add_ps(v, _mm256_loadu_ps(x + 32 * i + 8 * g));
+    _mm256_storeu_ps(xs.data() + 8 * i, v);
+  }
+}
+#else
 // Few rows of a quantized format: sum_i (s q_i + b) x_i = s * sum_i q_i x_i + b * sum_i x_i per
 // sub-block, so each weight costs one conversion and one FMA per row.
 template <int Q, int M>
@@ -458,6 +624,14 @@ void quant_rows(const LinearArgs& a, int64_t n0, int64_t n1) {
     store_row<M>(a, acc, 0, n);
   }
 }
+
+// For formats with a minimum: x's sums per 32 elements [M, K / 32].
+inline void x_sums(const float* x, int64_t M, int64_t K, std::vector<float>& xs) {
+  xs.assign(size_t(M * (K / 32)), 0.0f);
+  for (int64_t i = 0; i < M * (K / 32); ++i)
+    for (int j = 0; j < 32; ++j) xs[i] += x[i * 32 + j];
+}
+#endif
 
 template <int Q>
 void linear_rows(const LinearArgs& a, int64_t n0, int64_t n1) {
@@ -544,41 +718,111 @@ void check_blocks(const at::Tensor& blocks, int64_t qtype, int64_t K) {
               "GGUF kernels: each row of blocks must be contiguous");
 }
 
+// One weight of a (possibly fused) projection: its blocks, format, and columns of out.
+struct Part {
+  int64_t qtype;
+  LinearArgs a;
+  int64_t row_bytes;
+};
+
+// Every part's output rows in one parallel region: the parts' rows in order are split into at
+// most get_num_threads() contiguous spans of about equal bytes (none under 64 KB, as a fork/join
+// costs more than a smaller read), so the threads share fused work evenly and fork once.
+void run_parts(std::vector<Part>& parts, const float* x, int64_t M, int64_t K) {
+  std::vector<float> xsum;
+  bool need_sums = false;
+  int64_t total_bytes = 0;
+  for (const Part& p : parts) {
+    with_qtype(p.qtype, [&](auto qq) {
+      constexpr int Q = decltype(qq)::value;
+      if constexpr (!kIsFloat<Q>) need_sums |= Format<Q>::has_min && M <= kGroup;
+    });
+    total_bytes += p.a.N * p.row_bytes;
+  }
+  if (need_sums) x_sums(x, M, K, xsum);
+  for (Part& p : parts) p.a.xsum = xsum.data();
+  if (total_bytes == 0) return;
+  // The row (over all parts, in order) at which `pos` bytes of weight have been read.
+  auto row_at = [&](int64_t pos) {
+    int64_t row = 0;
+    for (const Part& p : parts) {
+      const int64_t bytes = p.a.N * p.row_bytes;
+      if (pos < bytes) return row + (pos + p.row_bytes / 2) / p.row_bytes;
+      pos -= bytes;
+      row += p.a.N;
+    }
+    return row;
+  };
+  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total_bytes / (int64_t(64) << 10)));
+  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      int64_t lo = row_at(total_bytes * t / tasks), hi = row_at(total_bytes * (t + 1) / tasks);
+      for (const Part& p : parts) {
+        const int64_t n0 = std::max<int64_t>(lo, 0), n1 = std::min(hi, p.a.N);
+        if (n0 < n1) with_qtype(p.qtype, [&](auto qq) { linear_rows<decltype(qq)::value>(p.a, n0, n1); });
+        lo -= p.a.N;
+        hi -= p.a.N;
+      }
+    }
+  });
+}
+
+const float* check_x(const at::Tensor& x, const char* fn) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(),
+              fn, ": x must be contiguous float32 [M, K] on the CPU");
+  return x.data_ptr<float>();
+}
+
+// Checks out ([M, N] float32, unit column stride) and bias ([N] float32 or None); the bias pointer.
+const float* check_out_bias(const at::Tensor& out, const c10::optional<at::Tensor>& bias, int64_t M, int64_t N,
+                            const char* fn) {
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == M && out.size(1) == N &&
+                  (N <= 1 || out.stride(1) == 1) && out.device().is_cpu(),
+              fn, ": out must be float32 [", M, ", ", N, "] with unit column stride");
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+              fn, ": bias must be contiguous float32 [", N, "]");
+  return bias->data_ptr<float>();
+}
+
+void gguf_linear_parts(const at::Tensor& x, const std::vector<at::Tensor>& blocks, const std::vector<int64_t>& qtypes,
+                       const at::Tensor& out, const c10::optional<at::Tensor>& bias) {
+  const float* xp = check_x(x, "gguf_linear_parts");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(!blocks.empty() && blocks.size() == qtypes.size(), "gguf_linear_parts: one qtype per part, at least one part");
+  int64_t N = 0;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    check_blocks(blocks[i], qtypes[i], K);
+    N += blocks[i].size(0);
+  }
+  const float* b = check_out_bias(out, bias, M, N, "gguf_linear_parts");
+  if (M == 0 || N == 0) return;
+  std::vector<Part> parts;
+  int64_t col = 0;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const int64_t n = blocks[i].size(0);
+    parts.push_back({qtypes[i],
+                     {xp, static_cast<const uint8_t*>(blocks[i].const_data_ptr()), out.data_ptr<float>() + col,
+                      b ? b + col : nullptr, nullptr, M, n, K, blocks[i].stride(0), out.stride(0)},
+                     blocks[i].size(1)});
+    col += n;
+  }
+  run_parts(parts, xp, M, K);
+}
+
 void gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, const at::Tensor& out,
                  const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(),
-              "gguf_linear: x must be contiguous float32 [M, K] on the CPU");
+  const float* xp = check_x(x, "gguf_linear");
   const int64_t M = x.size(0), K = x.size(1);
   check_blocks(blocks, qtype, K);
   const int64_t N = blocks.size(0);
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == M && out.size(1) == N &&
-                  (N <= 1 || out.stride(1) == 1) && out.device().is_cpu(),
-              "gguf_linear: out must be float32 [", M, ", ", N, "] with unit column stride");
-  const float* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "gguf_linear: bias must be contiguous float32 [", N, "]");
-    b = bias->data_ptr<float>();
-  }
+  const float* b = check_out_bias(out, bias, M, N, "gguf_linear");
   if (M == 0 || N == 0) return;
-  LinearArgs a{x.data_ptr<float>(), static_cast<const uint8_t*>(blocks.const_data_ptr()), out.data_ptr<float>(),
-               b, nullptr, M, N, K, blocks.stride(0), out.stride(0)};
-  std::vector<float> xsum;
-  // Threads only where each gets ~64 KB of blocks: a fork/join costs more than a smaller read.
-  const int64_t grain = std::max<int64_t>(1, (int64_t(64) << 10) / std::max<int64_t>(1, blocks.size(1)));
-  with_qtype(qtype, [&](auto qq) {
-    constexpr int Q = decltype(qq)::value;
-    if constexpr (!kIsFloat<Q>) {
-      constexpr int sub = Format<Q>::sub;
-      if (Format<Q>::has_min && M <= kGroup) {
-        xsum.assign(size_t(M * (K / sub)), 0.0f);
-        for (int64_t i = 0; i < M * (K / sub); ++i)
-          for (int j = 0; j < sub; ++j) xsum[i] += a.x[i * sub + j];
-        a.xsum = xsum.data();
-      }
-    }
-    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { linear_rows<Q>(a, n0, n1); });
-  });
+  std::vector<Part> parts{{qtype,
+                           {xp, static_cast<const uint8_t*>(blocks.const_data_ptr()), out.data_ptr<float>(), b,
+                            nullptr, M, N, K, blocks.stride(0), out.stride(0)},
+                           blocks.size(1)}};
+  run_parts(parts, xp, M, K);
 }
 
 at::Tensor gguf_get_rows(const at::Tensor& blocks, const at::Tensor& ids, int64_t qtype, int64_t K) {
@@ -634,6 +878,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_linear", &gguf_linear,
         "out[M, N] = x[M, K] float32 @ W^T (+ bias), W the GGUF blocks [N, row_bytes] of qtype",
         py::arg("x"), py::arg("blocks"), py::arg("qtype"), py::arg("out"), py::arg("bias") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gguf_linear_parts", &gguf_linear_parts,
+        "out[M, sum N_i] = x @ [W_0; W_1; ...]^T (+ bias): parts of a fused projection, concatenated along N",
+        py::arg("x"), py::arg("blocks"), py::arg("qtypes"), py::arg("out"), py::arg("bias") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("gguf_get_rows", &gguf_get_rows, "rows ids of the GGUF weight [N, K] as float32 [T, K]",
         py::arg("blocks"), py::arg("ids"), py::arg("qtype"), py::arg("K"), py::call_guard<py::gil_scoped_release>());
