@@ -27,6 +27,8 @@ from gguf import GGMLQuantizationType as Q
 
 from gguf_models import save_tiny_model_for_gguf, tensor_format, write_tiny_gguf
 
+from servelm.runtime.models.layers import Linear
+
 transformers = pytest.importorskip("transformers")
 
 
@@ -231,6 +233,10 @@ def test_served_as_stored_equals_transformers(case_id: str, served, build_runner
     s = served(case_id)
     runner = build_runner(s.folder, num_blocks=8)
     assert runner.weights_as_stored
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    assert sum(m.stored is not None for m in linears) >= len(linears) // 2  # the block formats stay blocks
+    if s.case.qtype["token_embd"] not in (Q.F16, Q.BF16):
+        assert runner.model.stored_embedding is not None  # rows read from the file's blocks
     assert_logits_match(run_ours(runner, rt, s.seqs), s.reference, f"{case_id} as stored")
 
 
@@ -239,4 +245,5 @@ def test_dequantized_equals_transformers(case_id: str, served, build_runner, rt)
     s = served(case_id)
     runner = build_runner(s.folder, num_blocks=8, quantization="none")
     assert not runner.weights_as_stored
+    assert all(m.stored is None for m in runner.model.modules() if isinstance(m, Linear))
     assert_logits_match(run_ours(runner, rt, s.seqs), s.reference, f"{case_id} dequantized")
