@@ -550,13 +550,19 @@ template <int Q, int M, int R>
 inline void regs_rows(const LinearArgs& a, int64_t n) {
   using F = Format<Q>;
   constexpr int subs = F::elems / F::sub, G = F::sub / 8;
+  // Accumulators per (row, activation row): enough chains that the FMAs into them do not wait on
+  // each other's latency (one chain took 4 cycles a sub-block: the bound for Q6_K / Q4_K / Q8_0).
+  constexpr int A = R * M >= 4 ? 1 : 4 / (R * M);
   static_assert(!F::has_min || F::sub == 32, "the x lane sums are per 32 elements");
-  __m256 acc[R][M];
+  __m256 acc[R][M][A];
   for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+    for (int m = 0; m < M; ++m)
+      for (int c = 0; c < A; ++c) acc[r][m][c] = _mm256_setzero_ps();
   const int64_t nblk = a.K / F::elems, ldxs = a.K / 4;
   const uint8_t* row0 = a.w + n * a.ldw;
-  for (int64_t blk = 0; blk < nblk; ++blk) {
+  // Block blk, its sub-block j's terms going to chain (u + j) % A (the minimum's to the next chain).
+  auto block = [&](int64_t blk, auto uu) {
+    constexpr int u = decltype(uu)::value;
     const float* xb = a.x + blk * F::elems;
     const float* xs = a.xsum + blk * subs * 8;
 #pragma GCC unroll 4
@@ -580,16 +586,34 @@ inline void regs_rows(const LinearArgs& a, int64_t n) {
           const float* xj = xb + m * a.K + j * F::sub;
           __m256 t = _mm256_mul_ps(q[0], _mm256_loadu_ps(xj));
           for (int g = 1; g < G; ++g) t = _mm256_fmadd_ps(q[g], _mm256_loadu_ps(xj + 8 * g), t);
-          acc[r][m] = _mm256_fmadd_ps(sv, t, acc[r][m]);
-          if constexpr (F::has_min)
-            acc[r][m] = _mm256_fmadd_ps(_mm256_set1_ps(mn[j]), _mm256_loadu_ps(xs + m * ldxs + j * 8), acc[r][m]);
+          __m256& c0 = acc[r][m][(u + j) % A];
+          c0 = _mm256_fmadd_ps(sv, t, c0);
+          if constexpr (F::has_min) {
+            __m256& c1 = acc[r][m][(u + j + 1) % A];
+            c1 = _mm256_fmadd_ps(_mm256_set1_ps(mn[j]), _mm256_loadu_ps(xs + m * ldxs + j * 8), c1);
+          }
         }
       }
     }
+  };
+  using I0 = std::integral_constant<int, 0>;
+  int64_t blk = 0;
+  if constexpr (subs < A) {  // one sub-block a block: consecutive blocks take turns over the chains
+    for (; blk + A <= nblk; blk += A) {
+      block(blk, I0{});
+      if constexpr (A > 1) block(blk + 1, std::integral_constant<int, 1>{});
+      if constexpr (A > 2) block(blk + 2, std::integral_constant<int, 2>{});
+      if constexpr (A > 3) block(blk + 3, std::integral_constant<int, 3>{});
+    }
   }
+  for (; blk < nblk; ++blk) block(blk, I0{});
   for (int r = 0; r < R; ++r) {
     Accumulators<M> sums;
-    for (int m = 0; m < M; ++m) sums.v[m][0] = acc[r][m];
+    for (int m = 0; m < M; ++m) {
+      __m256 v = acc[r][m][0];
+      for (int c = 1; c < A; ++c) v = _mm256_add_ps(v, acc[r][m][c]);
+      sums.v[m][0] = v;
+    }
     store_row<M>(a, sums, 0, n + r);
   }
 }
