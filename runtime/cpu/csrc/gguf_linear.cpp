@@ -1,16 +1,19 @@
 // Projections and embedding lookups straight from GGUF's quantized blocks (float32 activations):
 //   * gguf_linear: out[M, N] = x[M, K] @ W^T (+ bias), W given as its raw block rows [N, row_bytes];
+//   * gguf_linear_parts: the same for a fused projection whose parts are separate weights;
 //   * gguf_get_rows: the rows ids of W as float32 [T, K] (an embedding lookup), only those decoded.
 // Formats: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16, F32.
 //
 // A decode step's projection is a pass over the weight, so the bytes read set its speed: reading the
 // quantized blocks instead of a float32 copy reads 4-8x fewer. For up to kGroup activation rows each
-// block is decoded once into L1 as integer-valued floats q with a scale s (and offset b) per
-// sub-block, and every row accumulates s * sum(q x) + b * sum(x): the same sum as over the
-// dequantized weights, in another order. x stays float32 (no int8 activations as llama.cpp uses),
-// so results match a float32 reference within summation noise. With more rows, each weight row is
-// decoded once to floats (the reference's roundings: get_rows is bit-equal) in a per-thread buffer
-// and every group of rows reads it there. Output rows are split over threads (at::parallel_for).
+// block is decoded once (with AVX2 in registers, 8 quants at a time; else into L1) as integer-valued
+// floats q with a scale s (and offset b) per sub-block, and every row accumulates s * sum(q x) +
+// b * sum(x): the same sum as over the dequantized weights, in another order. x stays float32 (no
+// int8 activations as llama.cpp uses), so results match a float32 reference within summation noise.
+// With more rows, each weight row is decoded once to floats (the reference's roundings: get_rows is
+// bit-equal) in a per-thread buffer and every group of rows reads it there. Output rows are split
+// over threads (at::parallel_for) in at most get_num_threads() spans of equal weight bytes;
+// gguf_linear_parts does so over the rows of several weights at once (a fused projection's parts).
 //
 // AVX2 + FMA + F16C where the compiler targets them (so AVX-512 machines run it too), plain C++ else.
 
@@ -437,8 +440,9 @@ inline void store_row(const LinearArgs& a, const Accumulators<M>& acc, int64_t m
 
 #if SERVELM_GGUF_AVX2
 // Few rows, vectorized: each block is decoded in registers, 8 elements at a time as int32 lanes
-// (no round trip through memory), and kRowsAt<M> weight rows are walked together so their
-// accumulator chains overlap (FMA latency, not throughput, bounds a single dot product).
+// (no round trip through memory), into several accumulator chains (FMA latency, not throughput,
+// bounds a single chain).
+//
 // 8 bytes at p zero- or sign-extended to 8 int32 lanes (one load + widen).
 inline __m256i u8x8(const void* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
 inline __m256i i8x8(const void* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
@@ -536,38 +540,31 @@ template <> struct Regs<Q6_K> {
   }
 };
 
-// Weight rows walked together for M activation rows: enough independent accumulators to cover
-// the FMA latency without spilling (R * M <= 4 where M is small). The 256-element formats take
-// one row at a time: 4 rows' unrolled super-blocks measured ~1.5-2x slower (code size, spills);
-// so does Q8_0, whose 4 interleaved row streams read memory slower than one (the 49152x576 head:
-// 5.8 ms best with 4 rows, 2.8 ms with 1, 1 thread).
+// Output row n for all M activation rows, one weight row at a time: walking 2-4 rows together
+// (to share x loads) measured slower, up to 1.7x for Q4_1 2048x2048 and 2x for the Q8_0 head
+// (interleaved row streams read memory slower; 256-element formats also grow and spill).
+// Per sub-block j and activation row m: t = sum q x over its elements, acc += s_j * t (+ b_j *
+// lane sums of x, for formats with a minimum).
 template <int Q, int M>
-constexpr int kRowsAt = Format<Q>::elems == 256 || Q == Q8_0 ? 1 : (M == 1 ? 4 : (M == 2 ? 2 : 1));
-
-// Output rows [n, n + R) for all M activation rows. Per sub-block j and row m: t = sum q x over its
-// elements, acc += s_j * t (+ b_j * lane sums of x, for formats with a minimum).
-template <int Q, int M, int R>
 inline void regs_rows(const LinearArgs& a, int64_t n) {
   using F = Format<Q>;
   constexpr int subs = F::elems / F::sub, G = F::sub / 8;
-  // Accumulators per (row, activation row): enough chains that the FMAs into them do not wait on
+  // Accumulators per activation row: enough chains that the FMAs into them do not wait on
   // each other's latency (one chain took 4 cycles a sub-block: the bound for Q6_K / Q4_K / Q8_0).
-  constexpr int A = R * M >= 4 ? 1 : 4 / (R * M);
+  constexpr int A = M >= 4 ? 1 : 4 / M;
   static_assert(!F::has_min || F::sub == 32, "the x lane sums are per 32 elements");
-  __m256 acc[R][M][A];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m)
-      for (int c = 0; c < A; ++c) acc[r][m][c] = _mm256_setzero_ps();
+  __m256 acc[M][A];
+  for (int m = 0; m < M; ++m)
+    for (int c = 0; c < A; ++c) acc[m][c] = _mm256_setzero_ps();
   const int64_t nblk = a.K / F::elems, ldxs = a.K / 4;
-  const uint8_t* row0 = a.w + n * a.ldw;
+  const uint8_t* row = a.w + n * a.ldw;
   // Block blk, its sub-block j's terms going to chain (u + j) % A (the minimum's to the next chain).
   auto block = [&](int64_t blk, auto uu) {
     constexpr int u = decltype(uu)::value;
     const float* xb = a.x + blk * F::elems;
     const float* xs = a.xsum + blk * subs * 8;
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* b = row0 + r * a.ldw + blk * F::bytes;
+    {
+      const uint8_t* b = row + blk * F::bytes;
       float s[subs], mn[subs];
       Regs<Q>::scales(b, s, mn);
       alignas(32) int8_t qb[Regs<Q>::kBuffered ? F::elems : 32];
@@ -586,10 +583,10 @@ inline void regs_rows(const LinearArgs& a, int64_t n) {
           const float* xj = xb + m * a.K + j * F::sub;
           __m256 t = _mm256_mul_ps(q[0], _mm256_loadu_ps(xj));
           for (int g = 1; g < G; ++g) t = _mm256_fmadd_ps(q[g], _mm256_loadu_ps(xj + 8 * g), t);
-          __m256& c0 = acc[r][m][(u + j) % A];
+          __m256& c0 = acc[m][(u + j) % A];
           c0 = _mm256_fmadd_ps(sv, t, c0);
           if constexpr (F::has_min) {
-            __m256& c1 = acc[r][m][(u + j + 1) % A];
+            __m256& c1 = acc[m][(u + j + 1) % A];
             c1 = _mm256_fmadd_ps(_mm256_set1_ps(mn[j]), _mm256_loadu_ps(xs + m * ldxs + j * 8), c1);
           }
         }
@@ -607,23 +604,18 @@ inline void regs_rows(const LinearArgs& a, int64_t n) {
     }
   }
   for (; blk < nblk; ++blk) block(blk, I0{});
-  for (int r = 0; r < R; ++r) {
-    Accumulators<M> sums;
-    for (int m = 0; m < M; ++m) {
-      __m256 v = acc[r][m][0];
-      for (int c = 1; c < A; ++c) v = _mm256_add_ps(v, acc[r][m][c]);
-      sums.v[m][0] = v;
-    }
-    store_row<M>(a, sums, 0, n + r);
+  Accumulators<M> sums;
+  for (int m = 0; m < M; ++m) {
+    __m256 v = acc[m][0];
+    for (int c = 1; c < A; ++c) v = _mm256_add_ps(v, acc[m][c]);
+    sums.v[m][0] = v;
   }
+  store_row<M>(a, sums, 0, n);
 }
 
 template <int Q, int M>
 void quant_rows(const LinearArgs& a, int64_t n0, int64_t n1) {
-  constexpr int R = kRowsAt<Q, M>;
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) regs_rows<Q, M, R>(a, n);
-  for (; n < n1; ++n) regs_rows<Q, M, 1>(a, n);
+  for (int64_t n = n0; n < n1; ++n) regs_rows<Q, M>(a, n);
 }
 
 // For formats with a minimum: x's sums per 32 elements, kept as 8 lane sums [M, K / 32, 8].
