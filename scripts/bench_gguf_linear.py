@@ -29,7 +29,7 @@ from gguf import GGMLQuantizationType as Q
 
 from servelm.runtime.gguf import kernels
 from servelm.runtime.gguf.projection import GGUFMethod
-from servelm.runtime.gguf.registry import dequantize
+from servelm.runtime.gguf.registry import BLOCK_LAYOUT, dequantize
 
 SHAPES = ((2048, 2048), (8192, 2048))  # (out_features, in_features)
 # (out_features, in_features, format or None for every --formats) of each model's decode projections.
@@ -107,6 +107,9 @@ def main() -> None:
     jobs += [(n, k, only) for n, k, only in shapes if only is not None]
     for out_f, in_f, name in jobs:
         qtype = Q[name]
+        if in_f % BLOCK_LAYOUT[qtype][0]:  # e.g. Gemma 3's 640 columns in a 256-element format
+            print(f"{name:6} {out_f:5}x{in_f:<5} skipped: {in_f} columns are not whole {BLOCK_LAYOUT[qtype][0]}-element blocks")
+            continue
         base = kernels.random_blocks(qtype, out_f, in_f, rng)
         qbytes = base.numel()
         n_q = copies_for(qbytes, args.copies)
