@@ -81,7 +81,7 @@ def small_m_kernel(dtype: torch.dtype = torch.float32) -> tuple[SmallMLinear, in
     """
     if _mode() != "auto" or dtype not in (torch.float32, torch.bfloat16):
         return None
-    module = cpu_ops.load()
+    module = cpu_ops.load_avx512()
     if module is None or (dtype == torch.bfloat16 and not module.has_avx512_bf16):
         return None
     return module.linear_small_m, int(module.max_rows)
@@ -92,7 +92,7 @@ def small_m_int8_kernel() -> tuple[SmallMLinearInt8, int] | None:
     or None (as ``small_m_kernel``: no AVX-512, no build, or ``SERVELM_CPU_LINEAR`` set). Never raises."""
     if _mode() != "auto":
         return None
-    module = cpu_ops.load()
+    module = cpu_ops.load_avx512()
     if module is None:
         return None
     return module.linear_small_m_int8, int(module.int8_max_rows)
@@ -102,7 +102,7 @@ def quantized_kernels() -> dict[str, tuple[Callable[..., torch.Tensor], int]]:
     """The compiled few-row kernels of the quantized schemes (``runtime.quantization``), by scheme, with
     their row limit: per-row int8, int4 groups, int8 groups. Empty where ``small_m_int8_kernel`` is None."""
     int8 = small_m_int8_kernel()
-    module = cpu_ops.load()
+    module = cpu_ops.load_avx512()
     if int8 is None or module is None:
         return {}
     rows = int(module.int8_max_rows)

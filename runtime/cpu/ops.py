@@ -1,4 +1,5 @@
-"""Small float32 CPU ops of the decode step, compiled from ``csrc/cpu_ops.cpp`` (AVX-512).
+"""Small float32 CPU ops of the decode step, compiled from ``csrc/cpu_ops.cpp`` (AVX-512; the norms,
+SiLU x up and the token mask on any x86 CPU).
 
 * ``linear_small_m``: projections of one to four rows, streaming the dense weight (see
   ``runtime.cpu.linear``, which decides when to use it);
@@ -14,7 +15,7 @@
 * ``lora_apply``: LoRA adapters' updates of a decode step's rows, one call per projection (``runtime.lora``).
 
 Built on first use and cached under ``$SERVELM_CACHE/torch_extensions`` (``runtime.cpu.extension``);
-``load()`` is None where it cannot be built, the CPU lacks AVX-512, or the self-check fails, and every
+``load()`` is None where it cannot be built or the self-check fails (``load_avx512()`` also where the CPU lacks AVX-512), and every
 caller then keeps its torch path. ``SERVELM_DISABLE_CPU_OPS=1`` forces that.
 """
 
@@ -48,9 +49,15 @@ FusedAddRmsNorm = Callable[[torch.Tensor, Optional[torch.Tensor], torch.Tensor, 
 
 
 def _self_check(module: ModuleType) -> str | None:
-    if not module.has_avx512:
-        return "built without AVX-512"
+    """The portable ops always; the AVX-512 kernels where the module was built with them."""
     gen = torch.Generator().manual_seed(0)
+    problem = _check_portable(module, gen)
+    if problem is None and module.has_avx512:
+        problem = _check_avx512(module, gen)
+    return problem
+
+
+def _check_avx512(module: ModuleType, gen: torch.Generator) -> str | None:
     for rows, k, bias in ((1, 64, False), (3, 40, True), (4, 200, False)):
         w = torch.randn(37, k, generator=gen)
         x = torch.randn(rows, k, generator=gen)
@@ -85,23 +92,6 @@ def _self_check(module: ModuleType) -> str | None:
             want = F.linear(x.float(), w.float())
             if not torch.allclose(module.linear_small_m(x, w, None).float(), want, atol=0.05, rtol=0.02):
                 return f"bfloat16 linear_small_m self-check failed (rows {rows}, K {k})"
-    x, r, w = torch.randn(3, 40, generator=gen), torch.randn(3, 40, generator=gen), torch.randn(40, generator=gen)
-    want_r = x + r
-    out, r_out = module.add_rms_norm(x, r, w, 1e-5)
-    if r_out is None or not torch.equal(r_out, want_r) or not torch.equal(r, want_r) or not torch.equal(out, module.rms_norm(want_r, w, 1e-5)):
-        return "add_rms_norm self-check failed"
-    gate_up = torch.randn(3, 80, generator=gen)
-    if not torch.equal(module.silu_mul(gate_up), F.silu(gate_up[:, :40]) * gate_up[:, 40:]):
-        return "silu_mul self-check failed"
-    for rows, h in ((1, 64), (5, 40), (70, 576)):
-        x = torch.randn(rows, h, generator=gen)
-        w = torch.randn(h, generator=gen)
-        if not torch.allclose(module.rms_norm(x, w, 1e-5), F.rms_norm(x, (h,), w, 1e-5), atol=1e-5, rtol=1e-5):
-            return f"rms_norm self-check failed (rows {rows}, H {h})"
-        xb, wb = x.bfloat16(), w.bfloat16()
-        want = wb * F.rms_norm(xb.float(), (h,), None, 1e-5).bfloat16()
-        if not torch.allclose(module.rms_norm(xb, wb, 1e-5).float(), want.float(), atol=2e-2, rtol=1e-2):
-            return f"bfloat16 rms_norm self-check failed (rows {rows}, H {h})"
     # LoRA: rows of two adapters (one with two shards over 21 + 16 outputs, ranks 3 and 5) and none.
     x = torch.randn(5, 40, generator=gen)
     y = torch.randn(5, 37, generator=gen)
@@ -121,6 +111,27 @@ def _self_check(module: ModuleType) -> str | None:
     module.lora_apply(x, y, a, [torch.cat([b.reshape(-1) for b in bl]) for bl in blocks], shards, rows)
     if not torch.allclose(y.double(), want, atol=1e-4, rtol=1e-5):
         return "lora_apply self-check failed"
+    return None
+
+
+def _check_portable(module: ModuleType, gen: torch.Generator) -> str | None:
+    x, r, w = torch.randn(3, 40, generator=gen), torch.randn(3, 40, generator=gen), torch.randn(40, generator=gen)
+    want_r = x + r
+    out, r_out = module.add_rms_norm(x, r, w, 1e-5)
+    if r_out is None or not torch.equal(r_out, want_r) or not torch.equal(r, want_r) or not torch.equal(out, module.rms_norm(want_r, w, 1e-5)):
+        return "add_rms_norm self-check failed"
+    gate_up = torch.randn(3, 80, generator=gen)
+    if not torch.equal(module.silu_mul(gate_up), F.silu(gate_up[:, :40]) * gate_up[:, 40:]):
+        return "silu_mul self-check failed"
+    for rows, h in ((1, 64), (5, 40), (70, 576)):
+        x = torch.randn(rows, h, generator=gen)
+        w = torch.randn(h, generator=gen)
+        if not torch.allclose(module.rms_norm(x, w, 1e-5), F.rms_norm(x, (h,), w, 1e-5), atol=1e-5, rtol=1e-5):
+            return f"rms_norm self-check failed (rows {rows}, H {h})"
+        xb, wb = x.bfloat16(), w.bfloat16()
+        want = wb * F.rms_norm(xb.float(), (h,), None, 1e-5).bfloat16()
+        if not torch.allclose(module.rms_norm(xb, wb, 1e-5).float(), want.float(), atol=2e-2, rtol=1e-2):
+            return f"bfloat16 rms_norm self-check failed (rows {rows}, H {h})"
     logits = torch.randn(3, 70, generator=gen)
     bitmask = torch.tensor([[-1, 0, 5], [0x0F0F0F0F, -(2**31), 0]], dtype=torch.int32)
     allowed = ((bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).view(2, -1)[:, :70].bool()
@@ -138,11 +149,17 @@ _extension = CompiledExtension("CPU decode ops (few-row linear, int8/int4 linear
 
 
 def load() -> ModuleType | None:
-    """The compiled module (``linear_small_m``, ``linear_small_m_int8``, ``max_rows``, ``rms_norm``), or
-    None. Never raises."""
+    """The compiled module, or None. Never raises. Its norms, SiLU x up and token mask are portable;
+    the few-row linears and LoRA need ``load_avx512``."""
     if os.environ.get(DISABLE_ENV, "").strip() not in ("", "0"):
         return None
     return _extension.get()
+
+
+def load_avx512() -> ModuleType | None:
+    """The compiled module where it was built with AVX-512 (the few-row, int8/int4 and LoRA kernels), or None."""
+    module = load()
+    return module if module is not None and module.has_avx512 else None
 
 
 def fused_ops() -> tuple[FusedAddRmsNorm, Callable[[torch.Tensor], torch.Tensor]] | None:
@@ -159,7 +176,7 @@ def token_bitmask_kernel() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor
 
 def lora_kernel() -> Callable[..., None] | None:
     """``lora_apply(x, y, a, bt, shards, row_adapter)`` (float32, ``runtime.lora``), or None."""
-    module = load()
+    module = load_avx512()
     return None if module is None else module.lora_apply
 
 
