@@ -228,9 +228,11 @@ def test_linear_parts_errors(module) -> None:
         kernels.linear_parts(x, [blocks, blocks], [Q.Q4_1, Q.Q8_0], torch.empty(2, 8))
 
 
-@pytest.mark.parametrize("m", (1, 5, 8, 17))
+@pytest.mark.parametrize("m", (1, 5, 8, 17, 33))
 def test_sharded_method_fuses_parts(module, m: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """GGUFShardedMethod runs few-row steps as one gguf_linear_parts call, larger ones part by part."""
+    """GGUFShardedMethod runs steps of up to KERNEL_MAX_ROWS rows as gguf_linear_parts calls of
+    KERNEL_CHUNK rows each, larger ones part by part."""
+    from servelm.runtime.gguf.projection import KERNEL_CHUNK, KERNEL_MAX_ROWS
     from servelm.runtime.gguf.projection import GGUFMethod, GGUFShardedMethod
 
     k, formats, sizes = 256, (Q.Q4_1, Q.Q8_0, Q.Q6_K), (64, 32, 48)
@@ -248,9 +250,9 @@ def test_sharded_method_fuses_parts(module, m: int, monkeypatch: pytest.MonkeyPa
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     bias = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(m + 1))
     got = method.apply(x, None, bias)
-    assert len(calls) == (1 if m <= 8 else 0)
+    assert len(calls) == (-(-m // KERNEL_CHUNK) if m <= KERNEL_MAX_ROWS else 0)
     w = torch.cat([dequantize((b.reshape(-1), q, (n, k))) for b, q, n in zip(blocks, formats, sizes)])
-    if m <= 8:
+    if m <= KERNEL_MAX_ROWS:
         assert_within_sum_order(got, x, w, bias)
     else:
         torch.testing.assert_close(got, F.linear(x, w, bias), rtol=1e-5, atol=1e-4)
