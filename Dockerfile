@@ -15,6 +15,8 @@ ARG TORCH_VERSION=2.13.0
 ARG TORCH_CUDA=cu128
 ARG CUDA_DEVEL_IMAGE=nvidia/cuda:12.8.1-devel-ubuntu24.04
 ARG CUDA_BASE_IMAGE=nvidia/cuda:12.8.1-base-ubuntu24.04
+# Base of the CPU image: any Debian-like image with python3 (and its venv module). A host that cannot
+# pull from a registry passes a local one (docker/image/build_base.sh, make image-check).
 ARG PYTHON_IMAGE=python:3.12-slim-bookworm
 
 # ----------------------------------------------------------------------------- cuda: build stage
@@ -92,10 +94,20 @@ ENTRYPOINT ["servelm", "serve", "--host", "0.0.0.0", "--port", "8000"]
 # ----------------------------------------------------------------------------- cpu image (default target)
 FROM ${PYTHON_IMAGE} AS cpu
 ARG TORCH_VERSION
+# Where the CPU build of torch comes from (a PEP 503 index, or a local file:// one).
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# The package index pip uses during the build (unset: pip's defaults, i.e. PyPI). They are build
+# arguments, so RUN sees them as environment variables and the image keeps none of them;
+# docker/image/image_check.sh passes the host's pip configuration.
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
+ARG PIP_FIND_LINKS
+ARG PIP_TRUSTED_HOST
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
 # g++: the C++ decode-attention kernel is compiled at first start with -march=native, so it must be
-# built on the machine that runs it, not here.
+# built on the machine that runs it, not here. The venv: Debian's own python3 refuses system-wide pip
+# installs (PEP 668), so everything goes into /opt/venv whichever base is used.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ \
@@ -103,16 +115,19 @@ RUN apt-get update \
     && groupadd --gid 10001 servelm \
     && useradd --create-home --uid 10001 --gid 10001 servelm \
     && mkdir -p /models /opt/servelm/cache \
-    && chown servelm:servelm /models /opt/servelm/cache
+    && chown servelm:servelm /models /opt/servelm/cache \
+    && python3 -m venv /opt/venv
 
-ENV SERVELM_CACHE=/opt/servelm/cache \
+ENV VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH \
+    SERVELM_CACHE=/opt/servelm/cache \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
     HF_HUB_OFFLINE=1
 
 WORKDIR /opt/servelm/src
-RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu
+RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 COPY requirements/constraints.txt requirements/constraints.txt
 COPY pyproject.toml README.md ./
 COPY server server
