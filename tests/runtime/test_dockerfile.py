@@ -109,3 +109,31 @@ def test_the_wheel_holds_every_package_file(tmp_path: Path) -> None:
     wanted = {"servelm/" + p.relative_to(src).as_posix() for pkg in packages for p in (src / pkg).rglob("*") if p.is_file()}
     assert not wanted - shipped, f"missing from the wheel: {sorted(wanted - shipped)}"
     assert {"servelm/runtime/cpu/csrc/cpu_ops.cpp", "servelm/runtime/cpu/csrc/paged_attention_cpu.cpp"} <= shipped
+
+
+def test_the_cpu_base_and_its_package_indexes_are_build_arguments() -> None:
+    """A host that cannot pull from a registry builds the CPU image from a local base and its own package
+    index (docker/image/image_check.sh); real users get today's defaults; no host is written in."""
+    text = DOCKERFILE.read_text()
+    assert re.search(r"^ARG PYTHON_IMAGE=python:3\.12-slim-bookworm$", text, re.MULTILINE)
+    assert re.search(r"^FROM \$\{PYTHON_IMAGE\} AS cpu$", text, re.MULTILINE)
+    body = stages()["cpu"]
+    assert re.search(r"^ARG TORCH_INDEX_URL=https://download\.pytorch\.org/whl/cpu$", body, re.MULTILINE)
+    assert '--index-url "${TORCH_INDEX_URL}"' in body
+    for name in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "PIP_CERT"):
+        # Declared without a value: unset unless the build passes one, and never kept in the image.
+        assert re.search(rf"^ARG {name}$", body, re.MULTILINE), name
+        assert not re.search(rf"^ENV .*\b{name}=", body, re.MULTILINE), name
+    assert "/opt/venv" in body, "Debian's python3 refuses system-wide pip installs: the CPU image uses a venv"
+
+
+def test_the_image_scripts_hard_code_no_host() -> None:
+    files = [DOCKERFILE, *(REPO / "docker" / "image").iterdir()]
+    for f in files:
+        text = f.read_text()
+        for host_path in ("/opt/pypi", "/opt/wheels", "/etc/xdg/pip", "file:///"):
+            assert host_path not in text, (f.name, host_path)
+    check = (REPO / "docker" / "image" / "image_check.sh").read_text()
+    assert "pip config list" in check and "--runtime runc" in check
+    assert "--ulimit nofile=1024:1024" in check and "--ulimit nproc=1024:1024" in check
+    assert "default_ulimits = []" in (REPO / "docker" / "image" / "containers.conf").read_text()
