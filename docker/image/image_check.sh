@@ -32,7 +32,8 @@ say() { printf 'image-check: %s\n' "$*"; }
 fail() { say "FAIL: $*"; exit 1; }
 
 cleanup() {
-    podman rm -f -t 0 "$NAME" "$NAME-offline" >/dev/null 2>&1 || true
+    local c
+    for c in "$NAME" "$NAME-offline"; do podman rm -f --ignore -t 0 "$c" >/dev/null 2>&1 || true; done
     if [[ ${KEEP_IMAGE:-1} == 0 ]]; then podman rmi -f "$IMAGE" >/dev/null 2>&1 || true; fi
 }
 trap cleanup EXIT
@@ -89,11 +90,15 @@ mount_local "$TORCH_INDEX_URL" 1
 
 # ----------------------------------------------------------------------------- build
 say "building $IMAGE (target cpu) from $BASE_IMAGE"
+old_id=$(podman image inspect -f '{{.Id}}' "$IMAGE" 2>/dev/null || true)
 t0=$(date +%s)
 podman build "${LIMITS[@]}" --format docker --network host --layers --target cpu -t "$IMAGE" \
     "${BUILD_ARGS[@]}" "${MOUNTS[@]}" -f "$REPO/Dockerfile" "$REPO"
 build_s=$(( $(date +%s) - t0 ))
 say "built in ${build_s} s"
+# The image this build replaced (now untagged): remove it, its layers shared with the new one stay.
+new_id=$(podman image inspect -f '{{.Id}}' "$IMAGE")
+if [[ -n $old_id && $old_id != "$new_id" ]]; then podman rmi "$old_id" >/dev/null 2>&1 || true; fi
 
 # ----------------------------------------------------------------------------- 1: start with no network
 # Podman 4.3's internal networks do not forward published ports, so "offline" is checked on its own:
@@ -162,5 +167,5 @@ podman logs --tail 8 "$NAME" 2>&1 | sed 's/^/    /'
 say "podman stop (SIGTERM): drained, exit code 0"
 
 size=$(podman image inspect -f '{{.Size}}' "$IMAGE")
-say "image $IMAGE: $(numfmt --to=iec --suffix=B "$size") ($size bytes); build ${build_s} s; healthy after ${offline_healthy_s} s (--network none), ${healthy_s} s (-p)"
+say "image $IMAGE: $(numfmt --to=si --suffix=B "$size") ($size bytes); build ${build_s} s; healthy after ${offline_healthy_s} s (--network none), ${healthy_s} s (-p)"
 say "PASS"
