@@ -18,6 +18,7 @@ need=()
 command -v podman >/dev/null || need+=(podman)
 command -v runc >/dev/null || need+=(runc)
 command -v debootstrap >/dev/null || need+=(debootstrap)
+command -v curl >/dev/null || need+=(curl)  # image_check.sh probes the server with it
 if ((${#need[@]})); then
     if [[ $(id -u) != 0 ]]; then
         echo "build_base: missing ${need[*]}; install them as root (apt-get install ${need[*]})" >&2
@@ -25,7 +26,9 @@ if ((${#need[@]})); then
     fi
     echo "build_base: installing ${need[*]}"
     apt-get update -q
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${need[@]}" ca-certificates
+    # With podman's recommends (slirp4netns, fuse-overlayfs, uidmap, ...) and iptables for -p, as tried
+    # by hand on this kind of host.
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need[@]}" ca-certificates iptables
 fi
 
 if [[ ${FORCE:-0} != 1 ]] && podman image exists "$BASE_IMAGE"; then
