@@ -10,6 +10,7 @@ from typing import Any, Callable
 import pytest
 
 from lora_files import save_lora_adapter
+from servelm.runtime.cpu import linear as cpu_linear
 from servelm.runtime.lora import LoRAError
 from servelm.scheduler.config import EngineConfig
 from servelm.scheduler.engine import Engine
@@ -199,7 +200,8 @@ def test_default_model_int4_with_an_adapter_equals_peft(default_model_dir: Path,
     every projection: greedy tokens equal PEFT's float32 ones, and the base model's stay HF's."""
     adapter = save_lora_adapter(default_model_dir, tmp_path / "smol", seed=5, r=8, std=0.05)
     engine = Engine(EngineConfig(kv_cache_memory=64 * MiB, max_model_len=512, quantization="auto", lora_modules=(("smol", str(adapter)),)))
-    assert engine.runner.quantization == "int4"
+    # auto takes int4 only where its kernels run (AVX-512); elsewhere the same weights stay float32.
+    assert engine.runner.quantization == ("int4" if cpu_linear.quantized_kernels() else None)
     tok = engine.tokenizer
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Tell me a short story about a dragon."}], add_generation_prompt=True, tokenize=False), add_special_tokens=False)
     n = 16
