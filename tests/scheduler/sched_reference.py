@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,3 +133,18 @@ def assert_matches_reference(ours: list[int], ref: GreedyReference, label: str =
         f"top-two gap {gap:.2e}); ours {ours[: k + 1]} vs HF {ref.tokens[: k + 1]}"
     )
     return True
+
+
+# One intra-op thread for the greedy tests: on this shared 2-core machine two OpenMP threads competing
+# with other processes make steps several times slower and erratic. Exactness does not depend on it.
+TEST_THREADS = int(os.environ.get("SERVELM_TEST_THREADS", "1"))
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -11,9 +11,7 @@ excused only at a provable near-tie (``sched_reference``).
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import os
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -24,7 +22,7 @@ import torch
 from servelm.scheduler.config import EngineConfig
 from servelm.scheduler.engine import Engine
 from servelm.scheduler.sampling_params import SamplingParams
-from sched_reference import GreedyReference, assert_matches_reference, hf_greedy_references
+from sched_reference import TEST_THREADS, torch_threads, GreedyReference, assert_matches_reference, hf_greedy_references
 
 pytestmark = pytest.mark.slow
 
@@ -50,20 +48,6 @@ PROMPTS: list[tuple[str, int]] = [  # (text, new tokens)
     (SHARED + "\n\n# Python: count the words of the passage above\ndef count_words(text: str) -> int:\n", 25),
     ("Der schnellste Weg von Berlin nach München ist", 27),
 ]
-
-# One intra-op thread, as test_greedy_vs_hf: two threads competing with other processes on this shared
-# 2-core machine make steps several times slower and erratic. Exactness does not depend on it.
-TEST_THREADS = int(os.environ.get("SERVELM_TEST_THREADS", "1"))
-
-
-@contextlib.contextmanager
-def torch_threads(n: int) -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -7,9 +7,7 @@ provable near-tie (HF's top-two logit gap < 1e-3 at the first diverging step and
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import os
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -19,7 +17,7 @@ import torch
 from servelm.scheduler.config import EngineConfig
 from servelm.scheduler.engine import Engine
 from servelm.scheduler.sampling_params import SamplingParams
-from sched_reference import GreedyReference, assert_matches_reference, hf_greedy_references
+from sched_reference import TEST_THREADS, torch_threads, GreedyReference, assert_matches_reference, hf_greedy_references
 
 pytestmark = pytest.mark.slow
 
@@ -51,22 +49,6 @@ QUESTIONS_LONG = [
     "How can I tell if my program is limited by memory bandwidth?",
 ]
 QUESTIONS_SHORT = ["What is the capital of France?", "Hi!", "Write a haiku about autumn.", "What is 12 times 7?"]
-
-
-# One intra-op thread: on this shared 2-core machine, two OpenMP threads competing with other processes
-# make steps several times slower and erratic (measured: decode step at batch 8, 87 ms with 1 thread vs
-# 264 ms median / 4 s p90 with 2, under a load of ~3). Exactness does not depend on it (near-tie rule).
-TEST_THREADS = int(os.environ.get("SERVELM_TEST_THREADS", "1"))
-
-
-@contextlib.contextmanager
-def torch_threads(n: int) -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module", autouse=True)
