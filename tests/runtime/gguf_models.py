@@ -32,6 +32,7 @@ import shutil
 import sys
 import types
 from collections import Counter
+from dataclasses import dataclass
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Union
@@ -492,3 +493,13 @@ def write_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+@dataclass(frozen=True)
+class Case:
+    """One tiny GGUF model of the tests: a conftest variant written as ``arch`` in ``qtype``'s formats."""
+
+    variant: str  # conftest TINY_VARIANTS name
+    arch: str  # GGUF architecture
+    wide: bool  # widths of 256 (K-quants) rather than 64
+    qtype: dict[str, Q]

@@ -18,6 +18,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from gguf_models import (
+    Case,
     ALL_FORMATS,
     K_FORMATS,
     gguf_tensor_name,
@@ -42,14 +43,6 @@ from servelm.runtime.gguf.reader import read_gguf_tensors
 from servelm.runtime.gguf.registry import dequantize
 
 transformers = pytest.importorskip("transformers")
-
-
-@dataclass(frozen=True)
-class Case:
-    variant: str  # conftest TINY_VARIANTS name
-    arch: str  # GGUF architecture
-    wide: bool  # widths of 256 (K-quants) rather than 64
-    qtype: dict[str, Q]
 
 
 CASES: dict[str, Case] = {

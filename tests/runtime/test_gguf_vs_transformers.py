@@ -25,19 +25,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from gguf_models import save_tiny_model_for_gguf, tensor_format, write_tiny_gguf
+from gguf_models import Case, save_tiny_model_for_gguf, tensor_format, write_tiny_gguf
 
 from servelm.runtime.models.layers import Linear
 
 transformers = pytest.importorskip("transformers")
-
-
-@dataclass(frozen=True)
-class Case:
-    variant: str  # conftest TINY_VARIANTS name
-    arch: str  # GGUF architecture
-    wide: bool  # widths of 256 (K-quants) rather than 64
-    qtype: dict[str, Q]
 
 
 CASES: dict[str, Case] = {
