@@ -34,6 +34,7 @@ from servelm.server.serving_chat import create_chat_completion
 from servelm.server.serving_responses import create_response, stored_response
 from servelm.server.serving_common import ServingContext
 from servelm.server.serving_completions import create_completion
+from servelm.server.serving_fields import RequestHeadersMiddleware
 from servelm.server.serving_lora import (
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
@@ -148,9 +149,10 @@ class GateMiddleware:
     """API-key check, availability check and body-size limit for ``/v1/*``, ``/tokenize`` and
     ``/detokenize`` (pure ASGI: no per-chunk overhead on responses).
 
-    ``/health``, ``/version`` and ``/metrics`` stay open (probes and scrapers carry no key), as do
-    the docs. A dead engine or a draining server answers 503 before any body is parsed, and a POST
-    body over ``max_body_bytes`` gets 413 before it is parsed (or, with a Content-Length, read).
+    ``/health``, ``/live``, ``/version`` and ``/metrics`` stay open (probes and scrapers carry no
+    key), as do the docs. A dead engine or a draining server answers 503 before any body is parsed,
+    and a POST body over ``max_body_bytes`` gets 413 before it is parsed (or, with a Content-Length,
+    read).
     """
 
     def __init__(
@@ -265,6 +267,7 @@ def build_app(
     install_error_handlers(app)
     document_validation_as_400(app)
     app.add_middleware(GateMiddleware, async_engine=async_engine, api_key=api_key, max_body_bytes=max_request_bytes or DEFAULT_MAX_REQUEST_BYTES)
+    app.add_middleware(RequestHeadersMiddleware)  # outermost: the gate's refusals echo X-Request-Id too
 
     def model_card() -> ModelCard:
         return ModelCard(
@@ -326,6 +329,8 @@ def build_app(
     async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:
         return await detokenize(ctx, body)
 
+    # /health is readiness (503 while draining, as vLLM's and SGLang's); /live is liveness (vLLM's
+    # /live): a draining pod must not be restarted by its liveness probe.
     @app.head("/health", include_in_schema=False)
     @app.get("/health", responses=error_responses(503))
     async def health() -> Response:
@@ -334,6 +339,13 @@ def build_app(
         if not async_engine.is_accepting:
             return unavailable("The server is shutting down.", "shutting_down").response()
         return JSONResponse({"status": "ok"})
+
+    @app.head("/live", include_in_schema=False)
+    @app.get("/live", responses=error_responses(503))
+    async def live() -> Response:
+        if not async_engine.is_alive:
+            return unavailable(f"The engine is not running ({async_engine.dead_reason or 'stopped'}).", "engine_dead").response()
+        return JSONResponse({"status": "ok" if async_engine.is_accepting else "draining"})
 
     @app.get("/version")
     async def get_version() -> JSONResponse:
