@@ -1,11 +1,16 @@
 """The OpenAI wire format that every generation surface shares: the sampling fields and their
 extensions, response formats, usage, model cards and the SSE framing.
 
-Requests forbid unknown fields, like OpenAI ("Unrecognized request argument supplied"): a field we
-do not know could change what the client expects, so it is refused rather than ignored. Fields that
-OpenAI defines but we do not implement are declared and refused by name in the serving code
-(each surface's ``refuse_unsupported``); harmless ones (``user``, ``metadata``...) are accepted
-and ignored. Every request model is a ``limits.RequestBody``: its body is walked once, before its
+A generation request (completions, chat, responses) ignores top-level fields it does not know, as
+vLLM does: the routers and gateways in front of a replica add their own engine's extensions
+(``no_stop_trim``, ``return_hidden_states``...), and refusing them made every routed request fail.
+Each ignored field is logged once per name and named in the response's ``x-servelm-ignored-fields``
+header (``server.serving_fields``). Fields whose silent loss would change the result are declared
+and refused by name in the serving code (each surface's ``refuse_unsupported``), as are the routers'
+extensions when set to anything but their no-op default; harmless ones (``user``, ``metadata``...)
+are accepted and ignored. Nested objects (messages, tools, response formats) and the other
+endpoints' bodies still refuse unknown fields: nothing in front of a replica adds to them.
+Every request model is a ``limits.RequestBody``: its body is walked once, before its
 fields are validated, for strings that are no Unicode text and for nesting and size past the bounds.
 Each surface's own models live beside this module: ``protocol_completions``, ``protocol_chat``,
 ``protocol_responses``, ``protocol_tokenize``. Streaming chunks are built as plain dicts in the
@@ -17,7 +22,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from servelm.scheduler.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, RANGES
 from servelm.server.limits import RequestBody
@@ -63,7 +68,20 @@ class StructuredOutputsParams(BaseModel):
     disable_any_whitespace: bool | None = None  # JSON: no whitespace outside strings
 
 
-class SamplingExtensions(RequestBody):
+# The longest client request id (``X-Request-Id`` or vLLM's ``request_id``) kept for logs and echoed.
+MAX_REQUEST_ID_CHARS = 512
+
+
+class ServedRequest(RequestBody):
+    """The top level of a generation request: unknown fields land in ``model_extra`` and are ignored."""
+
+    model_config = ConfigDict(extra="allow")
+
+    # vLLM's: the client's id for this request, logged and echoed in X-Request-Id (the header wins)
+    request_id: str | None = Field(default=None, max_length=MAX_REQUEST_ID_CHARS)
+
+
+class SamplingExtensions(ServedRequest):
     """vLLM-style extensions shared by both endpoints (not in OpenAI's API)."""
 
     top_k: int | None = None
@@ -78,6 +96,14 @@ class SamplingExtensions(RequestBody):
     # vLLM's: prefix-cache blocks are shared only between requests with the same salt (multi-tenant)
     cache_salt: str | None = None
     priority: int | None = None  # vLLM's: lower is served first (--scheduling-policy priority)
+    no_stop_trim: bool | None = None  # SGLang's name for include_stop_str_in_output (its routers send it)
+
+    @model_validator(mode="after")
+    def _no_stop_trim_keeps_the_stop(self) -> "SamplingExtensions":
+        # One flag downstream: either name asks to keep the matched stop string (or stop token) in the output.
+        if self.no_stop_trim:
+            self.include_stop_str_in_output = True
+        return self
 
 
 # Request fields whose range is SamplingParams' under another name.
@@ -122,7 +148,7 @@ def _non_empty_prompt(prompt: dict[str, Any]) -> None:
 class GenerationRequest(SamplingExtensions):
     """Fields both generation endpoints share."""
 
-    model_config = ConfigDict(extra="forbid", json_schema_extra=_document_checks)
+    model_config = ConfigDict(extra="allow", json_schema_extra=_document_checks)
 
     model: str | None = None  # None => the served model
     temperature: float | None = None
@@ -138,6 +164,8 @@ class GenerationRequest(SamplingExtensions):
     user: str | None = None  # accepted, ignored
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None  # vLLM's extension
+    # SGLang's, sent by both routers as false: refused by name when true (there are no hidden states to return)
+    return_hidden_states: bool | None = None
 
 
 class PromptTokensDetails(BaseModel):

@@ -113,6 +113,11 @@ class ChatCompletionRequest(GenerationRequest):
     reasoning_effort: str | None = None
     verbosity: str | None = None
     web_search_options: Any | None = None
+    # SGLang's, sent by both routers at these defaults; continue_final_message is refused by name when true.
+    continue_final_message: bool | None = None
+    separate_reasoning: bool | None = None  # no reasoning parser here: the text is the whole answer
+    stream_reasoning: bool | None = None
+    include_reasoning: bool | None = None
 
 
 class TopLogprob(BaseModel):

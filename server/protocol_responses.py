@@ -1,8 +1,8 @@
 """The wire format of OpenAI's Responses API (``POST /v1/responses``): the request model.
 
-As in ``server.protocol``, the request forbids unknown top-level fields, and fields OpenAI defines but
-this server cannot honour (hosted tools, background mode, reusable prompts...) are declared so that
-``server.responses_input`` refuses them by name. Input items and tools are kept loose here (their
+As in ``server.protocol``, the request ignores unknown top-level fields (logged, named in a response
+header), and fields OpenAI defines but this server cannot honour (hosted tools, background mode,
+reusable prompts...) are declared so that ``server.responses_input`` refuses them by name. Input items and tools are kept loose here (their
 kinds are many and grow): the serving code checks each one and names the item it refuses.
 Responses are built as plain dicts (``server.serving_responses``, ``server.responses_events``); the schema
 shows their shape.
@@ -109,8 +109,6 @@ INCLUDABLE = (
 
 class ResponsesRequest(SamplingExtensions):
     """``POST /v1/responses``."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None  # None => the served model
     # None only with previous_response_id

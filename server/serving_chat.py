@@ -40,6 +40,10 @@ def refuse_unsupported(req: ChatCompletionRequest) -> None:
     for name in ("audio", "prediction", "reasoning_effort", "verbosity", "web_search_options"):
         if getattr(req, name) is not None:
             raise unsupported(name)
+    if req.return_hidden_states:
+        raise unsupported("return_hidden_states", "'return_hidden_states' is not supported by this server")
+    if req.continue_final_message:
+        raise unsupported("continue_final_message", "'continue_final_message' is not supported by this server")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
 
@@ -92,6 +96,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     arrival = time.monotonic()
     created = int(time.time())
     request_id = random_id("chatcmpl")
+    ctx.fields.note(raw, req, request_id, "/v1/chat/completions")
     start = await start_chat(ctx, req, arrival, request_id)
     job = _ChatCompletion(ctx, req, start, request_id, created)
     if req.stream:

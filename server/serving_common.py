@@ -21,6 +21,7 @@ from servelm.server.errors import APIError, bad_request, internal_error, model_n
 from servelm.server.logprobs import TokenStrings
 from servelm.server.protocol import GenerationRequest
 from servelm.server.request_group import RequestGroup
+from servelm.server.serving_fields import FieldNotices
 from servelm.server.structured_outputs import structured_output_spec
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ class ServingContext:
     # LoRA adapters served by name (name -> path); kept in step with the engine's by the handlers
     # that load and unload them
     loras: dict[str, str] = field(default_factory=dict)
+    fields: FieldNotices = field(default_factory=FieldNotices)  # the ignored field names logged so far
 
     def __post_init__(self) -> None:
         self.token_strings = TokenStrings(self.tokenizer)

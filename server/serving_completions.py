@@ -79,6 +79,8 @@ def refuse_unsupported(req: CompletionRequest, n: int) -> None:
     """Fields this server cannot honour: 400 naming the field."""
     if req.suffix:
         raise unsupported("suffix", "'suffix' (insertion) is not supported by this server")
+    if req.return_hidden_states:
+        raise unsupported("return_hidden_states", "'return_hidden_states' is not supported by this server")
     if req.best_of is not None and req.best_of != n:
         raise unsupported("best_of", f"'best_of' must equal 'n' ({n}) or be omitted: best-of-n selection is not supported")
     if req.max_tokens == 0 and not req.echo:
@@ -92,6 +94,8 @@ def refuse_unsupported(req: CompletionRequest, n: int) -> None:
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request) -> Response:
     arrival = time.monotonic()
     created = int(time.time())
+    request_id = random_id("cmpl")
+    ctx.fields.note(raw, req, request_id, "/v1/completions")
     lora = ctx.resolve_model(req.model)
     n = req.n if req.n is not None else 1
     refuse_unsupported(req, n)
@@ -116,7 +120,6 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         if not ids:
             raise bad_request(f"Prompt {i} is empty (0 tokens).", param="prompt")
 
-    request_id = random_id("cmpl")
     sub_ids = [f"{request_id}-{i}" for i in range(len(prompt_ids))]
     requests = [(sid, ids, params) for sid, ids in zip(sub_ids, prompt_ids)]
     group = await add_requests(ctx, requests, arrival, lora_name=lora, cache_salt=req.cache_salt, priority=req.priority)

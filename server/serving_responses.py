@@ -40,6 +40,8 @@ from servelm.server.serving_outputs import (
 async def create_response(ctx: ServingContext, store: ResponseStore, req: ResponsesRequest, raw: Request) -> Response:
     arrival = time.monotonic()
     created = int(time.time())
+    response_id = hex_id("resp")
+    ctx.fields.note(raw, req, response_id, "/v1/responses")
     refuse_unsupported(req)
     history: list[ChatMessage] = []
     if req.previous_response_id is not None:
@@ -53,7 +55,6 @@ async def create_response(ctx: ServingContext, store: ResponseStore, req: Respon
             )
         history = previous.history
     chat, where = to_chat_request(req, history)
-    response_id = hex_id("resp")
     try:
         start = await start_chat(ctx, chat, arrival, response_id)
     except APIError as e:

@@ -218,7 +218,6 @@ def test_previous_response_id_continues_the_stored_conversation(shared_fake_serv
         ({"input": "x", "max_output_tokens": 10**6}, "max_output_tokens"),
         ({"input": "x", "temperature": 3}, "temperature"),
         ({"input": "x", "include": ["everything"]}, "include[0]"),
-        ({"input": "x", "frobnicate": 1}, "frobnicate"),
         ({"input": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
     ],
 )
