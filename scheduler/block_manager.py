@@ -11,6 +11,9 @@ one sha256 is infeasible, whereas Python's ``hash`` of ints is 64-bit and invert
 recomputed sequence adopts the longest chain of registered blocks matching its tokens. Blocks whose
 last user left keep their hash and wait in an LRU "evictable" list: they still count as free, and
 are handed out again (dropping their hash) only after every never-cached free block is used.
+
+With ``kv_events`` the manager also records what enters and leaves the prefix cache (``kv_events``
+module: vLLM's BlockStored / BlockRemoved / AllBlocksCleared) for the engine to publish each step.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import struct
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
+
+from servelm.scheduler.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, external_hash
 
 
 class BlockSequence(Protocol):
@@ -77,7 +82,7 @@ def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
 class BlockManager:
     """A free list of fixed-size KV blocks with ref counts and a hash-chained prefix cache."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, kv_events: bool = False) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
         self.num_blocks = num_blocks
@@ -94,6 +99,8 @@ class BlockManager:
         # Cumulative prefix-cache counters, in tokens.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # KV-cache events since the last ``take_events`` (None: not recorded, so nothing is paid).
+        self._events: list[KVCacheEvent] | None = [] if kv_events else None
 
     # -- sizes ---------------------------------------------------------------------------------------
     @property
@@ -155,6 +162,7 @@ class BlockManager:
             return
         hashes = self._extend_hashes(seq, num_full)
         table = seq.block_table
+        new: list[int] | None = [] if self._events is not None else None
         for i in range(start, num_full):
             b, h = table[i], hashes[i]
             # A block already hashed (adopted from the cache or forked) stays as is; a duplicate of a
@@ -162,7 +170,33 @@ class BlockManager:
             if self._block_hash[b] is None and h not in self._cached:
                 self._block_hash[b] = h
                 self._cached[h] = b
+                if new is not None:
+                    new.append(i)
         self._num_registered[seq.seq_id] = num_full
+        if new:
+            self._record_stored(seq, new)
+
+    def _record_stored(self, seq: BlockSequence, new: list[int]) -> None:
+        """One BlockStored per contiguous run of newly cached blocks (a private duplicate splits a run)."""
+        bs, hashes = self.block_size, seq.block_hashes
+        lora_id = getattr(seq, "lora_id", 0) or None
+        first = 0
+        for k in range(1, len(new) + 1):
+            if k < len(new) and new[k] == new[k - 1] + 1:
+                continue
+            lo, hi = new[first], new[k - 1] + 1
+            parent = external_hash(hashes[lo - 1]) if lo else None
+            ids = [external_hash(h) for h in hashes[lo:hi]]
+            self._events.append(BlockStored(ids, parent, list(seq.token_ids[lo * bs : hi * bs]), bs, lora_id))  # type: ignore[union-attr]
+            first = k
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The KV-cache events recorded since the last call (always empty when not recording)."""
+        events = self._events
+        if not events:
+            return []
+        self._events = []
+        return events
 
     def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_cache_queries += num_query_tokens
@@ -177,8 +211,18 @@ class BlockManager:
         h = self._block_hash[b]
         if h is not None and self._cached.get(h) == b:
             del self._cached[h]
+            if self._events is not None:
+                self._record_removed(h)
         self._block_hash[b] = None
         return b
+
+    def _record_removed(self, h: bytes) -> None:
+        # Evictions in a row (one allocation's worth) share one BlockRemoved.
+        last = self._events[-1] if self._events else None  # type: ignore[index]
+        if isinstance(last, BlockRemoved):
+            last.block_hashes.append(external_hash(h))
+        else:
+            self._events.append(BlockRemoved([external_hash(h)]))  # type: ignore[union-attr]
 
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= self.num_free_blocks
@@ -253,6 +297,8 @@ class BlockManager:
         self._evictable.clear()
         self._cached.clear()
         self._block_hash = [None] * self.num_blocks
+        if self._events is not None:
+            self._events.append(AllBlocksCleared())
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent (tests and debugging)."""

@@ -1,0 +1,241 @@
+"""KV-cache events for KV-aware routers: vLLM's ``--kv-events-config`` and its wire format.
+
+The block manager records what enters and leaves its prefix cache; the engine hands each step's
+events to a publisher as one batch. Routers (vllm-router ``--policy kv_aware``, llm-d, Dynamo) read
+them to learn which replica holds which prefix. On the wire, as vLLM (0.26+) sends them:
+
+* a ZMQ PUB socket sends three frames per batch: the topic, the sequence number (8 bytes,
+  big-endian, from 0), and the msgpack payload;
+* the payload is the batch as an array ``[ts, [event, ...], data_parallel_rank]``;
+* each event is a map tagged by its class name under ``"type"`` (msgspec's ``tag=True``), fields in
+  declaration order, optional trailing fields left out while unset (``omit_defaults``);
+* a block hash is an unsigned 64-bit int: the last 8 bytes, big-endian, of servelm's sha256 key;
+* an optional ROUTER socket replays the buffered batches from a sequence number: a request
+  ``[b"", start_seq]`` gets ``[b"", seq, payload]`` per batch, then ``[b"", -1, b""]``.
+
+The publisher owns its sockets on its own thread, so the engine step only appends to a queue.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field, fields
+from typing import Any, Union
+
+log = logging.getLogger(__name__)
+
+MEDIUM_DEVICE = "GPU"  # vLLM names its primary (device) KV pool so on every platform, CPU included
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def external_hash(key: bytes) -> int:
+    """A block key as routers take it: vLLM's int form of a hash (last 8 bytes, big-endian)."""
+    return int.from_bytes(key[-8:], "big")
+
+
+@dataclass
+class BlockStored:
+    """Full blocks entered the prefix cache: a contiguous run of one chain, after ``parent_block_hash``."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = MEDIUM_DEVICE
+    lora_name: str | None = None
+
+
+@dataclass
+class BlockRemoved:
+    """Blocks left the prefix cache (evicted for reuse)."""
+
+    block_hashes: list[int]
+    medium: str | None = MEDIUM_DEVICE
+
+
+@dataclass
+class AllBlocksCleared:
+    """The prefix cache was reset."""
+
+
+KVCacheEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+# Fields vLLM declares without a default: always on the wire, even when None.
+_REQUIRED = {"BlockStored": 7, "BlockRemoved": 2, "AllBlocksCleared": 0}
+
+
+def event_to_wire(event: KVCacheEvent) -> dict[str, Any]:
+    """The tagged map msgspec writes for vLLM's struct of the same name."""
+    name = type(event).__name__
+    wire: dict[str, Any] = {"type": name}
+    for i, f in enumerate(fields(event)):
+        value = getattr(event, f.name)
+        if i < _REQUIRED[name] or value is not None:
+            wire[f.name] = value
+    return wire
+
+
+def encode_batch(ts: float, events: list[KVCacheEvent], data_parallel_rank: int = 0) -> bytes:
+    import msgpack
+
+    return msgpack.packb([ts, [event_to_wire(e) for e in events], data_parallel_rank])
+
+
+@dataclass
+class KVEventsConfig:
+    """vLLM's ``--kv-events-config`` JSON, same keys and defaults."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # "zmq" | "null"; None: zmq when enabled
+    endpoint: str = "tcp://*:5557"  # bound when it has a wildcard, else connected (as vLLM)
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000
+    max_queue_size: int = 100_000  # batches waiting for the publisher thread; more are dropped
+    topic: str = ""
+    data_parallel_rank: int = field(default=0, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:
+            self.publisher = "zmq" if self.enable_kv_cache_events else "null"
+        if self.publisher not in ("zmq", "null"):
+            raise ValueError(f"kv_events_config: unknown publisher {self.publisher!r} (zmq or null)")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"kv_events_config: {name} must be a positive integer")
+
+    @property
+    def active(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def parse(cls, text: str) -> KVEventsConfig:
+        """From the CLI's JSON; unknown keys are refused by name rather than ignored."""
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"kv_events_config is not JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise ValueError("kv_events_config must be a JSON object")
+        known = {f.name for f in fields(cls)} - {"data_parallel_rank"}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"kv_events_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**raw)
+
+
+class ZmqEventPublisher:
+    """Publishes event batches on a ZMQ PUB socket, with a replay buffer behind an optional ROUTER."""
+
+    POLL_S = 0.02  # how long the thread waits on its queue before it looks at replay requests
+
+    def __init__(self, config: KVEventsConfig) -> None:
+        self.config = config
+        self._queue: queue.Queue[tuple[float, list[KVCacheEvent]] | None] = queue.Queue(config.max_queue_size)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self.num_published = 0
+        self.num_dropped = 0
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self._thread.start()
+        self._started.wait()
+        if self._error is not None:  # a bad or busy endpoint fails start-up, not the first step
+            raise self._error
+
+    def publish(self, events: list[KVCacheEvent]) -> None:
+        """Queue one step's events as a batch; never blocks (a full queue drops the batch, counted)."""
+        if not events:
+            return
+        try:
+            self._queue.put_nowait((time.time(), events))
+        except queue.Full:
+            self.num_dropped += 1
+            if self.num_dropped == 1:
+                log.warning("KV events: the publisher queue is full (%d batches); dropping batches", self.config.max_queue_size)
+
+    def shutdown(self, timeout: float = 2.0) -> None:
+        """Send what is queued, then close the sockets."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout)
+
+    # -- the publisher thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        import zmq
+
+        cfg = self.config
+        ctx = zmq.Context()
+        pub = replay = None
+        where = cfg.endpoint
+        try:
+            pub = ctx.socket(zmq.PUB)
+            pub.setsockopt(zmq.SNDHWM, cfg.hwm)
+            pub.setsockopt(zmq.LINGER, 0)
+            if any(s in cfg.endpoint for s in ("*", "::")) or cfg.endpoint.startswith(("ipc://", "inproc://")):
+                pub.bind(cfg.endpoint)
+            else:
+                pub.connect(cfg.endpoint)
+            if cfg.replay_endpoint:
+                where = cfg.replay_endpoint
+                replay = ctx.socket(zmq.ROUTER)
+                replay.setsockopt(zmq.LINGER, 0)
+                replay.bind(cfg.replay_endpoint)
+        except Exception as e:
+            self._error = ValueError(f"kv_events_config: cannot open {where}: {e}")
+            for s in (pub, replay):
+                if s is not None:
+                    s.close(0)
+            ctx.term()
+            self._started.set()
+            return
+        self._started.set()
+        topic = cfg.topic.encode()
+        seq = 0
+        try:
+            while True:
+                if replay is not None:
+                    while replay.poll(0):
+                        self._serve_replay(replay)
+                try:
+                    item = self._queue.get(timeout=self.POLL_S)
+                except queue.Empty:
+                    continue
+                if item is None:
+                    break
+                payload = encode_batch(item[0], item[1], cfg.data_parallel_rank)
+                pub.send_multipart((topic, seq.to_bytes(8, "big"), payload))
+                self._buffer.append((seq, payload))
+                seq += 1
+                self.num_published += 1
+        except Exception:  # the engine goes on serving without events rather than dying with them
+            log.exception("KV events: the publisher thread stopped")
+        finally:
+            pub.close(0)
+            if replay is not None:
+                replay.close(0)
+            ctx.term()
+
+    def _serve_replay(self, replay: Any) -> None:
+        frames = replay.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            log.warning("KV events: malformed replay request (%d frames)", len(frames))
+            return
+        client, _, start = frames
+        first = int.from_bytes(start, "big")
+        for seq, payload in list(self._buffer):
+            if seq >= first:
+                replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+        replay.send_multipart((client, b"", END_SEQ, b""))
+
+
+def make_publisher(config: KVEventsConfig | None) -> ZmqEventPublisher | None:
+    """The publisher ``config`` asks for; None when events are off (the block manager then records nothing)."""
+    if config is None or not config.active:
+        return None
+    return ZmqEventPublisher(config)
