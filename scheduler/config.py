@@ -30,6 +30,8 @@ class EngineConfig:
     seed: int = 0  # for requests without a seed
     # Speculative decoding, vLLM's JSON: '{"method": "ngram", "num_speculative_tokens": 3, ...}' (None => off)
     speculative_config: str | None = None
+    # KV-cache events for KV-aware routers, vLLM's JSON: '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}'
+    kv_events_config: str | None = None
     # LoRA adapters (PEFT folders) served by name beside the base model
     enable_lora: bool = False
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) loaded at start-up (implies enable_lora)

@@ -77,6 +77,7 @@ class Engine:
         # Structured outputs the edge did not compile (offline use); reads the vocabulary on first use.
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.block_manager, self.proposer, self.scheduler = settled.block_manager, settled.proposer, settled.scheduler
+        self.kv_events = settled.kv_events  # publishes the block manager's events, one batch per step
         self._in_flight: _Sampled | None = None  # async: the step whose tokens the next step reads
         # The bytes a step reads of the weights: the runner's count (quantized weights count their own
         # bytes), else parameters x dtype.
@@ -240,6 +241,8 @@ class Engine:
                 num_sampled += self._process(sampled, changed, ttfts, itls)
 
         outputs = [self._request_output(g) for g in changed.values()]
+        if self.kv_events is not None:
+            self.kv_events.publish(self.block_manager.take_events())
         if sched.items or changed:
             accepted = self.num_accepted_drafts - accepted_before
             loras = self.lora_request_names() if self.enable_lora else None

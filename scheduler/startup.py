@@ -21,6 +21,7 @@ from servelm.runtime.platform import default_dtype, device_defaults, release_cac
 from servelm.runtime.runner import ModelRunner
 from servelm.runtime.tokenizer import load_tokenizer
 from servelm.scheduler.block_manager import BlockManager
+from servelm.scheduler.kv_events import KVEventsConfig, ZmqEventPublisher, make_publisher
 from servelm.scheduler.config import EngineConfig
 from servelm.scheduler.scheduler import Scheduler
 from servelm.scheduler.speculative import NgramProposer, SpeculativeConfig
@@ -91,6 +92,7 @@ class StartUp:
     block_manager: BlockManager
     proposer: NgramProposer | None
     scheduler: Scheduler
+    kv_events: ZmqEventPublisher | None = None
 
 
 def start_up(config: EngineConfig, runner: RunnerLike | None = None) -> StartUp:
@@ -104,6 +106,9 @@ def start_up(config: EngineConfig, runner: RunnerLike | None = None) -> StartUp:
         torch.set_num_threads(config.num_threads)
     # Refused before the weights are loaded.
     speculative = SpeculativeConfig.parse(config.speculative_config) if config.speculative_config else None
+    kv_events = KVEventsConfig.parse(config.kv_events_config) if config.kv_events_config else None
+    if kv_events is not None and kv_events.active and not config.enable_prefix_caching:
+        log.warning("KV events describe the prefix cache, which is off: only AllBlocksCleared can be published")
     enable_lora = config.enable_lora or bool(config.lora_modules)
     if enable_lora and (config.max_loras < 1 or config.max_lora_rank < 1):
         raise ValueError("max_loras and max_lora_rank must be at least 1")
@@ -159,7 +164,7 @@ def start_up(config: EngineConfig, runner: RunnerLike | None = None) -> StartUp:
             raise ValueError(
                 f"the runner's KV pool has {runner.kv_pool.num_blocks} blocks, the KV budget asks for {num_blocks}"
             )
-    block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
+    block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching, kv_events=bool(kv_events and kv_events.active))
     proposer = NgramProposer(speculative) if speculative is not None else None
     if proposer is not None:
         log.info("speculative decoding: %s", proposer.config)
@@ -203,6 +208,7 @@ def start_up(config: EngineConfig, runner: RunnerLike | None = None) -> StartUp:
         block_manager=block_manager,
         proposer=proposer,
         scheduler=scheduler,
+        kv_events=make_publisher(kv_events),  # last: its sockets open once nothing else can fail
     )
 
 

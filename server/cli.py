@@ -79,6 +79,16 @@ def _speculative_config(text: str) -> str:
     return text
 
 
+def _kv_events_config(text: str) -> str:
+    from servelm.scheduler.kv_events import KVEventsConfig
+
+    try:
+        KVEventsConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def parse_lora_module(text: str) -> tuple[str, str]:
     """``name=path`` or vLLM's JSON form ``{"name": ..., "path": ...}`` -> (name, path)."""
     text = text.strip()
@@ -157,6 +167,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--num-threads", type=_positive_int, default=None, help="CPU: torch intra-op threads (default: torch's choice)")
     g.add_argument("--seed", type=int, default=d.seed, help="sampling seed for requests without one (default: %(default)s)")
     g.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON", help='speculative decoding by n-gram lookup, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2, "max_running": 1}\' (greedy and unseeded sampled requests without penalties; drafts only while at most max_running requests run; off while scheduling ahead) (default: off)')
+    g.add_argument("--kv-events-config", type=_kv_events_config, default=None, metavar="JSON", help='publish KV-cache events (blocks entering and leaving the prefix cache) for KV-aware routers such as vllm-router --policy kv_aware, as vLLM\'s: \'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "", "buffer_steps": 10000, "hwm": 100000, "max_queue_size": 100000}\' (ZMQ PUB of msgpack batches) (default: off)')
 
     g = p.add_argument_group("LoRA adapters")
     g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT folders) beside the base model, chosen per request by the 'model' field")
@@ -201,6 +212,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.num_threads,
         seed=args.seed,
         speculative_config=args.speculative_config,
+        kv_events_config=args.kv_events_config,
         enable_lora=args.enable_lora or bool(args.lora_modules),
         lora_modules=tuple(args.lora_modules),
         max_loras=args.max_loras,

@@ -251,3 +251,52 @@ def test_events_replayed_into_an_index_match_the_cache() -> None:
                 view.clear()
         assert view == {external_hash(h) for h in bm._cached}, step
         bm.check_invariants()
+
+
+def test_engine_publishes_one_batch_per_step(tiny_llama_dir: Any) -> None:
+    """A real engine (tiny random Llama) with --kv-events-config: two prompts sharing 32 tokens."""
+    from servelm.scheduler.config import EngineConfig
+    from servelm.scheduler.engine import Engine
+    from servelm.scheduler.sampling_params import SamplingParams
+
+    port = free_port()
+    cfg = EngineConfig(
+        model=str(tiny_llama_dir), kv_cache_memory=2 * 2**20, max_model_len=256, block_size=16,
+        kv_events_config=f'{{"enable_kv_cache_events": true, "endpoint": "tcp://*:{port}"}}',
+    )  # fmt: skip
+    engine = Engine(cfg)
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVTIMEO, 1000)  # the publisher sends within milliseconds; then the stream is done
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    time.sleep(0.3)
+    try:
+        shared = list(range(10, 42))
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        engine.generate([shared + [7, 8, 9]], params)
+        engine.generate([shared + [5] * 20], params)
+        batches = []
+        while True:
+            try:
+                batches.append(receive_any(sub))
+            except zmq.Again:
+                break
+    finally:
+        sub.close(0)
+        ctx.term()
+        assert engine.kv_events is not None
+        engine.kv_events.shutdown()
+    assert [s for s, _ in batches] == list(range(len(batches)))
+    events = [e for _, evs in batches for e in evs]
+    # The first prompt caches its 2 full blocks; the second adopts them and caches its 3rd, whose
+    # parent is the shared 2nd block and whose tokens are its own.
+    first, second = events[0], events[1]
+    assert first["token_ids"] == shared and first["parent_block_hash"] is None and first["block_size"] == 16
+    assert second["parent_block_hash"] == first["block_hashes"][1] and second["token_ids"] == [5] * 16
+    assert all(e["type"] == "BlockStored" for e in events)
+
+
+def receive_any(sub: Any) -> tuple[int, list[dict[str, Any]]]:
+    _, seq, payload = sub.recv_multipart()
+    return int.from_bytes(seq, "big"), msgpack.unpackb(payload)[1]

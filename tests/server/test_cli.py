@@ -81,6 +81,11 @@ def test_serve_args_build_one_engine_config() -> None:
     for bad in ("{", '{"method": "eagle"}', '{"num_speculative_tokens": 0}'):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", "--speculative-config", bad])
+    events = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}'
+    assert engine_config_from_args(build_parser().parse_args(["serve", "--kv-events-config", events])).kv_events_config == events
+    for bad in ("{", '{"enable_kv_cache_events": true, "end_point": "tcp://*:1"}', '{"publisher": "kafka"}'):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--kv-events-config", bad])
 
 
 def test_lora_flags(monkeypatch: pytest.MonkeyPatch) -> None:
