@@ -42,6 +42,7 @@ from servelm.server.serving_lora import (
     lora_cards,
     unload_lora_adapter,
 )
+from servelm.server.serving_render import render_chat, render_completion
 from servelm.server.serving_tokenize import detokenize, tokenize
 
 log = logging.getLogger(__name__)
@@ -283,6 +284,15 @@ def build_app(
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=generation_errors)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(ctx, body, raw)
+
+    # vLLM's renderer API: the prompt's token ids only (KV-aware routers match them against KV events).
+    @app.post("/v1/completions/render", responses=generation_errors)
+    async def completions_render(body: CompletionRequest) -> JSONResponse:
+        return JSONResponse(await render_completion(ctx, body))
+
+    @app.post("/v1/chat/completions/render", responses=generation_errors)
+    async def chat_completions_render(body: ChatCompletionRequest) -> JSONResponse:
+        return JSONResponse(await render_chat(ctx, body))
 
     @app.post("/v1/responses", response_model=ResponseObject, responses=generation_errors)
     async def responses(body: ResponsesRequest, raw: Request) -> Response:
