@@ -4,6 +4,12 @@
 ARG PYTHON_IMAGE=python:3.12-slim-bookworm
 FROM ${PYTHON_IMAGE}
 ARG VLLM_ROUTER_VERSION=0.1.17
+# The package index pip uses (unset: PyPI), as in the repository's Dockerfile: build arguments only.
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
+ARG PIP_FIND_LINKS
+ARG PIP_TRUSTED_HOST
+ARG PIP_CERT
 RUN python3 -m venv /opt/venv \
     && /opt/venv/bin/pip install --no-cache-dir "vllm-router==${VLLM_ROUTER_VERSION}" \
     && groupadd --gid 10001 router \
