@@ -35,6 +35,7 @@ from servelm.server.serving_responses import create_response, stored_response
 from servelm.server.serving_common import ServingContext
 from servelm.server.serving_completions import create_completion
 from servelm.server.serving_fields import RequestHeadersMiddleware
+from servelm.server.serving_render import render_chat, render_completion
 from servelm.server.serving_lora import (
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
@@ -330,6 +331,15 @@ def build_app(
         @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=error_responses(400, 401, 404, 413, 503))
         async def unload_lora_route(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
             return await unload_lora_adapter(ctx, body)
+
+    # vLLM's render endpoints: the prompt's token ids, which vllm-router's cache_aware policy routes on.
+    @app.post("/v1/completions/render", responses=error_responses(400, 401, 404, 413, 503))
+    async def completions_render(body: CompletionRequest) -> JSONResponse:
+        return JSONResponse(await render_completion(ctx, body))
+
+    @app.post("/v1/chat/completions/render", responses=error_responses(400, 401, 404, 413, 503))
+    async def chat_completions_render(body: ChatCompletionRequest) -> JSONResponse:
+        return JSONResponse(await render_chat(ctx, body))
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=error_responses(400, 401, 404, 413, 503))
     async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:

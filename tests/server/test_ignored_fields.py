@@ -141,3 +141,17 @@ def test_unknown_fields_of_nested_objects_are_still_refused(shared_fake_server: 
     srv, _, _ = shared_fake_server
     body = {"messages": [{"role": "user", "content": "x", "frobnicate": 1}]}
     assert_error(http.post(f"{srv.url}/v1/chat/completions", json=body), 400, param="messages[0].frobnicate")
+
+
+def test_render_gives_the_token_ids_generation_would_use(shared_fake_server: Any) -> None:
+    """vLLM's render endpoints, which vllm-router's cache_aware policy asks every replica before routing."""
+    srv, eng, _ = shared_fake_server
+    before = len(eng.added)
+    r = http.post(f"{srv.url}/v1/chat/completions/render", json={**CHAT, "no_stop_trim": False})
+    assert r.status_code == 200, r.text
+    tokenized = http.post(f"{srv.url}/tokenize", json={"messages": CHAT["messages"]}).json()["tokens"]
+    assert r.json() == {"token_ids": tokenized}
+    r = http.post(f"{srv.url}/v1/completions/render", json={"prompt": ["Hi", "there"], "max_tokens": 2})
+    assert r.json() == [{"token_ids": eng.tokenizer.encode("Hi")}, {"token_ids": eng.tokenizer.encode("there")}]
+    assert len(eng.added) == before  # nothing generated
+    assert_error(http.post(f"{srv.url}/v1/completions/render", json={"prompt": [1, 10**9]}), 400, param="prompt")
