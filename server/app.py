@@ -35,7 +35,6 @@ from servelm.server.serving_responses import create_response, stored_response
 from servelm.server.serving_common import ServingContext
 from servelm.server.serving_completions import create_completion
 from servelm.server.serving_fields import RequestHeadersMiddleware
-from servelm.server.serving_render import render_chat, render_completion
 from servelm.server.serving_lora import (
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
@@ -285,15 +284,6 @@ def build_app(
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=generation_errors)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(ctx, body, raw)
-
-    # vLLM's renderer API: the prompt's token ids only (KV-aware routers match them against KV events).
-    @app.post("/v1/completions/render", responses=generation_errors)
-    async def completions_render(body: CompletionRequest) -> JSONResponse:
-        return JSONResponse(await render_completion(ctx, body))
-
-    @app.post("/v1/chat/completions/render", responses=generation_errors)
-    async def chat_completions_render(body: ChatCompletionRequest) -> JSONResponse:
-        return JSONResponse(await render_chat(ctx, body))
 
     @app.post("/v1/responses", response_model=ResponseObject, responses=generation_errors)
     async def responses(body: ResponsesRequest, raw: Request) -> Response:
