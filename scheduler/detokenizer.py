@@ -19,7 +19,9 @@ def _backend_decode(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list
         from transformers import PreTrainedTokenizerFast
     except ImportError:  # pragma: no cover - transformers is a dependency
         return None
-    cls = type(tokenizer)
+    # A tokenizer loaded without its placeholder tokens (runtime.tokenizer) decodes as its own class,
+    # with those ids dropped where special tokens are skipped.
+    cls = getattr(tokenizer, "base_class", type(tokenizer))
     if (
         not isinstance(tokenizer, PreTrainedTokenizerFast)
         or cls.decode is not PreTrainedTokenizerFast.decode
@@ -27,7 +29,11 @@ def _backend_decode(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list
         or getattr(tokenizer, "clean_up_tokenization_spaces", True)
     ):
         return None
-    return partial(tokenizer.backend_tokenizer.decode, skip_special_tokens=skip_special_tokens)
+    decode = partial(tokenizer.backend_tokenizer.decode, skip_special_tokens=skip_special_tokens)
+    dropped = getattr(tokenizer, "placeholder_ids", frozenset())
+    if skip_special_tokens and dropped:
+        return lambda ids: decode([i for i in ids if i not in dropped])
+    return decode
 
 
 class TextDecoder:

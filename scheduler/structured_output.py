@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Literal, Sequence
 
 from servelm.scheduler.sampling_params import InvalidParameterError
+from servelm.runtime.tokenizer import tokenizer_json
 
 if TYPE_CHECKING:  # the server builds specs and compiles them without importing torch
     import torch
@@ -190,7 +191,7 @@ class GrammarCompiler:
                 )
             # The vocabulary beyond the tokenizer's (a model's padded embedding) is never allowed.
             self._ll_tokenizer = llg.LLTokenizer(
-                backend.to_str(), n_vocab=self._vocab_size, eos_token=self._eos or None
+                tokenizer_json(self._tokenizer), n_vocab=self._vocab_size, eos_token=self._eos or None
             )
         return self._ll_tokenizer
 

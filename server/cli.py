@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import logging
 import math
@@ -255,6 +256,15 @@ def _make_uvicorn_server(app: Any, args: argparse.Namespace, on_exit: Callable[[
     return _Server(config)
 
 
+def _return_freed_heap() -> None:
+    """Give the heap that loading freed back to the system: glibc keeps it otherwise, and for Gemma 3
+    270M the garbage of copying the tokenizer alone (~280 MiB) stayed resident for the server's life."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+
+
 def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -290,6 +300,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )
+    _return_freed_heap()
     server = _make_uvicorn_server(app, args, lambda: async_engine.begin_drain(args.drain_timeout))
     # uvicorn re-raises the signal that stopped it once it has shut down, with the handlers it found
     # installed; make those no-ops so a graceful SIGTERM/SIGINT ends with exit status 0.
