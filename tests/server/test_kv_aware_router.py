@@ -11,6 +11,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import httpx
 import pytest
 from proc_harness import ServeProcess
 
-ROUTER = shutil.which("vllm-router") or str(Path(__file__).resolve().parents[2] / ".venv/bin/vllm-router")
+ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
 MODEL = "tiny"
 FOLLOWERS = 4  # routed requests per prefix family
 
@@ -40,6 +41,22 @@ def served(replicas: list[ServeProcess]) -> list[int]:
     return [int(metric(r, "servelm_request_success_total")) for r in replicas]
 
 
+def log_text(log: Path) -> str:
+    return re.sub(r"\x1b\[[0-9;]*m", "", log.read_text(errors="replace"))  # without the colours
+
+
+def batches_seen(log: Path, replica: ServeProcess) -> int:
+    """Event batches the router took from ``replica`` (its debug log names each sequence number)."""
+    return log_text(log).count(f"live sequence advanced source={replica.url} rank=0")
+
+
+def wait_for(condition: Any, what: str, log: Path, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}; router log: {log_text(log)[-3000:]}"
+        time.sleep(0.2)
+
+
 def start_router(replicas: list[ServeProcess], event_ports: list[int], log: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     argv = [ROUTER, "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
@@ -57,7 +74,7 @@ def start_router(replicas: list[ServeProcess], event_ports: list[int], log: Path
                 return proc, url
         except httpx.HTTPError:
             pass
-        assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
+        assert proc.poll() is None, log_text(log)[-3000:]
         time.sleep(0.3)
     proc.kill()
     raise AssertionError("vllm-router did not come up")
@@ -76,12 +93,23 @@ def test_requests_land_on_the_replica_holding_their_prefix(tiny_llama_dir: Path,
     try:
         for r in replicas:
             r.start()
-        router, url = start_router(replicas, event_ports, tmp_path / "router.log")
-        time.sleep(1.0)  # the router's SUB sockets join (ZMQ drops what a PUB sends before that)
+        log = tmp_path / "router.log"
+        router, url = start_router(replicas, event_ports, log)
         # Two families, each a shared prefix of several full blocks (the tiny model's real tokenizer).
         doc = "The lighthouse keeper counted ships at dawn and wrote each name in a ledger. " * 6
         system = "You are a terse assistant for a shipping company; answer in one line. " * 6
         with httpx.Client(timeout=60) as http:
+            # A PUB socket drops what it sends before a subscriber joined: publish throwaway blocks
+            # (a new prompt each time, so that each is stored) until the router took a batch from each.
+            attempt = iter(range(10**6))
+            for r in replicas:
+
+                def joined(r: ServeProcess = r) -> bool:
+                    body = {"model": MODEL, "prompt": f"Warm-up {next(attempt)}: " + "one two three four " * 6, "max_tokens": 1}
+                    assert http.post(f"{r.url}/v1/completions", json=body).status_code == 200
+                    return batches_seen(log, r) > 0
+
+                wait_for(joined, f"no KV events from {r.url} reached the router", log)
 
             def complete(base: str, suffix: str) -> None:
                 body = {"model": MODEL, "prompt": doc + suffix, "max_tokens": 2, "temperature": 0}
@@ -92,14 +120,16 @@ def test_requests_land_on_the_replica_holding_their_prefix(tiny_llama_dir: Path,
                 body = {"model": MODEL, "messages": messages, "max_tokens": 2, "temperature": 0}
                 assert http.post(f"{base}/v1/chat/completions", json=body).status_code == 200
 
-            # The render endpoints answer with the token ids generation uses (vLLM's GenerateRequest).
+            # The router reads a prompt's tokens from the render endpoint: the ids generation uses.
             rendered = http.post(f"{replicas[0].url}/v1/completions/render", json={"model": MODEL, "prompt": doc}).json()
             tokenized = http.post(f"{replicas[0].url}/tokenize", json={"model": MODEL, "prompt": doc}).json()
             assert rendered[0]["token_ids"] == tokenized["tokens"] and len(tokenized["tokens"]) >= 64
 
+            seen = [batches_seen(log, r) for r in replicas]
             complete(replicas[0].url, "Which ship came first?")  # the document's blocks on replica 0
             chat(replicas[1].url, "Hello?")  # the system prompt's blocks on replica 1
-            time.sleep(1.0)  # events reach the router
+            for r, n in zip(replicas, seen):
+                wait_for(lambda r=r, n=n: batches_seen(log, r) > n, f"the prefix of {r.url} did not reach the router", log)
             hits = [metric(r, "servelm_prefix_cache_hits_total") for r in replicas]
             landed = []
             for i in range(FOLLOWERS):
