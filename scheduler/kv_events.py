@@ -24,7 +24,7 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, Union
 
 log = logging.getLogger(__name__)
@@ -98,15 +98,20 @@ class KVEventsConfig:
     hwm: int = 100_000
     max_queue_size: int = 100_000  # batches waiting for the publisher thread; more are dropped
     topic: str = ""
-    data_parallel_rank: int = field(default=0, repr=False)
 
     def __post_init__(self) -> None:
         if self.publisher is None:
             self.publisher = "zmq" if self.enable_kv_cache_events else "null"
         if self.publisher not in ("zmq", "null"):
             raise ValueError(f"kv_events_config: unknown publisher {self.publisher!r} (zmq or null)")
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise ValueError("kv_events_config: enable_kv_cache_events must be true or false")
+        for name in ("endpoint", "topic") + (("replay_endpoint",) if self.replay_endpoint is not None else ()):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"kv_events_config: {name} must be a string")
         for name in ("buffer_steps", "hwm", "max_queue_size"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"kv_events_config: {name} must be a positive integer")
 
     @property
@@ -122,7 +127,7 @@ class KVEventsConfig:
             raise ValueError(f"kv_events_config is not JSON: {e}") from None
         if not isinstance(raw, dict):
             raise ValueError("kv_events_config must be a JSON object")
-        known = {f.name for f in fields(cls)} - {"data_parallel_rank"}
+        known = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"kv_events_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
@@ -132,7 +137,7 @@ class KVEventsConfig:
 class ZmqEventPublisher:
     """Publishes event batches on a ZMQ PUB socket, with a replay buffer behind an optional ROUTER."""
 
-    POLL_S = 0.02  # how long the thread waits on its queue before it looks at replay requests
+    POLL_S = 0.02  # with a replay socket: how long the thread waits on its queue before it looks there
 
     def __init__(self, config: KVEventsConfig) -> None:
         self.config = config
@@ -162,7 +167,10 @@ class ZmqEventPublisher:
     def shutdown(self, timeout: float = 2.0) -> None:
         """Send what is queued, then close the sockets."""
         if self._thread.is_alive():
-            self._queue.put(None)
+            try:
+                self._queue.put(None, timeout=timeout)
+            except queue.Full:
+                return  # a daemon thread: it goes with the process
             self._thread.join(timeout)
 
     # -- the publisher thread ---------------------------------------------------------------------------
@@ -196,6 +204,7 @@ class ZmqEventPublisher:
             return
         self._started.set()
         topic = cfg.topic.encode()
+        wait = self.POLL_S if replay is not None else None  # without replay requests, sleep until a batch
         seq = 0
         try:
             while True:
@@ -203,12 +212,12 @@ class ZmqEventPublisher:
                     while replay.poll(0):
                         self._serve_replay(replay)
                 try:
-                    item = self._queue.get(timeout=self.POLL_S)
+                    item = self._queue.get(timeout=wait)
                 except queue.Empty:
                     continue
                 if item is None:
                     break
-                payload = encode_batch(item[0], item[1], cfg.data_parallel_rank)
+                payload = encode_batch(item[0], item[1])
                 pub.send_multipart((topic, seq.to_bytes(8, "big"), payload))
                 self._buffer.append((seq, payload))
                 seq += 1

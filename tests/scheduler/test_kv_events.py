@@ -197,6 +197,9 @@ def test_config_is_vllms_json() -> None:
         ('{"enable_kv_cache_events": true, "endpont": "x"}', "endpont"),
         ('{"publisher": "kafka"}', "kafka"),
         ('{"enable_kv_cache_events": true, "hwm": 0}', "hwm"),
+        ('{"enable_kv_cache_events": true, "buffer_steps": true}', "buffer_steps"),
+        ('{"enable_kv_cache_events": "yes"}', "enable_kv_cache_events"),
+        ('{"enable_kv_cache_events": true, "endpoint": 5557}', "endpoint"),
         ("[1]", "object"),
         ("{", "JSON"),
     ]:
