@@ -311,6 +311,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos().to(device=device, dtype=dtype), persistent=False)
         self.register_buffer("sin", freqs.sin().to(device=device, dtype=dtype), persistent=False)
 
+    def keep_positions(self, n: int) -> None:
+        """Drop the rows past position ``n``: a server never reaches them (Gemma 3 270M's two tables
+        for 32k positions hold 67 MiB)."""
+        if n < self.cos.shape[0]:
+            self.cos, self.sin = self.cos[:n].clone(), self.sin[:n].clone()
+
     def tables(self, positions: torch.Tensor) -> CosSin:
         """cos and sin rows for ``positions``, ``[T, 1, D/2]`` each: looked up once per step, used by every layer."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
