@@ -155,3 +155,14 @@ def test_render_gives_the_token_ids_generation_would_use(shared_fake_server: Any
     assert r.json() == [{"token_ids": eng.tokenizer.encode("Hi")}, {"token_ids": eng.tokenizer.encode("there")}]
     assert len(eng.added) == before  # nothing generated
     assert_error(http.post(f"{srv.url}/v1/completions/render", json={"prompt": [1, 10**9]}), 400, param="prompt")
+
+
+def test_odd_and_many_field_names_make_a_safe_header(shared_fake_server: Any) -> None:
+    srv, _, _ = shared_fake_server
+    body = {**BODIES["/v1/completions"], "a\r\nset-cookie: x": 1, "é, b": 2}
+    r = http.post(f"{srv.url}/v1/completions", json=body, headers={"X-Request-Id": "ok"})
+    assert r.status_code == 200, r.text
+    assert r.headers[IGNORED] == "a\\r\\nset-cookie:\\x20x, \\xe9\\x2c\\x20b" and "set-cookie" not in r.headers
+    many = {**BODIES["/v1/completions"], **{f"f{i:02d}": i for i in range(40)}}
+    r = http.post(f"{srv.url}/v1/completions", json=many)
+    assert r.headers[IGNORED] == ", ".join(f"f{i:02d}" for i in range(32)) + ", +8 more"
