@@ -165,11 +165,13 @@ CHAT = [{"role": "user", "content": "Tell me a story."}]
 @pytest.mark.parametrize("name", ALL)
 def test_completions_chat_streaming_and_n_through_the_router(routers: dict[str, Router], name: str) -> None:
     url = routers[name].url
-    r = http.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "Once upon", "max_tokens": 6}, headers={"X-Request-Id": "trace-1"})
+    body = {"model": MODEL, "prompt": "Once upon", "max_tokens": 6, "gateway_hint": 1}
+    r = http.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": "trace-1"})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 6 and r.json()["id"].startswith("cmpl-")
     assert r.headers["x-request-id"] == "trace-1"
-    assert "x-servelm-ignored-fields" not in r.headers  # the router's own fields are known ones
+    # Ignored and named, through the router; the router's own fields (no_stop_trim...) are known ones.
+    assert r.headers["x-servelm-ignored-fields"] == "gateway_hint"
     r = http.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 4, "n": 2})
     assert r.status_code == 200, r.text
     assert [c["index"] for c in r.json()["choices"]] == [0, 1]
