@@ -123,9 +123,11 @@ def plan_capacity(
     block_size: int,
     max_model_len: int,
     stored_weight_bytes: int | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> Capacity:
-    """``stored_weight_bytes``: the weights' size where they are not parameters x dtype (a GGUF file)."""
-    per_tok = kv_bytes_per_token(cfg, dtype)
+    """``stored_weight_bytes``: the weights' size where they are not parameters x dtype (a GGUF file);
+    ``kv_dtype``: the cache's dtype where it is not ``dtype``."""
+    per_tok = kv_bytes_per_token(cfg, kv_dtype or dtype)
     num_blocks = int(kv_budget_bytes // (per_tok * block_size))
     weights = stored_weight_bytes if stored_weight_bytes is not None else weight_bytes(cfg, dtype)
     cap = Capacity(weights, per_tok, block_size, num_blocks, max_model_len)

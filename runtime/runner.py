@@ -65,6 +65,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         enforce_eager: bool = False,
         quantization: str | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         """``seed`` seeds the sampler's generator for requests without their own seed (None: from the OS).
 
@@ -87,6 +88,7 @@ class ModelRunner:
         self.model_config = model_config
         self.device = torch.device(device)
         self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -158,7 +160,7 @@ class ModelRunner:
     # ---- the KV pool -----------------------------------------------------------------------------
     def _new_pool(self, num_blocks: int) -> KVPool:
         mc = self.model_config
-        return KVPool(mc.num_layers, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
+        return KVPool(mc.num_layers, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim, self.kv_dtype, self.device)
 
     def allocate_kv_pool(self, num_blocks: int) -> None:
         """Allocate the pool, bind it to the layers, and (CUDA, not eager) capture the decode graphs."""
@@ -216,7 +218,7 @@ class ModelRunner:
             self.device,
             gpu_memory_utilization,
             self.warm_up,
-            kv_bytes_per_token(self.model_config, self.dtype) * self.block_size * -(-self.max_num_batched_tokens // self.block_size),
+            kv_bytes_per_token(self.model_config, self.kv_dtype) * self.block_size * -(-self.max_num_batched_tokens // self.block_size),
             reserve_bytes,
         )
 

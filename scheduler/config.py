@@ -13,6 +13,7 @@ class EngineConfig:
     served_model_name: str | None = None
     tokenizer: str | None = None  # defaults to the model folder
     dtype: str = "auto"  # auto => float32 on CPU, bfloat16 on CUDA
+    kv_cache_dtype: str = "auto"  # auto => dtype; bfloat16/float16 halve a float32 model's KV pool (CPU)
     device: str = "auto"  # auto => cuda when available, else cpu
     block_size: int | None = None  # None => 16 on CPU, what the attention backend needs on CUDA
     kv_cache_memory: int | None = None  # bytes for the KV pool (CPU); None => 2 GiB on CPU

@@ -102,6 +102,7 @@ def start_up(config: EngineConfig, runner: RunnerLike | None = None) -> StartUp:
     mc = ModelConfig.from_dir(model_dir)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
+    kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype, device)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     # Refused before the weights are loaded.
@@ -138,13 +139,14 @@ def start_up(config: EngineConfig, runner: RunnerLike | None = None) -> StartUp:
         if runner is None or runner.kv_pool is None:
             raise ValueError(f"an injected runner on {device} needs kv_cache_memory or a kv_pool")
         kv_memory = runner.kv_pool.nbytes
-    capacity = plan_capacity(mc, dtype, kv_memory, block_size, max_model_len, stored_weight_bytes(model_dir))
+    capacity = plan_capacity(mc, dtype, kv_memory, block_size, max_model_len, stored_weight_bytes(model_dir), kv_dtype)
     log.info("KV capacity: %s", capacity.describe())
 
     resolved = dataclasses.replace(
         config,
         device=str(device),
         dtype=DTYPE_NAMES.get(dtype, str(dtype)),
+        kv_cache_dtype=DTYPE_NAMES.get(kv_dtype, str(kv_dtype)),
         block_size=block_size,
         kv_cache_memory=kv_memory,
         max_model_len=max_model_len,
@@ -222,6 +224,17 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; expected auto, float32, bfloat16 or float16") from None
 
 
+def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's dtype: ``auto`` is the model's; a 16-bit cache under float32 weights on CPU."""
+    kv_dtype = dtype if name == "auto" else resolve_dtype(name, device)
+    if kv_dtype != dtype and (device.type != "cpu" or dtype != torch.float32):
+        raise ValueError(
+            f"--kv-cache-dtype {name} with --dtype {DTYPE_NAMES.get(dtype, dtype)} on {device.type}: a cache "
+            "unlike the weights is served on CPU under float32 weights only (use --kv-cache-dtype auto)"
+        )
+    return kv_dtype
+
+
 def eos_ids(model_dir: Path, model_config: ModelConfig, tokenizer: Any) -> tuple[int, ...]:
     """EOS ids from config.json, generation_config.json (Llama 3 lists several) and the tokenizer."""
     ids: list[int] = list(model_config.eos_token_ids)
@@ -287,4 +300,5 @@ def new_runner(
         max_model_len=max_model_len,
         enforce_eager=config.enforce_eager,
         quantization=config.quantization,
+        kv_dtype=resolve_kv_dtype(config.kv_cache_dtype, dtype, device),
     )

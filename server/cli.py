@@ -150,6 +150,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--served-model-name", default=None, help="model id clients send and /v1/models lists (default: the model folder name)")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model folder)")
     g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"], help="weight and KV dtype (default: auto = float32 on CPU, bfloat16 on CUDA)")
+    g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "float32", "bfloat16", "float16"], help="KV cache dtype (default: auto = --dtype). On CPU, bfloat16 or float16 under float32 weights halve the KV pool's bytes per token, as llama.cpp's f16 cache does; attention still computes in float32, but greedy tokens are then no longer exactly transformers' float32 ones. On CUDA it must equal --dtype")
     g.add_argument("--device", default=d.device, help="auto, cpu or cuda[:N] (default: auto = cuda when available)")
     g.add_argument("--max-model-len", type=_positive_int, default=None, help="longest prompt + completion in tokens (default: min(model's max positions, 8192))")
 
@@ -197,6 +198,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         served_model_name=args.served_model_name,
         tokenizer=args.tokenizer,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,

@@ -9,7 +9,7 @@ table (several times faster than gather + SDPA at batch 32). It is JIT-built wit
 
 Shapes (shared by every function here):
     q             [B, H, D]                           float32 or bfloat16 (any strides)
-    k_cache       [num_blocks, block_size, KVH, D]    same dtype, contiguous (v_cache alike)
+    k_cache       [num_blocks, block_size, KVH, D]    q's dtype, or bf16/f16 under float32 q; contiguous (v_cache alike)
     block_tables  [B, max_blocks] int32               entries past ceil(seq_len/block_size) are never read
     seq_lens      [B] int32                           context length incl. the token just written, >= 1
     returns       [B, H, D]                           written into ``out`` when given
@@ -100,16 +100,19 @@ def paged_decode_attention_reference(
 def _self_check(fn: PagedDecodeAttention) -> str | None:
     """Compare the compiled kernel against the reference on a small case; a reason if it differs."""
     gen = torch.Generator().manual_seed(0)
-    for dtype, head_dim, tol in ((torch.float32, 64, 1e-5), (torch.float32, 40, 1e-5), (torch.bfloat16, 64, 2e-2)):
-        k_cache = torch.randn(8, 4, 2, head_dim, generator=gen).to(dtype)
-        v_cache = torch.randn(8, 4, 2, head_dim, generator=gen).to(dtype)
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+    # (queries, cache): a 16-bit cache under float32 queries is what --kv-cache-dtype gives.
+    cases = ((f32, f32, 64, 1e-5), (f32, f32, 40, 1e-5), (bf16, bf16, 64, 2e-2), (f32, bf16, 64, 1e-5), (f32, f16, 40, 1e-5))
+    for dtype, kv_dtype, head_dim, tol in cases:
+        k_cache = torch.randn(8, 4, 2, head_dim, generator=gen).to(kv_dtype)
+        v_cache = torch.randn(8, 4, 2, head_dim, generator=gen).to(kv_dtype)
         q = torch.randn(2, 6, head_dim, generator=gen).to(dtype)
         tables = torch.tensor([[3, 0, 5, 7, 1], [6, 2, 4, -1, -1]], dtype=torch.int32)
         lens = torch.tensor([19, 9], dtype=torch.int32)
         got = fn(q, k_cache, v_cache, tables, lens, 0.125)
         want = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, 0.125)
         if not torch.allclose(got.float(), want.float(), atol=tol, rtol=0):
-            return f"self-check failed ({dtype}, head_dim {head_dim})"
+            return f"self-check failed ({dtype} queries, {kv_dtype} cache, head_dim {head_dim})"
     return None
 
 

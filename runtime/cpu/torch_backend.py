@@ -220,6 +220,7 @@ class TorchAttentionBackend(AttentionBackend):
         if (
             self.rope_decode is None
             or qkv.dtype != torch.float32
+            or k_cache.dtype != qkv.dtype  # the fused kernel writes a float32 cache only
             or meta.num_decode_tokens != meta.num_tokens
             or not isinstance(meta, TorchAttentionMetadata)
             or meta.write_rows is not None
@@ -249,6 +250,10 @@ class TorchAttentionBackend(AttentionBackend):
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_flat = k_cache.view(-1, num_kv_heads, head_dim)
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+        if k_flat.dtype != k.dtype:
+            # A 16-bit cache under float32 queries: every path attends to K/V as stored (rounded),
+            # so a prompt gives the same tokens whether it is prefilled whole, chunked or cached.
+            k, v = k.to(k_flat.dtype), v.to(v_flat.dtype)
         if meta.write_rows is None:
             k_flat.index_copy_(0, meta.slot_mapping, k)
             v_flat.index_copy_(0, meta.slot_mapping, v)
@@ -256,6 +261,7 @@ class TorchAttentionBackend(AttentionBackend):
             assert meta.write_slots is not None
             k_flat.index_copy_(0, meta.write_slots, k.index_select(0, meta.write_rows))
             v_flat.index_copy_(0, meta.write_slots, v.index_select(0, meta.write_rows))
+        k, v = k.to(q.dtype), v.to(q.dtype)
 
         nd = meta.num_decode_tokens
         real = meta.num_real_tokens
@@ -290,8 +296,8 @@ class TorchAttentionBackend(AttentionBackend):
         span = meta.decode_span
         # GQA by grouping query heads under their KV head: no repeated K/V.
         qg = q.reshape(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        keys = k_flat.index_select(0, meta.decode_slots).view(b, span, num_kv_heads, head_dim)
-        vals = v_flat.index_select(0, meta.decode_slots).view(b, span, num_kv_heads, head_dim)
+        keys = k_flat.index_select(0, meta.decode_slots).view(b, span, num_kv_heads, head_dim).to(q.dtype)
+        vals = v_flat.index_select(0, meta.decode_slots).view(b, span, num_kv_heads, head_dim).to(q.dtype)
         scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)) * scale  # [b, kvh, group, span]
         mask = self._window_mask(meta, "decode", window) if window else meta.decode_mask
         probs = torch.softmax(scores + mask.to(scores.dtype), dim=-1)
@@ -316,13 +322,13 @@ class TorchAttentionBackend(AttentionBackend):
             n, q_max, k_max = meta.prefill_batch
             num_heads, head_dim = q.shape[1], q.shape[2]
             qb = q.index_select(0, meta.prefill_q_index).view(n, q_max, num_heads, head_dim).transpose(1, 2)
-            kb = k_flat.index_select(0, meta.prefill_slots).view(n, k_max, -1, head_dim).transpose(1, 2)
-            vb = v_flat.index_select(0, meta.prefill_slots).view(n, k_max, -1, head_dim).transpose(1, 2)
+            kb = k_flat.index_select(0, meta.prefill_slots).view(n, k_max, -1, head_dim).transpose(1, 2).to(q.dtype)
+            vb = v_flat.index_select(0, meta.prefill_slots).view(n, k_max, -1, head_dim).transpose(1, 2).to(q.dtype)
             out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=True)
             return out.transpose(1, 2).reshape(n * q_max, num_heads, head_dim).index_select(0, meta.prefill_out_index)
         if meta.prefill_slots is not None:
-            k = k_flat.index_select(0, meta.prefill_slots)
-            v = v_flat.index_select(0, meta.prefill_slots)
+            k = k_flat.index_select(0, meta.prefill_slots).to(q.dtype)
+            v = v_flat.index_select(0, meta.prefill_slots).to(q.dtype)
         # SDPA wants [batch, heads, tokens, head_dim]; the whole prefill is one "batch" row.
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),

@@ -180,6 +180,21 @@ def test_bfloat16(request, impl, head_dim):
         torch.testing.assert_close(reference(*case.args()).float(), exact, atol=1e-5, rtol=2**-8)
 
 
+@pytest.mark.parametrize("impl", ["kernel", "portable"])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_16_bit_cache_under_float32_queries(request, impl, kv_dtype, head_dim):
+    """--kv-cache-dtype: float32 queries over a bf16/f16 cache give float32 attention over the
+    cache's values as stored (summation order is all that differs)."""
+    fn = request.getfixturevalue(impl)
+    for case in random_cases(4, head_dim, 16, 3, draws=2, dtype=kv_dtype):
+        q32 = case.q.float()
+        got = fn(q32, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale)
+        assert got.dtype == torch.float32
+        exact = reference(q32, case.k_cache.float(), case.v_cache.float(), case.block_tables, case.seq_lens, case.scale)
+        torch.testing.assert_close(got, exact, atol=1e-5, rtol=1e-5)
+
+
 def test_writes_into_out(kernel):
     case = random_cases(4, 64, 16, 3, draws=1)[0]
     want = reference(*case.args())

@@ -176,3 +176,30 @@ def test_async_scheduling_with_every_feature(default_model_dir: Path, default_pr
     assert engine.scheduler.num_preemptions_total > 0 and engine.block_manager.prefix_cache_hits > 200
     check(results, hf_refs, "async-scheduling")
     finish(engine)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
+def test_16_bit_kv_cache(default_model_dir: Path, default_prompts, hf_refs, kv_dtype: str) -> None:
+    """``--kv-cache-dtype``: half the bytes per token. A float16 cache (llama.cpp's default) still gives
+    transformers' float32 greedy tokens here, through chunks, the prefix cache and preemption; bfloat16
+    keeps 8 bits of mantissa, and its tokens drift from float32's (reported, only half must hold)."""
+    engine, runs = run_engine(default_model_dir, default_prompts, kv_cache_dtype=kv_dtype, kv_cache_memory=64 * MiB)
+    assert engine.runner.kv_pool.dtype == getattr(torch, kv_dtype)
+    assert engine.capacity.kv_bytes_per_token == KV_TOKEN_BYTES // 2
+    assert engine.capacity.num_blocks == 128 * MiB // (KV_TOKEN_BYTES * 16)  # what 128 MiB of float32 holds
+    finish(engine)
+    engine, more = run_engine(
+        default_model_dir, default_prompts, runs=2, kv_cache_dtype=kv_dtype, enable_prefix_caching=True,
+        max_num_batched_tokens=16, kv_cache_memory=40 * 16 * KV_TOKEN_BYTES // 2, max_model_len=512,
+    )
+    assert engine.scheduler.num_preemptions_total > 0 and engine.block_manager.prefix_cache_hits > 200
+    finish(engine)
+    for label, run in zip(("whole prompts", "chunks + preemption", "prefix cache"), runs + more):
+        same = [
+            next((i for i, (a, b) in enumerate(zip(r.outputs[0].token_ids, ref.tokens)) if a != b), MAX_NEW)
+            for r, ref in zip(run, hf_refs)
+        ]
+        print(f"{kv_dtype} KV cache, {label}: equal to float32 transformers' tokens up to {same} of {MAX_NEW}")
+        assert sum(n == MAX_NEW for n in same) >= len(same) // 2, same
+    if kv_dtype == "float16":
+        check(runs + more, hf_refs, "float16 KV cache")

@@ -21,6 +21,7 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
@@ -67,6 +68,7 @@ struct Problem {
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
 template <typename T>
 inline T from_float(float x) { return static_cast<T>(x); }
@@ -164,8 +166,9 @@ inline void store_group(const Problem& p, T* out, int64_t b, int64_t kvh, int64_
 // ---------------------------------------------------------------------------------------------
 // Portable implementation. kD > 0 fixes head_dim at compile time (64, 128) so the inner loops
 // have known trip counts; kD == 0 reads it from the problem.
-template <typename T, int kD>
-void attend_portable(const Problem& p, const T* q, const T* k, const T* v, int64_t b, int64_t kvh,
+// TQ: the queries' type; T: the cache's (a 16-bit cache under float32 queries halves the KV memory).
+template <typename TQ, typename T, int kD>
+void attend_portable(const Problem& p, const TQ* q, const T* k, const T* v, int64_t b, int64_t kvh,
                      int64_t begin, int64_t n, Scratch& w) {
   const int64_t D = kD > 0 ? kD : p.head_dim;
   const int64_t G = p.group;
@@ -227,6 +230,9 @@ inline __m512 load16(const c10::BFloat16* x) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+inline __m512 load16(const c10::Half* x) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+}
 
 // Lane i of the result is the sum of the 16 lanes of r[i].
 inline __m512 transpose_sum16(const __m512* r) {
@@ -270,8 +276,8 @@ inline __m512 exp16_nonpositive(__m512 x) {
 }
 
 // kC = head_dim / 16 at compile time (4, 8), or 0 for any other multiple of 16.
-template <typename T, int kC>
-void attend_avx512(const Problem& p, const T* q, const T* k, const T* v, int64_t b, int64_t kvh,
+template <typename TQ, typename T, int kC>
+void attend_avx512(const Problem& p, const TQ* q, const T* k, const T* v, int64_t b, int64_t kvh,
                    int64_t begin, int64_t n, Scratch& w) {
   const int64_t D = p.head_dim;
   const int C = kC > 0 ? kC : static_cast<int>(D / 16);
@@ -349,18 +355,18 @@ void attend_avx512(const Problem& p, const T* q, const T* k, const T* v, int64_t
 using AttendFn = void (*)(const Problem&, const void*, const void*, const void*, int64_t, int64_t,
                           int64_t, int64_t, Scratch&);
 
-template <typename T, int kD>
+template <typename TQ, typename T, int kD>
 void portable_entry(const Problem& p, const void* q, const void* k, const void* v, int64_t b,
                     int64_t kvh, int64_t begin, int64_t end, Scratch& w) {
-  attend_portable<T, kD>(p, static_cast<const T*>(q), static_cast<const T*>(k),
+  attend_portable<TQ, T, kD>(p, static_cast<const TQ*>(q), static_cast<const T*>(k),
                          static_cast<const T*>(v), b, kvh, begin, end, w);
 }
 
 #if SERVELM_HAVE_AVX512
-template <typename T, int kC>
+template <typename TQ, typename T, int kC>
 void avx512_entry(const Problem& p, const void* q, const void* k, const void* v, int64_t b,
                   int64_t kvh, int64_t begin, int64_t end, Scratch& w) {
-  attend_avx512<T, kC>(p, static_cast<const T*>(q), static_cast<const T*>(k),
+  attend_avx512<TQ, T, kC>(p, static_cast<const TQ*>(q), static_cast<const T*>(k),
                        static_cast<const T*>(v), b, kvh, begin, end, w);
 }
 #endif
@@ -373,20 +379,29 @@ void store_entry(const Problem& p, void* out, int64_t b, int64_t kvh, const Scra
   store_group(p, static_cast<T*>(out), b, kvh, p.head_dim, w);
 }
 
-template <typename T>
+template <typename TQ, typename T>
 AttendFn choose(int64_t head_dim, bool allow_simd) {
 #if SERVELM_HAVE_AVX512
   if (allow_simd && head_dim % 16 == 0) {
-    if (head_dim == 64) return avx512_entry<T, 4>;
-    if (head_dim == 128) return avx512_entry<T, 8>;
-    return avx512_entry<T, 0>;
+    if (head_dim == 64) return avx512_entry<TQ, T, 4>;
+    if (head_dim == 128) return avx512_entry<TQ, T, 8>;
+    return avx512_entry<TQ, T, 0>;
   }
 #else
   (void)allow_simd;
 #endif
-  if (head_dim == 64) return portable_entry<T, 64>;
-  if (head_dim == 128) return portable_entry<T, 128>;
-  return portable_entry<T, 0>;
+  if (head_dim == 64) return portable_entry<TQ, T, 64>;
+  if (head_dim == 128) return portable_entry<TQ, T, 128>;
+  return portable_entry<TQ, T, 0>;
+}
+
+// The queries' and the cache's types: float32 queries over a float32, bfloat16 or float16 cache, or
+// bfloat16 over bfloat16.
+AttendFn choose_types(at::ScalarType q, at::ScalarType kv, int64_t head_dim, bool allow_simd) {
+  if (q == at::kBFloat16) return choose<c10::BFloat16, c10::BFloat16>(head_dim, allow_simd);
+  if (kv == at::kBFloat16) return choose<float, c10::BFloat16>(head_dim, allow_simd);
+  if (kv == at::kHalf) return choose<float, c10::Half>(head_dim, allow_simd);
+  return choose<float, float>(head_dim, allow_simd);
 }
 
 // window > 0: sliding-window attention, each query attends to its sequence's last ``window`` tokens
@@ -406,8 +421,10 @@ at::Tensor run(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tens
               " differs from k_cache shape ", k_cache.sizes());
   const auto dtype = q.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "q must be float32 or bfloat16, got ", dtype);
-  TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
-              "q, k_cache and v_cache must share a dtype");
+  const auto kv_dtype = k_cache.scalar_type();
+  TORCH_CHECK(v_cache.scalar_type() == kv_dtype, "k_cache and v_cache must share a dtype");
+  TORCH_CHECK(kv_dtype == dtype || (dtype == at::kFloat && (kv_dtype == at::kBFloat16 || kv_dtype == at::kHalf)),
+              "the cache must be q's dtype, or bfloat16/float16 under float32 q; got q ", dtype, ", cache ", kv_dtype);
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "k_cache and v_cache must be contiguous");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), KVH = k_cache.size(2);
@@ -464,7 +481,7 @@ at::Tensor run(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tens
     }
   }
 
-  const AttendFn fn = dtype == at::kFloat ? choose<float>(D, allow_simd) : choose<c10::BFloat16>(D, allow_simd);
+  const AttendFn fn = choose_types(dtype, kv_dtype, D, allow_simd);
   const void* qp = q.data_ptr();
   const void* kp = k_cache.data_ptr();
   const void* vp = v_cache.data_ptr();
