@@ -43,11 +43,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class RouterUnavailable(Exception):
+    """This router cannot run here (not installed: PyPI has no wheel for the platform; or its binary fails)."""
+
+
 def _router_argv(router: str, policy: str, port: int, workers: list[str]) -> list[str]:
     if router == "vllm":
         exe = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or shutil.which("vllm-router")
         if exe is None:
-            pytest.skip("vllm-router is not installed (pip install -e '.[test]')")
+            raise RouterUnavailable("vllm-router is not installed (PyPI has Linux wheels only; pip install -e '.[test]')")
         return [
             exe, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers, "--policy", policy,
             "--prometheus-port", str(_free_port()),
@@ -55,7 +59,7 @@ def _router_argv(router: str, policy: str, port: int, workers: list[str]) -> lis
     try:
         import sglang_router  # noqa: F401
     except ImportError:
-        pytest.skip("sglang-router is not installed (pip install -e '.[test]')")
+        raise RouterUnavailable("sglang-router is not installed (no wheel for Linux aarch64; pip install -e '.[test]')")
     return [
         sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
         "--worker-urls", *workers, "--policy", policy, "--prometheus-port", str(_free_port()),
@@ -73,7 +77,7 @@ class Router:
         try:
             self.proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT)
         except OSError as e:  # a binary built for another platform
-            pytest.skip(f"{router}-router cannot run here: {e}")
+            raise RouterUnavailable(f"{router}-router cannot run here: {e}") from None
 
     @property
     def url(self) -> str:
@@ -85,7 +89,7 @@ class Router:
             if self.proc.poll() is not None:
                 output = self.log.read_text()[-2000:]
                 if "Exec format error" in output or "GLIBC" in output:
-                    pytest.skip(f"{self.name} cannot run on this platform: {output}")
+                    raise RouterUnavailable(f"{self.name} cannot run on this platform: {output}")
                 raise AssertionError(f"{self.name} exited {self.proc.returncode}: {output}")
             try:
                 r = http.post(f"{self.url}/v1/completions", json={"model": MODEL, "prompt": "warm up", "max_tokens": 1})
@@ -122,22 +126,42 @@ def replicas(tiny_llama_dir: Path) -> Iterator[list[ServeProcess]]:
             p.__exit__()
 
 
+class Routers:
+    """The routers started for the module, and why the others could not start."""
+
+    def __init__(self) -> None:
+        self.started: dict[str, Router] = {}
+        self.unavailable: dict[str, str] = {}
+
+    def url(self, name: str) -> str:
+        if name in self.unavailable:
+            pytest.skip(self.unavailable[name])
+        return self.started[name].url
+
+
 @pytest.fixture(scope="module")
-def routers(replicas: list[ServeProcess], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Router]]:
+def routers(replicas: list[ServeProcess], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Routers]:
     """Each router with each policy, started once for the module over the same two replicas."""
     logs = tmp_path_factory.mktemp("routers")
     workers = [r.url for r in replicas]
-    started: dict[str, Router] = {}
+    out = Routers()
     try:
         for router in ROUTERS:
             for policy in POLICIES:
-                r = Router(router, policy, workers, logs / f"{router}-{policy}.log")
-                started[r.name] = r
-        for r in started.values():
-            r.wait_ready()
-        yield started
+                try:
+                    r = Router(router, policy, workers, logs / f"{router}-{policy}.log")
+                except RouterUnavailable as e:
+                    out.unavailable[f"{router}-{policy}"] = str(e)
+                else:
+                    out.started[r.name] = r
+        for name, r in list(out.started.items()):
+            try:
+                r.wait_ready()
+            except RouterUnavailable as e:
+                out.unavailable[name] = str(e)
+        yield out
     finally:
-        for r in started.values():
+        for r in out.started.values():
             r.stop()
 
 
@@ -163,8 +187,8 @@ CHAT = [{"role": "user", "content": "Tell me a story."}]
 
 
 @pytest.mark.parametrize("name", ALL)
-def test_completions_chat_streaming_and_n_through_the_router(routers: dict[str, Router], name: str) -> None:
-    url = routers[name].url
+def test_completions_chat_streaming_and_n_through_the_router(routers: Routers, name: str) -> None:
+    url = routers.url(name)
     body = {"model": MODEL, "prompt": "Once upon", "max_tokens": 6, "gateway_hint": 1}
     r = http.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": "trace-1"})
     assert r.status_code == 200, r.text
@@ -185,8 +209,8 @@ def test_completions_chat_streaming_and_n_through_the_router(routers: dict[str, 
 
 
 @pytest.mark.parametrize("router", ROUTERS)
-def test_stop_strings_are_kept_when_the_router_says_no_stop_trim(routers: dict[str, Router], router: str) -> None:
-    url = routers[f"{router}-round_robin"].url  # both replicas: the same greedy tokens
+def test_stop_strings_are_kept_when_the_router_says_no_stop_trim(routers: Routers, router: str) -> None:
+    url = routers.url(f"{router}-round_robin")  # both replicas: the same greedy tokens
     base = {"model": MODEL, "prompt": "The weather today", "max_tokens": 12, "temperature": 0}
     text = http.post(f"{url}/v1/completions", json=base).json()["choices"][0]["text"]
     stop = text[len(text) // 2 : len(text) // 2 + 3]
@@ -198,11 +222,11 @@ def test_stop_strings_are_kept_when_the_router_says_no_stop_trim(routers: dict[s
 
 
 @pytest.mark.parametrize("name", ALL)
-def test_an_abort_mid_stream_reaches_the_replica(routers: dict[str, Router], replicas: list[ServeProcess], name: str) -> None:
+def test_an_abort_mid_stream_reaches_the_replica(routers: Routers, replicas: list[ServeProcess], name: str) -> None:
     _wait_idle(replicas)
     aborted = _metric(replicas, "servelm_request_failure_total", 'reason="aborted"')
     body = {"model": MODEL, "messages": CHAT, "max_tokens": 450, "ignore_eos": True, "stream": True}
-    with http.stream("POST", f"{routers[name].url}/v1/chat/completions", json=body) as s:
+    with http.stream("POST", f"{routers.url(name)}/v1/chat/completions", json=body) as s:
         lines = s.iter_lines()
         assert [next(lines) for _ in range(6)]  # tokens flow: the request runs on a replica
         assert _metric(replicas, "servelm_num_requests_running") == 1
@@ -235,8 +259,8 @@ def _shared_prefix_hits(url: str, replicas: list[ServeProcess], tag: str) -> flo
 
 @pytest.mark.parametrize("router", ROUTERS)
 def test_cache_aware_routing_gets_more_prefix_hits_than_round_robin(
-    routers: dict[str, Router], replicas: list[ServeProcess], router: str
+    routers: Routers, replicas: list[ServeProcess], router: str
 ) -> None:
-    hits = {p: _shared_prefix_hits(routers[f"{router}-{p}"].url, replicas, f"{router}-{p}") for p in POLICIES}
+    hits = {p: _shared_prefix_hits(routers.url(f"{router}-{p}"), replicas, f"{router}-{p}") for p in POLICIES}
     print(f"\n{router}-router, 8 system prompts x 16 users: prefix-cache hit tokens summed over 2 replicas: {hits}")
     assert hits["cache_aware"] > hits["round_robin"], hits
