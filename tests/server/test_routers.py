@@ -1,5 +1,5 @@
 """Two servelm replicas (real processes, a tiny random Llama) behind the routers people scale out with:
-vllm-router and sglang-router (PyPI), each with ``cache_aware`` and ``round_robin``. Completions, chat,
+vllm-router and sglang-router (PyPI), each with ``cache_aware`` and ``round_robin``. Completions, chat, responses,
 streaming, n>1, the routers' own fields and an abort mid-stream go through each; then a shared-prefix
 workload (8 system prompts x 16 users) shows what ``cache_aware`` buys in prefix-cache hits.
 
@@ -206,6 +206,9 @@ def test_completions_chat_streaming_and_n_through_the_router(routers: Routers, n
         events = [line[len("data: ") :] for line in s.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     assert '"completion_tokens":5' in events[-2]
+    r = http.post(f"{url}/v1/responses", json={"model": MODEL, "input": "Tell me a story.", "max_output_tokens": 3})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["output_tokens"] == 3
 
 
 @pytest.mark.parametrize("router", ROUTERS)
