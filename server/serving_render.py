@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from servelm.server.chat import chat_text_chars, normalize_messages, render_chat_prompt
+from servelm.server.errors import bad_request
 from servelm.server.protocol_chat import ChatCompletionRequest
 from servelm.server.protocol_completions import CompletionRequest
 from servelm.server.serving_common import ServingContext, check_token_ids
@@ -26,6 +27,9 @@ async def render_completion(ctx: ServingContext, req: CompletionRequest) -> list
     _check_prompt_sizes(ctx, texts, given_ids)
     check_token_ids([t for t in given_ids if t is not None], ctx.vocab_size)
     prompt_ids, _ = await ctx.async_engine.run_blocking(_prepare_prompts, ctx.tokenizer, texts, given_ids, False)
+    for i, ids in enumerate(prompt_ids):
+        if not ids:  # as generation refuses it
+            raise bad_request(f"Prompt {i} is empty (0 tokens).", param="prompt")
     return [{"token_ids": ids} for ids in prompt_ids]
 
 
