@@ -70,24 +70,29 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _parsed_by(parse: Callable[[str], object]) -> Callable[[str], str]:
+    """An argparse type that checks a JSON flag with its config class's parser and keeps the text."""
+
+    def check(text: str) -> str:
+        try:
+            parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return text
+
+    return check
+
+
 def _speculative_config(text: str) -> str:
     from servelm.scheduler.speculative import SpeculativeConfig
 
-    try:
-        SpeculativeConfig.parse(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
+    return _parsed_by(SpeculativeConfig.parse)(text)
 
 
 def _kv_events_config(text: str) -> str:
     from servelm.scheduler.kv_events import KVEventsConfig
 
-    try:
-        KVEventsConfig.parse(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
+    return _parsed_by(KVEventsConfig.parse)(text)
 
 
 def parse_lora_module(text: str) -> tuple[str, str]:

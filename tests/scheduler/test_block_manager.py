@@ -2,35 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
+from block_seq import Seq, compute
 from servelm.scheduler.block_manager import BlockManager, PrefixMatch, block_hash_seed
-
-
-@dataclass
-class Seq:
-    """The minimal sequence the block manager works on."""
-
-    seq_id: int
-    token_ids: list[int]
-    num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)
-    hash_seed: bytes | None = None
-
-
-def compute(bm: BlockManager, seq: Seq, n: int, prefix: PrefixMatch | None = None) -> bool:
-    """Allocate and "compute" n tokens (what one scheduled step does), then register full blocks."""
-    if not bm.allocate_slots(seq, n, prefix):
-        return False
-    seq.num_computed_tokens += n
-    bm.cache_full_blocks(seq)
-    return True
 
 
 def test_allocate_and_free_counts() -> None:

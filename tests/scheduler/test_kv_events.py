@@ -7,33 +7,17 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 import pytest
 import zmq
 
-from servelm.scheduler.block_manager import BlockManager, PrefixMatch
+from block_seq import Seq, compute
+from servelm.scheduler.block_manager import BlockManager
 from servelm.scheduler.kv_events import END_SEQ, KVEventsConfig, ZmqEventPublisher, external_hash, make_publisher
 
 BS = 4
-
-
-@dataclass
-class Seq:
-    seq_id: int
-    token_ids: list[int]
-    num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)
-    hash_seed: bytes | None = None
-
-
-def compute(bm: BlockManager, seq: Seq, n: int, prefix: PrefixMatch | None = None) -> None:
-    assert bm.allocate_slots(seq, n, prefix)
-    seq.num_computed_tokens += n
-    bm.cache_full_blocks(seq)
 
 
 def free_port() -> int:
@@ -93,7 +77,7 @@ def test_events_follow_the_prefix_cache(endpoints: tuple[ZmqEventPublisher, Any,
 
     # A 10-token prompt fills 2 blocks: one BlockStored with both, chained from no parent.
     a = Seq(0, list(range(10)))
-    compute(bm, a, 10)
+    assert compute(bm, a, 10)
     pub.publish(bm.take_events())
     seq, events = receive(sub)
     assert seq == 0 and events == [stored(a.block_hashes, None, a.token_ids[:8])]
@@ -102,7 +86,7 @@ def test_events_follow_the_prefix_cache(endpoints: tuple[ZmqEventPublisher, Any,
     # A second prompt sharing those 8 tokens adopts them (no event) and stores only its own 3rd block,
     # whose parent is the shared 2nd block.
     b = Seq(1, list(range(8)) + [50, 51, 52, 53, 54])
-    compute(bm, b, 13 - 8, bm.lookup(b))
+    assert compute(bm, b, 13 - 8, bm.lookup(b))
     assert b.block_table[:2] == a.block_table[:2]
     pub.publish(bm.take_events())
     seq, events = receive(sub)
@@ -117,7 +101,7 @@ def test_events_follow_the_prefix_cache(endpoints: tuple[ZmqEventPublisher, Any,
     bm.free(a)
     bm.free(b)
     c = Seq(2, list(range(100, 124)))
-    compute(bm, c, 24)
+    assert compute(bm, c, 24)
     pub.publish(bm.take_events())
     seq, events = receive(sub)
     removed = [h for e in events if e["type"] == "BlockRemoved" for h in e["block_hashes"]]
@@ -156,7 +140,7 @@ def test_replay_resends_from_a_sequence_number(endpoints: tuple[ZmqEventPublishe
     pub, sub, replay_endpoint = endpoints
     bm = BlockManager(num_blocks=8, block_size=BS, kv_events=True)
     for i in range(3):
-        compute(bm, Seq(i, [i] * 8), 8)
+        assert compute(bm, Seq(i, [i] * 8), 8)
         pub.publish(bm.take_events())
     live = [receive(sub) for _ in range(3)]
     assert [s for s, _ in live] == [0, 1, 2]
@@ -181,7 +165,7 @@ def test_replay_resends_from_a_sequence_number(endpoints: tuple[ZmqEventPublishe
 
 def test_disabled_records_nothing() -> None:
     bm = BlockManager(num_blocks=4, block_size=BS)
-    compute(bm, Seq(0, list(range(8))), 8)
+    assert compute(bm, Seq(0, list(range(8))), 8)
     bm.reset_prefix_cache()
     assert bm.take_events() == []
     assert make_publisher(None) is None

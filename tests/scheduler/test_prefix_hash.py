@@ -8,25 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import sys
-from dataclasses import dataclass, field
 
 import pytest
 
+from block_seq import Seq
 from servelm.scheduler.block_manager import BlockManager, block_hash_seed, hash_block
 from servelm.scheduler.request import Request
 from servelm.scheduler.sampling_params import SamplingParams
-
-
-@dataclass
-class Seq:
-    """The minimal sequence the block manager works on."""
-
-    seq_id: int
-    token_ids: list[int]
-    num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)
-    hash_seed: bytes | None = None
 
 
 def ref_seed(lora_id: int, salt: str | None) -> bytes:
