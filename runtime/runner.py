@@ -37,6 +37,7 @@ from servelm.runtime.weights import load_model
 
 if TYPE_CHECKING:
     from servelm.runtime.cuda.graphs import CudaGraphRunner
+    from servelm.runtime.models.llama import CausalLM
 
 log = logging.getLogger(__name__)
 
@@ -110,9 +111,7 @@ class ModelRunner:
         )
         if self.weights_as_stored:
             quantization = None
-        self.model = load_model(
-            model_dir, model_config, self.backend, dtype=dtype, device=self.device, gguf_as_stored=self.weights_as_stored
-        )
+        self.model = self.load_model(model_dir, model_config)
         kernels = platform.quantized_kernels(self.device) if quantization not in (None, NONE) else {}
         quantization = quantize_model(self.model, quantization, kernels, self.device, dtype, widths)
         self.quantized_kernels = kernels if quantization else {}
@@ -155,6 +154,12 @@ class ModelRunner:
             + ("; weights as stored in the GGUF file" if self.weights_as_stored else "")
             + ("; fused Triton norms/activation/RoPE" if self.fused_ops else "")
             + (f"; fused few-row projections: {self.few_rows_mode}" if self.few_rows is not None else ""),
+        )
+
+    def load_model(self, model_dir: Path, model_config: ModelConfig) -> CausalLM:
+        """The loaded model (a tensor-parallel runner, ``runtime.distributed``, loads its rank's shard)."""
+        return load_model(
+            model_dir, model_config, self.backend, dtype=self.dtype, device=self.device, gguf_as_stored=self.weights_as_stored
         )
 
     # ---- the KV pool -----------------------------------------------------------------------------

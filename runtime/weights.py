@@ -73,7 +73,7 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> int:
                 if param is None or (name, shard) not in expected:
                     unexpected.append(ckpt_name)
                     continue
-                tensor = f.get_tensor(ckpt_name)
+                tensor = model.checkpoint_shard(name, shard, f.get_tensor(ckpt_name))
                 dst = param.data
                 if shard is not None:
                     dst = dst[param.shard_slices[shard]]  # type: ignore[attr-defined]

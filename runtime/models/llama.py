@@ -119,12 +119,7 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """``input_ids``, ``positions``: ``[T]`` -> final-normed hidden states ``[T, hidden]``."""
-        if self.stored_embedding is not None:
-            h = self.stored_embedding.lookup(input_ids)
-        else:
-            h = F.embedding(input_ids, self.model.embed_tokens.weight)
-        if self.embed_scale != 1.0:  # Granite, Gemma
-            h = h * self.embed_scale
+        h = self.embed(input_ids)
         cos_sin = self.model.rotary_emb.tables(positions)
         local = self.model.rotary_emb_local
         cos_sin_local = local.tables(positions) if local is not None else cos_sin
@@ -134,6 +129,16 @@ class CausalLM(nn.Module):
         if residual is None:
             return self.model.norm.forward(h)
         return self.model.norm.forward_add(h, residual)[0]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The scaled token embeddings ``[T, hidden]`` (a vocab-parallel model overrides the lookup)."""
+        if self.stored_embedding is not None:
+            h = self.stored_embedding.lookup(input_ids)
+        else:
+            h = F.embedding(input_ids, self.model.embed_tokens.weight)
+        if self.embed_scale != 1.0:  # Granite, Gemma
+            h = h * self.embed_scale
+        return h
 
     def pack_cpu_weights(self, small_m: tuple[SmallMLinear, int] | None = None) -> None:
         """Pack every projection and the vocabulary head for oneDNN (``runtime.cpu.linear``), once,
@@ -289,6 +294,11 @@ class CausalLM(nn.Module):
         if name.endswith("rotary_emb.inv_freq"):
             return None  # old checkpoints store the RoPE buffer; we derive it from the config
         return name, None
+
+    def checkpoint_shard(self, name: str, shard: str | None, tensor: torch.Tensor) -> torch.Tensor:
+        """The part of a checkpoint tensor that parameter ``name`` holds: all of it here; a
+        tensor-parallel model (``runtime.distributed``) takes its rank's slice."""
+        return tensor
 
     def extra_repr(self) -> str:
         c = self.config
