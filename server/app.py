@@ -17,6 +17,7 @@ from servelm.server.async_engine import AsyncEngine
 from servelm.server.errors import (
     APIError,
     document_validation_as_400,
+    error_response,
     error_responses,
     install_error_handlers,
     model_not_found,
@@ -28,9 +29,11 @@ from servelm.server.protocol import ModelCard, ModelList
 from servelm.server.protocol_chat import ChatCompletionRequest, ChatCompletionResponse
 from servelm.server.protocol_completions import CompletionRequest, CompletionResponse
 from servelm.server.protocol_tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from servelm.server.protocol_messages import CountTokensRequest, MessageObject, MessagesRequest, TokenCount
 from servelm.server.protocol_responses import DeletedResponse, ResponseObject, ResponsesRequest
 from servelm.server.response_store import ResponseStore
 from servelm.server.serving_chat import create_chat_completion
+from servelm.server.serving_messages import count_tokens, create_message
 from servelm.server.serving_responses import create_response, stored_response
 from servelm.server.serving_common import ServingContext
 from servelm.server.serving_completions import create_completion
@@ -175,7 +178,7 @@ class GateMiddleware:
                 scope = _as_json(scope)
                 receive, err = await _read_body(scope, receive, self.max_body_bytes)
             if err is not None:
-                await err.response()(scope, receive, send)
+                await error_response(err, scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -184,10 +187,13 @@ class GateMiddleware:
             given = b""
             for name, value in scope.get("headers", ()):
                 if name == b"authorization":
-                    given = value
+                    scheme, _, token = value.partition(b" ")
+                    given = token.strip() if scheme.lower() == b"bearer" else b""
                     break
-            scheme, _, token = given.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+                if name == b"x-api-key":  # Anthropic's header (its SDK sends only this one)
+                    given = value.strip()
+                    break
+            if not given or not hmac.compare_digest(given, self.api_key):
                 return unauthorized()
         ae = self.async_engine
         if not ae.is_alive:
@@ -288,6 +294,14 @@ def build_app(
     @app.post("/v1/responses", response_model=ResponseObject, responses=generation_errors)
     async def responses(body: ResponsesRequest, raw: Request) -> Response:
         return await create_response(ctx, store, body, raw)
+
+    @app.post("/v1/messages", response_model=MessageObject, responses=generation_errors)
+    async def messages(body: MessagesRequest, raw: Request) -> Response:
+        return await create_message(ctx, body, raw)
+
+    @app.post("/v1/messages/count_tokens", response_model=TokenCount, responses=error_responses(400, 401, 404, 413, 503))
+    async def messages_count_tokens(body: CountTokensRequest, raw: Request) -> JSONResponse:
+        return JSONResponse(await count_tokens(ctx, body, raw))
 
     @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=error_responses(401, 404, 503))
     async def get_response(response_id: str) -> JSONResponse:

@@ -1,7 +1,8 @@
 """OpenAI-shaped errors: one exception type, one body shape, handlers for every failure FastAPI can raise.
 
 Every error leaves the server as ``{"error": {"message", "type", "param", "code"}}`` with the status
-OpenAI would use, so SDKs raise their typed exceptions (``BadRequestError``, ``NotFoundError``...).
+OpenAI would use, so SDKs raise their typed exceptions (``BadRequestError``, ``NotFoundError``...); on
+``/v1/messages`` as Anthropic's ``{"type": "error", "error": {"type", "message"}}`` (``error_response``).
 """
 
 from __future__ import annotations
@@ -48,6 +49,30 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+
+
+# Anthropic's error types by status (``/v1/messages``); other statuses: api_error (5xx), invalid_request_error.
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+    413: "request_too_large", 429: "rate_limit_error", 529: "overloaded_error",
+}  # fmt: skip
+
+
+def anthropic_error(err: APIError) -> tuple[int, dict[str, Any]]:
+    """``err`` as Anthropic sends it: its status (a full queue is 529, Anthropic's "overloaded") and
+    ``{"type": "error", "error": {"type", "message"}}``; the field, if any, leads the message."""
+    status = 529 if err.code == "queue_full" else err.status_code
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    message = err.message if err.param is None or err.param in err.message else f"{err.param}: {err.message}"
+    return status, {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_response(err: APIError, path: str) -> JSONResponse:
+    """The response for ``err`` on ``path``: Anthropic's shape on /v1/messages, OpenAI's elsewhere."""
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        status, body = anthropic_error(err)
+        return JSONResponse(body, status_code=status, headers=err.headers)
+    return err.response()
 
 
 class ErrorBody(BaseModel):
@@ -126,7 +151,7 @@ def model_not_found(model: str) -> APIError:
 def unauthorized() -> APIError:
     return APIError(
         401,
-        "Incorrect API key provided. Pass it as 'Authorization: Bearer <key>'.",
+        "Incorrect API key provided. Pass it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
         param=None,
         code="invalid_api_key",
     )
@@ -228,15 +253,15 @@ def _within(param: str | None, field: str) -> bool:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Route every failure through the OpenAI error shape (never FastAPI's default 422/``detail`` body)."""
+    """Route every failure through the path's error shape (never FastAPI's default 422/``detail`` body)."""
 
     @app.exception_handler(APIError)
-    async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(exc), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -248,7 +273,7 @@ def install_error_handlers(app: FastAPI) -> None:
             err = APIError(405, msg, code="method_not_allowed")
         else:
             err = APIError(exc.status_code, str(exc.detail), type="invalid_request_error" if exc.status_code < 500 else "server_error")
-        resp = err.response()
+        resp = error_response(err, request.url.path)
         for k, v in (getattr(exc, "headers", None) or {}).items():
             resp.headers[k] = v
         if exc.status_code == 405:
@@ -263,6 +288,6 @@ def install_error_handlers(app: FastAPI) -> None:
         return resp
 
     @app.exception_handler(Exception)
-    async def _unhandled(_request: Request, _exc: Exception) -> JSONResponse:
+    async def _unhandled(request: Request, _exc: Exception) -> JSONResponse:
         # Starlette re-raises after sending this, so uvicorn logs the traceback once.
-        return internal_error().response()
+        return error_response(internal_error(), request.url.path)
