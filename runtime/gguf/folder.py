@@ -23,6 +23,9 @@ from .reader import tensor_index
 log = logging.getLogger(__name__)
 
 SOURCE_FILE = "gguf.json"  # in a prepared folder: which GGUF file holds the weights
+# Bumped when what a prepared folder holds changes (2: config.json carries rope_freqs.weight), so older
+# folders are prepared again.
+FOLDER_FORMAT = 2
 
 
 def gguf_source(model_dir: str | Path) -> Path | None:
@@ -57,7 +60,8 @@ def folder_is_current(model_dir: Path) -> bool:
         st = Path(source["path"]).stat()
     except (OSError, ValueError, KeyError):
         return False
-    return (source.get("size"), source.get("mtime_ns")) == (st.st_size, st.st_mtime_ns) and (model_dir / "config.json").is_file()
+    current = (source.get("size"), source.get("mtime_ns"), source.get("format")) == (st.st_size, st.st_mtime_ns, FOLDER_FORMAT)
+    return current and (model_dir / "config.json").is_file()
 
 
 def prepare_folder(gguf_path: Path, out: Path) -> Path:
@@ -71,6 +75,9 @@ def prepare_folder(gguf_path: Path, out: Path) -> Path:
         reader = GGUFReader(gguf_path, "r")  # parsed once: seconds for a large vocabulary
         meta, tensor_names = names.gguf_metadata(reader)
         config = names.hf_config_from_metadata(meta, tensor_names)
+        factors = names.rope_freq_factors(reader)
+        if factors is not None:  # Llama 3.1's RoPE scaling, which llama.cpp's converter stores as a tensor
+            config["rope_scaling"] = {"rope_type": "per_frequency", "factors": factors}
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(str(tmp))
         st = gguf_path.stat()
@@ -78,6 +85,7 @@ def prepare_folder(gguf_path: Path, out: Path) -> Path:
             "path": str(gguf_path.resolve()),
             "size": st.st_size,
             "mtime_ns": st.st_mtime_ns,
+            "format": FOLDER_FORMAT,
             "architecture": meta["general.architecture"],
             "tensors": tensor_index(reader),
         }

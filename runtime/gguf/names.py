@@ -14,6 +14,7 @@ import re
 from os import PathLike
 from typing import Any
 
+import numpy as np
 import torch
 from gguf import GGUFReader
 
@@ -208,9 +209,18 @@ def hf_tensor_names(tensor_names: list[str], arch: str) -> dict[str, str]:
     """GGUF name -> HF name for every tensor of a file; raises ``KeyError`` for one we cannot place.
 
     ``rope_freqs.weight`` (llama.cpp's per-frequency RoPE factors, Llama 3's scaling) has no HF tensor
-    and is left out, as transformers leaves it out: such a file then runs without that scaling.
+    and is left out here; ``folder.prepare_folder`` puts it into config.json (``rope_freq_factors``).
     """
     return {name: hf_name(name, arch) for name in tensor_names if name not in _NOT_IN_HF}
+
+
+def rope_freq_factors(reader: Any) -> list[float] | None:
+    """``rope_freqs.weight``: llama.cpp's per-frequency RoPE divisors (how its converter stores Llama 3.1's
+    scaling, which transformers then ignores), as a list; None when the file has none."""
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            return [float(x) for x in np.asarray(t.data, dtype=np.float32).reshape(-1)]
+    return None
 
 
 def _int_or_none(value: Any) -> int | None:

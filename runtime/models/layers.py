@@ -276,6 +276,11 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         return inv_freq
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
+    if kind == "per_frequency":  # a GGUF file's rope_freqs.weight: one divisor per frequency
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise UnsupportedModelError(f"{factors.numel()} RoPE frequency factors for {inv_freq.numel()} frequencies")
+        return inv_freq / factors
     if kind == "llama3":
         # Llama 3.1: keep high frequencies, divide low ones by ``factor``, interpolate in between.
         factor = float(scaling["factor"])
@@ -290,7 +295,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(is_medium, smoothed, scaled)
-    raise UnsupportedModelError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
+    raise UnsupportedModelError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3, per_frequency")
 
 
 CosSin = tuple[torch.Tensor, torch.Tensor]  # the step's RoPE rows, [T, 1, head_dim / 2] each

@@ -124,10 +124,10 @@ def conftest_module() -> types.ModuleType:
     return module
 
 
-def save_tiny_model_for_gguf(variant: str, out: Path, *, wide: bool = False) -> Path:
+def save_tiny_model_for_gguf(variant: str, out: Path, *, wide: bool = False, config: dict[str, Any] | None = None) -> Path:
     """conftest's tiny ``variant`` (same seed, perturbed norms and biases, default tokenizer beside it),
     with ``GGUF_OVERRIDES`` applied and, when ``wide``, hidden 256 / intermediate 512 / head_dim 64
-    (4 heads over 2 KV heads) so that K-quants fit every projection."""
+    (4 heads over 2 KV heads) so that K-quants fit every projection; ``config`` overrides config fields."""
     import transformers
 
     from servelm.runtime.model_files import ensure_default_model
@@ -136,6 +136,7 @@ def save_tiny_model_for_gguf(variant: str, out: Path, *, wide: bool = False) -> 
     cfg_name, extra = conftest.TINY_VARIANTS[variant]
     overrides = dict(WIDE_SHAPES) if wide else {}
     overrides.update(GGUF_OVERRIDES.get(variant, {}))
+    overrides.update(config or {})
     cfg = getattr(transformers, cfg_name)(**{**conftest.TINY_SHAPES, **extra, **overrides})
     torch.manual_seed(1234)
     model = conftest.hf_model_class(cfg_name)(cfg).to(torch.float32).eval()
@@ -367,6 +368,8 @@ def _rope_theta(cfg: dict[str, Any], model_type: str) -> tuple[float, float | No
         kinds = [params.get("rope_type", params.get("type", "default"))]
         theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
         local_theta = None
+        if model_type == "llama" and kinds == ["llama3"]:
+            kinds = ["default"]  # written as llama.cpp does: per-frequency factors in rope_freqs.weight
     if any(k != "default" for k in kinds):
         raise ValueError(f"RoPE scaling {kinds} is not written by this converter")
     return float(theta), None if local_theta is None else float(local_theta)
@@ -396,6 +399,22 @@ def _check_representable(cfg: dict[str, Any], model_type: str, head_dim: int, lo
             problems.append("gemma3 without a sliding window")
     if problems:
         raise ValueError("HF config not representable in GGUF: " + "; ".join(problems))
+
+
+def _llama3_rope_freqs(hf_dir: Path) -> np.ndarray | None:
+    """Llama 3.1's RoPE scaling as llama.cpp's converter stores it: one divisor per frequency, here the
+    ratio of transformers' unscaled to scaled inverse frequencies (None without llama3 scaling)."""
+    import transformers
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    cfg = transformers.AutoConfig.from_pretrained(str(hf_dir))
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if params.get("rope_type") != "llama3":
+        return None
+    scaled = LlamaRotaryEmbedding(cfg).inv_freq.double()
+    plain = cfg.__class__(**{**cfg.to_dict(), "rope_parameters": {"rope_type": "default", "rope_theta": params["rope_theta"]}})
+    unscaled = LlamaRotaryEmbedding(plain).inv_freq.double()
+    return (unscaled / scaled).float().numpy()
 
 
 def write_tiny_gguf(
@@ -454,6 +473,9 @@ def write_tiny_gguf(
             return (1, int(name.split(".")[1]), name)
         return (2, 0, name)
 
+    rope_freqs = _llama3_rope_freqs(hf_dir) if arch == "llama" else None
+    if rope_freqs is not None:
+        tensors.append(("rope_freqs.weight", rope_freqs, Q.F32))
     tensors.sort(key=order)
 
     writer = gguf.GGUFWriter(str(path), arch)
