@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from servelm.runtime import platform
 from servelm.runtime.attention.base import AttentionBackend
 from servelm.runtime.config import ModelConfig, UnsupportedModelError
 from servelm.runtime.distributed.comm import Communicator
@@ -55,7 +56,7 @@ def check_tensor_parallel(
             raise UnsupportedModelError(
                 f"tensor parallel size {world_size}: {cfg.architecture} has {n} {what}, not divisible by {world_size}"
             )
-    if device.type != "cpu":
+    if platform.is_cuda(device):
         raise UnsupportedModelError(f"tensor parallelism runs on CPU over gloo only so far (device {device}; NCCL is not wired yet)")
     if quantization not in (None, NONE):
         raise UnsupportedModelError(f"--quantization {quantization} is not supported with tensor parallelism yet")
