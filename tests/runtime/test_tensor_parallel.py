@@ -28,7 +28,15 @@ HERE = Path(__file__).resolve()
 # Every architecture the tiny fixtures build (``tests/conftest.py``), each a Llama-family variant.
 VARIANTS = ["llama", "llama_untied", "llama3_rope", "llama_small_vocab", "mistral", "mistral_window", "gemma3",
             "qwen2", "qwen2_window", "qwen3", "smollm3", "granite"]  # fmt: skip
-ENGINE_VARIANTS = ["llama", "qwen2", "gemma3"]  # the engine-level runs (slower: the scheduler around them)
+NGRAM = '{"num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4, "max_running": 8}'
+# The engine-level runs (slower: the scheduler around them): case -> (variant, extra EngineConfig fields)
+ENGINE_CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {}),
+    "gemma3": ("gemma3", {}),
+    "llama, scheduling ahead": ("llama", {"async_scheduling": True}),  # pending tokens resolved before the broadcast
+    "llama, ngram drafts": ("llama", {"speculative_config": NGRAM}),  # several decode rows of one sequence
+}
 RUNNER_KW: dict[str, Any] = dict(
     device=torch.device("cpu"), dtype=torch.float32, block_size=16, num_blocks=64,
     max_num_batched_tokens=256, max_num_seqs=16,
@@ -70,7 +78,7 @@ def runner_scenario(runner: Any) -> tuple[list[torch.Tensor], list[list[int]]]:
     return all_logits, [s.token_ids for s in seqs]
 
 
-def engine_tokens(model_dir: str, runner: Any) -> dict[str, Any]:
+def engine_tokens(model_dir: str, runner: Any, extra: dict[str, Any]) -> dict[str, Any]:
     """Greedy tokens through the engine with a 48-token budget (chunked prefill), a pool too small for
     every request at once (preemption) and shared prompt prefixes (prefix cache)."""
     from servelm.runtime.capacity import kv_bytes_per_token
@@ -82,7 +90,7 @@ def engine_tokens(model_dir: str, runner: Any) -> dict[str, Any]:
     blocks = 14
     engine = Engine(
         EngineConfig(model=model_dir, max_num_batched_tokens=48, enable_prefix_caching=True, block_size=16,
-                     kv_cache_memory=blocks * 16 * kv_bytes_per_token(mc, torch.float32), max_model_len=128),
+                     kv_cache_memory=blocks * 16 * kv_bytes_per_token(mc, torch.float32), max_model_len=128, **extra),
         runner=runner,
     )  # fmt: skip
     vocab = mc.vocab_size
@@ -95,6 +103,7 @@ def engine_tokens(model_dir: str, runner: Any) -> dict[str, Any]:
         "tokens": [r.outputs[0].token_ids for r in results],
         "preemptions": engine.scheduler.num_preemptions_total,
         "prefix_hits": engine.block_manager.prefix_cache_hits,
+        "drafts": (engine.drafts_verified, engine.num_accepted_drafts),
     }
 
 
@@ -141,12 +150,12 @@ def drive(spec: dict[str, Any]) -> dict[str, Any]:
             same_shape = all(a.shape == b.shape for a, b in zip(ref_logits, tp_logits))
             out["logits"][name] = {"max_abs_diff": diff, "max_abs_logit": scale, "tokens_equal": ref_tokens == tp_tokens,
                                    "shapes_equal": same_shape, "pool_kv_heads": pool_heads, "kv_heads": cfg.num_kv_heads}  # fmt: skip
-        for name in spec["engine_variants"]:
-            d = spec["variants"][name]
-            ref = engine_tokens(d, ModelRunner(Path(d), ModelConfig.from_dir(d), **RUNNER_KW))
+        for name, (variant, extra) in ENGINE_CASES.items():
+            d = spec["variants"][variant]
+            ref = engine_tokens(d, ModelRunner(Path(d), ModelConfig.from_dir(d), **RUNNER_KW), extra)
             tp = group.load(Path(d), **RUNNER_KW)
             try:
-                got = engine_tokens(d, tp)
+                got = engine_tokens(d, tp, extra)
             finally:
                 tp.release()
             out["engine"][name] = {"ref": ref, "tp": got}
@@ -189,7 +198,6 @@ def save_medium_llama(out: Path) -> Path:
 def tp_results(tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     spec = {
         "variants": {v: str(tiny_model_dir(v)) for v in VARIANTS},
-        "engine_variants": ENGINE_VARIANTS,
         "timing": {"tiny llama": str(tiny_model_dir("llama")),
                    "medium llama": str(save_medium_llama(tmp_path_factory.mktemp("medium-llama")))},
     }  # fmt: skip
@@ -212,14 +220,17 @@ def test_tp2_logits_and_greedy_tokens_equal_tp1(tp_results: dict[str, Any], vari
     assert r["pool_kv_heads"] * 2 == r["kv_heads"]  # each rank's pool holds its KV heads only
 
 
-@pytest.mark.parametrize("variant", ENGINE_VARIANTS)
-def test_tp2_engine_greedy_equal_with_chunks_preemption_prefix_cache(tp_results: dict[str, Any], variant: str) -> None:
-    r = tp_results["engine"][variant]
+@pytest.mark.parametrize("case", ENGINE_CASES)
+def test_tp2_engine_greedy_equal_with_chunks_preemption_prefix_cache(tp_results: dict[str, Any], case: str) -> None:
+    r = tp_results["engine"][case]
     ref, tp = r["ref"], r["tp"]
-    print(f"\n{variant}: preemptions {ref['preemptions']}/{tp['preemptions']}, prefix hits {ref['prefix_hits']}/{tp['prefix_hits']}")
+    print(f"\n{case}: preemptions {ref['preemptions']}/{tp['preemptions']}, prefix hits {ref['prefix_hits']}/{tp['prefix_hits']}, "
+          f"drafts verified/kept {ref['drafts']}/{tp['drafts']}")
     assert ref["preemptions"] > 0 and ref["prefix_hits"] > 0
     assert tp["tokens"] == ref["tokens"]
-    assert (tp["preemptions"], tp["prefix_hits"]) == (ref["preemptions"], ref["prefix_hits"])
+    assert (tp["preemptions"], tp["prefix_hits"], tp["drafts"]) == (ref["preemptions"], ref["prefix_hits"], ref["drafts"])
+    if "ngram" in case:
+        assert ref["drafts"][1] > 0  # drafts were verified and kept
 
 
 def test_tp2_refuses_lora_on_a_live_group(tp_results: dict[str, Any]) -> None:
