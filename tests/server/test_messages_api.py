@@ -6,7 +6,9 @@ holds, errors come back in Anthropic's shape with the SDK's exception classes; o
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator
+import threading
+import time
+from typing import Any, Callable, Iterator
 
 import anthropic
 import httpx
@@ -104,6 +106,16 @@ def test_stream_events_and_the_sdk_stream_helper(shared_fake_server: Any) -> Non
         final = stream.get_final_message()
     assert text == final.content[0].text == eng.expected_text(4)
     assert (final.stop_reason, final.usage.output_tokens, final.usage.input_tokens) == ("max_tokens", 4, len(eng.prompts[-1]))
+    # Under tool_choice auto, an answer that does not start a call streams as text.
+    evs = sse_events(post(srv, stream=True, max_tokens=2, tools=[WEATHER]))
+    assert [d["delta"]["type"] for n, d in evs if n == "content_block_delta"] == ["text_delta"] * 2
+    assert evs[-2][1]["delta"]["stop_reason"] == "max_tokens"
+
+
+def test_unknown_fields_are_ignored_and_named(shared_fake_server: Any) -> None:
+    srv, _, _ = shared_fake_server
+    r = post(srv, cache_control={"type": "ephemeral"}, speed="fast", thinking={"type": "disabled"})
+    assert r.status_code == 200 and r.headers["x-servelm-ignored-fields"] == "cache_control, speed"
 
 
 def test_tool_history_and_tool_choice_reach_the_engine_as_chat_would_send_them(shared_fake_server: Any) -> None:
@@ -198,6 +210,34 @@ def test_errors_raise_the_sdk_exception_classes(fake_server: Any) -> None:
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
+def test_a_full_queue_is_529_overloaded(fake_server: Any) -> None:
+    srv, eng, _ = fake_server(max_num_seqs=1, max_waiting_requests=1, step_time=0.02)
+    results: list[int] = []
+
+    def call() -> None:
+        results.append(post(srv, max_tokens=30).status_code)
+
+    threads = [threading.Thread(target=call) for _ in range(2)]  # 1 running + 1 waiting
+    threads[0].start()
+    _wait(lambda: len(eng.added) == 1)  # (adds still in the inbox count as waiting)
+    threads[1].start()
+    _wait(lambda: len(eng.added) == 2)
+    with pytest.raises(anthropic.OverloadedError) as full:
+        client(srv).messages.create(model="fake-model", max_tokens=1, messages=ASK)
+    assert full.value.status_code == 529 and full.value.response.headers["retry-after"] == "1"
+    assert full.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
+    for t in threads:
+        t.join()
+    assert results == [200, 200]
+
+
+def _wait(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+
+
 def test_overloaded_and_unavailable_statuses() -> None:
     status, body = 529, {"type": "error", "error": {"type": "overloaded_error"}}
     r = error_response(queue_full(8), "/v1/messages")
@@ -251,6 +291,9 @@ def test_tools_across_two_turns(live: ServerThread) -> None:
         streamed = stream.get_final_message()
     assert streamed.stop_reason == "tool_use" and streamed.content[0].type == "tool_use" and streamed.content[0].name == "get_weather"
     assert isinstance(streamed.content[0].input, dict) and "city" in streamed.content[0].input
+    # Calls to any tool are announced whole once the output parses: the same call as unstreamed.
+    with sdk.messages.stream(model="SmolLM2-135M-Instruct", max_tokens=40, extra_body=GREEDY, messages=ASK, tools=[WEATHER], tool_choice=one) as stream:
+        assert [(b.name, b.input) for b in stream.get_final_message().content] == [(call.name, call.input)]  # type: ignore[union-attr]
     second = sdk.messages.create(
         model="SmolLM2-135M-Instruct", max_tokens=16, extra_body=GREEDY, tools=[WEATHER],
         messages=[*ASK, {"role": "assistant", "content": first.content},  # type: ignore[list-item]
