@@ -295,11 +295,11 @@ def build_app(
     async def responses(body: ResponsesRequest, raw: Request) -> Response:
         return await create_response(ctx, store, body, raw)
 
-    @app.post("/v1/messages", response_model=MessageObject, responses=generation_errors)
+    @app.post("/v1/messages", response_model=MessageObject, responses=error_responses(400, 401, 404, 413, 500, 503, 529, anthropic=True))
     async def messages(body: MessagesRequest, raw: Request) -> Response:
         return await create_message(ctx, body, raw)
 
-    @app.post("/v1/messages/count_tokens", response_model=TokenCount, responses=error_responses(400, 401, 404, 413, 503))
+    @app.post("/v1/messages/count_tokens", response_model=TokenCount, responses=error_responses(400, 401, 404, 413, 503, anthropic=True))
     async def messages_count_tokens(body: CountTokensRequest, raw: Request) -> JSONResponse:
         return JSONResponse(await count_tokens(ctx, body, raw))
 

@@ -8,7 +8,7 @@ OpenAI would use, so SDKs raise their typed exceptions (``BadRequestError``, ``N
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -88,6 +88,18 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
+class AnthropicErrorBody(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """The body of every error on ``/v1/messages`` (Anthropic's shape; built by ``anthropic_error``)."""
+
+    type: Literal["error"] = "error"
+    error: AnthropicErrorBody
+
+
 _ERROR_DESCRIPTIONS = {
     400: "Invalid request: a malformed body, a field out of range, an unsupported parameter, a prompt too long",
     401: "Missing or wrong API key (with --api-key only)",
@@ -95,12 +107,15 @@ _ERROR_DESCRIPTIONS = {
     413: "The request body is larger than --max-request-bytes",
     500: "Internal error",
     503: "Overloaded (queue full; see Retry-After), shutting down, or the engine has stopped",
+    529: "Overloaded: the queue is full (see Retry-After); /v1/messages only, where other routes answer 503",
 }
 
 
-def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
-    """The ``responses`` of a route for the OpenAPI schema: each status it can return, with its body."""
-    return {c: {"model": ErrorResponse, "description": _ERROR_DESCRIPTIONS[c]} for c in codes}
+def error_responses(*codes: int, anthropic: bool = False) -> dict[int | str, dict[str, Any]]:
+    """The ``responses`` of a route for the OpenAPI schema: each status it can return, with its body
+    (Anthropic's on the ``/v1/messages`` routes)."""
+    model = AnthropicErrorResponse if anthropic else ErrorResponse
+    return {c: {"model": model, "description": _ERROR_DESCRIPTIONS[c]} for c in codes}
 
 
 def document_validation_as_400(app: FastAPI) -> None:

@@ -116,6 +116,10 @@ def test_unknown_fields_are_ignored_and_named(shared_fake_server: Any) -> None:
     srv, _, _ = shared_fake_server
     r = post(srv, cache_control={"type": "ephemeral"}, speed="fast", thinking={"type": "disabled"})
     assert r.status_code == 200 and r.headers["x-servelm-ignored-fields"] == "cache_control, speed"
+    schema = http.get(srv.url + "/openapi.json").json()
+    responses = schema["paths"]["/v1/messages"]["post"]["responses"]
+    assert sorted(responses) == ["200", "400", "401", "404", "413", "500", "503", "529"]
+    assert responses["400"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/AnthropicErrorResponse"}
 
 
 def test_tool_history_and_tool_choice_reach_the_engine_as_chat_would_send_them(shared_fake_server: Any) -> None:
