@@ -169,6 +169,9 @@ def hf_config_from_metadata(meta: dict[str, Any], tensor_names: list[str]) -> di
     head_dim = key("attention.key_length") or (key("rope.dimension_count") if arch == "llama" else None)
     vocab = key("vocab_size") or meta.get("tokenizer.ggml.tokens")  # the token list's length
     theta = float(key("rope.freq_base", 10000.0))
+    # Linear RoPE scaling (Gemma 3 4B and larger: its global layers), as llama.cpp's converter writes it.
+    factor = key("rope.scaling.factor")
+    linear_scaling = {"rope_type": "linear", "factor": float(factor)} if key("rope.scaling.type") == "linear" and factor else {}
     config: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]],
         "model_type": "gemma3_text" if arch == "gemma3" else arch,
@@ -190,14 +193,18 @@ def hf_config_from_metadata(meta: dict[str, Any], tensor_names: list[str]) -> di
         "bos_token_id": _int_or_none(meta.get("tokenizer.ggml.bos_token_id")),
         "eos_token_id": _int_or_none(meta.get("tokenizer.ggml.eos_token_id")),
     }
+    if linear_scaling:
+        config["rope_scaling"] = linear_scaling
+        config["rope_parameters"] = {"rope_theta": theta, **linear_scaling}
     if arch == "gemma3":
+        config.pop("rope_scaling", None)  # on the global layers only (rope_parameters below)
         config["hidden_activation"] = "gelu_pytorch_tanh"
         # llama.cpp's rule, as the file does not say: 1/sqrt(head_dim), but 1/sqrt(hidden/heads) for 62-layer 27B.
         config["query_pre_attn_scalar"] = hidden // heads if config["num_hidden_layers"] == 62 else config["head_dim"]
         # Gemma 3's sliding-window layers rotate with their own base, which llama.cpp fixes at 10000.
         local_theta = float(key("rope.freq_base_swa", 10000.0))
         config["rope_parameters"] = {
-            "full_attention": {"rope_type": "default", "rope_theta": theta},
+            "full_attention": {"rope_type": "default", "rope_theta": theta, **linear_scaling},
             "sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
         }
         if key("attention.sliding_window") is not None:

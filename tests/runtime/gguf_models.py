@@ -361,7 +361,8 @@ def _rope_theta(cfg: dict[str, Any], model_type: str) -> tuple[float, float | No
     if model_type == "gemma3_text":
         full = params.get("full_attention", {})
         local = params.get("sliding_attention", {})
-        kinds = [full.get("rope_type", "default"), local.get("rope_type", "default")]
+        # Gemma 3 4B+: linear scaling of the global layers, which llama.cpp writes as rope.scaling.*
+        kinds = [full.get("rope_type", "default").replace("linear", "default"), local.get("rope_type", "default")]
         theta = full.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))
         local_theta = local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))
     else:
@@ -497,6 +498,10 @@ def write_tiny_gguf(
         writer.add_rope_dimension_count(head_dim)
     if arch == "gemma3" and cfg.get("sliding_window"):
         writer.add_sliding_window(int(cfg["sliding_window"]))
+    full = (cfg.get("rope_parameters") or {}).get("full_attention", {}) if arch == "gemma3" else {}
+    if full.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(full["factor"]))
     quantized = Counter(q for name, _, q in tensors if name.endswith(".weight") and "norm" not in name)
     writer.add_file_type(int(_FILE_TYPE[quantized.most_common(1)[0][0]] if quantized else gguf.LlamaFileType.ALL_F32))
     for key, value, vtype, sub_type in default_tokenizer_fields():
