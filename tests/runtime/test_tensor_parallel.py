@@ -253,6 +253,47 @@ def test_tp2_step_time_overhead(tp_results: dict[str, Any]) -> None:
         assert t["tp1_ms"] > 0 and t["tp2_ms"] > 0
 
 
+def test_step_message_carries_the_whole_flat_batch(build_runner: Callable[..., Any], tiny_model_dir: Callable[[str], Path], rt: Any) -> None:
+    """What rank 0 broadcasts is what a worker rebuilds: every base field of the metadata, ids,
+    positions and sampled rows (a mixed step: decodes, a prefill, a chunk that samples nothing)."""
+    from dataclasses import fields
+
+    from servelm.runtime.attention.base import AttentionMetadata
+    from servelm.runtime.batch import BatchItem
+    from servelm.runtime.distributed.comm import Communicator
+    from servelm.runtime.distributed.step_message import receive_step, send_release, send_step
+
+    class Wire(Communicator):
+        """Rank 0's broadcasts recorded, then replayed into the receiver's buffers, in order."""
+
+        sent: list[torch.Tensor] = []
+
+        def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+            if self.is_driver:
+                Wire.sent.append(x.clone())
+                return x
+            return x.copy_(Wire.sent.pop(0))
+
+    runner = build_runner(tiny_model_dir("llama"))
+    blocks = rt.ScatteredBlocks(runner.kv_pool.num_blocks, runner.block_size, seed=5)
+    seqs = [rt.FakeSeq(seq_id=i, token_ids=list(range(3 + i, 40 + 7 * i))) for i in range(4)]
+    for s in seqs:
+        blocks.grow(s, len(s.token_ids))
+    seqs[0].num_computed_tokens, seqs[1].num_computed_tokens = len(seqs[0].token_ids) - 1, len(seqs[1].token_ids) - 1
+    items = [BatchItem(seqs[0], 1, True), BatchItem(seqs[1], 1, True), BatchItem(seqs[2], len(seqs[2].token_ids), True), BatchItem(seqs[3], 20, False)]
+    inputs = runner.prepare(items)
+    send_step(Wire(0, 2), inputs)
+    got = receive_step(Wire(1, 2))
+    assert got is not None and not Wire.sent
+    assert torch.equal(got.input_ids, inputs.input_ids) and torch.equal(got.positions, inputs.positions)
+    assert torch.equal(got.sample_rows, inputs.sample_rows)
+    for f in fields(AttentionMetadata):
+        a, b = getattr(got.meta, f.name), getattr(inputs.meta, f.name)
+        assert (torch.equal(a, b) and a.dtype == b.dtype) if isinstance(a, torch.Tensor) else a == b, f.name
+    send_release(Wire(0, 2))
+    assert receive_step(Wire(1, 2)) is None
+
+
 @pytest.mark.slow
 def test_tp3_default_model_logits_and_greedy_tokens_equal_tp1(default_model_dir: Path) -> None:
     """SmolLM2-135M's 9 heads / 3 KV heads split over 3 ranks (2 would be refused): the runner-level
