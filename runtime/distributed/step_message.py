@@ -1,4 +1,5 @@
-"""One step's inputs from rank 0 to the other ranks: two broadcasts of int64 tensors.
+"""One step's inputs from rank 0 to the other ranks: one broadcast of int64s for a step whose
+tensors fit ``INLINE`` ints (every decode step of a usual batch), two for a larger one.
 
 What is sent is the flat batch the runner built (``runtime.step_builder``): input ids (pending
 tokens already resolved), positions, slot mapping, query starts, sequence and context lengths,
@@ -19,6 +20,9 @@ from servelm.runtime.step import StepInputs
 FORWARD = 1
 RELEASE = 2  # rank 0 is done with this model: the other ranks leave their step loop
 HEADER_LEN = 9  # command, tokens, sequences, block-table width, sampled rows, decodes, max query, max seq, shared
+# Payload ints carried inside the first broadcast: each collective costs a wake-up of every rank,
+# which on a loaded CPU is most of its price, so a small step saves its second one.
+INLINE = 512
 
 
 @dataclass
@@ -37,28 +41,40 @@ def send_step(comm: Communicator, inputs: StepInputs) -> None:
     width = m.block_tables.shape[1]
     header = [FORWARD, m.num_tokens, m.num_seqs, width, inputs.sample_rows.numel(), m.num_decodes,
               m.max_query_len, m.max_seq_len, int(m.decode_rows_share_sequences)]  # fmt: skip
-    comm.broadcast(torch.tensor(header, dtype=torch.int64))
     parts = (inputs.input_ids, inputs.positions, m.slot_mapping, m.query_start_loc, m.seq_lens, m.context_lens,
              m.block_tables.reshape(-1), inputs.sample_rows)  # fmt: skip
-    comm.broadcast(torch.cat([p.to(torch.int64) for p in parts]))
+    payload = torch.cat([p.to(torch.int64) for p in parts])
+    first = torch.zeros(HEADER_LEN + INLINE, dtype=torch.int64)
+    first[:HEADER_LEN] = torch.tensor(header, dtype=torch.int64)
+    n = payload.numel()
+    if n <= INLINE:
+        first[HEADER_LEN : HEADER_LEN + n] = payload
+        comm.broadcast(first)
+    else:
+        comm.broadcast(first)
+        comm.broadcast(payload)
 
 
 def send_release(comm: Communicator) -> None:
-    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    header[0] = RELEASE
-    comm.broadcast(header)
+    first = torch.zeros(HEADER_LEN + INLINE, dtype=torch.int64)
+    first[0] = RELEASE
+    comm.broadcast(first)
 
 
 def receive_step(comm: Communicator) -> ReceivedStep | None:
     """Ranks 1..N-1: the next step rank 0 sends, or None when it releases the model."""
-    header = comm.broadcast(torch.empty(HEADER_LEN, dtype=torch.int64)).tolist()
-    command, t, s, width, r, num_decodes, max_query_len, max_seq_len, shared = header
+    first = comm.broadcast(torch.empty(HEADER_LEN + INLINE, dtype=torch.int64))
+    command, t, s, width, r, num_decodes, max_query_len, max_seq_len, shared = first[:HEADER_LEN].tolist()
     if command == RELEASE:
         return None
     if command != FORWARD:
         raise RuntimeError(f"unknown tensor-parallel command {command}")
     sizes = [t, t, t, s + 1, s, s, s * width, r]
-    payload = comm.broadcast(torch.empty(sum(sizes), dtype=torch.int64))
+    total = sum(sizes)
+    if total <= INLINE:
+        payload = first[HEADER_LEN : HEADER_LEN + total]
+    else:
+        payload = comm.broadcast(torch.empty(total, dtype=torch.int64))
     ids, positions, slots, query_start, seq_lens, context_lens, tables, rows = payload.split(sizes)
     query_start_i = query_start.to(torch.int32)
     seq_lens_i = seq_lens.to(torch.int32)
