@@ -156,6 +156,12 @@ def serves_gemma(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
+def kv_dtype_supported(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+    """Whether attention reads a KV cache of ``kv_dtype`` under ``dtype`` weights: the weights' own,
+    or on CPU a 16-bit cache under float32 weights (the paged kernel widens it)."""
+    return kv_dtype == dtype or (device.type == "cpu" and dtype == torch.float32 and kv_dtype in (torch.bfloat16, torch.float16))
+
+
 def quantization_supported(device: torch.device) -> bool:
     """Whether ``--quantization`` has kernels here (weight-only int8/int4: the CPU's)."""
     return device.type == "cpu"

@@ -17,7 +17,7 @@ from servelm.runtime.capacity import Capacity, plan_capacity
 from servelm.runtime.config import ModelConfig
 from servelm.runtime.gguf.folder import stored_weight_bytes
 from servelm.runtime.model_files import resolve_model_path
-from servelm.runtime.platform import default_dtype, device_defaults, release_cached_memory, resolve_device
+from servelm.runtime.platform import default_dtype, device_defaults, kv_dtype_supported, release_cached_memory, resolve_device
 from servelm.runtime.runner import ModelRunner
 from servelm.runtime.tokenizer import load_tokenizer
 from servelm.scheduler.block_manager import BlockManager
@@ -227,9 +227,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The KV cache's dtype: ``auto`` is the model's; a 16-bit cache under float32 weights on CPU."""
     kv_dtype = dtype if name == "auto" else resolve_dtype(name, device)
-    if kv_dtype != dtype and (device.type != "cpu" or dtype != torch.float32):
+    if not kv_dtype_supported(device, dtype, kv_dtype):
         raise ValueError(
-            f"--kv-cache-dtype {name} with --dtype {DTYPE_NAMES.get(dtype, dtype)} on {device.type}: a cache "
+            f"--kv-cache-dtype {name} with --dtype {DTYPE_NAMES.get(dtype, dtype)} on {device}: a cache "
             "unlike the weights is served on CPU under float32 weights only (use --kv-cache-dtype auto)"
         )
     return kv_dtype
