@@ -149,6 +149,15 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+def required_field(obj: Any, name: str, where: str) -> Any:
+    """``obj.name``, or the 400 that names ``where.name`` as missing (an input item of a surface that
+    reads several item types through one model, each requiring other fields)."""
+    value = getattr(obj, name)
+    if value is None:
+        raise bad_request(f"Missing required parameter: '{where}.{name}'.", param=f"{where}.{name}")
+    return value
+
+
 def unsupported(param: str, what: str | None = None) -> APIError:
     """A field that would change the meaning of the request and that we do not implement."""
     return APIError(400, what or f"'{param}' is not supported by this server", param=param, code="unsupported_parameter")

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from servelm.server.errors import bad_request, loc_to_param, unsupported
+from servelm.server.errors import bad_request, loc_to_param, required_field, unsupported
 from servelm.server.protocol import JsonSchemaFormat, ResponseFormat
 from servelm.server.protocol_chat import (
     ChatCompletionRequest,
@@ -73,13 +73,6 @@ def _content(content: str | list[InputPart] | None, where: str) -> str:
     return "\n".join(_part_text(p, f"{where}[{k}]") for k, p in enumerate(content))
 
 
-def _required(item: InputItem, name: str, where: str) -> str:
-    value = getattr(item, name)
-    if value is None:
-        raise bad_request(f"Missing required parameter: '{where}.{name}'.", param=f"{where}.{name}")
-    return value
-
-
 def input_messages(req: ResponsesRequest) -> tuple[list[ChatMessage], list[str]]:
     """``req.input`` as chat messages, and for each message the input field it came from (errors found
     later name it). Consecutive ``function_call`` items are one assistant message's calls."""
@@ -100,12 +93,12 @@ def input_messages(req: ResponsesRequest) -> tuple[list[ChatMessage], list[str]]
                 )
             messages.append(ChatMessage(role=item.role, content=_content(item.content, f"{w}.content")))
         elif kind == "function_call":
-            arguments = _required(item, "arguments", w)
+            arguments = required_field(item, "arguments", w)
             try:
                 json.loads(arguments)
             except ValueError:
                 raise bad_request(f"'{w}.arguments' is not valid JSON.", param=f"{w}.arguments") from None
-            call = ToolCall(id=_required(item, "call_id", w), function=FunctionCall(name=_required(item, "name", w), arguments=arguments))
+            call = ToolCall(id=required_field(item, "call_id", w), function=FunctionCall(name=required_field(item, "name", w), arguments=arguments))
             last = messages[-1] if messages else None
             if last is not None and last.role == "assistant" and where[-1].startswith("input["):
                 last.tool_calls = [*(last.tool_calls or []), call]  # the same turn: text and/or calls
@@ -113,7 +106,7 @@ def input_messages(req: ResponsesRequest) -> tuple[list[ChatMessage], list[str]]
             messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
         elif kind == "function_call_output":
             output = _content(item.output, f"{w}.output")
-            messages.append(ChatMessage(role="tool", content=output, tool_call_id=_required(item, "call_id", w)))
+            messages.append(ChatMessage(role="tool", content=output, tool_call_id=required_field(item, "call_id", w)))
         else:
             raise unsupported(f"{w}.type", f"input items of type '{kind}' are not supported (messages and function calls only)")
         where.append(w)

@@ -20,7 +20,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from servelm.server.errors import APIError, bad_request, loc_to_param, unsupported
+from servelm.server.errors import APIError, bad_request, loc_to_param, required_field, unsupported
 from servelm.server.messages_events import MessageStream, content_blocks, stop_reason, usage
 from servelm.server.protocol_chat import (
     ChatCompletionRequest,
@@ -71,13 +71,6 @@ def _text(content: str | list[ContentBlock], where: str) -> str:
     return "\n".join(_block_text(b, f"{where}[{j}]") for j, b in enumerate(content))
 
 
-def _required(block: ContentBlock, name: str, where: str) -> Any:
-    value = getattr(block, name)
-    if value is None:
-        raise bad_request(f"Missing required parameter: '{where}.{name}'.", param=f"{where}.{name}")
-    return value
-
-
 def chat_messages(req: CountTokensRequest) -> tuple[list[ChatMessage], list[str]]:
     """``system`` and ``messages`` as chat messages, and for each the Messages field it came from."""
     out: list[ChatMessage] = []
@@ -98,13 +91,13 @@ def chat_messages(req: CountTokensRequest) -> tuple[list[ChatMessage], list[str]
         for j, b in enumerate(m.content):
             bw = f"{w}.content[{j}]"
             if b.type == "tool_use" and m.role == "assistant":
-                call_input = _required(b, "input", bw)
+                call_input = required_field(b, "input", bw)
                 arguments = json.dumps(call_input, ensure_ascii=False)
-                calls.append(ToolCall(id=_required(b, "id", bw), function=FunctionCall(name=_required(b, "name", bw), arguments=arguments)))
+                calls.append(ToolCall(id=required_field(b, "id", bw), function=FunctionCall(name=required_field(b, "name", bw), arguments=arguments)))
             elif b.type == "tool_result" and m.role == "user":
                 # A tool message per result, before the turn's text (Anthropic puts results first).
                 result = _text(b.content, f"{bw}.content") if b.content is not None else ""
-                out.append(ChatMessage(role="tool", content=result, tool_call_id=_required(b, "tool_use_id", bw)))
+                out.append(ChatMessage(role="tool", content=result, tool_call_id=required_field(b, "tool_use_id", bw)))
                 where.append(bw)
             elif b.type in ("tool_use", "tool_result"):
                 who = "assistant" if b.type == "tool_use" else "user"
