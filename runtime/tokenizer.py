@@ -15,6 +15,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -137,21 +139,36 @@ def _slim_folder(path: Path) -> Path | None:
     st = source.stat()
     key = hashlib.sha256(f"{source.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
     folder = cache_dir() / "tokenizers" / key
-    if (folder / PLACEHOLDERS_FILE).is_file():
-        return folder if (folder / "tokenizer.json").is_file() else None
-    spec = json.loads(source.read_text(encoding="utf-8"))
+    if not (folder / PLACEHOLDERS_FILE).is_file():
+        _write_slim_folder(path, folder)
+    return folder if (folder / "tokenizer.json").is_file() else None
+
+
+def _write_slim_folder(path: Path, folder: Path) -> None:
+    """Write ``folder`` whole in a temporary folder and rename it into place: replicas starting at once on
+    a shared cache each see no folder or a complete one."""
+    spec = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))
     placeholders = _placeholders(spec, path)
-    folder.mkdir(parents=True, exist_ok=True)
-    if len(placeholders) >= MIN_PLACEHOLDERS:
-        spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] not in placeholders]
-        _write(folder / "tokenizer.json", json.dumps(spec, ensure_ascii=False))
-        for f in path.iterdir():
-            if f.is_file() and f.name != "tokenizer.json" and not f.name.endswith(_WEIGHT_SUFFIXES):
-                link = folder / f.name
-                link.unlink(missing_ok=True)
-                link.symlink_to(f.resolve())
-    _write(folder / PLACEHOLDERS_FILE, json.dumps(placeholders if len(placeholders) >= MIN_PLACEHOLDERS else {}))
-    return folder if len(placeholders) >= MIN_PLACEHOLDERS else None
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
+    try:
+        if len(placeholders) >= MIN_PLACEHOLDERS:
+            spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] not in placeholders]
+            (tmp / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
+            for f in path.iterdir():
+                if f.is_file() and f.name != "tokenizer.json" and not f.name.endswith(_WEIGHT_SUFFIXES):
+                    (tmp / f.name).symlink_to(f.resolve())
+        else:
+            placeholders = {}  # few: the folder is loaded as it is
+        (tmp / PLACEHOLDERS_FILE).write_text(json.dumps(placeholders), encoding="utf-8")
+        try:
+            tmp.rename(folder)
+        except OSError:  # another process renamed its copy first, or a crashed one left half a folder
+            if not (folder / PLACEHOLDERS_FILE).is_file():
+                shutil.rmtree(folder, ignore_errors=True)
+                tmp.rename(folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _placeholders(spec: dict[str, Any], path: Path) -> dict[str, int]:
@@ -180,9 +197,3 @@ def _named_text(path: Path) -> str:
         if f.is_file():
             parts.append(f.read_text(encoding="utf-8", errors="replace"))
     return "\n".join(parts)
-
-
-def _write(target: Path, text: str) -> None:
-    tmp = target.with_suffix(target.suffix + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(target)
