@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -260,3 +261,17 @@ def assert_error(resp: httpx.Response, status: int, param: str | None = "__any__
     if code is not None:
         assert err["code"] == code, err
     return err
+
+
+def typed_sse_events(r: httpx.Response) -> list[tuple[str, dict[str, Any]]]:
+    """(event name, data) of each ``event:``/``data:`` pair of a typed stream (Responses, Messages); each
+    data's ``type`` must repeat its event name."""
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/event-stream")
+    out = []
+    for block in r.text.strip().split("\n\n"):
+        name_line, data_line = block.split("\n")
+        name, data = name_line.removeprefix("event: "), json.loads(data_line.removeprefix("data: "))
+        assert data["type"] == name
+        out.append((name, data))
+    return out

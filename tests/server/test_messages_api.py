@@ -18,7 +18,7 @@ from servelm.scheduler.config import EngineConfig
 from servelm.server.app import build_app
 from servelm.server.async_engine import AsyncEngine
 from servelm.server.errors import error_response, queue_full, unavailable
-from srv_harness import ServerThread
+from srv_harness import ServerThread, typed_sse_events
 
 http = httpx.Client(timeout=60)
 WEATHER = {
@@ -42,18 +42,6 @@ def post(srv: Any, path: str = "/v1/messages", headers: dict[str, str] | None = 
 
 def chat(srv: Any, **body: Any) -> httpx.Response:
     return http.post(srv.url + "/v1/chat/completions", json={"max_tokens": 5, **body})
-
-
-def sse_events(r: httpx.Response) -> list[tuple[str, dict[str, Any]]]:
-    assert r.status_code == 200, r.text
-    assert r.headers["content-type"].startswith("text/event-stream")
-    out = []
-    for block in r.text.strip().split("\n\n"):
-        name_line, data_line = block.split("\n")
-        name, data = name_line.removeprefix("event: "), json.loads(data_line.removeprefix("data: "))
-        assert data["type"] == name
-        out.append((name, data))
-    return out
 
 
 def assert_anthropic_error(r: httpx.Response, status: int, kind: str) -> str:
@@ -92,7 +80,7 @@ def test_create_is_the_chat_request_and_reads_as_the_sdk_message(shared_fake_ser
 
 def test_stream_events_and_the_sdk_stream_helper(shared_fake_server: Any) -> None:
     srv, eng, _ = shared_fake_server
-    evs = sse_events(post(srv, stream=True, max_tokens=3))
+    evs = typed_sse_events(post(srv, stream=True, max_tokens=3))
     assert [n for n, _ in evs] == [
         "message_start", "ping", "content_block_start", *["content_block_delta"] * 3, "content_block_stop", "message_delta", "message_stop",
     ]  # fmt: skip
@@ -107,7 +95,7 @@ def test_stream_events_and_the_sdk_stream_helper(shared_fake_server: Any) -> Non
     assert text == final.content[0].text == eng.expected_text(4)
     assert (final.stop_reason, final.usage.output_tokens, final.usage.input_tokens) == ("max_tokens", 4, len(eng.prompts[-1]))
     # Under tool_choice auto, an answer that does not start a call streams as text.
-    evs = sse_events(post(srv, stream=True, max_tokens=2, tools=[WEATHER]))
+    evs = typed_sse_events(post(srv, stream=True, max_tokens=2, tools=[WEATHER]))
     assert [d["delta"]["type"] for n, d in evs if n == "content_block_delta"] == ["text_delta"] * 2
     assert evs[-2][1]["delta"]["stop_reason"] == "max_tokens"
 
@@ -203,7 +191,7 @@ def test_errors_raise_the_sdk_exception_classes(fake_server: Any) -> None:
         good.messages.count_tokens(model="fake-model", messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}])  # type: ignore[list-item]
     # A request failing inside the engine mid-stream ends with Anthropic's error event, which the SDK raises.
     headers = {"x-api-key": "sk-test"}
-    evs = sse_events(post(srv, headers=headers, stream=True, messages=[{"role": "user", "content": "FAIL_ME"}]))
+    evs = typed_sse_events(post(srv, headers=headers, stream=True, messages=[{"role": "user", "content": "FAIL_ME"}]))
     assert evs[0][0] == "message_start" and evs[-1] == ("error", {"type": "error", "error": evs[-1][1]["error"]})
     assert evs[-1][1]["error"]["type"] == "api_error"
     with pytest.raises(anthropic.APIStatusError):

@@ -19,7 +19,7 @@ from servelm.server.responses_events import StreamedOutput
 from servelm.server.responses_input import responses_param, to_chat_request
 from servelm.server.serving_responses import _Response
 from servelm.server.tools import tool_mode
-from srv_harness import assert_error
+from srv_harness import assert_error, typed_sse_events
 
 http = httpx.Client(timeout=30)
 WEATHER = {
@@ -42,15 +42,9 @@ def chat(srv: Any, **body: Any) -> httpx.Response:
 
 def events(r: httpx.Response) -> list[tuple[str, dict[str, Any]]]:
     """(event name, data) of each server-sent event; the data checked against the SDK's event types."""
-    assert r.status_code == 200, r.text
-    assert r.headers["content-type"].startswith("text/event-stream")
-    out = []
-    for block in r.text.strip().split("\n\n"):
-        name_line, data_line = block.split("\n")
-        name, data = name_line.removeprefix("event: "), json.loads(data_line.removeprefix("data: "))
-        assert data["type"] == name
+    out = typed_sse_events(r)
+    for _, data in out:
         EVENTS.validate_python(data)
-        out.append((name, data))
     assert [d["sequence_number"] for _, d in out] == list(range(len(out)))
     return out
 
