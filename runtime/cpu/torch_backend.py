@@ -250,9 +250,10 @@ class TorchAttentionBackend(AttentionBackend):
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_flat = k_cache.view(-1, num_kv_heads, head_dim)
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        if k_flat.dtype != k.dtype:
-            # A 16-bit cache under float32 queries: every path attends to K/V as stored (rounded),
-            # so a prompt gives the same tokens whether it is prefilled whole, chunked or cached.
+        # A 16-bit cache under float32 queries: every path attends to K/V as stored (rounded), so a
+        # prompt gives the same tokens whether it is prefilled whole, chunked or cached.
+        rounded = k_flat.dtype != k.dtype
+        if rounded:
             k, v = k.to(k_flat.dtype), v.to(v_flat.dtype)
         if meta.write_rows is None:
             k_flat.index_copy_(0, meta.slot_mapping, k)
@@ -261,7 +262,8 @@ class TorchAttentionBackend(AttentionBackend):
             assert meta.write_slots is not None
             k_flat.index_copy_(0, meta.write_slots, k.index_select(0, meta.write_rows))
             v_flat.index_copy_(0, meta.write_slots, v.index_select(0, meta.write_rows))
-        k, v = k.to(q.dtype), v.to(q.dtype)
+        if rounded:
+            k, v = k.to(q.dtype), v.to(q.dtype)
 
         nd = meta.num_decode_tokens
         real = meta.num_real_tokens
