@@ -38,6 +38,7 @@ from servelm.server.serving_responses import create_response, stored_response
 from servelm.server.serving_common import ServingContext
 from servelm.server.serving_completions import create_completion
 from servelm.server.serving_fields import RequestHeadersMiddleware
+from servelm.server.serving_playground import install_playground
 from servelm.server.serving_lora import (
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
@@ -253,10 +254,12 @@ def build_app(
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
     max_request_bytes: int | None = None,
     allow_runtime_lora_updating: bool = False,
+    playground: bool = True,
 ) -> FastAPI:
     """The OpenAI-compatible app over ``async_engine`` (started and drained by the app's lifespan).
     ``max_request_bytes``: the largest /v1 POST body (default ``DEFAULT_MAX_REQUEST_BYTES``).
-    ``allow_runtime_lora_updating``: serve ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``."""
+    ``allow_runtime_lora_updating``: serve ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``.
+    ``playground``: serve the chat page at ``/`` and ``/playground`` (server/serving_playground.py)."""
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -380,6 +383,8 @@ def build_app(
         body, content_type = _render_metrics(metrics_registry, async_engine)
         return Response(body, media_type=None, headers={"Content-Type": content_type})
 
+    if playground:
+        install_playground(app)
     return app
 
 

@@ -191,6 +191,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get to finish on SIGTERM/SIGINT; those still running then end with a 'server shutting down' error (an error event and [DONE] on streams, response.failed on Responses streams, 503 otherwise) (default: %(default)s)")
     g.add_argument("--header-timeout", type=_positive_float, default=DEFAULT_HEADER_TIMEOUT_S, help="seconds a connection gets to send a complete request head, from its opening or its previous response; then it is closed (half-sent headers hold no connection for ever) (default: %(default)s)")
     g.add_argument("--max-connections", type=_positive_int, default=DEFAULT_MAX_CONNECTIONS, help="most HTTP connections (idle keep-alive ones included) and in-flight requests served at once; a request on one more connection gets uvicorn's plain-text 503 and the connection is closed (default: %(default)s)")
+    g.add_argument("--playground", action=argparse.BooleanOptionalAction, default=True, help="serve the chat page at / and /playground (it calls /v1/* with the key typed into it); --no-playground leaves / a JSON 404 (default: on)")
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True, help="log one line per HTTP request (default: on)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity (default: %(default)s)")
     p.set_defaults(func=run_serve)
@@ -306,6 +307,7 @@ def run_serve(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout,
         max_request_bytes=args.max_request_bytes,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        playground=args.playground,
     )
     _return_freed_heap()
     server = _make_uvicorn_server(app, args, lambda: async_engine.begin_drain(args.drain_timeout))
