@@ -51,13 +51,19 @@ DEVICE_PRESETS: dict[str, DevicePreset] = {
 
 @dataclass(frozen=True)
 class Capacity:
-    """What a KV budget buys: logged at start-up and printed by ``servelm plan``."""
+    """What a KV budget buys: logged at start-up and printed by ``servelm plan``.
+
+    Under tensor parallelism (``tensor_parallel_size`` N > 1) the budget and ``kv_bytes_per_token``
+    are one rank's: each rank's pool holds its 1/N of the KV heads for every block, so the blocks and
+    tokens are the whole engine's, and the N pools together take N times the budget.
+    """
 
     weight_bytes: int
     kv_bytes_per_token: int
     block_size: int
     num_blocks: int
     max_model_len: int
+    tensor_parallel_size: int = 1
 
     @property
     def token_capacity(self) -> int:
@@ -73,10 +79,12 @@ class Capacity:
         return self.num_blocks // self.blocks_per_max_len_request
 
     def describe(self) -> str:
+        n = self.tensor_parallel_size
+        rank = f" per rank x {n} ranks" if n > 1 else ""
         return (
-            f"weights {self.weight_bytes / 2**20:.1f} MiB; KV {self.kv_bytes_per_token / 1024:.1f} KiB/token; "
+            f"weights {self.weight_bytes / 2**20:.1f} MiB; KV {self.kv_bytes_per_token / 1024:.1f} KiB/token{rank}; "
             f"{self.num_blocks} blocks x {self.block_size} tokens = {self.token_capacity} tokens "
-            f"({self.num_blocks * self.block_size * self.kv_bytes_per_token / 2**20:.1f} MiB); "
+            f"({self.num_blocks * self.block_size * self.kv_bytes_per_token / 2**20:.1f} MiB{rank}); "
             f"{self.max_len_requests} requests of max_model_len={self.max_model_len} fit"
         )
 
@@ -124,16 +132,19 @@ def plan_capacity(
     max_model_len: int,
     stored_weight_bytes: int | None = None,
     kv_dtype: torch.dtype | None = None,
+    tensor_parallel_size: int = 1,
 ) -> Capacity:
     """``stored_weight_bytes``: the weights' size where they are not parameters x dtype (a GGUF file);
-    ``kv_dtype``: the cache's dtype where it is not ``dtype``."""
-    per_tok = kv_bytes_per_token(cfg, kv_dtype or dtype)
+    ``kv_dtype``: the cache's dtype where it is not ``dtype``; ``tensor_parallel_size`` N: the budget
+    is each rank's, whose pool holds 1/N of a token's KV heads (as vLLM's memory settings are per GPU)."""
+    per_tok = kv_bytes_per_token(cfg, kv_dtype or dtype) // tensor_parallel_size
     num_blocks = int(kv_budget_bytes // (per_tok * block_size))
     weights = stored_weight_bytes if stored_weight_bytes is not None else weight_bytes(cfg, dtype)
-    cap = Capacity(weights, per_tok, block_size, num_blocks, max_model_len)
+    cap = Capacity(weights, per_tok, block_size, num_blocks, max_model_len, tensor_parallel_size)
     if cap.token_capacity < max_model_len:
+        per_rank = " per rank" if tensor_parallel_size > 1 else ""
         raise CapacityError(
-            f"max_model_len={max_model_len} does not fit the KV pool: {kv_budget_bytes / 2**20:.1f} MiB holds "
+            f"max_model_len={max_model_len} does not fit the KV pool: {kv_budget_bytes / 2**20:.1f} MiB{per_rank} holds "
             f"{cap.token_capacity} tokens ({per_tok} bytes/token); raise the KV memory or lower max_model_len"
         )
     return cap

@@ -28,6 +28,7 @@ class EngineConfig:
     async_scheduling: bool | None = None  # schedule step k+1 before step k's tokens reach the host; None => on CUDA only
     quantization: str | None = None  # "int8" | "int4": weight-only quantized projections and head (CPU, float32)
     num_threads: int | None = None  # CPU: torch intra-op threads (None => torch's default)
+    tensor_parallel_size: int = 1  # ranks the model is split over (rank 0 in this process, workers spawned)
     seed: int = 0  # for requests without a seed
     # Speculative decoding, vLLM's JSON: '{"method": "ngram", "num_speculative_tokens": 3, ...}' (None => off)
     speculative_config: str | None = None

@@ -113,6 +113,9 @@ def start_up(config: EngineConfig, runner: RunnerLike | None = None) -> StartUp:
     enable_lora = config.enable_lora or bool(config.lora_modules)
     if enable_lora and (config.max_loras < 1 or config.max_lora_rank < 1):
         raise ValueError("max_loras and max_lora_rank must be at least 1")
+    tp = config.tensor_parallel_size
+    if tp != 1:
+        check_tensor_parallel_serving(config, mc, model_dir, device, enable_lora, injected=runner is not None)
 
     defaults = device_defaults(device, dtype, mc.head_dim)
     max_model_len = resolve_max_model_len(mc, config.max_model_len, sliding_window_supported=defaults.sliding_window)
@@ -139,7 +142,8 @@ def start_up(config: EngineConfig, runner: RunnerLike | None = None) -> StartUp:
         if runner is None or runner.kv_pool is None:
             raise ValueError(f"an injected runner on {device} needs kv_cache_memory or a kv_pool")
         kv_memory = runner.kv_pool.nbytes
-    capacity = plan_capacity(mc, dtype, kv_memory, block_size, max_model_len, stored_weight_bytes(model_dir), kv_dtype)
+    # Under tensor parallelism the budget is each rank's, as vLLM's memory settings are per GPU.
+    capacity = plan_capacity(mc, dtype, kv_memory, block_size, max_model_len, stored_weight_bytes(model_dir), kv_dtype, tp)
     log.info("KV capacity: %s", capacity.describe())
 
     resolved = dataclasses.replace(
@@ -286,10 +290,9 @@ def new_runner(
     max_model_len: int,
     config: EngineConfig,
 ) -> ModelRunner:
-    """The real runner for the settled configuration (``num_blocks`` None: its pool comes later)."""
-    return ModelRunner(
-        model_dir,
-        mc,
+    """The real runner for the settled configuration (``num_blocks`` None: its pool comes later);
+    under tensor parallelism rank 0's, its workers spawned and loading their shards alongside."""
+    kwargs: dict[str, Any] = dict(
         device=device,
         dtype=dtype,
         block_size=block_size,
@@ -302,3 +305,30 @@ def new_runner(
         quantization=config.quantization,
         kv_dtype=resolve_kv_dtype(config.kv_cache_dtype, dtype, device),
     )
+    tp = config.tensor_parallel_size
+    if tp == 1:
+        return ModelRunner(model_dir, mc, **kwargs)
+    from servelm.runtime.distributed.launcher import TensorParallelGroup  # torch.distributed only when asked
+
+    # The ranks share the host's cores: each gets its part of them unless --num-threads says otherwise.
+    threads = config.num_threads or max(1, torch.get_num_threads() // tp)
+    torch.set_num_threads(threads)
+    log.info("tensor parallelism: %d ranks (this process is rank 0), %d torch thread(s) each", tp, threads)
+    return TensorParallelGroup(tp, num_threads=threads, device=device).load(model_dir, **kwargs)
+
+
+def check_tensor_parallel_serving(
+    config: EngineConfig, mc: ModelConfig, model_dir: Path, device: torch.device, enable_lora: bool, injected: bool
+) -> None:
+    """Refuse, by name and before anything loads, what ``--tensor-parallel-size`` does not serve yet."""
+    from servelm.runtime.config import UnsupportedModelError
+    from servelm.runtime.distributed.sharding import check_tensor_parallel
+
+    n = config.tensor_parallel_size
+    if n < 1:
+        raise ValueError(f"--tensor-parallel-size must be at least 1, got {n}")
+    if injected:
+        raise ValueError("--tensor-parallel-size starts its own runners: it cannot be given an injected runner")
+    if enable_lora:
+        raise UnsupportedModelError("LoRA adapters (--enable-lora, --lora-modules) are not supported with --tensor-parallel-size > 1 yet")
+    check_tensor_parallel(mc, n, device=device, model_dir=model_dir, quantization=config.quantization)

@@ -172,6 +172,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None, help="schedule the next step while the device computes this one; its host work (outputs, detokenization) then overlaps the device (default: on for CUDA, off for CPU, where nothing runs in the background)")
     g.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help="weight-only quantization (CPU, float32 activations). int8: projections and vocabulary head in int8, one float32 scale per output row: a quarter of the weight bytes a decode step reads; tokens differ from the float32 model's. int4: projections in 4 bits, groups of 32 with an fp16 scale and minimum (llama.cpp's Q4_1), head in int8 groups of 32 (Q8_0): a sixth of the bytes; exact for the default model, which ships in those formats. auto: int4 where that is exact for the checkpoint's weights (checked at load: the default model, or a model dequantized from such a GGUF file), else none; for a GGUF file on CPU float32, the weights as stored in the file (as they are by default too). none: no quantization; a GGUF file is then dequantized into --dtype (default: none, and a GGUF file as stored; `make serve` passes auto)")
     g.add_argument("--num-threads", type=_positive_int, default=None, help="CPU: torch intra-op threads (default: torch's choice)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=d.tensor_parallel_size, help="split the model Megatron-style over N ranks: this process is rank 0 (scheduler, sampling), N-1 worker processes are spawned, joined over torch.distributed (gloo on CPU); --kv-cache-memory is then each rank's pool, --num-threads each rank's threads (default: the cores / N). Refused by name: LoRA, --quantization, GGUF files, CUDA (unproven), shapes not divisible by N. See docs/tensor-parallel.md (default: %(default)s)")
     g.add_argument("--seed", type=int, default=d.seed, help="sampling seed for requests without one (default: %(default)s)")
     g.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON", help='speculative decoding by n-gram lookup, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2, "max_running": 1}\' (greedy and unseeded sampled requests without penalties; drafts only while at most max_running requests run; off while scheduling ahead) (default: off)')
     g.add_argument("--kv-events-config", type=_kv_events_config, default=None, metavar="JSON", help='publish KV-cache events (blocks entering and leaving the prefix cache) for KV-aware routers such as vllm-router --policy kv_aware, as vLLM\'s: \'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "", "buffer_steps": 10000, "hwm": 100000, "max_queue_size": 100000}\' (ZMQ PUB of msgpack batches) (default: off)')
@@ -219,6 +220,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         async_scheduling=args.async_scheduling,
         quantization=args.quantization,
         num_threads=args.num_threads,
+        tensor_parallel_size=args.tensor_parallel_size,
         seed=args.seed,
         speculative_config=args.speculative_config,
         kv_events_config=args.kv_events_config,
@@ -319,7 +321,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if not server.started:
         return 1
     log.info("servelm stopped")
-    return 0
+    return 1 if async_engine.dead_reason else 0  # an engine that died (a tensor-parallel worker lost): a supervisor restarts it
 
 
 # ----------------------------------------------------------------------------------------- main

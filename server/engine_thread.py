@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, TypeVar
@@ -153,8 +155,24 @@ class EngineThread:
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start stepping; outputs and results are delivered on ``loop``."""
         self._loop = loop
+        runner = getattr(self.engine, "runner", None)
+        watch = getattr(runner, "watch_workers", None)
+        if watch is not None:  # tensor parallelism: a worker's death ends serving
+            watch(self.fail)
         self.thread = threading.Thread(target=self._run, name="servelm-engine", daemon=True)
         self.thread.start()
+
+    def fail(self, exc: BaseException) -> None:
+        """From any thread: the engine cannot serve any more (a tensor-parallel worker died). Every
+        request fails with ``exc``, ``/health`` and ``/live`` answer 503, and the process is asked to
+        stop (SIGTERM: a drain with nothing left to drain) so that it exits non-zero and a supervisor
+        (Kubernetes, systemd) restarts it."""
+        log.error("serving stops: %s", exc)
+        with self._lock:  # /health turns 503 now; the engine thread fails the requests it routes
+            if self.dead is None:
+                self.dead = exc
+        self._wake.set()
+        os.kill(os.getpid(), signal.SIGTERM)
 
     @property
     def dead_reason(self) -> str | None:
@@ -198,6 +216,9 @@ class EngineThread:
             while True:
                 self._wake.clear()
                 stop = self._drain_inbox()
+                if self.dead is not None:  # failed from outside (``fail``)
+                    self._die(self.dead)
+                    return
                 if stop:
                     self._abort_all(EngineStoppedError("the server shut down before this request finished"))
                     return
@@ -208,8 +229,24 @@ class EngineThread:
                 else:
                     self._wake.wait()
         except BaseException as exc:  # noqa: BLE001 - any escape kills serving; report it everywhere
-            log.exception("the engine thread died")
+            if self.dead is None:
+                log.exception("the engine thread died")
+            else:
+                log.error("the step failed after: %s (%s: %s)", self.dead, type(exc).__name__, exc)
             self._die(exc)
+        finally:
+            self._close_runner()
+
+    def _close_runner(self) -> None:
+        """Stop what the runner started beside this process (tensor-parallel workers), from the
+        thread that drove its collectives."""
+        close = getattr(getattr(self.engine, "runner", None), "close", None)
+        if close is None:
+            return
+        try:
+            close()
+        except Exception:  # noqa: BLE001 - stopping anyway
+            log.exception("closing the runner failed")
 
     def _drain_inbox(self) -> bool:
         with self._lock:
@@ -288,8 +325,10 @@ class EngineThread:
 
     def _die(self, exc: BaseException) -> None:
         with self._lock:
-            self.dead = exc
-        self._fail_everything(EngineDeadError(f"the engine has stopped: {type(exc).__name__}: {exc}"))
+            if self.dead is None:  # else the first cause is the one reported (a failed step follows a dead worker)
+                self.dead = exc
+            cause = self.dead
+        self._fail_everything(EngineDeadError(f"the engine has stopped: {type(cause).__name__}: {cause}"))
 
     def _fail_everything(self, exc: BaseException) -> None:
         with self._lock:

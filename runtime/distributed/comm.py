@@ -10,11 +10,17 @@ import torch.distributed as dist
 
 @dataclass
 class Communicator:
-    """This process's rank in a tensor-parallel group of ``world_size`` ranks (rank 0 samples)."""
+    """This process's rank in a tensor-parallel group of ``world_size`` ranks (rank 0 samples).
+
+    ``idle_group`` carries the broadcasts the other ranks wait in between steps (the next step, a
+    control message): an idle server may send nothing for hours, so it has no useful timeout, while
+    ``group``'s short one bounds a collective inside a step that a rank never joins.
+    """
 
     rank: int
     world_size: int
     group: dist.ProcessGroup | None = None  # None: the default group
+    idle_group: dist.ProcessGroup | None = None  # None: ``group``
 
     @property
     def is_driver(self) -> bool:
@@ -34,13 +40,17 @@ class Communicator:
         dist.gather(x, parts, dst=0, group=self.group)
         return torch.cat(parts, dim=-1)
 
-    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
-        """Rank 0's ``x`` into every rank's ``x`` (same shape and dtype everywhere)."""
-        dist.broadcast(x, src=0, group=self.group)
+    def broadcast(self, x: torch.Tensor, idle: bool = False) -> torch.Tensor:
+        """Rank 0's ``x`` into every rank's ``x`` (same shape and dtype everywhere); ``idle``: one the
+        other ranks may wait in for as long as rank 0 has nothing to send."""
+        dist.broadcast(x, src=0, group=self._waiting(idle))
         return x
 
     def broadcast_object(self, obj: object = None) -> object:
         """Rank 0's picklable ``obj`` to every rank (control messages only: pickling is slow)."""
         box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.group)
+        dist.broadcast_object_list(box, src=0, group=self._waiting(True))
         return box[0]
+
+    def _waiting(self, idle: bool) -> dist.ProcessGroup | None:
+        return self.idle_group if idle and self.idle_group is not None else self.group

@@ -49,21 +49,21 @@ def send_step(comm: Communicator, inputs: StepInputs) -> None:
     n = payload.numel()
     if n <= INLINE:
         first[HEADER_LEN : HEADER_LEN + n] = payload
-        comm.broadcast(first)
+        comm.broadcast(first, idle=True)
     else:
-        comm.broadcast(first)
+        comm.broadcast(first, idle=True)
         comm.broadcast(payload)
 
 
 def send_release(comm: Communicator) -> None:
     first = torch.zeros(HEADER_LEN + INLINE, dtype=torch.int64)
     first[0] = RELEASE
-    comm.broadcast(first)
+    comm.broadcast(first, idle=True)
 
 
 def receive_step(comm: Communicator) -> ReceivedStep | None:
     """Ranks 1..N-1: the next step rank 0 sends, or None when it releases the model."""
-    first = comm.broadcast(torch.empty(HEADER_LEN + INLINE, dtype=torch.int64))
+    first = comm.broadcast(torch.empty(HEADER_LEN + INLINE, dtype=torch.int64), idle=True)  # waits for rank 0's next step
     command, t, s, width, r, num_decodes, max_query_len, max_seq_len, shared = first[:HEADER_LEN].tolist()
     if command == RELEASE:
         return None

@@ -10,7 +10,7 @@ forward, hand their logits slice to the gather, until rank 0 releases the model.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -24,16 +24,22 @@ from servelm.runtime.models.llama import CausalLM
 from servelm.runtime.runner import ModelRunner
 from servelm.runtime.step import PromptScoring, StepInputs
 
+if TYPE_CHECKING:
+    from servelm.runtime.distributed.launcher import TensorParallelGroup
+
 
 class TensorParallelRunner(ModelRunner):
     """A ``ModelRunner`` over one rank's shard; ``comm`` says which rank (0 drives, samples)."""
 
-    def __init__(self, model_dir: Path, model_config: ModelConfig, *, comm: Communicator, **kwargs: Any) -> None:
+    def __init__(
+        self, model_dir: Path, model_config: ModelConfig, *, comm: Communicator, group: TensorParallelGroup | None = None, **kwargs: Any
+    ) -> None:
         check_tensor_parallel(
             model_config, comm.world_size, device=torch.device(kwargs.get("device", "cpu")),
             model_dir=model_dir, quantization=kwargs.get("quantization"),
         )  # fmt: skip
         self.comm = comm
+        self.group = group  # rank 0's: the processes ``close`` stops
         self._logits_of: StepInputs | None = None  # the step whose gathered logits are kept
         self._logits: torch.Tensor | None = None
         kwargs["enforce_eager"] = True  # no CUDA graphs: a replay would skip the broadcast
@@ -91,3 +97,18 @@ class TensorParallelRunner(ModelRunner):
         """Rank 0: let the other ranks leave ``serve`` (this runner takes no more steps)."""
         if self.comm.is_driver:
             send_release(self.comm)
+            if self.group is not None:
+                self.group.released(self)
+
+    def watch_workers(self, on_death: Callable[[BaseException], None]) -> None:
+        """Rank 0: call ``on_death(error)`` (from a watcher thread) if a worker dies, at once if one has."""
+        if self.group is None:
+            return
+        self.group.on_worker_death = on_death
+        if self.group.failure is not None:
+            on_death(self.group.failure)
+
+    def close(self) -> None:
+        """Rank 0: release the model and stop the group's workers (the engine's last call)."""
+        if self.group is not None:
+            self.group.shutdown()
