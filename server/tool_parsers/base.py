@@ -15,9 +15,15 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from servelm.server.tool_parsers.readers import Reader
+
+if TYPE_CHECKING:
+    from servelm.server.tool_parsers.grammar import Vocabulary
+
+# The tools a grammar allows: each one's name and parameters schema.
+Tools = list[tuple[str, dict[str, Any]]]
 
 
 @dataclass
@@ -88,6 +94,12 @@ class ToolParser:
 
     def body(self) -> Reader:
         """A reader for the text after an opener or continuer."""
+        raise NotImplementedError
+
+    @classmethod
+    def grammar(cls, vocab: Vocabulary, tools: Tools, required: bool, parallel: bool, ws: str) -> str:
+        """A Lark grammar for an answer: free text and then calls to ``tools`` in this family's format
+        (``required``: calls only; ``parallel``: more than one), ``ws`` the JSON whitespace regex."""
         raise NotImplementedError
 
     @staticmethod
