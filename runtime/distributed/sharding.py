@@ -57,7 +57,10 @@ def check_tensor_parallel(
                 f"tensor parallel size {world_size}: {cfg.architecture} has {n} {what}, not divisible by {world_size}"
             )
     if platform.is_cuda(device):
-        raise UnsupportedModelError(f"tensor parallelism runs on CPU over gloo only so far (device {device}; NCCL is not wired yet)")
+        # NCCL is chosen for CUDA (``launcher.backend_for``), but no CUDA run has ever checked it.
+        raise UnsupportedModelError(
+            f"tensor parallelism on CUDA (device {device}, NCCL) is unproven, so it is refused: it has only run on CPU over gloo"
+        )
     if quantization not in (None, NONE):
         raise UnsupportedModelError(f"--quantization {quantization} is not supported with tensor parallelism yet")
     if model_dir is not None and gguf_source(model_dir) is not None:
