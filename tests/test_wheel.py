@@ -30,6 +30,7 @@ def test_the_wheel_holds_only_servelm(wheel: Path) -> None:
     for pkg in ("server", "scheduler", "runtime", "metrics", "bench", "runtime/models", "runtime/attention", "runtime/cpu", "runtime/cuda", "runtime/gguf"):
         assert f"servelm/{pkg}/__init__.py" in names, pkg
     assert "servelm/runtime/cpu/csrc/cpu_ops.cpp" in names  # the C++ sources compiled at first use
+    assert {"servelm/server/playground/index.html", "servelm/server/playground/app.js"} <= set(names)  # the page served at /
 
 
 def test_the_installed_wheel_imports_from_outside_the_checkout(wheel: Path, tmp_path: Path) -> None:

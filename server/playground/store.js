@@ -28,6 +28,8 @@ export class Conversations {
   constructor() {
     this.all = read(localStorage, KEY, []);
     this.currentId = read(localStorage, KEY_CURRENT, null);
+    // An answer still streaming when the page went away was cut off there.
+    for (const c of this.all) for (const m of c.messages || []) if (m.state === "streaming") m.state = "stopped";
     if (!this.current()) this.create();
   }
 

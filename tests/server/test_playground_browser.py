@@ -1,0 +1,169 @@
+"""The playground in a real browser: headless Chromium from the system's packages, driven by
+Playwright, against ``servelm serve --api-key`` on the default model. It chats and sees tokens stream
+in, stops a long answer and sees the server free it, shows markup from the model as text, keeps
+conversations across a reload, fits a phone, and leaves a screenshot in ``$SERVELM_ARTIFACTS``."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import httpx
+import pytest
+
+from proc_harness import REPO, ServeProcess
+
+pytestmark = pytest.mark.slow
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e '.[test]')")
+CHROMIUM = os.environ.get("SERVELM_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+if not CHROMIUM:
+    pytest.skip("no chromium here: `apt-get install chromium` (.ci/run does so as root)", allow_module_level=True)
+
+KEY = "sk-browser-test"
+ARTIFACTS = Path(os.environ.get("SERVELM_ARTIFACTS") or REPO / "artifacts")
+# The model is made to write this exactly (a regex constraint), so what reaches the page is known.
+MARKUP = "<script>pwned=1</script><img src=x onerror=pwned=2> **bold** `<b>x</b>`"
+
+
+def _regex_for(text: str) -> str:
+    return re.sub(r"([\\^$.|?*+()\[\]{}])", r"\\\1", text)
+
+
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(m) for m in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
+
+
+def _until(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServeProcess]:
+    args = ("--api-key", KEY, "--kv-cache-memory", "128MiB", "--max-model-len", "2048", "--no-access-log")
+    with ServeProcess(*args) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def page(server: ServeProcess) -> Iterator[Any]:
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM)
+        context = browser.new_context(viewport={"width": 1200, "height": 760})
+        page = context.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" and "401" not in m.text else None)
+        page.goto(server.url + "/")
+        yield page
+        browser.close()
+        assert not errors, errors  # no script error, and nothing the CSP refused
+
+
+def _new_chat(page: Any, *, max_tokens: int, extra: str = "", temperature: str = "0") -> None:
+    page.click("#new-chat")
+    page.fill("#temperature", temperature)
+    page.fill("#max_tokens", str(max_tokens))
+    page.fill("#extra", extra)
+    page.dispatch_event("#extra", "change")
+
+
+def _send(page: Any, text: str) -> Any:
+    page.fill("#prompt", text)
+    page.click("#send")
+    answer = page.locator(".msg.assistant").last
+    answer.wait_for()
+    return answer
+
+
+def test_the_key_unlocks_the_models_and_a_chat_streams_with_its_speed(page: Any, server: ServeProcess) -> None:
+    sync_api.expect(page.locator("#status")).to_contain_text("API key")  # /v1/models said 401
+    page.fill("#api-key", KEY)
+    page.locator("#api-key").blur()
+    sync_api.expect(page.locator("#model option")).to_have_count(1)
+    _new_chat(page, max_tokens=32)
+    # Every text the answer shows while it streams, recorded in the page as the DOM changes.
+    page.evaluate(
+        """() => { window.seen = new Set(); new MutationObserver(() => {
+            const a = [...document.querySelectorAll('.msg.assistant')].pop();
+            if (a && a.dataset.state === 'streaming' && a.querySelector('.content').textContent) window.seen.add(a.querySelector('.content').textContent);
+        }).observe(document.getElementById('messages'), {subtree: true, childList: true, characterData: true, attributes: true}); }"""
+    )
+    question = "What is the capital of France?"
+    answer = _send(page, question)
+    sync_api.expect(answer).to_have_attribute("data-state", "done", timeout=60_000)
+    assert page.evaluate("window.seen.size") >= 2, "the answer did not appear a piece at a time"
+    speed = answer.locator(".speed").inner_text()
+    m = re.fullmatch(r"TTFT \d+ ms · [\d.]+ tok/s · (\d+) prompt \+ (\d+) completion tokens · finish: (stop|length)", speed)
+    assert m, speed
+    # The same request without the page: the same greedy tokens.
+    ref = httpx.post(
+        f"{server.url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+        json={"messages": [{"role": "user", "content": question}], "max_tokens": 32, "temperature": 0, "top_p": 1},
+    ).json()  # fmt: skip
+    assert (int(m[1]), int(m[2])) == (ref["usage"]["prompt_tokens"], ref["usage"]["completion_tokens"])
+    shown = " ".join(answer.locator(".content").inner_text().split())
+    assert shown == " ".join(ref["choices"][0]["message"]["content"].split())
+    # The server panel has seen the request finish (it scrapes /metrics every 2 s).
+    latency = r"(\d+ ms|[\d.]+ s)"
+    sync_api.expect(page.locator("#m-ttft")).to_have_text(re.compile(rf"{latency} / {latency} / {latency}"), timeout=10_000)
+    sync_api.expect(page.locator("#m-running")).to_have_text("0")
+
+
+def test_stop_ends_a_long_answer_and_the_server_frees_it(page: Any, server: ServeProcess) -> None:
+    _new_chat(page, max_tokens=1500, extra='{"ignore_eos": true}')
+    answer = _send(page, "Count from one to a thousand.")
+    sync_api.expect(answer.locator(".content")).not_to_be_empty(timeout=60_000)
+    assert _metric(server.url, "servelm_num_requests_running") == 1
+    page.click("#stop")
+    sync_api.expect(answer).to_have_attribute("data-state", "stopped")
+    sync_api.expect(answer.locator(".speed")).to_contain_text("stopped")
+    _until(lambda: _metric(server.url, "servelm_num_requests_running") == 0, 10, "the server to free the request")
+    assert _metric(server.url, "servelm_kv_cache_usage_perc") == 0
+    assert re.search(r'servelm_request_failure_total\{[^}]*reason="aborted"[^}]*\} 1\.0', httpx.get(f"{server.url}/metrics").text)
+    assert page.locator("#send").is_enabled() and page.locator("#stop").is_disabled()
+
+
+def test_markup_from_the_model_is_shown_as_text(page: Any) -> None:
+    """In raw completion mode (/v1/completions), under a regex that makes the model write MARKUP."""
+    _new_chat(page, max_tokens=80, extra=json.dumps({"structured_outputs": {"regex": _regex_for(MARKUP)}}))
+    page.check('input[name="mode"][value="completion"]')
+    answer = _send(page, "Some HTML:")
+    sync_api.expect(answer).to_have_attribute("data-state", "done", timeout=60_000)
+    sync_api.expect(answer.locator(".speed")).to_contain_text("finish: stop")
+
+    def check() -> None:
+        content = answer.locator(".content")
+        assert content.inner_text() == "<script>pwned=1</script><img src=x onerror=pwned=2> bold <b>x</b>"
+        # The markdown became elements; the markup inside it stayed text.
+        assert content.locator("strong").inner_text() == "bold"
+        assert content.locator("code").inner_text() == "<b>x</b>"
+        assert page.locator("#messages script, #messages img, #messages b").count() == 0
+        assert page.evaluate("window.pwned") is None
+
+    check()
+    page.reload()  # the conversation comes back from localStorage, still as text
+    answer = page.locator(".msg.assistant").last
+    check()
+    page.check('input[name="mode"][value="chat"]')
+
+
+def test_it_fits_a_phone_and_leaves_a_screenshot(page: Any) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.locator(".conversations button.open").nth(2).click()  # the France chat
+    page.screenshot(path=str(ARTIFACTS / "playground.png"))
+    page.set_viewport_size({"width": 390, "height": 844})
+    assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth"), "the page scrolls sideways on a phone"
+    for selector in ("#prompt", "#send", "#stop", "#model"):
+        box = page.locator(selector).bounding_box()
+        assert box and box["x"] >= 0 and box["x"] + box["width"] <= 390, selector
+    page.screenshot(path=str(ARTIFACTS / "playground-phone.png"))
