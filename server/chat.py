@@ -48,12 +48,38 @@ def normalize_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                 }
                 for j, c in enumerate(m.tool_calls)
             ]
+        thinking = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if thinking is not None:
+            if role != "assistant":
+                raise bad_request(f"'{where}.reasoning_content' is only allowed on assistant messages.", param=f"{where}.reasoning_content")
+            msg["reasoning_content"] = thinking
         if role == "tool":
             if m.tool_call_id is None:
                 raise bad_request(f"Missing required parameter: '{where}.tool_call_id'.", param=f"{where}.tool_call_id")
             msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
     return out
+
+
+# What render_chat_prompt passes the template itself (and what transformers' apply_chat_template takes as
+# its own arguments): chat_template_kwargs may not set them.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "tokenize", "return_dict", "return_tensors", "chat_template", "tokenizer_kwargs", "padding",
+    "truncation", "max_length", "return_assistant_tokens_mask", "bos_token", "eos_token", "unk_token",
+    "pad_token", "raise_exception", "strftime_now",
+})  # fmt: skip
+
+
+def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """``chat_template_kwargs`` checked: 400 naming a variable the server sets itself."""
+    for name in kwargs or {}:
+        if name in RESERVED_TEMPLATE_KWARGS:
+            raise bad_request(
+                f"'chat_template_kwargs.{name}' is set by the server and cannot be overridden.",
+                param=f"chat_template_kwargs.{name}",
+            )
+    return dict(kwargs or {})
 
 
 def chat_text_chars(messages: list[ChatMessage], tools: list[ChatTool] | None = None) -> int:
@@ -67,7 +93,7 @@ def chat_text_chars(messages: list[ChatMessage], tools: list[ChatTool] | None = 
             n += sum(len(p.text or "") for p in m.content)
         for c in m.tool_calls or ():
             n += len(c.id) + len(c.function.name) + len(c.function.arguments)
-        n += len(m.tool_call_id or "")
+        n += len(m.tool_call_id or "") + len(m.reasoning_content or m.reasoning or "")
     if tools:
         n += len(json.dumps(tools_for_template(tools), ensure_ascii=False))
     return n
@@ -111,17 +137,19 @@ def render_chat_prompt(
     tools: list[dict[str, Any]] | None = None,
     named_tool: str | None = None,
     describe: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """Apply the chat template and tokenize the result.
 
     The template writes the special tokens (BOS, role markers) itself, so the text is encoded
     without adding special tokens again (unless ``add_special_tokens``, for /tokenize). ``tools`` go to
     a template that reads them, unless ``describe``, else into the system message
-    (``server.tools.describe_tools``: ``describe`` words them for "auto").
+    (``server.tools.describe_tools``: ``describe`` words them for "auto"). ``template_kwargs``: the
+    request's ``chat_template_kwargs``, checked by ``template_kwargs``.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("This model has no chat template; use /v1/completions instead.", param="messages")
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = dict(template_kwargs or {})
     if template_knows_tools(tokenizer) and not describe:
         if tools:
             kwargs["tools"] = tools

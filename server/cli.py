@@ -14,6 +14,7 @@ import sys
 from typing import Any, Callable
 
 from servelm.scheduler.config import EngineConfig
+from servelm.server.reasoning.parsers import PARSERS as REASONING_PARSERS
 
 # runtime.quantization.QUANTIZATIONS, spelled out here: this module must not import torch (`servelm bench`
 # and `--help` stay light); a test keeps the two equal.
@@ -154,6 +155,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--model", default=None, help="Hugging Face model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--served-model-name", default=None, help="model id clients send and /v1/models lists (default: the model folder name)")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model folder)")
+    g.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None, help="split the thinking a reasoning model writes before its answer (<think>...</think>) into chat's reasoning_content, a Responses reasoning item and Messages thinking blocks, as vLLM's flag: qwen3 (Qwen3, SmolLM3, QwQ), deepseek_r1 (DeepSeek-R1 and its distills, which think first even without <think>); constrained outputs then constrain the answer after the thinking. See docs/reasoning.md (default: off, the text is all answer)")
     g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"], help="weight and KV dtype (default: auto = float32 on CPU, bfloat16 on CUDA)")
     g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "float32", "bfloat16", "float16"], help="KV cache dtype (default: auto = --dtype). On CPU, bfloat16 or float16 under float32 weights halve the KV pool's bytes per token, as llama.cpp's f16 cache does; attention still computes in float32, but greedy tokens are then no longer exactly transformers' float32 ones. On CUDA it must equal --dtype")
     g.add_argument("--device", default=d.device, help="auto, cpu or cuda[:N] (default: auto = cuda when available)")
@@ -311,6 +313,7 @@ def run_serve(args: argparse.Namespace) -> int:
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         playground=args.playground,
     )
+    app.state.serving.reasoning_parser = REASONING_PARSERS[args.reasoning_parser] if args.reasoning_parser else None
     _return_freed_heap()
     server = _make_uvicorn_server(app, args, lambda: async_engine.begin_drain(args.drain_timeout))
     # uvicorn re-raises the signal that stopped it once it has shut down, with the handlers it found

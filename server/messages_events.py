@@ -9,6 +9,7 @@ import uuid
 from typing import Any, AsyncIterator
 
 from servelm.server.errors import APIError, anthropic_error
+from servelm.server.reasoning import ReasoningMode, ReasoningStream
 from servelm.server.request_group import RequestGroup
 from servelm.server.serving_outputs import UsageCounter, counted_outputs, dumps
 from servelm.server.tools import ToolMode
@@ -22,6 +23,12 @@ def tool_use_block(call: dict[str, Any]) -> dict[str, Any]:
     """An OpenAI tool call as a ``tool_use`` block, its arguments parsed into ``input``."""
     function = call["function"]
     return {"type": "tool_use", "id": tool_use_id(), "name": function["name"], "input": json.loads(function["arguments"])}
+
+
+def thinking_block(text: str) -> dict[str, Any]:
+    """The thinking before the answer (with --reasoning-parser). Its signature is empty: there is nothing
+    to verify when the thinking comes back in a later turn's history."""
+    return {"type": "thinking", "thinking": text, "signature": ""}
 
 
 def content_blocks(tools: ToolMode | None, text: str) -> list[dict[str, Any]]:
@@ -68,8 +75,14 @@ class MessageStream:
     starts with ``[``) are announced whole when the output ends and parses (text that does not, cut by
     ``max_tokens``, is sent as a text block then)."""
 
-    def __init__(self, message_id: str, model: str, tools: ToolMode | None, group: RequestGroup, counter: UsageCounter) -> None:
+    def __init__(
+        self, message_id: str, model: str, tools: ToolMode | None, group: RequestGroup, counter: UsageCounter,
+        reasoning: ReasoningMode | None = None,
+    ) -> None:
         self.id = message_id
+        self.split = ReasoningStream(reasoning.parser, reasoning.phase) if reasoning is not None else None
+        self.show_thinking = reasoning is not None and reasoning.include
+        self.thinking = False  # a thinking block is open
         self.model = model
         self.tools = tools
         self.group = group
@@ -94,8 +107,14 @@ class MessageStream:
         matched: str | int | None = None
         async for _, out in counted_outputs(self.group, self.counter):
             for c in out.outputs:
-                for e in self._add(c.new_text):
-                    yield e
+                text = c.new_text
+                if self.split is not None:
+                    thinking, text = self.split.feed(text, final=c.finish_reason is not None)
+                    for e in self._think(thinking, ends=bool(text) or c.finish_reason is not None):
+                        yield e
+                if self.split is None or text:
+                    for e in self._add(text):
+                        yield e
                 if c.finish_reason is not None:
                     finish, matched = c.finish_reason, c.stop_reason
         self.group.close()
@@ -117,6 +136,21 @@ class MessageStream:
         self.open = None
         self.index += 1
         return event("content_block_stop", index=self.index - 1)
+
+    def _think(self, text: str, ends: bool) -> list[bytes]:
+        """A thinking block's events: opened by the first thinking text, closed (with its signature) when
+        the answer begins or the output ends."""
+        events: list[bytes] = []
+        if text and self.show_thinking:
+            if not self.thinking:
+                self.thinking = True
+                events.append(self._start(thinking_block("")))
+            events.append(event("content_block_delta", index=self.index, delta={"type": "thinking_delta", "thinking": text}))
+        if ends and self.thinking:
+            self.thinking = False
+            events.append(event("content_block_delta", index=self.index, delta={"type": "signature_delta", "signature": ""}))
+            events.append(self._stop())
+        return events
 
     def _add(self, text: str) -> list[bytes]:
         events: list[bytes] = []

@@ -81,6 +81,10 @@ class ChatMessage(BaseModel):
     name: str | None = None  # accepted; the chat template has no place for it
     tool_calls: list[ToolCall] | None = Field(default=None, max_length=MAX_TOOL_CALLS)  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
+    # An assistant's earlier thinking (vLLM's field; "reasoning" its newer name): templates that render
+    # thinking (Qwen3's) read it.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     # Declared so they are refused by name:
     function_call: Any | None = None
     refusal: str | None = None
@@ -113,10 +117,15 @@ class ChatCompletionRequest(GenerationRequest):
     reasoning_effort: str | None = None
     verbosity: str | None = None
     web_search_options: Any | None = None
+    # Extra variables for the chat template (vLLM's), e.g. {"enable_thinking": false} for Qwen3; names the
+    # server itself passes (messages, tools, add_generation_prompt...) are refused by name.
+    chat_template_kwargs: dict[str, Any] | None = None
     # SGLang's, sent by both routers at these defaults; continue_final_message is refused by name when true.
     continue_final_message: bool | None = None
-    separate_reasoning: bool | None = None  # no reasoning parser here: the text is the whole answer
-    stream_reasoning: bool | None = None
+    # With --reasoning-parser: false leaves the thinking in the content (SGLang's); ignored without one.
+    separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None  # accepted and ignored: the reasoning always streams as it comes
+    # With --reasoning-parser: false drops the thinking from the answer (vLLM's); ignored without one.
     include_reasoning: bool | None = None
 
 
@@ -138,6 +147,7 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser: the thinking before the answer
     refusal: str | None = None
     tool_calls: list[ToolCall] | None = None
 

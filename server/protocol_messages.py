@@ -2,7 +2,7 @@
 
 As on the OpenAI surfaces, unknown top-level fields are ignored (logged, named in
 ``x-servelm-ignored-fields``); fields Anthropic defines that would change the answer and that this server
-cannot honour (``thinking``, MCP servers, containers...) are declared so that ``server.serving_messages``
+cannot honour (``thinking`` without --reasoning-parser, MCP servers, containers...) are declared so that ``server.serving_messages``
 refuses them by name. Content blocks and tools are kept loose here (their kinds are many and grow): the
 serving code checks each one and names the block it refuses. Responses are plain dicts
 (``server.serving_messages``, ``server.messages_events``); ``MessageObject`` shows their shape.

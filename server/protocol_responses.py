@@ -142,11 +142,13 @@ class ResponsesRequest(SamplingExtensions):
     prompt_cache_retention: str | None = None
     service_tier: str | None = None
     max_tool_calls: int | None = None  # bounds hosted-tool calls; there are none here
+    # Extra chat-template variables, as on chat (vLLM's), e.g. {"enable_thinking": false}.
+    chat_template_kwargs: dict[str, Any] | None = None
     # Declared so they are refused by name when set:
     background: bool | None = None
     conversation: Any | None = None
     prompt: Any | None = None
-    reasoning: Any | None = None
+    reasoning: Any | None = None  # accepted (its effort and summary ignored) with --reasoning-parser
     context_management: Any | None = None
     moderation: Any | None = None
 
@@ -157,7 +159,8 @@ class ResponsesRequest(SamplingExtensions):
 class ResponseObject(BaseModel):
     """The response object (for the schema; built as a dict by ``server.serving_responses``). Output
     items are ``{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text",
-    ...}]}`` or ``{"type": "function_call", "call_id", "name", "arguments"}``."""
+    ...}]}`` or ``{"type": "function_call", "call_id", "name", "arguments"}``, after a ``{"type":
+    "reasoning", "content": [{"type": "reasoning_text", "text"}]}`` item with --reasoning-parser."""
 
     model_config = ConfigDict(extra="allow")
 

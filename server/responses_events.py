@@ -38,6 +38,47 @@ def call_item(call: dict[str, Any], item_id: str, status: str = "completed") -> 
     }
 
 
+def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    """The thinking before the answer (with --reasoning-parser), as a ``reasoning`` item of ``reasoning_text``."""
+    content = [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []
+    return {"id": item_id, "type": "reasoning", "summary": [], "content": content, "encrypted_content": None, "status": status}
+
+
+class StreamedReasoning:
+    """The reasoning item of a streamed response: opened by its first thinking text, its text streamed as
+    ``response.reasoning_text.delta`` events, closed when the answer begins or the output ends."""
+
+    def __init__(self, job: ResponseEvents) -> None:
+        self.job = job
+        self.id = hex_id("rs")
+        self.texts: list[str] = []
+        self.open = False
+        self.item: dict[str, Any] | None = None  # once closed
+
+    def add(self, text: str) -> list[bytes]:
+        job, events = self.job, []
+        if not self.open:
+            self.open = True
+            events.append(job.event("response.output_item.added", output_index=0, item=reasoning_item(self.id, "", "in_progress")))
+            events.append(job.event("response.content_part.added", item_id=self.id, output_index=0, content_index=0,
+                                     part={"type": "reasoning_text", "text": ""}))
+        self.texts.append(text)
+        events.append(job.event("response.reasoning_text.delta", item_id=self.id, output_index=0, content_index=0, delta=text))
+        return events
+
+    def close(self, status: str) -> list[bytes]:
+        if not self.open or self.item is not None:
+            return []
+        job, text = self.job, "".join(self.texts)
+        self.item = reasoning_item(self.id, text, status)
+        return [
+            job.event("response.reasoning_text.done", item_id=self.id, output_index=0, content_index=0, text=text),
+            job.event("response.content_part.done", item_id=self.id, output_index=0, content_index=0,
+                       part={"type": "reasoning_text", "text": text}),
+            job.event("response.output_item.done", output_index=0, item=self.item),
+        ]
+
+
 def output_items(
     tools: ToolMode | None, message_id: str, text: str, logprobs: list[dict[str, Any]], reason: str | None
 ) -> list[dict[str, Any]]:
@@ -75,6 +116,7 @@ class StreamedOutput:
         self.mode: str | None = None if self.tools is not None else "text"  # "text" | "named" | "calls"
         self.item: dict[str, Any] | None = None  # the item being streamed
         self.reason: str | None = None
+        self.base = 0  # the first answer item's output_index (1 after a reasoning item)
 
     def add(self, text: str, logprobs: list[dict[str, Any]], reason: str | None) -> list[bytes]:
         job, events = self.job, []
@@ -89,16 +131,16 @@ class StreamedOutput:
             if self.item is None:
                 events += self._open_message()
             if text or logprobs:
-                events.append(job.event("response.output_text.delta", item_id=job.message_id, output_index=0,
+                events.append(job.event("response.output_text.delta", item_id=job.message_id, output_index=self.base,
                                          content_index=0, delta=text, logprobs=logprobs))
         elif self.mode == "named":
             if self.item is None:
                 assert self.tools is not None and self.tools.name is not None
                 call = {"id": hex_id("call"), "function": {"name": self.tools.name, "arguments": ""}}
                 self.item = call_item(call, hex_id("fc"), "in_progress")
-                events.append(job.event("response.output_item.added", output_index=0, item=self.item))
+                events.append(job.event("response.output_item.added", output_index=self.base, item=self.item))
             if text:
-                events.append(job.event("response.function_call_arguments.delta", item_id=self.item["id"], output_index=0, delta=text))
+                events.append(job.event("response.function_call_arguments.delta", item_id=self.item["id"], output_index=self.base, delta=text))
         if reason is not None:
             self.reason = reason
             events += self._close()
@@ -109,8 +151,8 @@ class StreamedOutput:
         self.mode = "text"
         self.item = message_item(job.message_id, "", [], "in_progress")
         return [
-            job.event("response.output_item.added", output_index=0, item=self.item),
-            job.event("response.content_part.added", item_id=job.message_id, output_index=0, content_index=0,
+            job.event("response.output_item.added", output_index=self.base, item=self.item),
+            job.event("response.content_part.added", item_id=job.message_id, output_index=self.base, content_index=0,
                        part=text_part("", [])),
         ]
 
@@ -122,14 +164,14 @@ class StreamedOutput:
             calls = self.tools.parse(text)
             if calls is not None:
                 item = {**self.item, "status": "completed", "arguments": calls[0]["function"]["arguments"]}
-                events.append(job.event("response.function_call_arguments.done", item_id=item["id"], output_index=0,
+                events.append(job.event("response.function_call_arguments.done", item_id=item["id"], output_index=self.base,
                                          name=item["name"], arguments=item["arguments"]))
-                events.append(job.event("response.output_item.done", output_index=0, item=item))
+                events.append(job.event("response.output_item.done", output_index=self.base, item=item))
                 self.output = [item]
                 return events
             # Cut before the arguments were complete: the call item ends incomplete, as it read.
             item = {**self.item, "status": "incomplete", "arguments": text}
-            events.append(job.event("response.output_item.done", output_index=0, item=item))
+            events.append(job.event("response.output_item.done", output_index=self.base, item=item))
             self.output = [item]
             return events
         if self.mode == "calls":
@@ -137,27 +179,27 @@ class StreamedOutput:
             if items[0]["type"] == "function_call":
                 for k, item in enumerate(items):
                     added = {**item, "status": "in_progress", "arguments": ""}
-                    events.append(job.event("response.output_item.added", output_index=k, item=added))
-                    events.append(job.event("response.function_call_arguments.delta", item_id=item["id"], output_index=k,
+                    events.append(job.event("response.output_item.added", output_index=self.base + k, item=added))
+                    events.append(job.event("response.function_call_arguments.delta", item_id=item["id"], output_index=self.base + k,
                                              delta=item["arguments"]))
-                    events.append(job.event("response.function_call_arguments.done", item_id=item["id"], output_index=k,
+                    events.append(job.event("response.function_call_arguments.done", item_id=item["id"], output_index=self.base + k,
                                              name=item["name"], arguments=item["arguments"]))
-                    events.append(job.event("response.output_item.done", output_index=k, item=item))
+                    events.append(job.event("response.output_item.done", output_index=self.base + k, item=item))
                 self.output = items
                 return events
             # Not calls after all (cut by max_output_tokens): the text as the message.
             events += self._open_message()
             if text:
-                events.append(job.event("response.output_text.delta", item_id=job.message_id, output_index=0,
+                events.append(job.event("response.output_text.delta", item_id=job.message_id, output_index=self.base,
                                          content_index=0, delta=text, logprobs=self.logprobs))
         elif self.item is None:
             events += self._open_message()
         message = message_item(job.message_id, text, self.logprobs, "incomplete" if self.reason == "length" else "completed")
         part = message["content"][0]
-        events.append(job.event("response.output_text.done", item_id=job.message_id, output_index=0, content_index=0,
+        events.append(job.event("response.output_text.done", item_id=job.message_id, output_index=self.base, content_index=0,
                                  text=text, logprobs=self.logprobs))
-        events.append(job.event("response.content_part.done", item_id=job.message_id, output_index=0, content_index=0,
+        events.append(job.event("response.content_part.done", item_id=job.message_id, output_index=self.base, content_index=0,
                                  part=part))
-        events.append(job.event("response.output_item.done", output_index=0, item=message))
+        events.append(job.event("response.output_item.done", output_index=self.base, item=message))
         self.output = [message]
         return events

@@ -35,6 +35,7 @@ _TEXT_PARTS = ("input_text", "output_text")
 _EXTENSIONS = (
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
     "include_stop_str_in_output", "seed", "stop", "presence_penalty", "frequency_penalty", "logit_bias", "cache_salt", "priority",
+    "chat_template_kwargs",
 )
 
 
@@ -73,9 +74,11 @@ def _content(content: str | list[InputPart] | None, where: str) -> str:
     return "\n".join(_part_text(p, f"{where}[{k}]") for k, p in enumerate(content))
 
 
-def input_messages(req: ResponsesRequest) -> tuple[list[ChatMessage], list[str]]:
+def input_messages(req: ResponsesRequest, reasoning: bool = False) -> tuple[list[ChatMessage], list[str]]:
     """``req.input`` as chat messages, and for each message the input field it came from (errors found
-    later name it). Consecutive ``function_call`` items are one assistant message's calls."""
+    later name it). Consecutive ``function_call`` items are one assistant message's calls. ``reasoning``
+    (a reasoning parser is set): earlier ``reasoning`` items are accepted and left out, as chat templates
+    leave out past turns' thinking."""
     if req.input is None:
         raise bad_request("Missing required parameter: 'input'.", param="input")
     if isinstance(req.input, str):
@@ -104,6 +107,8 @@ def input_messages(req: ResponsesRequest) -> tuple[list[ChatMessage], list[str]]
                 last.tool_calls = [*(last.tool_calls or []), call]  # the same turn: text and/or calls
                 continue
             messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+        elif kind == "reasoning" and reasoning:
+            continue
         elif kind == "function_call_output":
             output = _content(item.output, f"{w}.output")
             messages.append(ChatMessage(role="tool", content=output, tool_call_id=required_field(item, "call_id", w)))
@@ -155,9 +160,12 @@ def wants_logprobs(req: ResponsesRequest) -> bool:
     return INCLUDE_LOGPROBS in (req.include or ())
 
 
-def to_chat_request(req: ResponsesRequest, history: list[ChatMessage]) -> tuple[ChatCompletionRequest, list[str]]:
-    """The chat request that serves ``req`` after ``history``, and where each of its messages came from."""
-    messages, where = input_messages(req)
+def to_chat_request(
+    req: ResponsesRequest, history: list[ChatMessage], reasoning: bool = False
+) -> tuple[ChatCompletionRequest, list[str]]:
+    """The chat request that serves ``req`` after ``history``, and where each of its messages came from
+    (``reasoning``: a reasoning parser is set)."""
+    messages, where = input_messages(req, reasoning)
     messages = [*history, *messages]
     where = ["previous_response_id"] * len(history) + where
     if req.instructions is not None:

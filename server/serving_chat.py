@@ -12,11 +12,12 @@ from fastapi.responses import JSONResponse, Response
 
 from servelm.scheduler.outputs import RequestOutput
 from servelm.scheduler.sampling_params import SamplingParams
-from servelm.server.chat import chat_text_chars, normalize_messages, render_chat_prompt
+from servelm.server.chat import chat_text_chars, normalize_messages, render_chat_prompt, template_kwargs
 from servelm.server.errors import bad_request, unsupported
 from servelm.server.logprobs import chat_logprobs_content, vllm_prompt_logprobs
 from servelm.server.protocol import sse
 from servelm.server.protocol_chat import ChatCompletionRequest
+from servelm.server.reasoning import ReasoningMode, ReasoningStream, after_thinking, split_reasoning
 from servelm.server.request_group import RequestGroup
 from servelm.server.serving_common import (
     ServingContext,
@@ -26,6 +27,7 @@ from servelm.server.serving_common import (
     until_disconnect,
 )
 from servelm.server.serving_outputs import UsageCounter, collect_choices, counted_outputs, dumps, event_stream
+from servelm.server.structured_outputs import structured_output_spec
 from servelm.server.tools import ToolMode, render_kwargs, tool_mode
 
 
@@ -57,6 +59,12 @@ class ChatStart:
     tools: ToolMode | None
     group: RequestGroup
     model: str  # the id its response names: the served model's or the LoRA adapter's
+    reasoning: ReasoningMode | None = None  # how its output splits into thinking and answer (None: it does not)
+
+    def splitter(self) -> ReasoningStream | None:
+        """A fresh splitter for one of its outputs, None when the text is all answer."""
+        r = self.reasoning
+        return ReasoningStream(r.parser, r.phase) if r is not None else None
 
 
 async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, arrival: float, request_id: str) -> ChatStart:
@@ -80,16 +88,31 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, arrival: f
             e.param = "top_logprobs"  # type: ignore[attr-defined]
         raise
     ctx.check_sequences(1, params.n)
+    kwargs = template_kwargs(req.chat_template_kwargs)
     # The template adds to the messages' text, never removes from it.
     text = chat_text_chars(req.messages, req.tools)
     ctx.check_prompt_chars(text, "messages", "the messages and tools have", "Please shorten the messages.")
-    await ctx.add_structured_output(req, params, tools.structured_output() if tools is not None else None)
-    prompt_ids = await ctx.async_engine.run_blocking(lambda: render_chat_prompt(ctx.tokenizer, messages, **render_kwargs(tools)))
+    spec = tools.structured_output() if tools is not None else structured_output_spec(req)
+    parser = ctx.reasoning_parser
+
+    def render() -> tuple[list[int], ReasoningMode | None]:
+        ids = render_chat_prompt(ctx.tokenizer, messages, **render_kwargs(tools), template_kwargs=kwargs)
+        if parser is None:
+            return ids, None
+        return ids, ReasoningMode(parser, parser.phase(ids, ctx.tokenizer), include=req.include_reasoning is not False)
+
+    prompt_ids, reasoning = await ctx.async_engine.run_blocking(render)
+    if spec is not None and reasoning is not None:
+        # The grammar constrains the answer after the thinking, not the thinking.
+        spec = await ctx.async_engine.run_blocking(after_thinking, spec, reasoning, ctx.tokenizer)
+    await ctx.add_structured_output(req, params, spec)
     group = await add_requests(
         ctx, [(request_id, prompt_ids, params)], arrival, param_map={"max_tokens": max_param, "prompt": "messages"},
         lora_name=lora, cache_salt=req.cache_salt, priority=req.priority,
     )
-    return ChatStart(params, prompt_ids, tools, group, lora or ctx.served_model_name)
+    if req.separate_reasoning is False:
+        reasoning = None  # the thinking stays in the content (SGLang's separate_reasoning)
+    return ChatStart(params, prompt_ids, tools, group, lora or ctx.served_model_name, reasoning)
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request) -> Response:
@@ -119,6 +142,7 @@ class _ChatCompletion:
         self.created = created
         self.group = start.group
         self.usage = UsageCounter([len(start.prompt_ids)], self.n)
+        self.start = start
 
     async def collect(self) -> dict[str, Any]:
         prompt_entries: list[Any] | None = None
@@ -135,8 +159,15 @@ class _ChatCompletion:
             if self.want_logprobs:
                 lp = {"content": chat_logprobs_content(self.ctx.token_strings, collected.logprobs[i]), "refusal": None}
             message: dict[str, Any] = {"role": "assistant", "content": collected.text(i), "refusal": None}
+            mode = self.start.reasoning
+            if mode is not None:
+                thinking, answer = split_reasoning(mode.parser, mode.phase, message["content"])
+                # As vLLM: no content when the output was all thinking.
+                message["content"] = answer if answer or thinking is None else None
+                if thinking is not None and mode.include:
+                    message["reasoning_content"] = thinking
             reason = collected.finish[i]
-            calls = self.tools.parse(message["content"]) if self.tools is not None else None
+            calls = self.tools.parse(message["content"] or "") if self.tools is not None else None
             if calls is not None:
                 message["content"], message["tool_calls"] = None, calls
                 reason = self._call_finish_reason(reason)
@@ -181,6 +212,8 @@ class _ChatCompletion:
             role = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
             yield self._chunk(role, include_usage)
         calls = _StreamedCalls(self.tools, self.n) if self.tools is not None else None
+        splits = [self.start.splitter() for _ in range(self.n)]
+        show_thinking = self.start.reasoning is not None and self.start.reasoning.include
         async for _, out in counted_outputs(self.group, self.usage):
             for c in out.outputs:
                 i = c.index
@@ -188,9 +221,19 @@ class _ChatCompletion:
                 if self.want_logprobs and c.new_logprobs:
                     lp = {"content": chat_logprobs_content(self.ctx.token_strings, c.new_logprobs), "refusal": None}
                 reason = c.finish_reason
-                delta: dict[str, Any] | None = {"content": c.new_text} if c.new_text or lp is not None else None
+                text, thinking = c.new_text, ""
+                split = splits[i]
+                if split is not None:
+                    thinking, text = split.feed(c.new_text, final=reason is not None)
+                if thinking and show_thinking:
+                    # The thinking's own chunk; the tokens' logprobs ride with it when no answer text follows.
+                    yield self._chunk({"index": i, "delta": {"reasoning_content": thinking}, "logprobs": None if text else lp,
+                                       "finish_reason": None}, include_usage)
+                    if not text:
+                        lp = None
+                delta: dict[str, Any] | None = {"content": text} if text or lp is not None else None
                 if calls is not None:
-                    delta, called = calls.delta(i, c.new_text, finished=reason is not None)
+                    delta, called = calls.delta(i, text, finished=reason is not None)
                     if reason is not None and called:
                         reason = self._call_finish_reason(reason)
                     if delta is None and lp is not None:

@@ -20,6 +20,7 @@ from servelm.server.async_engine import AsyncEngine, EngineDeadError, EngineStop
 from servelm.server.errors import APIError, bad_request, internal_error, model_not_found, queue_full, unavailable
 from servelm.server.logprobs import TokenStrings
 from servelm.server.protocol import GenerationRequest
+from servelm.server.reasoning import ReasoningParser
 from servelm.server.request_group import RequestGroup
 from servelm.server.serving_fields import FieldNotices
 from servelm.server.structured_outputs import structured_output_spec
@@ -44,6 +45,7 @@ class ServingContext:
     # that load and unload them
     loras: dict[str, str] = field(default_factory=dict)
     fields: FieldNotices = field(default_factory=FieldNotices)  # the ignored field names logged so far
+    reasoning_parser: ReasoningParser | None = None  # --reasoning-parser: thinking split from the answer
 
     def __post_init__(self) -> None:
         self.token_strings = TokenStrings(self.tokenizer)

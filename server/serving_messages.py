@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from servelm.server.errors import APIError, bad_request, loc_to_param, required_field, unsupported
-from servelm.server.messages_events import MessageStream, content_blocks, stop_reason, usage
+from servelm.server.messages_events import MessageStream, content_blocks, stop_reason, thinking_block, usage
 from servelm.server.protocol_chat import (
     ChatCompletionRequest,
     ChatMessage,
@@ -31,6 +31,7 @@ from servelm.server.protocol_chat import (
     ToolCall,
 )
 from servelm.server.protocol_messages import ContentBlock, CountTokensRequest, MessagesRequest
+from servelm.server.reasoning import split_reasoning
 from servelm.server.responses_events import hex_id
 from servelm.server.serving_chat import start_chat
 from servelm.server.serving_common import ServingContext, until_disconnect
@@ -41,16 +42,20 @@ from servelm.server.serving_render import render_chat
 _REFUSED_BLOCKS = {
     "image": "images are not supported (the served model reads text only)",
     "document": "documents are not supported (send their text as a text block)",
-    "thinking": "'thinking' blocks are not supported: the served model has no reasoning output here",
-    "redacted_thinking": "'redacted_thinking' blocks are not supported: the served model has no reasoning output here",
+    "thinking": "'thinking' blocks are not supported: the served model has no reasoning output here (no --reasoning-parser)",
+    "redacted_thinking": "'redacted_thinking' blocks are not supported: the served model has no reasoning output here (no --reasoning-parser)",
 }
 
 
-def refuse_unsupported(req: CountTokensRequest) -> None:
-    """Fields this server cannot honour: 400 naming the field."""
+def refuse_unsupported(req: CountTokensRequest, reasoning: bool = False) -> None:
+    """Fields this server cannot honour: 400 naming the field. ``reasoning``: a reasoning parser is set."""
     thinking = req.thinking
-    if thinking is not None and not (isinstance(thinking, dict) and thinking.get("type") == "disabled"):
-        raise unsupported("thinking", "'thinking' is not supported: the served model has no reasoning output here")
+    if thinking is not None and not isinstance(thinking, dict):
+        raise bad_request("'thinking' must be an object such as {\"type\": \"enabled\", \"budget_tokens\": 1024}.", param="thinking")
+    if thinking is not None and thinking.get("type") not in ("disabled", "enabled", "adaptive"):
+        raise bad_request(f"Invalid value for 'thinking.type': {thinking.get('type')!r} (expected enabled, adaptive or disabled).", param="thinking.type")
+    if thinking is not None and thinking.get("type") != "disabled" and not reasoning:
+        raise unsupported("thinking", "'thinking' is not supported: the served model has no reasoning output here (no --reasoning-parser)")
     for name in ("mcp_servers", "container", "context_management", "output_format", "output_config"):
         if getattr(req, name) is not None:
             raise unsupported(name)
@@ -71,8 +76,9 @@ def _text(content: str | list[ContentBlock], where: str) -> str:
     return "\n".join(_block_text(b, f"{where}[{j}]") for j, b in enumerate(content))
 
 
-def chat_messages(req: CountTokensRequest) -> tuple[list[ChatMessage], list[str]]:
-    """``system`` and ``messages`` as chat messages, and for each the Messages field it came from."""
+def chat_messages(req: CountTokensRequest, reasoning: bool = False) -> tuple[list[ChatMessage], list[str]]:
+    """``system`` and ``messages`` as chat messages, and for each the Messages field it came from; an
+    assistant's ``thinking`` blocks become its ``reasoning_content`` when ``reasoning`` (a parser is set)."""
     out: list[ChatMessage] = []
     where: list[str] = []
     if req.system is not None:
@@ -87,10 +93,15 @@ def chat_messages(req: CountTokensRequest) -> tuple[list[ChatMessage], list[str]
             where.append(w)
             continue
         texts: list[str] = []
+        thoughts: list[str] = []
         calls: list[ToolCall] = []
         for j, b in enumerate(m.content):
             bw = f"{w}.content[{j}]"
-            if b.type == "tool_use" and m.role == "assistant":
+            if reasoning and m.role == "assistant" and b.type in ("thinking", "redacted_thinking"):
+                # Redacted thinking is opaque (encrypted by Anthropic): nothing a template could render.
+                if b.type == "thinking":
+                    thoughts.append(str((b.model_extra or {}).get("thinking") or ""))
+            elif b.type == "tool_use" and m.role == "assistant":
                 call_input = required_field(b, "input", bw)
                 arguments = json.dumps(call_input, ensure_ascii=False)
                 calls.append(ToolCall(id=required_field(b, "id", bw), function=FunctionCall(name=required_field(b, "name", bw), arguments=arguments)))
@@ -104,8 +115,11 @@ def chat_messages(req: CountTokensRequest) -> tuple[list[ChatMessage], list[str]
                 raise bad_request(f"'{bw}': {b.type} blocks are only allowed in {who} messages.", param=f"{bw}.type")
             else:
                 texts.append(_block_text(b, bw))
-        if texts or calls or not m.content:
-            out.append(ChatMessage(role=m.role, content="\n".join(texts) if texts or not calls else None, tool_calls=calls or None))
+        if texts or calls or thoughts or not m.content:
+            out.append(ChatMessage(
+                role=m.role, content="\n".join(texts) if texts or not calls else None, tool_calls=calls or None,
+                reasoning_content="\n".join(thoughts) if thoughts else None,
+            ))  # fmt: skip
             where.append(w)
     if req.messages[-1].role == "assistant":
         raise unsupported(
@@ -139,10 +153,11 @@ def _tool_choice(req: CountTokensRequest) -> Any:
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
 
 
-def to_chat_request(req: CountTokensRequest) -> tuple[ChatCompletionRequest, list[str]]:
-    """The chat request that serves ``req``, and where each of its messages came from."""
-    refuse_unsupported(req)
-    messages, where = chat_messages(req)
+def to_chat_request(req: CountTokensRequest, reasoning: bool = False) -> tuple[ChatCompletionRequest, list[str]]:
+    """The chat request that serves ``req``, and where each of its messages came from. ``reasoning``: a
+    reasoning parser is set (``thinking`` is served; disabled, it is Qwen3's ``enable_thinking: false``)."""
+    refuse_unsupported(req, reasoning)
+    messages, where = chat_messages(req, reasoning)
     choice = req.tool_choice
     fields: dict[str, Any] = {}
     if isinstance(req, MessagesRequest):
@@ -157,6 +172,7 @@ def to_chat_request(req: CountTokensRequest) -> tuple[ChatCompletionRequest, lis
             tools=_tools(req),
             tool_choice=_tool_choice(req),
             parallel_tool_calls=False if choice is not None and choice.disable_parallel_tool_use else None,
+            chat_template_kwargs={"enable_thinking": False} if reasoning and (req.thinking or {}).get("type") == "disabled" else None,
             **fields,
         )
     except ValidationError as e:
@@ -185,7 +201,7 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, raw: Request
     arrival = time.monotonic()
     message_id = hex_id("msg")
     ctx.fields.note(raw, req, message_id, "/v1/messages")
-    chat, where = to_chat_request(req)
+    chat, where = to_chat_request(req, ctx.reasoning_parser is not None)
     try:
         start = await start_chat(ctx, chat, arrival, message_id)
     except APIError as e:
@@ -193,7 +209,7 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, raw: Request
         raise
     usage_counter = UsageCounter([len(start.prompt_ids)], 1)
     if req.stream:
-        stream = MessageStream(message_id, start.model, start.tools, start.group, usage_counter)
+        stream = MessageStream(message_id, start.model, start.tools, start.group, usage_counter, start.reasoning)
         return EventStreamResponse(end_on_error(stream.events(), start.group, stream.failed), start.group)
 
     async def collect() -> dict[str, Any]:
@@ -205,8 +221,14 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, raw: Request
                     matched[0] = c.stop_reason
 
         collected = await collect_choices(start.group, usage_counter, on_output=take_stop)
-        blocks = content_blocks(start.tools, collected.text(0))
+        text, thought = collected.text(0), []
+        mode = start.reasoning
+        if mode is not None:
+            thinking, text = split_reasoning(mode.parser, mode.phase, text)
+            thought = [thinking_block(thinking)] if thinking is not None and mode.include else []
+        blocks = content_blocks(start.tools, text)
         reason, sequence = stop_reason(blocks[0]["type"] == "tool_use", collected.finish[0], matched[0])
+        blocks = thought + blocks
         return {
             "id": message_id,
             "type": "message",
@@ -224,7 +246,7 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, raw: Request
 async def count_tokens(ctx: ServingContext, req: CountTokensRequest, raw: Request) -> dict[str, int]:
     """The prompt's tokens as ``create_message`` renders them (its usage's input plus cache-read tokens)."""
     ctx.fields.note(raw, req, hex_id("count"), "/v1/messages/count_tokens")
-    chat, where = to_chat_request(req)
+    chat, where = to_chat_request(req, ctx.reasoning_parser is not None)
     try:
         rendered = await render_chat(ctx, chat)
     except APIError as e:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from servelm.server.chat import chat_text_chars, normalize_messages, render_chat_prompt
+from servelm.server.chat import chat_text_chars, normalize_messages, render_chat_prompt, template_kwargs
 from servelm.server.errors import bad_request
 from servelm.server.protocol_chat import ChatCompletionRequest
 from servelm.server.protocol_completions import CompletionRequest
@@ -38,9 +38,12 @@ async def render_chat(ctx: ServingContext, req: ChatCompletionRequest) -> dict[s
     ctx.resolve_model(req.model)
     tools = tool_mode(req)
     messages = normalize_messages(req.messages)
+    kwargs = template_kwargs(req.chat_template_kwargs)
     text = chat_text_chars(req.messages, req.tools)
     ctx.check_prompt_chars(text, "messages", "the messages and tools have", "Please shorten the messages.")
-    ids = await ctx.async_engine.run_blocking(lambda: render_chat_prompt(ctx.tokenizer, messages, **render_kwargs(tools)))
+    ids = await ctx.async_engine.run_blocking(
+        lambda: render_chat_prompt(ctx.tokenizer, messages, **render_kwargs(tools), template_kwargs=kwargs)
+    )
     return {"token_ids": ids}
 
 

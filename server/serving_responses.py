@@ -23,7 +23,8 @@ from servelm.server.logprobs import chat_logprobs_content
 from servelm.server.protocol_chat import ChatCompletionRequest, ChatMessage, FunctionCall, ToolCall
 from servelm.server.protocol_responses import ResponsesRequest
 from servelm.server.response_store import ResponseStore, StoredResponse
-from servelm.server.responses_events import StreamedOutput, hex_id, output_items
+from servelm.server.reasoning import split_reasoning
+from servelm.server.responses_events import StreamedOutput, StreamedReasoning, hex_id, output_items, reasoning_item
 from servelm.server.responses_input import refuse_unsupported, responses_param, to_chat_request
 from servelm.server.serving_chat import ChatStart, start_chat
 from servelm.server.serving_common import ServingContext, until_disconnect
@@ -42,7 +43,8 @@ async def create_response(ctx: ServingContext, store: ResponseStore, req: Respon
     created = int(time.time())
     response_id = hex_id("resp")
     ctx.fields.note(raw, req, response_id, "/v1/responses")
-    refuse_unsupported(req)
+    # With a reasoning parser the model thinks as it was trained to: 'reasoning' (effort, summary) is accepted.
+    refuse_unsupported(req if ctx.reasoning_parser is None else req.model_copy(update={"reasoning": None}))
     history: list[ChatMessage] = []
     if req.previous_response_id is not None:
         previous = store.get(req.previous_response_id)
@@ -54,7 +56,7 @@ async def create_response(ctx: ServingContext, store: ResponseStore, req: Respon
                 code="previous_response_not_found",
             )
         history = previous.history
-    chat, where = to_chat_request(req, history)
+    chat, where = to_chat_request(req, history, ctx.reasoning_parser is not None)
     try:
         start = await start_chat(ctx, chat, arrival, response_id)
     except APIError as e:
@@ -85,6 +87,7 @@ class _Response:
         self.req = req
         self.chat = chat
         self.tools = start.tools
+        self.start = start
         self.group = start.group
         self.model = start.model
         self.usage = UsageCounter([len(start.prompt_ids)], 1)
@@ -94,6 +97,7 @@ class _Response:
         self.want_logprobs = chat.logprobs
         self.seq = 0  # the next stream event's sequence_number
         self.streamed: StreamedOutput | None = None  # a stream's output so far
+        self.thought: StreamedReasoning | None = None  # a stream's reasoning item
 
     # ---- the response object
 
@@ -154,7 +158,8 @@ class _Response:
         if calls:
             messages.append(ChatMessage(role="assistant", content=None, tool_calls=calls))
         else:
-            messages.append(ChatMessage(role="assistant", content=output[0]["content"][0]["text"]))
+            message = next(o for o in output if o["type"] == "message")
+            messages.append(ChatMessage(role="assistant", content=message["content"][0]["text"]))
         return messages
 
     # ---- non-streaming
@@ -163,7 +168,14 @@ class _Response:
         collected = await collect_choices(self.group, self.usage)
         reason = collected.finish[0]
         lp = chat_logprobs_content(self.ctx.token_strings, collected.logprobs[0]) if self.want_logprobs else []
-        return self._finish(output_items(self.tools, self.message_id, collected.text(0), lp, reason), reason)
+        text, thought = collected.text(0), []
+        mode = self.start.reasoning
+        if mode is not None:
+            thinking, text = split_reasoning(mode.parser, mode.phase, text)
+            if thinking is not None and mode.include:
+                status = "incomplete" if reason == "length" and not text else "completed"
+                thought = [reasoning_item(hex_id("rs"), thinking, status)]
+        return self._finish(thought + output_items(self.tools, self.message_id, text, lp, reason), reason)
 
     # ---- streaming
 
@@ -177,19 +189,38 @@ class _Response:
         yield self.event("response.created", response=self.body("in_progress", [], finished=False))
         yield self.event("response.in_progress", response=self.body("in_progress", [], finished=False))
         self.streamed = events = StreamedOutput(self)
+        split = self.start.splitter()
+        mode = self.start.reasoning
+        self.thought = thought = StreamedReasoning(self) if mode is not None and mode.include else None
         async for _, out in counted_outputs(self.group, self.usage):
             for c in out.outputs:
+                # The thinking tokens' logprobs are not sent (they belong to no output_text).
                 lp = chat_logprobs_content(self.ctx.token_strings, c.new_logprobs) if self.want_logprobs and c.new_logprobs else []
-                for event in events.add(c.new_text, lp, c.finish_reason):
-                    yield event
+                reason = c.finish_reason
+                thinking, text = split.feed(c.new_text, final=reason is not None) if split is not None else ("", c.new_text)
+                if thought is not None:
+                    for event in thought.add(thinking) if thinking else ():
+                        yield event
+                    if thought.open and (text or reason is not None):
+                        for event in thought.close("incomplete" if reason == "length" and not text else "completed"):
+                            yield event
+                        events.base = 1
+                if split is None or text or reason is not None:
+                    for event in events.add(text, lp if not thinking else [], reason):
+                        yield event
         self.group.close()
         kind = "response.incomplete" if events.reason == "length" else "response.completed"
-        yield self.event(kind, response=self._finish(events.output, events.reason))
+        yield self.event(kind, response=self._finish(self._streamed_items(), events.reason))
+
+    def _streamed_items(self) -> list[dict[str, Any]]:
+        """The stream's output so far: its reasoning item (once closed), then the answer's items."""
+        thought = self.thought
+        head = [thought.item] if thought is not None and thought.item is not None else []
+        return head + (self.streamed.output if self.streamed is not None else [])
 
     def failed(self, err: APIError) -> bytes:
         """The Responses stream's last word when the request fails: ``response.failed`` with what was output."""
-        output = self.streamed.output if self.streamed is not None else []
-        body = self.body("failed", output, finished=False)
+        body = self.body("failed", self._streamed_items(), finished=False)
         body["error"] = {"code": "server_error", "message": err.message}
         return self.event("response.failed", response=body)
 
