@@ -231,6 +231,8 @@ class _ChatCompletion:
                                        "finish_reason": None}, include_usage)
                     if not text:
                         lp = None
+                if split is not None and not text and reason is None and lp is None:
+                    continue  # nothing of the answer yet (a named call's first delta waits for its text)
                 delta: dict[str, Any] | None = {"content": text} if text or lp is not None else None
                 if calls is not None:
                     delta, called = calls.delta(i, text, finished=reason is not None)

@@ -217,3 +217,22 @@ def test_scripted_model_is_what_transformers_generates(srv: ServerThread, tmp_pa
     ids = tok.encode(prompt, add_special_tokens=False)
     out = scripted_greedy(Path(ctx.model_path), ids)
     assert tok.decode(out, skip_special_tokens=True) == f"<think>{THINKING}</think>{ANSWER}"
+
+
+def test_a_named_tool_call_follows_the_thinking(srv: ServerThread) -> None:
+    params = {"type": "object", "properties": {"answer": {"enum": [4, 5]}}, "required": ["answer"], "additionalProperties": False}
+    tool = {"type": "function", "function": {"name": "report", "parameters": params}}
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 40, "temperature": 0, "tools": [tool],
+            "tool_choice": {"type": "function", "function": {"name": "report"}}}  # fmt: skip
+    c = oai(srv).chat.completions.create(**body)  # type: ignore[arg-type]
+    m = c.choices[0].message
+    assert extra(m, "reasoning_content") == THINKING and m.tool_calls is not None and m.tool_calls[0].function.name == "report"
+    jsonschema.validate(json.loads(m.tool_calls[0].function.arguments), params)
+    chunks = list(oai(srv).chat.completions.create(**body, stream=True))  # type: ignore[arg-type]
+    deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+    calls = [d for d in deltas if d.tool_calls]
+    # The call's first delta (its id and name) comes once the thinking is over.
+    assert "".join(extra(d, "reasoning_content") or "" for d in deltas[: deltas.index(calls[0])]) == THINKING
+    assert not any(extra(d, "reasoning_content") for d in deltas[deltas.index(calls[0]) :])
+    arguments = "".join(d.tool_calls[0].function.arguments or "" for d in calls)  # type: ignore[index, union-attr]
+    assert json.loads(arguments) == json.loads(m.tool_calls[0].function.arguments)
