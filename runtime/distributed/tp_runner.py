@@ -21,8 +21,8 @@ from servelm.runtime.distributed.sharding import check_tensor_parallel, load_ten
 from servelm.runtime.distributed.step_message import receive_step, send_release, send_step
 from servelm.runtime.kv_cache import KVPool
 from servelm.runtime.models.llama import CausalLM
-from servelm.runtime.runner import ModelRunner
-from servelm.runtime.step import PromptScoring, StepInputs
+from servelm.runtime.runner import SCORE_ROWS, ModelRunner
+from servelm.runtime.step import StepInputs
 
 if TYPE_CHECKING:
     from servelm.runtime.distributed.launcher import TensorParallelGroup
@@ -61,15 +61,10 @@ class TensorParallelRunner(ModelRunner):
     def add_lora(self, adapter_id: int, adapter: lora.LoRAAdapter) -> None:
         raise UnsupportedModelError("LoRA adapters are not supported with tensor parallelism yet")
 
-    def score_prompt(self, score: PromptScoring, out: torch.Tensor, is_logits: bool) -> list[Any]:
-        raise UnsupportedModelError("prompt logprobs are not supported with tensor parallelism yet")
-
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Rank 0: send the step to the other ranks, then run this rank's shard over it."""
         if not self.comm.is_driver:
             raise RuntimeError("only rank 0 is driven step by step; the other ranks run serve()")
-        if inputs.score is not None:  # refused before the workers start a step they could not finish
-            raise UnsupportedModelError("prompt logprobs are not supported with tensor parallelism yet")
         send_step(self.comm, inputs)
         return super().forward(inputs)
 
@@ -87,6 +82,10 @@ class TensorParallelRunner(ModelRunner):
         steps = 0
         while (step := receive_step(self.comm)) is not None:
             hidden = self.model(step.input_ids, step.positions, self.backend.build_metadata(step.meta))
+            # The gathers in rank 0's order (``ModelRunner.sample``): the scored prompt rows, in
+            # ``score_prompt``'s slices, then the sampled rows.
+            for a in range(0, step.score_rows.numel(), SCORE_ROWS):
+                self.model.compute_logits(hidden.index_select(0, step.score_rows[a : a + SCORE_ROWS]))
             rows = step.sample_rows
             if rows.numel():
                 self.model.compute_logits(hidden if rows.numel() == hidden.shape[0] else hidden.index_select(0, rows))

@@ -259,12 +259,14 @@ def test_step_message_carries_the_whole_flat_batch(
 ) -> None:
     """What rank 0 broadcasts is what a worker rebuilds: every base field of the metadata, ids,
     positions and sampled rows (a mixed step: decodes, a prefill, a chunk that samples nothing)."""
+    import dataclasses
     from dataclasses import fields
 
     from servelm.runtime.attention.base import AttentionMetadata
     from servelm.runtime.batch import BatchItem
     from servelm.runtime.distributed.comm import Communicator
     from servelm.runtime.distributed.step_message import receive_step, send_release, send_step
+    from servelm.runtime.step import PromptScoring
 
     class Wire(Communicator):
         """Rank 0's broadcasts recorded, then replayed into the receiver's buffers, in order."""
@@ -286,12 +288,14 @@ def test_step_message_carries_the_whole_flat_batch(
     seqs[0].num_computed_tokens, seqs[1].num_computed_tokens = len(seqs[0].token_ids) - 1, len(seqs[1].token_ids) - 1
     items = [BatchItem(seqs[0], 1, True), BatchItem(seqs[1], 1, True), BatchItem(seqs[2], len(seqs[2].token_ids), True), BatchItem(seqs[3], 20, False)]
     inputs = runner.prepare(items)
+    scored = [3, 5, 40 + prompt_len // 2]  # rows scoring prompt tokens (prompt logprobs), gathered before the sampled ones
+    inputs = dataclasses.replace(inputs, score=PromptScoring(scored, [1, 2, 3], [0, 0, 0], [(2, 0, 3)]))
     send_step(Wire(0, 2), inputs)
     assert len(Wire.sent) == (1 if prompt_len < 100 else 2)
     got = receive_step(Wire(1, 2))
     assert got is not None and not Wire.sent
     assert torch.equal(got.input_ids, inputs.input_ids) and torch.equal(got.positions, inputs.positions)
-    assert torch.equal(got.sample_rows, inputs.sample_rows)
+    assert torch.equal(got.sample_rows, inputs.sample_rows) and got.score_rows.tolist() == scored
     for f in fields(AttentionMetadata):
         a, b = getattr(got.meta, f.name), getattr(inputs.meta, f.name)
         assert (torch.equal(a, b) and a.dtype == b.dtype) if isinstance(a, torch.Tensor) else a == b, f.name

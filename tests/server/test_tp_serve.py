@@ -143,14 +143,30 @@ def test_tp2_serves_tp1s_chat_and_streams(servers: dict[int, ServeProcess]) -> N
         assert completion(servers[2].url, PROMPTS[2], stream) == ref_text
 
 
+def test_tp2_prompt_logprobs_equal_tp1s(servers: dict[int, ServeProcess]) -> None:
+    """Prompt logprobs over a chunked 60-token prompt: the workers join the scored rows' gathers."""
+    body = {"model": "tiny", "prompt": PROMPTS[5], "max_tokens": 4, "temperature": 0, "logprobs": 2, "prompt_logprobs": 2}
+    got = {tp: httpx.post(f"{p.url}/v1/completions", json=body, timeout=120) for tp, p in servers.items()}
+    assert all(r.status_code == 200 for r in got.values()), {tp: r.text for tp, r in got.items()}
+    ref, tp2 = (got[tp].json()["choices"][0] for tp in (1, 2))
+    assert tp2["text"] == ref["text"]
+    assert len(ref["prompt_logprobs"]) == len(PROMPTS[5]) and ref["prompt_logprobs"][0] is None
+    for a, b in zip(ref["prompt_logprobs"][1:], tp2["prompt_logprobs"][1:]):
+        assert a.keys() == b.keys()
+        for tok in a:
+            assert a[tok]["rank"] == b[tok]["rank"] and abs(a[tok]["logprob"] - b[tok]["logprob"]) < 1e-4, (a, b)
+
+
 def test_sigterm_drains_then_stops_the_workers(servers: dict[int, ServeProcess]) -> None:
     p = servers[2]
     assert p.proc is not None
     workers = ranks(p.proc.pid)
     assert len(workers) == 1 and all(alive(w) for w in workers)
     with ThreadPoolExecutor(1) as pool:
-        running = pool.submit(completion, p.url, PROMPTS[0], True, 80)
-        time.sleep(0.2)
+        running = pool.submit(completion, p.url, SHARED[:1], True, 120)
+        deadline = time.monotonic() + 30
+        while metric(p.url, "servelm_num_requests_running") < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
         p.terminate()
         assert running.result(timeout=60)  # drained: the in-flight stream finished
     assert p.wait(60) == 0, p.log[-3000:]
