@@ -89,8 +89,10 @@ class ReasoningStream:
         b, self.buf = self.buf, ""
         if self.state == "open":
             return "", b
-        if self.state in ("think_start", "thinking"):
+        if self.state == "think_start":
             return b.strip(), ""
+        if self.state == "thinking":  # held whitespace here is inside the reasoning, after what was sent
+            return b.rstrip(), ""
         return "", ""
 
 
