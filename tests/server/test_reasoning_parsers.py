@@ -130,3 +130,27 @@ def test_every_kind_of_spec_nests_after_the_thinking(tok: Any, spec: StructuredO
     enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
     assert _accepts(compiled, enc(f"<think>Why not.</think>{answer}")) == (True, True)
     assert _accepts(compiled, enc("<think>Why not.</think>zzz"))[0] is False
+
+
+def test_the_flag_names_vllms_parsers() -> None:
+    from servelm.server.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--reasoning-parser", "deepseek_r1"])
+    assert PARSERS[args.reasoning_parser] is R1 and build_parser().parse_args(["serve"]).reasoning_parser is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--reasoning-parser", "granite"])
+
+
+def test_tool_auto_grammar_nests_after_the_thinking(tok: Any) -> None:
+    from servelm.server.protocol_chat import ChatTool
+    from servelm.server.tools import ToolMode
+
+    tool = ChatTool.model_validate({"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}})  # fmt: skip
+    spec = ToolMode([tool], auto=True).structured_output()  # Lark: the calls' array or free text
+    compiler = GrammarCompiler(tok, len(tok), [tok.convert_tokens_to_ids("<|im_end|>")])
+    compiled = compiler.compile(after_thinking(spec, ReasoningMode(QWEN3, "open"), tok))
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    assert _accepts(compiled, enc('<think>A call.</think>\n\n[{"name": "f", "parameters": {"x": 1}}]')) == (True, True)
+    assert _accepts(compiled, enc("<think>No call.</think>Hello there"))[0] is True
+    assert _accepts(compiled, enc("<think>A call.</think>[oops"))[0] is False
