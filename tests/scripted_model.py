@@ -171,3 +171,43 @@ def scripted_greedy(folder: Path, prompt_ids: list[int], max_tokens: int = 64) -
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=model.config.eos_token_id)
     return out[0, len(prompt_ids) :].tolist()
+
+
+# ---- a real server over a scripted folder, and the official SDKs pointed at it -----------------------
+
+
+def serve_scripted(folder: Path, name: str = "scripted", **serving: Any) -> Any:
+    """uvicorn + the real engine over ``folder``, started (a ``srv_harness.ServerThread``; ``.ctx`` is its
+    ``ServingContext``). ``serving`` sets context fields as the CLI's flags do, e.g.
+    ``reasoning_parser=PARSERS["qwen3"]``."""
+    from srv_harness import ServerThread
+
+    from servelm.scheduler.config import EngineConfig
+    from servelm.scheduler.engine import Engine
+    from servelm.server.app import build_app
+    from servelm.server.async_engine import AsyncEngine
+
+    engine = Engine(EngineConfig(model=str(folder), served_model_name=name, kv_cache_memory=16 * 2**20, max_model_len=512, max_num_seqs=4))
+    app = build_app(AsyncEngine(engine))
+    for field, value in serving.items():
+        setattr(app.state.serving, field, value)
+    server = ServerThread(app).start()
+    server.ctx = app.state.serving
+    return server
+
+
+def openai_client(srv: Any) -> Any:
+    import openai
+
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+
+
+def anthropic_client(srv: Any) -> Any:
+    import anthropic
+
+    return anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0)
+
+
+def sdk_extra(obj: Any, name: str) -> Any:
+    """A field the SDK's model does not declare (vLLM's reasoning_content), as the SDK keeps it."""
+    return (obj.model_extra or {}).get(name)

@@ -10,18 +10,22 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
-import anthropic
 import httpx
 import jsonschema
-import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from scripted_model import build_scripted_model, distinct_ids, prompt_end_id, scripted_tokenizer
-from servelm.scheduler.config import EngineConfig
-from servelm.server.app import build_app
-from servelm.server.async_engine import AsyncEngine
+from scripted_model import (
+    anthropic_client,
+    build_scripted_model,
+    distinct_ids,
+    openai_client,
+    prompt_end_id,
+    scripted_tokenizer,
+    sdk_extra,
+    serve_scripted,
+)
 from servelm.server.reasoning import PARSERS
 from srv_harness import ServerThread, assert_error, typed_sse_events
 
@@ -36,72 +40,53 @@ http = httpx.Client(timeout=60)
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
-    from servelm.scheduler.engine import Engine
-
     tok = scripted_tokenizer()
     thinking_end, answer_end = prompt_end_id(tok), prompt_end_id(tok, enable_thinking=False)
     script = distinct_ids(tok, f"<think>{THINKING}</think>{ANSWER}", avoid={thinking_end, answer_end})
     plain = distinct_ids(tok, PLAIN, avoid={thinking_end, answer_end, *script})
     folder = build_scripted_model(tmp_path_factory.mktemp("scripted"), {thinking_end: script, answer_end: plain}, tok)
-    engine = Engine(EngineConfig(model=str(folder), served_model_name=MODEL, kv_cache_memory=16 * 2**20, max_model_len=512, max_num_seqs=4))
-    app = build_app(AsyncEngine(engine))
-    app.state.serving.reasoning_parser = PARSERS["qwen3"]
-    server = ServerThread(app).start()
-    server.ctx = app.state.serving  # type: ignore[attr-defined]
+    server = serve_scripted(folder, MODEL, reasoning_parser=PARSERS["qwen3"])
     try:
         yield server
     finally:
         server.stop()
 
 
-def oai(srv: ServerThread) -> openai.OpenAI:
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
-
-
-def claude(srv: ServerThread) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0)
-
-
-def extra(obj: Any, name: str) -> Any:
-    """A field the SDK's model does not declare (vLLM's reasoning_content), as the SDK keeps it."""
-    return (obj.model_extra or {}).get(name)
-
-
 # ------------------------------------------------------------------------------------------ chat
 
 
 def test_chat_splits_thinking_from_the_answer_streamed_as_unstreamed(srv: ServerThread) -> None:
-    c = oai(srv).chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0)  # type: ignore[arg-type]
+    c = openai_client(srv).chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0)  # type: ignore[arg-type]
     m = c.choices[0].message
-    assert (extra(m, "reasoning_content"), m.content, c.choices[0].finish_reason) == (THINKING, ANSWER, "stop")
-    chunks = list(oai(srv).chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0, stream=True))  # type: ignore[arg-type]
+    assert (sdk_extra(m, "reasoning_content"), m.content, c.choices[0].finish_reason) == (THINKING, ANSWER, "stop")
+    chunks = list(openai_client(srv).chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0, stream=True))  # type: ignore[arg-type]
     deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
-    thinking = "".join(extra(d, "reasoning_content") or "" for d in deltas)
+    thinking = "".join(sdk_extra(d, "reasoning_content") or "" for d in deltas)
     content = "".join(d.content or "" for d in deltas)
     assert (thinking, content) == (THINKING, ANSWER)
     # The thinking streams first, delta by delta, and no delta carries both.
-    kinds = [("r" if extra(d, "reasoning_content") else "") + ("c" if d.content else "") for d in deltas]
+    kinds = [("r" if sdk_extra(d, "reasoning_content") else "") + ("c" if d.content else "") for d in deltas]
     kinds = [k for k in kinds if k]
     assert "rc" not in kinds and kinds == sorted(kinds, key=lambda k: k != "r") and kinds.count("r") > 1
 
 
 def test_thinking_cut_by_max_tokens_is_all_reasoning(srv: ServerThread) -> None:
-    c = oai(srv).chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, temperature=0)  # type: ignore[arg-type]
+    c = openai_client(srv).chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, temperature=0)  # type: ignore[arg-type]
     m = c.choices[0].message
     assert c.choices[0].finish_reason == "length" and m.content is None
-    assert THINKING.startswith(extra(m, "reasoning_content")) and len(extra(m, "reasoning_content")) > 3
-    chunks = list(oai(srv).chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, temperature=0, stream=True))  # type: ignore[arg-type]
+    assert THINKING.startswith(sdk_extra(m, "reasoning_content")) and len(sdk_extra(m, "reasoning_content")) > 3
+    chunks = list(openai_client(srv).chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, temperature=0, stream=True))  # type: ignore[arg-type]
     deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
-    assert "".join(extra(d, "reasoning_content") or "" for d in deltas) == extra(m, "reasoning_content")
+    assert "".join(sdk_extra(d, "reasoning_content") or "" for d in deltas) == sdk_extra(m, "reasoning_content")
     assert not "".join(d.content or "" for d in deltas)
 
 
 def test_enable_thinking_false_reaches_the_template(srv: ServerThread) -> None:
-    c = oai(srv).chat.completions.create(
+    c = openai_client(srv).chat.completions.create(
         model=MODEL, messages=ASK, max_tokens=40, temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": False}}  # type: ignore[arg-type]
     )
     m = c.choices[0].message
-    assert (m.content, extra(m, "reasoning_content")) == (PLAIN, None)
+    assert (m.content, sdk_extra(m, "reasoning_content")) == (PLAIN, None)
     ids = http.post(srv.url + "/v1/chat/completions/render", json={"messages": ASK, "chat_template_kwargs": {"enable_thinking": False}}).json()
     assert scripted_tokenizer().decode(ids["token_ids"]).endswith("<think>\n\n</think>\n\n")
     for name in ("messages", "tools", "add_generation_prompt"):
@@ -121,8 +106,8 @@ def test_without_a_parser_the_text_is_all_answer(srv: ServerThread) -> None:
     ctx = srv.ctx  # type: ignore[attr-defined]
     ctx.reasoning_parser = None
     try:
-        m = oai(srv).chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0).choices[0].message  # type: ignore[arg-type]
-        assert m.content == f"<think>{THINKING}</think>{ANSWER}" and extra(m, "reasoning_content") is None
+        m = openai_client(srv).chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0).choices[0].message  # type: ignore[arg-type]
+        assert m.content == f"<think>{THINKING}</think>{ANSWER}" and sdk_extra(m, "reasoning_content") is None
         r = http.post(srv.url + "/v1/messages", json={"model": MODEL, "max_tokens": 5, "messages": ASK, "thinking": {"type": "enabled", "budget_tokens": 1024}})
         assert r.status_code == 400 and "thinking" in r.json()["error"]["message"]
     finally:
@@ -153,7 +138,7 @@ def test_a_json_schema_constrains_the_answer_not_the_thinking(srv: ServerThread)
 
 
 def test_responses_reasoning_item_then_the_message(srv: ServerThread) -> None:
-    resp = oai(srv).responses.create(model=MODEL, input="What is two and two?", max_output_tokens=40, temperature=0)
+    resp = openai_client(srv).responses.create(model=MODEL, input="What is two and two?", max_output_tokens=40, temperature=0)
     Response.model_validate(resp.model_dump())
     assert [o.type for o in resp.output] == ["reasoning", "message"]
     reasoning = resp.output[0]
@@ -175,10 +160,10 @@ def test_responses_reasoning_item_then_the_message(srv: ServerThread) -> None:
     assert [o["type"] for o in final["output"]] == ["reasoning", "message"]
     assert final["output"][0]["content"][0]["text"] == THINKING
     # The SDK's stream helper assembles the same response; a next turn may send the reasoning item back.
-    with oai(srv).responses.stream(model=MODEL, input="What is two and two?", max_output_tokens=40, temperature=0) as s:
+    with openai_client(srv).responses.stream(model=MODEL, input="What is two and two?", max_output_tokens=40, temperature=0) as s:
         done = s.get_final_response()
     assert [o.type for o in done.output] == ["reasoning", "message"] and done.output_text == ANSWER
-    follow = oai(srv).responses.create(
+    follow = openai_client(srv).responses.create(
         model=MODEL, max_output_tokens=40, temperature=0, reasoning={"effort": "low"},
         input=[*ASK, *[o.model_dump(exclude_none=True) for o in done.output], {"role": "user", "content": "And three?"}],  # type: ignore[list-item]
     )  # fmt: skip
@@ -189,21 +174,21 @@ def test_responses_reasoning_item_then_the_message(srv: ServerThread) -> None:
 
 
 def test_messages_thinking_block_then_the_text(srv: ServerThread) -> None:
-    msg = claude(srv).messages.create(model=MODEL, max_tokens=40, messages=ASK, extra_body={"temperature": 0},  # type: ignore[arg-type]
+    msg = anthropic_client(srv).messages.create(model=MODEL, max_tokens=40, messages=ASK, extra_body={"temperature": 0},  # type: ignore[arg-type]
                                       thinking={"type": "enabled", "budget_tokens": 1024})  # fmt: skip
     assert [b.type for b in msg.content] == ["thinking", "text"] and msg.stop_reason == "end_turn"
     assert (msg.content[0].thinking, msg.content[1].text) == (THINKING, ANSWER)  # type: ignore[union-attr]
-    with claude(srv).messages.stream(model=MODEL, max_tokens=40, messages=ASK, extra_body={"temperature": 0}) as s:  # type: ignore[arg-type]
+    with anthropic_client(srv).messages.stream(model=MODEL, max_tokens=40, messages=ASK, extra_body={"temperature": 0}) as s:  # type: ignore[arg-type]
         kinds = [e.delta.type for e in s if e.type == "content_block_delta"]
         final = s.get_final_message()
     assert [b.model_dump() for b in final.content] == [b.model_dump() for b in msg.content]
     assert "thinking_delta" in kinds and "signature_delta" in kinds and kinds.index("signature_delta") < kinds.index("text_delta")
     # Disabled thinking is Qwen3's enable_thinking=false; thinking blocks in the history are accepted.
-    off = claude(srv).messages.create(model=MODEL, max_tokens=40, messages=ASK, extra_body={"temperature": 0},  # type: ignore[arg-type]
+    off = anthropic_client(srv).messages.create(model=MODEL, max_tokens=40, messages=ASK, extra_body={"temperature": 0},  # type: ignore[arg-type]
                                       thinking={"type": "disabled"})  # fmt: skip
     assert [(b.type, b.text) for b in off.content] == [("text", PLAIN)]  # type: ignore[union-attr]
     history = [*ASK, {"role": "assistant", "content": [b.model_dump() for b in msg.content]}, {"role": "user", "content": "And three?"}]
-    again = claude(srv).messages.create(model=MODEL, max_tokens=40, messages=history, extra_body={"temperature": 0})  # type: ignore[arg-type]
+    again = anthropic_client(srv).messages.create(model=MODEL, max_tokens=40, messages=history, extra_body={"temperature": 0})  # type: ignore[arg-type]
     assert [b.type for b in again.content] == ["thinking", "text"]
 
 
@@ -224,15 +209,15 @@ def test_a_named_tool_call_follows_the_thinking(srv: ServerThread) -> None:
     tool = {"type": "function", "function": {"name": "report", "parameters": params}}
     body = {"model": MODEL, "messages": ASK, "max_tokens": 40, "temperature": 0, "tools": [tool],
             "tool_choice": {"type": "function", "function": {"name": "report"}}}  # fmt: skip
-    c = oai(srv).chat.completions.create(**body)  # type: ignore[arg-type]
+    c = openai_client(srv).chat.completions.create(**body)  # type: ignore[arg-type]
     m = c.choices[0].message
-    assert extra(m, "reasoning_content") == THINKING and m.tool_calls is not None and m.tool_calls[0].function.name == "report"
+    assert sdk_extra(m, "reasoning_content") == THINKING and m.tool_calls is not None and m.tool_calls[0].function.name == "report"
     jsonschema.validate(json.loads(m.tool_calls[0].function.arguments), params)
-    chunks = list(oai(srv).chat.completions.create(**body, stream=True))  # type: ignore[arg-type]
+    chunks = list(openai_client(srv).chat.completions.create(**body, stream=True))  # type: ignore[arg-type]
     deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
     calls = [d for d in deltas if d.tool_calls]
     # The call's first delta (its id and name) comes once the thinking is over.
-    assert "".join(extra(d, "reasoning_content") or "" for d in deltas[: deltas.index(calls[0])]) == THINKING
-    assert not any(extra(d, "reasoning_content") for d in deltas[deltas.index(calls[0]) :])
+    assert "".join(sdk_extra(d, "reasoning_content") or "" for d in deltas[: deltas.index(calls[0])]) == THINKING
+    assert not any(sdk_extra(d, "reasoning_content") for d in deltas[deltas.index(calls[0]) :])
     arguments = "".join(d.tool_calls[0].function.arguments or "" for d in calls)  # type: ignore[index, union-attr]
     assert json.loads(arguments) == json.loads(m.tool_calls[0].function.arguments)
