@@ -6,7 +6,7 @@
 const FENCE = /^\s*(```|~~~)/;
 const HEADING = /^(#{1,6})\s+(.*)$/;
 const BULLET = /^\s*[-*+]\s+(.*)$/;
-const NUMBERED = /^\s*\d+[.)]\s+(.*)$/;
+const NUMBERED = /^\s*(\d+)[.)]\s+(.*)$/;
 // Inline spans, earliest first: `code`, **bold** / __bold__, *italic* / _italic_.
 const INLINE = /(`+)([\s\S]+?)\1|\*\*([\s\S]+?)\*\*|__([\s\S]+?)__|\*(?!\s)([\s\S]+?)\*|\b_(?!\s)([\s\S]+?)_\b/;
 
@@ -76,11 +76,16 @@ export function renderMarkdown(text) {
       flushPara();
       const tag = bullet ? "ul" : "ol";
       if (list && list.tagName.toLowerCase() !== tag) flushList();
-      list ??= document.createElement(tag);
-      list.append(el("li", renderInline((bullet || numbered)[1])));
+      if (!list) {
+        list = document.createElement(tag);
+        if (numbered && numbered[1] !== "1") list.start = Number(numbered[1]);
+      }
+      list.append(el("li", renderInline(bullet ? bullet[1] : numbered[2])));
     } else if (!line.trim()) {
       flushPara();
-      flushList();
+      // Items apart by blank lines are still one list (models often write them so).
+      const next = lines.slice(i + 1).find((l) => l.trim());
+      if (!(list && next && (list.tagName === "UL" ? BULLET : NUMBERED).test(next))) flushList();
     } else {
       flushList();
       para.push(line);
