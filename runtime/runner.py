@@ -27,6 +27,7 @@ from servelm.runtime.kv_cache import KVPool
 from servelm.runtime.models.layers import FewRowKernels, RotaryEmbedding
 from servelm.runtime.platform import host_to_device
 from servelm.runtime.gguf.folder import gguf_source
+from servelm.runtime.gguf.projection import GGUF_ACTIVATIONS, use_int8_activations
 from servelm.runtime.quantization import AUTO, NONE, QUANTIZATION_LABELS, check_group_widths, projection_widths
 from servelm.runtime.quantization_setup import check_quantization, quantize_model
 from servelm.runtime.sampled_rows import LogprobTensors, logprob_tensors
@@ -67,6 +68,7 @@ class ModelRunner:
         enforce_eager: bool = False,
         quantization: str | None = None,
         kv_dtype: torch.dtype | None = None,
+        gguf_activations: str = "float32",
     ) -> None:
         """``seed`` seeds the sampler's generator for requests without their own seed (None: from the OS).
 
@@ -80,6 +82,9 @@ class ModelRunner:
         ``quantization="int8"`` or ``"int4"`` (CPU, float32): weight-only quantized projections and head
         (``runtime.quantization``); ``"auto"``: int4 if that is exact for these weights, else none
         (``self.quantization`` says which runs).
+
+        ``gguf_activations="int8"``: a GGUF file served as stored multiplies its quantized projections
+        with activations rounded to int8 per block, as llama.cpp does (faster; no longer the float32 sum).
         """
         check_quantization(quantization, torch.device(device), dtype)
         if not platform.serves_gemma(torch.device(device)) and model_config.gemma_norms:
@@ -111,7 +116,15 @@ class ModelRunner:
         )
         if self.weights_as_stored:
             quantization = None
+        if gguf_activations not in GGUF_ACTIVATIONS:
+            raise ValueError(f"unknown gguf_activations {gguf_activations!r}; supported: {', '.join(GGUF_ACTIVATIONS)}")
+        if gguf_activations == "int8" and not self.weights_as_stored:
+            raise ValueError("--gguf-activations int8 applies to a GGUF file served as stored "
+                             "(CPU, --dtype float32, --quantization auto or unset)")
+        self.gguf_activations = gguf_activations
         self.model = self.load_model(model_dir, model_config)
+        if gguf_activations == "int8":
+            use_int8_activations(self.model.stored_methods())
         kernels = platform.quantized_kernels(self.device) if quantization not in (None, NONE) else {}
         quantization = quantize_model(self.model, quantization, kernels, self.device, dtype, widths)
         self.quantized_kernels = kernels if quantization else {}
@@ -152,6 +165,7 @@ class ModelRunner:
             + (f" + {quantization} few-row kernel (<= {quant_rows} rows)" if quant_rows else "")
             + (f"; weights {QUANTIZATION_LABELS[quantization]}" if quantization else "")
             + ("; weights as stored in the GGUF file" if self.weights_as_stored else "")
+            + ("; int8-rounded activations" if gguf_activations == "int8" else "")
             + ("; fused Triton norms/activation/RoPE" if self.fused_ops else "")
             + (f"; fused few-row projections: {self.few_rows_mode}" if self.few_rows is not None else ""),
         )

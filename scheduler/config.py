@@ -27,6 +27,7 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: no CUDA graphs
     async_scheduling: bool | None = None  # schedule step k+1 before step k's tokens reach the host; None => on CUDA only
     quantization: str | None = None  # "int8" | "int4": weight-only quantized projections and head (CPU, float32)
+    gguf_activations: str = "float32"  # "int8": a GGUF file's projections round x to int8 per block (llama.cpp's arithmetic)
     num_threads: int | None = None  # CPU: torch intra-op threads (None => torch's default)
     tensor_parallel_size: int = 1  # ranks the model is split over (rank 0 in this process, workers spawned)
     seed: int = 0  # for requests without a seed

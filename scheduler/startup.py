@@ -304,6 +304,7 @@ def new_runner(
         enforce_eager=config.enforce_eager,
         quantization=config.quantization,
         kv_dtype=resolve_kv_dtype(config.kv_cache_dtype, dtype, device),
+        gguf_activations=config.gguf_activations,
     )
     tp = config.tensor_parallel_size
     if tp == 1:

@@ -173,6 +173,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: do not capture CUDA graphs")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None, help="schedule the next step while the device computes this one; its host work (outputs, detokenization) then overlaps the device (default: on for CUDA, off for CPU, where nothing runs in the background)")
     g.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help="weight-only quantization (CPU, float32 activations). int8: projections and vocabulary head in int8, one float32 scale per output row: a quarter of the weight bytes a decode step reads; tokens differ from the float32 model's. int4: projections in 4 bits, groups of 32 with an fp16 scale and minimum (llama.cpp's Q4_1), head in int8 groups of 32 (Q8_0): a sixth of the bytes; exact for the default model, which ships in those formats. auto: int4 where that is exact for the checkpoint's weights (checked at load: the default model, or a model dequantized from such a GGUF file), else none; for a GGUF file on CPU float32, the weights as stored in the file (as they are by default too). none: no quantization; a GGUF file is then dequantized into --dtype (default: none, and a GGUF file as stored; `make serve` passes auto)")
+    g.add_argument("--gguf-activations", choices=["float32", "int8"], default=d.gguf_activations, help="what a GGUF file's quantized projections multiply (CPU, weights as stored). float32: the activations as they are, so logits equal transformers' float32 ones within summation noise. int8: activations rounded to int8 per block of 32 (256 for K-quants) and integer dot products, llama.cpp's arithmetic: faster decode, tokens may differ from the float32 model's (default: %(default)s)")
     g.add_argument("--num-threads", type=_positive_int, default=None, help="CPU: torch intra-op threads (default: torch's choice)")
     g.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=d.tensor_parallel_size, help="split the model Megatron-style over N ranks: this process is rank 0 (scheduler, sampling), N-1 worker processes are spawned, joined over torch.distributed (gloo on CPU); --kv-cache-memory is then each rank's pool, --num-threads each rank's threads, the cores / N when not given. Refused by name: LoRA, --quantization, GGUF files, CUDA (unproven), shapes not divisible by N. See docs/tensor-parallel.md (default: %(default)s)")
     g.add_argument("--seed", type=int, default=d.seed, help="sampling seed for requests without one (default: %(default)s)")
@@ -221,6 +222,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         quantization=args.quantization,
+        gguf_activations=args.gguf_activations,
         num_threads=args.num_threads,
         tensor_parallel_size=args.tensor_parallel_size,
         seed=args.seed,

@@ -89,6 +89,13 @@ def _self_check(module: ModuleType) -> str | None:
             want = reference_linear(x, blocks, qtype, b)
             if not torch.allclose(out, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()) + 1e-6):
                 return f"gguf_linear self-check failed ({qtype.name}, rows {rows}, K {k}, bias {bias})"
+            if qtype not in (Q.F32, Q.F16, Q.BF16):  # int8 activations: W times x as the kernel rounds it
+                block = 256 if BLOCK_LAYOUT[qtype][0] == 256 else 32
+                d, q = module.gguf_quantize_x(x, block)
+                want = reference_linear(d.repeat_interleave(block, dim=1) * q.float(), blocks, qtype, b)
+                module.gguf_linear(x, blocks, int(qtype), out, b, True)
+                if not torch.allclose(out, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()) + 1e-6):
+                    return f"gguf_linear int8 self-check failed ({qtype.name}, rows {rows}, K {k}, bias {bias})"
         ids = torch.tensor([12, 0, 5, 5])
         want_rows = dequantize((blocks.reshape(-1), qtype, (13, k)))[ids]
         if not torch.equal(module.gguf_get_rows(blocks, ids, int(qtype), k), want_rows):
@@ -114,13 +121,19 @@ def _module() -> ModuleType:
 
 
 def linear(
-    x: torch.Tensor, blocks2d: torch.Tensor, qtype: Q, out: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    blocks2d: torch.Tensor,
+    qtype: Q,
+    out: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    int8_x: bool = False,
 ) -> torch.Tensor:
     """``out[:] = x W^T (+ bias)``: x float32 ``[M, K]``, ``blocks2d`` uint8 ``[N, row_bytes]`` (may be a
-    read-only map), ``out`` float32 ``[M, N]`` with unit column stride (a column slice is fine). Returns out."""
+    read-only map), ``out`` float32 ``[M, N]`` with unit column stride (a column slice is fine). Returns out.
+    ``int8_x``: x rounded to int8 per block first and integer dot products (llama.cpp's arithmetic)."""
     if x.dtype != torch.float32 or not x.is_contiguous():
         x = x.float().contiguous()
-    _module().gguf_linear(x, blocks2d, int(qtype), out, bias)
+    _module().gguf_linear(x, blocks2d, int(qtype), out, bias, int8_x)
     return out
 
 
@@ -130,13 +143,14 @@ def linear_parts(
     qtypes: list[Q],
     out: torch.Tensor,
     bias: torch.Tensor | None = None,
+    int8_x: bool = False,
 ) -> torch.Tensor:
     """A fused projection whose parts are separate weights (``blocks_list[i]`` ``[N_i, row_bytes_i]`` of
     ``qtypes[i]``): ``out[:, N_0 + ... + N_{i-1} :][:, :N_i] = x W_i^T``, plus ``bias`` ``[sum N_i]``, all
     parts' rows split over the threads in one parallel region. Returns out."""
     if x.dtype != torch.float32 or not x.is_contiguous():
         x = x.float().contiguous()
-    _module().gguf_linear_parts(x, list(blocks_list), [int(q) for q in qtypes], out, bias)
+    _module().gguf_linear_parts(x, list(blocks_list), [int(q) for q in qtypes], out, bias, int8_x)
     return out
 
 

@@ -89,6 +89,7 @@ class GGUFMethod:
             raise ValueError(f"tile_rows must be positive, got {self.tile_rows}")
         self.kernel = _kernel(qtype)
         self.kernel_max_rows = KERNEL_MAX_ROWS  # read at every call (benchmarks move it)
+        self.int8_x = False  # activations rounded to int8 per block (`use_int8_activations`)
         self.name = f"gguf-{qtype.name}" + ("+kernel" if self.kernel is not None else "")
 
     @classmethod
@@ -129,8 +130,12 @@ class GGUFMethod:
         if self.kernel is not None and rows.shape[0] <= self.kernel_max_rows and rows.dtype == torch.float32:
             rows = rows.contiguous()
             for s in range(0, rows.shape[0], KERNEL_CHUNK):
-                self.kernel.gguf_linear(rows[s : s + KERNEL_CHUNK], self.rows2d, int(self.qtype), out[s : s + KERNEL_CHUNK], bias)
+                self.kernel.gguf_linear(
+                    rows[s : s + KERNEL_CHUNK], self.rows2d, int(self.qtype), out[s : s + KERNEL_CHUNK], bias, self.int8_x
+                )
             return
+        if self.int8_x:
+            rows = round_activations(rows, activation_block(self.qtype))  # the same W x' as the kernel's
         for start in range(0, self.out_features, self.tile_rows):
             stop = min(start + self.tile_rows, self.out_features)
             tile = self.dequantize_rows(start, stop)
@@ -189,9 +194,10 @@ class GGUFShardedMethod:
             and rows.dtype == torch.float32
             and all(rows.shape[0] <= m.kernel_max_rows for _, m in self.parts)
         ):
+            int8_x = any(m.int8_x for _, m in self.parts)
             for s in range(0, rows.shape[0], KERNEL_CHUNK):
                 chunk = slice(s, s + KERNEL_CHUNK)
-                self.fused_kernel.gguf_linear_parts(rows[chunk], self.fused_blocks, self.fused_qtypes, out[chunk], bias)
+                self.fused_kernel.gguf_linear_parts(rows[chunk], self.fused_blocks, self.fused_qtypes, out[chunk], bias, int8_x)
         else:
             for cols, method in self.parts:
                 method.apply_into(rows, out[:, cols], bias[cols] if bias is not None else None)
@@ -221,3 +227,48 @@ def gguf_method(tensor: GGUFTensor, tile_rows: int | None = None) -> GGUFMethod:
         raise ValueError(f"{tensor.name}: a projection weight has two dimensions, got {list(tensor.shape)}")
     out_features, in_features = tensor.shape
     return GGUFMethod(tensor.raw, tensor.qtype, (out_features, in_features), tile_rows)
+
+
+GGUF_ACTIVATIONS = ("float32", "int8")  # what the stored projections multiply by (--gguf-activations)
+
+# The int8 activation path (llama.cpp's arithmetic): x rounded to int8 with one scale per block of 32
+# elements, or of 256 for the K-quants, whose weight blocks are that long.
+INT8_BLOCK_256: frozenset[GGMLQuantizationType] = frozenset(
+    {GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K}
+)
+FLOAT_TYPES: frozenset[GGMLQuantizationType] = frozenset(
+    {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
+)
+
+
+def activation_block(qtype: GGMLQuantizationType) -> int:
+    """Elements per activation scale against weights of ``qtype`` (0: float weights meet float x)."""
+    return 0 if qtype in FLOAT_TYPES else 256 if qtype in INT8_BLOCK_256 else 32
+
+
+def round_activations(rows: torch.Tensor, block: int) -> torch.Tensor:
+    """``rows`` as the int8 path sees them: per ``block`` elements ``d * round(x / d)``, ``d = max|x| / 127``
+    (the compiled ``gguf_quantize_x``'s rounding, half to even). ``block`` 0 returns ``rows``."""
+    if block == 0:
+        return rows
+    x = rows.float().reshape(rows.shape[0], -1, block)
+    d = x.abs().amax(dim=-1, keepdim=True) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(x * inv).clamp_(-127, 127)
+    # A non-finite activation stays visible as NaN in the output (a faulty row), as in the kernel.
+    d = torch.where(torch.isfinite(x).all(dim=-1, keepdim=True), d, torch.full_like(d, float("nan")))
+    return (d * q).reshape(rows.shape).to(rows.dtype)
+
+
+def use_int8_activations(methods: list[Any]) -> int:
+    """Make each stored projection in ``methods`` (``GGUFMethod`` / ``GGUFShardedMethod``) multiply with
+    int8-rounded activations; returns how many projections changed."""
+    changed = 0
+    for method in methods:
+        parts = [m for _, m in method.parts] if isinstance(method, GGUFShardedMethod) else [method]
+        for part in parts:
+            if isinstance(part, GGUFMethod) and activation_block(part.qtype):
+                part.int8_x = True
+                changed += 1
+    return changed
+

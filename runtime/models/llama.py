@@ -224,15 +224,18 @@ class CausalLM(nn.Module):
         self.choose_head_method()
         return None
 
+    def stored_methods(self) -> list[ProjectionMethod]:
+        """Every projection computed from a file's stored blocks (``use_stored``), the head included."""
+        stored = [m.stored for m in self.modules() if isinstance(m, Linear) and m.stored is not None]
+        return stored + ([self.stored_head] if self.stored_head is not None else [])
+
     def weight_bytes_read(self) -> int:
         """Bytes of weight a decode step reads: every parameter once (a tied embedding as the head),
         quantized projections and head as their codes plus scales. Call before ``pack_cpu_weights``
         (which may drop dense weights)."""
         total = sum(p.numel() * p.element_size() for p in self.parameters())
         # Weights kept in their file's blocks: their bytes (a tied head reads the embedding's).
-        stored = [m.stored for m in self.modules() if isinstance(m, Linear) and m.stored is not None]
-        stored.append(self.stored_head)
-        total += sum(int(getattr(s, "nbytes", 0)) for s in stored if s is not None)
+        total += sum(int(getattr(s, "nbytes", 0)) for s in self.stored_methods())
         # (dense weight, its quantized copy) of every projection and the head
         weights: list[tuple[torch.Tensor, quantization.QuantizedWeight | None]] = [
             (m.weight, m.quant) for m in self.modules() if isinstance(m, Linear) and m.weight is not None

@@ -239,3 +239,54 @@ def test_dequantized_equals_transformers(case_id: str, served, build_runner, rt)
     assert not runner.weights_as_stored
     assert all(m.stored is None for m in runner.model.modules() if isinstance(m, Linear))
     assert_logits_match(run_ours(runner, rt, s.seqs), s.reference, f"{case_id} dequantized")
+
+
+
+# --gguf-activations int8 rounds each quantized projection's input to int8 per block, as llama.cpp
+# does. Its reference is transformers on the same file with the same rounding applied to the input of
+# every Linear whose weight the file quantizes (a forward pre-hook). Summation noise still moves an x
+# across a rounding half-step now and then (about one element in 10^5), and a flipped element's change
+# of one step then spreads to later positions through the KV cache: so the first position, which no
+# earlier flip reaches, must match to summation noise, and the rest must be nearer the rounded
+# reference than the float32 one.
+def int8_reference(s: Served) -> list[torch.Tensor]:
+    """transformers' logits over ``s.seqs`` with every quantized Linear's input rounded as the int8 path
+    rounds it (per 32 elements, or 256 for K-quant weights; float weights take x as it is)."""
+    from servelm.runtime.gguf.names import hf_tensor_names
+    from servelm.runtime.gguf.projection import activation_block, round_activations
+    from servelm.runtime.gguf.reader import read_gguf_tensors
+
+    tensors = read_gguf_tensors(s.path)
+    hf = {v.removesuffix(".weight"): tensors[k].qtype for k, v in hf_tensor_names(list(tensors), s.case.arch).items()}
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(s.path.parent), gguf_file=s.path.name, dtype=torch.float32).eval()
+    if "lm_head" not in hf:  # a tied head multiplies by the embedding's blocks
+        hf["lm_head"] = tensors["token_embd.weight"].qtype
+    hooked = 0
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and activation_block(hf.get(name, Q.F32)):
+            block = activation_block(hf[name])
+            module.register_forward_pre_hook(lambda _m, args, block=block: (round_activations(args[0].reshape(-1, args[0].shape[-1]), block).reshape(args[0].shape),))
+            hooked += 1
+    assert hooked >= 4, f"only {hooked} Linear modules matched the file's quantized tensors"
+    with torch.inference_mode():
+        return [model(torch.tensor([q])).logits[0].float() for q in s.seqs]
+
+
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_int8_activations_equal_transformers_with_rounded_inputs(case_id: str, served, build_runner, rt) -> None:  # type: ignore[no-untyped-def]
+    s = served(case_id)
+    runner = build_runner(s.folder, num_blocks=8, gguf_activations="int8")
+    assert runner.gguf_activations == "int8"
+    ours = run_ours(runner, rt, s.seqs)
+    rounded = int8_reference(s)
+    to_float = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(ours, s.reference))
+    to_rounded = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(ours, rounded))
+    assert to_float > 10 * RTOL_OF_MAX, f"{case_id}: the int8 path looks unused ({to_float:.2e} of max from float32)"
+    assert_logits_match([a[:1] for a in ours], [b[:1] for b in rounded], f"{case_id} int8, first position")
+    assert to_rounded <= 0.75 * to_float, f"{case_id}: {to_rounded:.2e} of max from the rounded reference, {to_float:.2e} from float32"
+
+
+def test_int8_activations_need_a_gguf_file_as_stored(served, build_runner) -> None:  # type: ignore[no-untyped-def]
+    s = served(next(iter(CASES)))
+    with pytest.raises(ValueError, match="gguf-activations int8 applies to a GGUF file served as stored"):
+        build_runner(s.folder, num_blocks=8, gguf_activations="int8", quantization="none")

@@ -25,6 +25,9 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
+#include <tuple>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -745,6 +748,258 @@ void check_blocks(const at::Tensor& blocks, int64_t qtype, int64_t K) {
               "GGUF kernels: each row of blocks must be contiguous");
 }
 
+// ---- int8 activations: llama.cpp's arithmetic, on request (`int8_x`) ----
+// x is rounded to int8 with one float scale per block of 32 elements (for the 32-element formats) or
+// 256 (the K-quants), and each weight block meets it in integer dot products (maddubs / madd), one
+// float multiply-add per block: roughly twice the blocks per cycle of the float path, whose
+// int-to-float widening bounds a one-row step. The result is W x' with x' the rounded x (about 0.4%
+// of a block's largest element): no longer the float32 reference's sum, as with llama.cpp.
+
+// One activation matrix rounded per block of `blk`: x'[i] = d[i / blk] * q[i]; sums of q per 16.
+struct QuantX {
+  int blk = 0;
+  std::vector<float> d;        // [M * K / blk]
+  std::vector<int8_t> q;       // [M * K]
+  std::vector<int16_t> sum16;  // [M * K / 16]
+  std::vector<float> dsum32;   // [M * K / 32]: d * (sum of q over 32), for the formats with a minimum
+};
+
+// Round half to even, as _mm256_cvtps_epi32 does under the default rounding mode.
+inline int round_even(float v) { return int(std::nearbyint(v)); }
+
+void quantize_x(const float* x, int64_t M, int64_t K, int blk, QuantX& out) {
+  out.blk = blk;
+  const int64_t nb = M * K / blk;
+  out.d.resize(size_t(nb));
+  out.q.resize(size_t(M * K));
+  out.sum16.resize(size_t(M * K / 16));
+  out.dsum32.resize(size_t(M * K / 32));
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* xb = x + b * blk;
+    float amax = 0.0f;
+    bool finite = true;
+    for (int i = 0; i < blk; ++i) {
+      finite &= std::isfinite(xb[i]);
+      amax = std::max(amax, std::fabs(xb[i]));
+    }
+    // A non-finite activation must surface as NaN in the output (a faulty row), never as zeros.
+    const float d = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+    const float id = (finite && d > 0.0f) ? 1.0f / d : 0.0f;
+    out.d[size_t(b)] = d;
+    int8_t* q = out.q.data() + b * blk;
+    for (int i = 0; i < blk; ++i) q[i] = int8_t(std::clamp(round_even(xb[i] * id), -127, 127));
+  }
+  for (int64_t g = 0; g < M * K / 16; ++g) {
+    int s = 0;
+    for (int i = 0; i < 16; ++i) s += out.q[size_t(16 * g + i)];
+    out.sum16[size_t(g)] = int16_t(s);
+  }
+  for (int64_t g = 0; g < M * K / 32; ++g)
+    out.dsum32[size_t(g)] = out.d[size_t(32 * g / blk)] * float(out.sum16[size_t(2 * g)] + out.sum16[size_t(2 * g + 1)]);
+}
+
+// x' as floats [M, K]: what the many-row and non-AVX2 paths multiply, so every path computes W x'.
+std::vector<float> dequantize_x(const QuantX& xq, int64_t M, int64_t K) {
+  std::vector<float> xf(size_t(M * K));
+  for (int64_t i = 0; i < M * K; ++i) xf[size_t(i)] = xq.d[size_t(i / xq.blk)] * float(xq.q[size_t(i)]);
+  return xf;
+}
+
+template <int Q> constexpr int kXBlock = Format<Q>::elems == 256 ? 256 : 32;
+
+#if SERVELM_GGUF_AVX2
+inline __m256i ones16() { return _mm256_set1_epi16(1); }
+// Signed bytes w times signed bytes x, summed in pairs to int16 (maddubs wants one unsigned side).
+inline __m256i dot_i8_pairs(__m256i w, __m256i x) {
+  return _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+inline __m256i load_q(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline float hsum(__m256 s) {
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  r = _mm_add_ss(r, _mm_movehdup_ps(r));
+  return _mm_cvtss_f32(r);
+}
+
+// The 32 quants of a 32-element block as bytes: unsigned (formats with a minimum) or signed.
+template <int Q> struct Bytes32;
+template <> struct Bytes32<Q4_0> { static constexpr bool kSigned = true;
+  static __m256i get(const uint8_t* b) { return _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8)); } };
+template <> struct Bytes32<Q4_1> { static constexpr bool kSigned = false;
+  static __m256i get(const uint8_t* b) { return nibbles32(b + 4); } };
+template <> struct Bytes32<Q5_0> { static constexpr bool kSigned = true;
+  static __m256i get(const uint8_t* b) {
+    return _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), fifth_bits(u32(b + 2))), _mm256_set1_epi8(16)); } };
+template <> struct Bytes32<Q5_1> { static constexpr bool kSigned = false;
+  static __m256i get(const uint8_t* b) { return _mm256_or_si256(nibbles32(b + 8), fifth_bits(u32(b + 4))); } };
+template <> struct Bytes32<Q8_0> { static constexpr bool kSigned = true;
+  static __m256i get(const uint8_t* b) { return load256(b + 2); } };
+
+// Output row n of a 32-element format for M rows of x'. One chain per row and block phase (A of
+// them), so a one-row step is not bound by FMA latency.
+template <int Q, int M>
+inline void int8_rows32(const LinearArgs& a, const QuantX& xq, int64_t n) {
+  using F = Format<Q>;
+  using B = Bytes32<Q>;
+  constexpr int A = M >= 4 ? 1 : 4 / M;
+  const int64_t nblk = a.K / 32;
+  const uint8_t* row = a.w + n * a.ldw;
+  __m256 acc[M][A];
+  float mins[M];
+  for (int m = 0; m < M; ++m) {
+    mins[m] = 0.0f;
+    for (int c = 0; c < A; ++c) acc[m][c] = _mm256_setzero_ps();
+  }
+  auto block = [&](int64_t blk, int c) {
+    const uint8_t* b = row + blk * F::bytes;
+    const __m256i w = B::get(b);
+    const float dw = f16(b);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const __m256i xv = load_q(xq.q.data() + m * a.K + blk * 32);
+      const __m256i p16 = B::kSigned ? dot_i8_pairs(w, xv) : _mm256_maddubs_epi16(w, xv);
+      const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones16()));
+      acc[m][c] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * xq.d[size_t(m * nblk + blk)]), acc[m][c]);
+      if constexpr (F::has_min) mins[m] += f16(b + 2) * xq.dsum32[size_t(m * nblk + blk)];
+    }
+  };
+  int64_t blk = 0;
+  for (; blk + A <= nblk; blk += A) {
+#pragma GCC unroll 4
+    for (int c = 0; c < A; ++c) block(blk + c, c);
+  }
+  for (; blk < nblk; ++blk) block(blk, 0);
+  const float bias = a.bias ? a.bias[n] : 0.0f;
+  for (int m = 0; m < M; ++m) {
+    __m256 v = acc[m][0];
+    for (int c = 1; c < A; ++c) v = _mm256_add_ps(v, acc[m][c]);
+    a.out[m * a.ldo + n] = hsum(v) + mins[m] + bias;
+  }
+}
+
+// The K-quants against x' rounded per 256: each 32 quants' integer products are scaled by the
+// sub-block's integer scale (madd), summed over the block in int32, and meet d_w * d_x once.
+template <int Q> struct KBlock;
+template <bool kHigh> struct KBlock45 {
+  // 8 sub-blocks of 32: integer scale and minimum; quants unsigned (0..15, or 0..31 with the 5th bit).
+  template <int M>
+  static void dots(const uint8_t* b, const int8_t* const* xq, __m256i* sumi, int* minsum, const int16_t* const* s16) {
+    int sc[8], mn[8];
+    for (int j = 0; j < 8; ++j) scale_min_k4(b + 4, j, sc[j], mn[j]);
+    const __m256i mask = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    const __m256i h = kHigh ? load256(b + 16) : _mm256_setzero_si256();
+    const uint8_t* qs = b + (kHigh ? 48 : 16);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m256i raw = load256(qs + 32 * c);
+      __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+      if (kHigh) {
+        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * c)), one), 4));
+        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * c + 1)), one), 4));
+      }
+      const __m256i s_lo = _mm256_set1_epi16(int16_t(sc[2 * c])), s_hi = _mm256_set1_epi16(int16_t(sc[2 * c + 1]));
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        const __m256i p_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load_q(xq[m] + 64 * c)), s_lo);
+        const __m256i p_hi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load_q(xq[m] + 64 * c + 32)), s_hi);
+        sumi[m] = _mm256_add_epi32(sumi[m], _mm256_add_epi32(p_lo, p_hi));
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      int t = 0;
+      for (int j = 0; j < 8; ++j) t += mn[j] * (int(s16[m][2 * j]) + int(s16[m][2 * j + 1]));
+      minsum[m] = t;
+    }
+  }
+  static float d(const uint8_t* b) { return f16(b); }
+  static float dmin(const uint8_t* b) { return f16(b + 2); }
+};
+template <> struct KBlock<Q4_K> : KBlock45<false> {};
+template <> struct KBlock<Q5_K> : KBlock45<true> {};
+template <> struct KBlock<Q6_K> {
+  // 16 sub-blocks of 16 with a signed int8 scale; quants 6 bits less 32 (signed bytes).
+  template <int M>
+  static void dots(const uint8_t* b, const int8_t* const* xq, __m256i* sumi, int* minsum, const int16_t* const*) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03), off = _mm256_set1_epi8(32);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m256i A = load256(b + 64 * h), B = load256(b + 64 * h + 32), H = load256(b + 128 + 32 * h);
+      const __m256i low[4] = {_mm256_and_si256(A, m4), _mm256_and_si256(B, m4),
+                              _mm256_and_si256(_mm256_srli_epi16(A, 4), m4), _mm256_and_si256(_mm256_srli_epi16(B, 4), m4)};
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {
+        const __m256i high = _mm256_and_si256(_mm256_srl_epi16(H, _mm_cvtsi32_si128(2 * p)), m2);
+        const __m256i w = _mm256_sub_epi8(_mm256_or_si256(low[p], _mm256_slli_epi16(high, 4)), off);
+        const int j = 8 * h + 2 * p;  // the sub-blocks of elements 128h + 32p + [0, 16) and [16, 32)
+        const __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[j + 1]), _mm_set1_epi16(sc[j]));
+#pragma GCC unroll 8
+        for (int m = 0; m < M; ++m)
+          sumi[m] = _mm256_add_epi32(sumi[m], _mm256_madd_epi16(dot_i8_pairs(w, load_q(xq[m] + 128 * h + 32 * p)), s));
+      }
+    }
+    for (int m = 0; m < M; ++m) minsum[m] = 0;
+  }
+  static float d(const uint8_t* b) { return f16(b + 208); }
+  static float dmin(const uint8_t*) { return 0.0f; }
+};
+
+template <int Q, int M>
+inline void int8_rowsK(const LinearArgs& a, const QuantX& xq, int64_t n) {
+  using F = Format<Q>;
+  const int64_t nblk = a.K / 256;
+  const uint8_t* row = a.w + n * a.ldw;
+  __m256 acc[M];
+  float mins[M];
+  for (int m = 0; m < M; ++m) {
+    acc[m] = _mm256_setzero_ps();
+    mins[m] = 0.0f;
+  }
+  for (int64_t blk = 0; blk < nblk; ++blk) {
+    const uint8_t* b = row + blk * F::bytes;
+    const int8_t* xp[M];
+    const int16_t* sp[M];
+    __m256i sumi[M];
+    int minsum[M];
+    for (int m = 0; m < M; ++m) {
+      xp[m] = xq.q.data() + m * a.K + blk * 256;
+      sp[m] = xq.sum16.data() + (m * a.K + blk * 256) / 16;
+      sumi[m] = _mm256_setzero_si256();
+    }
+    KBlock<Q>::template dots<M>(b, xp, sumi, minsum, sp);
+    const float dw = KBlock<Q>::d(b), dmin = KBlock<Q>::dmin(b);
+    for (int m = 0; m < M; ++m) {
+      const float dx = xq.d[size_t(m * nblk + blk)];
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[m]), _mm256_set1_ps(dw * dx), acc[m]);
+      if constexpr (F::has_min) mins[m] -= dmin * dx * float(minsum[m]);
+    }
+  }
+  const float bias = a.bias ? a.bias[n] : 0.0f;
+  for (int m = 0; m < M; ++m) a.out[m * a.ldo + n] = hsum(acc[m]) + mins[m] + bias;
+}
+#endif
+
+// Output rows [n0, n1) of a quantized format against x' (x rounded per block as kXBlock<Q>).
+template <int Q>
+void int8_linear_rows(const LinearArgs& a, const QuantX& xq, const float* xf, int64_t n0, int64_t n1) {
+#if SERVELM_GGUF_AVX2
+  if (a.M <= kGroup) {
+    with_rows(a.M, [&](auto mm) {
+      constexpr int M = decltype(mm)::value;
+      for (int64_t n = n0; n < n1; ++n) {
+        if constexpr (Format<Q>::elems == 256) int8_rowsK<Q, M>(a, xq, n);
+        else int8_rows32<Q, M>(a, xq, n);
+      }
+    });
+    return;
+  }
+#endif
+  // Many rows (or no AVX2): the float kernels on x' compute the same W x' (within float32 summation).
+  LinearArgs b = a;
+  b.x = xf;
+  linear_rows<Q>(b, n0, n1);
+}
+
 // One weight of a (possibly fused) projection: its blocks, format, and columns of out.
 struct Part {
   int64_t qtype;
@@ -755,18 +1010,30 @@ struct Part {
 // Every part's output rows in one parallel region: the parts' rows in order are split into at
 // most get_num_threads() contiguous spans of about equal bytes (none under 64 KB, as a fork/join
 // costs more than a smaller read), so the threads share fused work evenly and fork once.
-void run_parts(std::vector<Part>& parts, const float* x, int64_t M, int64_t K) {
+void run_parts(std::vector<Part>& parts, const float* x, int64_t M, int64_t K, bool int8_x) {
   std::vector<float> xsum;
-  bool need_sums = false;
+  // With int8_x: x rounded per 32 ([0]) and per 256 ([1]) as the parts' formats want, x' as floats,
+  // and x' sums.
+  struct Rounded { QuantX q; std::vector<float> xf, xsum; } rounded[2];
+  bool need_sums = false, need_rounded[2] = {false, false};
   int64_t total_bytes = 0;
   for (const Part& p : parts) {
     with_qtype(p.qtype, [&](auto qq) {
       constexpr int Q = decltype(qq)::value;
-      if constexpr (!kIsFloat<Q>) need_sums |= Format<Q>::has_min && M <= kGroup;
+      if constexpr (!kIsFloat<Q>) {
+        need_sums |= Format<Q>::has_min && M <= kGroup;
+        if (int8_x) need_rounded[kXBlock<Q> == 256] = true;
+      }
     });
     total_bytes += p.a.N * p.row_bytes;
   }
-  if (need_sums) x_sums(x, M, K, xsum);
+  for (int g = 0; g < 2; ++g) {
+    if (!need_rounded[g]) continue;
+    quantize_x(x, M, K, g ? 256 : 32, rounded[g].q);
+    rounded[g].xf = dequantize_x(rounded[g].q, M, K);
+    if (need_sums) x_sums(rounded[g].xf.data(), M, K, rounded[g].xsum);
+  }
+  if (need_sums && !int8_x) x_sums(x, M, K, xsum);
   for (Part& p : parts) p.a.xsum = xsum.data();
   if (total_bytes == 0) return;
   // The row (over all parts, in order) at which `pos` bytes of weight have been read.
@@ -786,7 +1053,19 @@ void run_parts(std::vector<Part>& parts, const float* x, int64_t M, int64_t K) {
       int64_t lo = row_at(total_bytes * t / tasks), hi = row_at(total_bytes * (t + 1) / tasks);
       for (const Part& p : parts) {
         const int64_t n0 = std::max<int64_t>(lo, 0), n1 = std::min(hi, p.a.N);
-        if (n0 < n1) with_qtype(p.qtype, [&](auto qq) { linear_rows<decltype(qq)::value>(p.a, n0, n1); });
+        if (n0 < n1) with_qtype(p.qtype, [&](auto qq) {
+          constexpr int Q = decltype(qq)::value;
+          if constexpr (!kIsFloat<Q>) {
+            if (int8_x) {
+              Rounded& r = rounded[kXBlock<Q> == 256];
+              LinearArgs b = p.a;
+              b.xsum = r.xsum.data();
+              int8_linear_rows<Q>(b, r.q, r.xf.data(), n0, n1);
+              return;
+            }
+          }
+          linear_rows<Q>(p.a, n0, n1);
+        });
         lo -= p.a.N;
         hi -= p.a.N;
       }
@@ -813,7 +1092,7 @@ const float* check_out_bias(const at::Tensor& out, const c10::optional<at::Tenso
 }
 
 void gguf_linear_parts(const at::Tensor& x, const std::vector<at::Tensor>& blocks, const std::vector<int64_t>& qtypes,
-                       const at::Tensor& out, const c10::optional<at::Tensor>& bias) {
+                       const at::Tensor& out, const c10::optional<at::Tensor>& bias, bool int8_x) {
   const float* xp = check_x(x, "gguf_linear_parts");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(!blocks.empty() && blocks.size() == qtypes.size(), "gguf_linear_parts: one qtype per part, at least one part");
@@ -834,11 +1113,11 @@ void gguf_linear_parts(const at::Tensor& x, const std::vector<at::Tensor>& block
                      blocks[i].size(1)});
     col += n;
   }
-  run_parts(parts, xp, M, K);
+  run_parts(parts, xp, M, K, int8_x);
 }
 
 void gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, const at::Tensor& out,
-                 const c10::optional<at::Tensor>& bias) {
+                 const c10::optional<at::Tensor>& bias, bool int8_x) {
   const float* xp = check_x(x, "gguf_linear");
   const int64_t M = x.size(0), K = x.size(1);
   check_blocks(blocks, qtype, K);
@@ -849,7 +1128,7 @@ void gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, c
                            {xp, static_cast<const uint8_t*>(blocks.const_data_ptr()), out.data_ptr<float>(), b,
                             nullptr, M, N, K, blocks.stride(0), out.stride(0)},
                            blocks.size(1)}};
-  run_parts(parts, xp, M, K);
+  run_parts(parts, xp, M, K, int8_x);
 }
 
 at::Tensor gguf_get_rows(const at::Tensor& blocks, const at::Tensor& ids, int64_t qtype, int64_t K) {
@@ -873,6 +1152,19 @@ at::Tensor gguf_get_rows(const at::Tensor& blocks, const at::Tensor& ids, int64_
     });
   });
   return out;
+}
+
+// x [M, K] rounded as the int8 path rounds it, per block of blk (32 or 256): (d [M, K / blk], q [M, K] int8).
+std::tuple<at::Tensor, at::Tensor> gguf_quantize_x(const at::Tensor& x, int64_t blk) {
+  const float* xp = check_x(x, "gguf_quantize_x");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK((blk == 32 || blk == 256) && K % blk == 0, "gguf_quantize_x: blk must be 32 or 256 and divide K");
+  QuantX xq;
+  quantize_x(xp, M, K, int(blk), xq);
+  at::Tensor d = at::empty({M, K / blk}, at::kFloat), q = at::empty({M, K}, at::kChar);
+  std::memcpy(d.data_ptr<float>(), xq.d.data(), xq.d.size() * sizeof(float));
+  std::memcpy(q.data_ptr<int8_t>(), xq.q.data(), xq.q.size());
+  return {d, q};
 }
 
 // Instruction-set extensions this build was compiled for, named as in /proc/cpuinfo, so the
@@ -905,11 +1197,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_linear", &gguf_linear,
         "out[M, N] = x[M, K] float32 @ W^T (+ bias), W the GGUF blocks [N, row_bytes] of qtype",
         py::arg("x"), py::arg("blocks"), py::arg("qtype"), py::arg("out"), py::arg("bias") = py::none(),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("int8_x") = false, py::call_guard<py::gil_scoped_release>());
   m.def("gguf_linear_parts", &gguf_linear_parts,
         "out[M, sum N_i] = x @ [W_0; W_1; ...]^T (+ bias): parts of a fused projection, concatenated along N",
         py::arg("x"), py::arg("blocks"), py::arg("qtypes"), py::arg("out"), py::arg("bias") = py::none(),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("int8_x") = false, py::call_guard<py::gil_scoped_release>());
+  m.def("gguf_quantize_x", &gguf_quantize_x, "x rounded to int8 per block of blk as int8_x rounds it: (d, q)",
+        py::arg("x"), py::arg("blk"), py::call_guard<py::gil_scoped_release>());
   m.def("gguf_get_rows", &gguf_get_rows, "rows ids of the GGUF weight [N, K] as float32 [T, K]",
         py::arg("blocks"), py::arg("ids"), py::arg("qtype"), py::arg("K"), py::call_guard<py::gil_scoped_release>());
   m.def("compiled_isa", &compiled_isa);

@@ -1,0 +1,141 @@
+"""The int8-activation path of the GGUF kernels (``--gguf-activations int8``, llama.cpp's arithmetic).
+
+What is asserted: the compiled rounding of x (``gguf_quantize_x``) equals the torch statement of it
+(``projection.round_activations``: ``d = max|x| / 127`` per block, ``round(x / d)`` half to even); for
+every quantized format and 1 to 17 rows, ``linear(..., int8_x=True)`` equals ``F.linear(x', W)`` with
+``W`` gguf-py's own dequantization and ``x'`` the rounded x, within the float32 summation bound (so
+the integer dot products lose nothing beyond the rounding of x); fused parts of mixed formats do the
+same; a row with a non-finite activation comes out NaN without touching the others; and a
+``GGUFMethod`` gives the same ``W x'`` through the kernel (few rows) and the tile path (many rows).
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+
+from servelm.runtime.gguf import kernels
+from servelm.runtime.gguf.projection import GGUFMethod, activation_block, round_activations, use_int8_activations
+from servelm.runtime.gguf.registry import BLOCK_LAYOUT
+
+QUANTIZED = sorted(kernels.KERNEL_TYPES - {Q.F32, Q.F16, Q.BF16})
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+SUM_ORDER_RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def module():
+    m = kernels.load()
+    if m is None:
+        pytest.skip("the GGUF kernel extension cannot be built here (no compiler or self-check failed)")
+    return m
+
+
+def weight(qtype: Q, n: int, k: int, seed: int) -> torch.Tensor:
+    """``[n, row_bytes]`` blocks: gguf-py's quantization of rows of several magnitudes (random blocks
+    for the K-quants, which gguf-py cannot quantize)."""
+    rng = np.random.default_rng(seed)
+    if qtype in K_QUANTS:
+        return kernels.random_blocks(qtype, n, k, rng)
+    values = rng.standard_normal((n, k), dtype=np.float32) * np.logspace(-3, 1, n, dtype=np.float32)[:, None]
+    return torch.from_numpy(np.ascontiguousarray(gguf.quants.quantize(values, qtype))).reshape(n, -1)
+
+
+def gguf_dequantized(blocks: torch.Tensor, qtype: Q, k: int) -> torch.Tensor:
+    """gguf-py's own dequantization of ``blocks`` (the reference the kernels answer to)."""
+    return torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), qtype).reshape(blocks.shape[0], k).astype(np.float32))
+
+
+def activations(m: int, k: int, seed: int) -> torch.Tensor:
+    """Rows with outliers, as hidden states have: they set each block's scale."""
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
+    x[:, ::37] *= 20.0
+    return x
+
+
+def assert_within_sum_order(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    want = F.linear(x.double(), w.double())
+    bound = SUM_ORDER_RTOL * F.linear(x.abs().double(), w.abs().double())
+    excess = float(((got.double() - want).abs() - bound).max())
+    assert excess <= 1e-30, f"max excess over the summation bound {excess:.3g}"
+
+
+@pytest.mark.parametrize("block", (32, 256))
+def test_rounding_equals_the_torch_statement(module, block: int) -> None:
+    x = activations(5, 512, seed=block)
+    x[2, :block] = 0.0  # an all-zero block: scale 0, quants 0
+    d, q = module.gguf_quantize_x(x, block)
+    assert q.dtype == torch.int8 and int(q.abs().max()) == 127
+    rounded = (d.repeat_interleave(block, dim=1) * q.float())
+    assert torch.equal(rounded, round_activations(x, block))
+    assert torch.equal(rounded[2, :block], torch.zeros(block))
+    # the rounding error is at most half a step of each block's scale
+    assert bool(((rounded - x).abs() <= d.repeat_interleave(block, dim=1) * 0.5 + 1e-7).all())
+
+
+@pytest.mark.parametrize("m", (1, 2, 3, 5, 8, 17))
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda q: q.name)
+def test_int8_linear_is_w_times_rounded_x(module, qtype: Q, m: int) -> None:
+    k, n = 512, 45
+    blocks = weight(qtype, n, k, seed=m)
+    w = gguf_dequantized(blocks, qtype, k)
+    x = activations(m, k, seed=m)
+    x_rounded = round_activations(x, activation_block(qtype))
+    got = kernels.linear(x, blocks, qtype, torch.empty(m, n), int8_x=True)
+    assert_within_sum_order(got, x_rounded, w)
+    # and it is not the float32 path's answer: the rounding of x shows
+    exact = kernels.linear(x, blocks, qtype, torch.empty(m, n))
+    assert not torch.allclose(got, exact, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("m", (1, 4, 11))
+def test_int8_parts_of_mixed_formats(module, m: int) -> None:
+    """A fused projection whose parts round x differently (per 32 and per 256) and a float part,
+    which keeps x as it is."""
+    k, formats, sizes = 512, (Q.Q5_0, Q.Q4_K, Q.F16, Q.Q6_K, Q.Q8_0), (40, 33, 24, 50, 17)
+    blocks = [weight(q, s, k, seed=i) if q != Q.F16 else kernels.random_blocks(q, s, k, np.random.default_rng(i))
+              for i, (q, s) in enumerate(zip(formats, sizes))]
+    x = activations(m, k, seed=7)
+    got = kernels.linear_parts(x, blocks, list(formats), torch.empty(m, sum(sizes)), int8_x=True)
+    col = 0
+    for q, s, b in zip(formats, sizes, blocks):
+        w = gguf_dequantized(b, q, k) if q != Q.F16 else torch.from_numpy(b.numpy().view(np.float16).astype(np.float32))
+        assert_within_sum_order(got[:, col : col + s], round_activations(x, activation_block(q)), w)
+        col += s
+
+
+@pytest.mark.parametrize("qtype", (Q.Q8_0, Q.Q4_K), ids=lambda q: q.name)
+def test_a_non_finite_row_fails_alone(module, qtype: Q) -> None:
+    k, n = 256, 20
+    blocks = weight(qtype, n, k, seed=1)
+    x = activations(3, k, seed=1)
+    x[1, 5] = float("nan")
+    got = kernels.linear(x, blocks, qtype, torch.empty(3, n), int8_x=True)
+    assert bool(got[1].isnan().all())
+    assert bool(torch.isfinite(got[[0, 2]]).all())
+
+
+@pytest.mark.parametrize("qtype", (Q.Q4_1, Q.Q6_K), ids=lambda q: q.name)
+def test_method_gives_the_same_product_at_any_batch_size(module, qtype: Q) -> None:
+    """Rows served by the kernel (<= KERNEL_MAX_ROWS) and by the dequantized tile (more rows) compute
+    the same ``W x'``: a request's tokens do not depend on how many others share its step."""
+    k, n = 512, 64
+    blocks = weight(qtype, n, k, seed=3)
+    method = GGUFMethod(blocks.reshape(-1), qtype, (n, k))
+    assert use_int8_activations([method]) == 1 and method.int8_x
+    x = activations(40, k, seed=3)
+    batched = method.apply(x)  # 40 rows: the tile path
+    alone = torch.cat([method.apply(x[i : i + 1]) for i in range(4)])  # one row at a time: the kernel
+    assert_within_sum_order(batched, round_activations(x, activation_block(qtype)), gguf_dequantized(blocks, qtype, k))
+    torch.testing.assert_close(batched[:4], alone, rtol=1e-5, atol=1e-5 * float(alone.abs().max()))
+
+
+def test_float_weights_keep_float_activations() -> None:
+    assert [activation_block(q) for q in (Q.F32, Q.F16, Q.BF16)] == [0, 0, 0]
+    assert {activation_block(q) for q in K_QUANTS} == {256}
+    assert {activation_block(q) for q in QUANTIZED if q not in K_QUANTS} == {32}
+    assert all(BLOCK_LAYOUT[q][0] % activation_block(q) == 0 for q in QUANTIZED)
