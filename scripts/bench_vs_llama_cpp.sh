@@ -12,7 +12,10 @@
 # --quantization auto). SERVERS (default "servelm llama") picks the servers.
 # Workloads (servelm bench, token-id prompts, ignore_eos, greedy): one request at a time (8 x 128 -> 128),
 # then 64 x 128 -> 128 at concurrency 32; per model, servelm (on smollm2 in each of $VARIANTS, default
-# "float32 int8 int4": float32, then --quantization int8, then --quantization int4), then llama-server.
+# "float32 int8 int4": float32, then --quantization int8, then --quantization int4; also "gguf" and
+# "gguf-int8": the Q4_1 file itself as stored, with float32 or int8 activations), then llama-server. On
+# gemma3, servelm runs once per $GEMMA_VARIANTS (default "float32 int8": --gguf-activations), each with
+# a float16 KV pool of 32,768 tokens as llama-server's -c 32768 holds ($GEMMA_ARGS overrides that).
 # After its runs each server's resident memory (VmHWM, the peak, and VmRSS, from /proc/PID/status; file
 # pages a server maps count too) is recorded. Results go to $OUT_DIR
 # (default /tmp/servelm-vs-llama-cpp). ROUNDS=N (default 1) repeats the whole sequence N times, so that
@@ -31,6 +34,8 @@ PEERS="$CACHE/peers"
 OUT_DIR="${OUT_DIR:-/tmp/servelm-vs-llama-cpp}"
 THREADS="${THREADS:-2}"
 VARIANTS="${VARIANTS:-float32 int8 int4}"
+GEMMA_VARIANTS="${GEMMA_VARIANTS:-float32 int8}"
+GEMMA_ARGS="${GEMMA_ARGS:---kv-cache-dtype float16 --kv-cache-memory 576MiB}"
 ROUNDS="${ROUNDS:-1}"
 LLAMA_ARGS="${LLAMA_ARGS:-}"
 LORA="${LORA:-}"
@@ -128,7 +133,9 @@ for round in $(seq "$ROUNDS"); do
                     case "$variant" in
                         float32) servelm smollm2-servelm ;;
                         int8|int4|auto) servelm "smollm2-servelm-$variant" --quantization "$variant" ;;
-                        *) echo "unknown variant $variant (float32, int8, int4, auto)" >&2; exit 2 ;;
+                        gguf) servelm smollm2-servelm-gguf --model "$smollm2_gguf" ;;
+                        gguf-int8) servelm smollm2-servelm-gguf-int8 --model "$smollm2_gguf" --gguf-activations int8 ;;
+                        *) echo "unknown variant $variant (float32, int8, int4, auto, gguf, gguf-int8)" >&2; exit 2 ;;
                     esac
                 done
             fi
@@ -137,7 +144,12 @@ for round in $(seq "$ROUNDS"); do
                 if [ -n "$LORA" ]; then llama_server smollm2-llama-server+lora "$smollm2_gguf" --lora "$lora_gguf"; fi
             fi
         else
-            if wants servelm; then servelm gemma3-servelm-auto --model "$gemma3_gguf" --quantization auto; fi
+            if wants servelm; then
+                for variant in $GEMMA_VARIANTS; do
+                    # shellcheck disable=SC2086  # GEMMA_ARGS is a list of flags
+                    servelm "gemma3-servelm-$variant" --model "$gemma3_gguf" --gguf-activations "$variant" $GEMMA_ARGS
+                done
+            fi
             if wants llama; then llama_server gemma3-llama-server "$gemma3_gguf"; fi
         fi
     done
