@@ -82,9 +82,12 @@ def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
     return dict(kwargs or {})
 
 
-def chat_text_chars(messages: list[ChatMessage], tools: list[ChatTool] | None = None) -> int:
-    """The characters the chat template renders from ``messages`` and ``tools`` (their texts, earlier
-    calls, the tools as JSON): what the bound on one request's text counts."""
+def chat_text_chars(
+    messages: list[ChatMessage], tools: list[ChatTool] | None = None, template_kwargs: dict[str, Any] | None = None
+) -> int:
+    """The characters the chat template renders from ``messages``, ``tools`` and ``template_kwargs``
+    (their texts, earlier calls, the tools and the extra variables as JSON): what the bound on one
+    request's text counts."""
     n = 0
     for m in messages:
         if isinstance(m.content, str):
@@ -96,6 +99,8 @@ def chat_text_chars(messages: list[ChatMessage], tools: list[ChatTool] | None = 
         n += len(m.tool_call_id or "") + len(m.reasoning_content or m.reasoning or "")
     if tools:
         n += len(json.dumps(tools_for_template(tools), ensure_ascii=False))
+    if template_kwargs:
+        n += len(json.dumps(template_kwargs, ensure_ascii=False, default=str))
     return n
 
 

@@ -90,7 +90,7 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, arrival: f
     ctx.check_sequences(1, params.n)
     kwargs = template_kwargs(req.chat_template_kwargs)
     # The template adds to the messages' text, never removes from it.
-    text = chat_text_chars(req.messages, req.tools)
+    text = chat_text_chars(req.messages, req.tools, kwargs)
     ctx.check_prompt_chars(text, "messages", "the messages and tools have", "Please shorten the messages.")
     spec = tools.structured_output() if tools is not None else structured_output_spec(req)
     parser = ctx.reasoning_parser

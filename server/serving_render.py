@@ -39,7 +39,7 @@ async def render_chat(ctx: ServingContext, req: ChatCompletionRequest) -> dict[s
     tools = tool_mode(req)
     messages = normalize_messages(req.messages)
     kwargs = template_kwargs(req.chat_template_kwargs)
-    text = chat_text_chars(req.messages, req.tools)
+    text = chat_text_chars(req.messages, req.tools, kwargs)
     ctx.check_prompt_chars(text, "messages", "the messages and tools have", "Please shorten the messages.")
     ids = await ctx.async_engine.run_blocking(
         lambda: render_chat_prompt(ctx.tokenizer, messages, **render_kwargs(tools), template_kwargs=kwargs)

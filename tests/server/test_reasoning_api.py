@@ -221,3 +221,11 @@ def test_a_named_tool_call_follows_the_thinking(srv: ServerThread) -> None:
     assert not any(sdk_extra(d, "reasoning_content") for d in deltas[deltas.index(calls[0]) :])
     arguments = "".join(d.tool_calls[0].function.arguments or "" for d in calls)  # type: ignore[index, union-attr]
     assert json.loads(arguments) == json.loads(m.tool_calls[0].function.arguments)
+
+
+def test_template_variables_count_against_the_prompt_bound(srv: ServerThread) -> None:
+    # Refused before tokenizing, as long messages are: a template may render any variable it is given.
+    big = {"chat_template_kwargs": {"notes": "x" * (srv.ctx.max_prompt_chars + 1)}}  # type: ignore[attr-defined]
+    for path in ("/v1/chat/completions", "/v1/chat/completions/render"):
+        r = http.post(srv.url + path, json={"model": MODEL, "messages": ASK, "max_tokens": 5, **big})
+        assert "maximum context length" in assert_error(r, 400, "messages")["message"]
