@@ -229,3 +229,41 @@ def test_template_variables_count_against_the_prompt_bound(srv: ServerThread) ->
     for path in ("/v1/chat/completions", "/v1/chat/completions/render"):
         r = http.post(srv.url + path, json={"model": MODEL, "messages": ASK, "max_tokens": 5, **big})
         assert "maximum context length" in assert_error(r, 400, "messages")["message"]
+
+
+# ------------------------------------------------------------- a prompt that opens the thinking itself
+
+
+@pytest.fixture(scope="module")
+def opened(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+    """Qwen3's template with the generation prompt of its Thinking-2507 and DeepSeek-R1 successors, which
+    end in ``<think>\\n``: the model writes only the thinking's end tag. Served with ``deepseek_r1``."""
+    tok = scripted_tokenizer()
+    tail = "    {{- '<|im_start|>assistant\\n' }}\n    {%- if enable_thinking is defined and enable_thinking is false %}\n"
+    assert tail in tok.chat_template
+    tok.chat_template = tok.chat_template.replace(tail, "    {{- '<|im_start|>assistant\\n<think>\\n' }}\n    {%- if false %}\n")
+    script = distinct_ids(tok, f"{THINKING}</think>{ANSWER}", avoid={prompt_end_id(tok)})
+    folder = build_scripted_model(tmp_path_factory.mktemp("opened"), {prompt_end_id(tok): script}, tok)
+    server = serve_scripted(folder, MODEL, reasoning_parser=PARSERS["deepseek_r1"])
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_thinking_opened_by_the_prompt(opened: ServerThread) -> None:
+    ids = http.post(opened.url + "/v1/chat/completions/render", json={"messages": ASK}).json()["token_ids"]
+    assert scripted_tokenizer().decode(ids).endswith("<think>\n")
+    c = openai_client(opened).chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0)  # type: ignore[arg-type]
+    assert (sdk_extra(c.choices[0].message, "reasoning_content"), c.choices[0].message.content) == (THINKING, ANSWER)
+    chunks = list(openai_client(opened).chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0, stream=True))  # type: ignore[arg-type]
+    deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+    assert "".join(sdk_extra(d, "reasoning_content") or "" for d in deltas) == THINKING
+    assert "".join(d.content or "" for d in deltas) == ANSWER
+    # The grammar requires the thinking to close before the answer it constrains.
+    schema = {"type": "object", "properties": {"answer": {"enum": [4, 5]}}, "required": ["answer"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "sum", "schema": schema}}
+    m = http.post(opened.url + "/v1/chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 40, "temperature": 0,
+                                                            "response_format": fmt}).json()["choices"][0]["message"]  # fmt: skip
+    assert m["reasoning_content"] == THINKING
+    jsonschema.validate(json.loads(m["content"]), schema)
