@@ -70,6 +70,7 @@ class MistralParser(ToolParser):
     name = "mistral"
     openers = ("[TOOL_CALLS]",)
     continuers = ("[TOOL_CALLS]",)
+    other_markers = ("[ARGS]", "[CALL_ID]")
 
     def body(self) -> Reader:
         return MistralReader()

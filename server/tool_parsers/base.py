@@ -81,6 +81,7 @@ class ToolParser:
     continuers: ClassVar[tuple[str, ...]] = ()
     kept: ClassVar[tuple[str, ...]] = ()
     closer: ClassVar[str] = ""
+    other_markers: ClassVar[tuple[str, ...]] = ()  # inside a call (Mistral's [ARGS])
 
     def __init__(self) -> None:
         self._buf = ""  # text received and not yet decided
@@ -95,6 +96,16 @@ class ToolParser:
     def body(self) -> Reader:
         """A reader for the text after an opener or continuer."""
         raise NotImplementedError
+
+    @classmethod
+    def keeps_special_tokens(cls, tokenizer: Any) -> bool:
+        """Whether one of the family's markers is a special token of ``tokenizer``: decoding must then
+        keep special tokens, or the parser never sees the marker (vLLM turns skip_special_tokens off
+        for Mistral so)."""
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        special = {t.content for t in added.values() if getattr(t, "special", False)}
+        markers = (*cls.openers, *cls.start_openers, *cls.continuers, cls.closer, *cls.other_markers)
+        return any(m in special for m in markers)
 
     @classmethod
     def grammar(cls, vocab: Vocabulary, tools: Tools, required: bool, parallel: bool, ws: str) -> str:

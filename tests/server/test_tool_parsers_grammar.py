@@ -119,3 +119,10 @@ def test_text_markers_stay_out_of_free_text() -> None:
     grammar = PARSERS["hermes"].grammar(Vocabulary(tok), TOOLS, False, True, JSON_WHITESPACE)
     assert not allows(tok, grammar, "I would write <tool_call> garbage")
     assert allows(tok, grammar, "I would write <tool_ call> or <tool_call")
+
+
+def test_special_markers_are_kept_in_the_text() -> None:
+    # Decoding drops special tokens by default; a family whose marker is one needs them kept.
+    with_tokens, plain = _tokenizer(True), _tokenizer(False)
+    assert {n for n in PARSERS if PARSERS[n].keeps_special_tokens(with_tokens)} == {"llama3_json", "mistral", "granite"}
+    assert not any(p.keeps_special_tokens(plain) for p in PARSERS.values())
