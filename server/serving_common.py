@@ -24,6 +24,7 @@ from servelm.server.reasoning import ReasoningParser
 from servelm.server.request_group import RequestGroup
 from servelm.server.serving_fields import FieldNotices
 from servelm.server.structured_outputs import structured_output_spec
+from servelm.server.tool_parsers import ToolParser
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ class ServingContext:
     loras: dict[str, str] = field(default_factory=dict)
     fields: FieldNotices = field(default_factory=FieldNotices)  # the ignored field names logged so far
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser: thinking split from the answer
+    tool_parser: type[ToolParser] | None = None  # --tool-call-parser: calls in the model's own format
+    auto_tool_choice: bool = False  # --enable-auto-tool-choice: "auto" lets the model choose them
 
     def __post_init__(self) -> None:
         self.token_strings = TokenStrings(self.tokenizer)
