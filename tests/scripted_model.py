@@ -19,13 +19,16 @@ Usage::
     ids = distinct_ids(tok, "<think>Two and two.</think>Four.")
     folder = build_scripted_model(tmp / "m", {prompt_end_id(tok): ids})
     # servelm serve --model folder ...: any chat prompt is answered with that text, then <|im_end|>.
+    with scripted_server(folder, reasoning_parser=PARSERS["qwen3"]) as srv:  # the same, in-process
+        openai_client(srv).chat.completions.create(...)
 """
 
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -174,6 +177,16 @@ def scripted_greedy(folder: Path, prompt_ids: list[int], max_tokens: int = 64) -
 
 
 # ---- a real server over a scripted folder, and the official SDKs pointed at it -----------------------
+
+
+@contextmanager
+def scripted_server(folder: Path, name: str = "scripted", **serving: Any) -> Iterator[Any]:
+    """``serve_scripted`` for a ``with`` block (a fixture's), stopped at its end."""
+    server = serve_scripted(folder, name, **serving)
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def serve_scripted(folder: Path, name: str = "scripted", **serving: Any) -> Any:

@@ -22,9 +22,9 @@ from scripted_model import (
     distinct_ids,
     openai_client,
     prompt_end_id,
+    scripted_server,
     scripted_tokenizer,
     sdk_extra,
-    serve_scripted,
 )
 from servelm.server.reasoning import PARSERS
 from srv_harness import ServerThread, assert_error, typed_sse_events
@@ -45,11 +45,8 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     script = distinct_ids(tok, f"<think>{THINKING}</think>{ANSWER}", avoid={thinking_end, answer_end})
     plain = distinct_ids(tok, PLAIN, avoid={thinking_end, answer_end, *script})
     folder = build_scripted_model(tmp_path_factory.mktemp("scripted"), {thinking_end: script, answer_end: plain}, tok)
-    server = serve_scripted(folder, MODEL, reasoning_parser=PARSERS["qwen3"])
-    try:
+    with scripted_server(folder, MODEL, reasoning_parser=PARSERS["qwen3"]) as server:
         yield server
-    finally:
-        server.stop()
 
 
 # ------------------------------------------------------------------------------------------ chat
@@ -244,11 +241,8 @@ def opened(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     tok.chat_template = tok.chat_template.replace(tail, "    {{- '<|im_start|>assistant\\n<think>\\n' }}\n    {%- if false %}\n")
     script = distinct_ids(tok, f"{THINKING}</think>{ANSWER}", avoid={prompt_end_id(tok)})
     folder = build_scripted_model(tmp_path_factory.mktemp("opened"), {prompt_end_id(tok): script}, tok)
-    server = serve_scripted(folder, MODEL, reasoning_parser=PARSERS["deepseek_r1"])
-    try:
+    with scripted_server(folder, MODEL, reasoning_parser=PARSERS["deepseek_r1"]) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def test_thinking_opened_by_the_prompt(opened: ServerThread) -> None:
