@@ -24,6 +24,11 @@ def tok() -> Any:
     return scripted_tokenizer()
 
 
+@pytest.fixture(scope="module")
+def compiler(tok: Any) -> GrammarCompiler:
+    return GrammarCompiler(tok, len(tok), [tok.convert_tokens_to_ids("<|im_end|>")])
+
+
 @pytest.mark.parametrize(
     "parser, phase, text, expected",
     [
@@ -94,8 +99,7 @@ def _accepts(compiled: Any, ids: list[int]) -> tuple[bool, bool]:
 
 
 @pytest.mark.parametrize("phase", ["open", "thinking"])
-def test_the_grammar_frees_the_thinking_and_holds_the_answer(tok: Any, phase: Any) -> None:
-    compiler = GrammarCompiler(tok, len(tok), [tok.convert_tokens_to_ids("<|im_end|>")])
+def test_the_grammar_frees_the_thinking_and_holds_the_answer(tok: Any, compiler: GrammarCompiler, phase: Any) -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     spec = StructuredOutput("json", json.dumps(schema), param="response_format.json_schema.schema")
     wrapped = after_thinking(spec, ReasoningMode(QWEN3, phase), tok)
@@ -124,8 +128,7 @@ def test_the_grammar_frees_the_thinking_and_holds_the_answer(tok: Any, phase: An
         (StructuredOutput("grammar", 'start: "x" NUM\nNUM: /[0-9]/'), "x7"),  # Lark
     ],
 )
-def test_every_kind_of_spec_nests_after_the_thinking(tok: Any, spec: StructuredOutput, answer: str) -> None:
-    compiler = GrammarCompiler(tok, len(tok), [tok.convert_tokens_to_ids("<|im_end|>")])
+def test_every_kind_of_spec_nests_after_the_thinking(tok: Any, compiler: GrammarCompiler, spec: StructuredOutput, answer: str) -> None:
     compiled = compiler.compile(after_thinking(spec, ReasoningMode(QWEN3, "open"), tok))
     enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
     assert _accepts(compiled, enc(f"<think>Why not.</think>{answer}")) == (True, True)
@@ -141,14 +144,13 @@ def test_the_flag_names_vllms_parsers() -> None:
         build_parser().parse_args(["serve", "--reasoning-parser", "granite"])
 
 
-def test_tool_auto_grammar_nests_after_the_thinking(tok: Any) -> None:
+def test_tool_auto_grammar_nests_after_the_thinking(tok: Any, compiler: GrammarCompiler) -> None:
     from servelm.server.protocol_chat import ChatTool
     from servelm.server.tools import ToolMode
 
     tool = ChatTool.model_validate({"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}})  # fmt: skip
     spec = ToolMode([tool], auto=True).structured_output()  # Lark: the calls' array or free text
-    compiler = GrammarCompiler(tok, len(tok), [tok.convert_tokens_to_ids("<|im_end|>")])
     compiled = compiler.compile(after_thinking(spec, ReasoningMode(QWEN3, "open"), tok))
     enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
     assert _accepts(compiled, enc('<think>A call.</think>\n\n[{"name": "f", "parameters": {"x": 1}}]')) == (True, True)
