@@ -68,6 +68,12 @@ def test_chat_splits_thinking_from_the_answer_streamed_as_unstreamed(srv: Server
     kinds = [("r" if sdk_extra(d, "reasoning_content") else "") + ("c" if d.content else "") for d in deltas]
     kinds = [k for k in kinds if k]
     assert "rc" not in kinds and kinds == sorted(kinds, key=lambda k: k != "r") and kinds.count("r") > 1
+    # Each of n choices is split on its own.
+    chunks = list(openai_client(srv).chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0, stream=True, n=2))  # type: ignore[arg-type]
+    for i in range(2):
+        deltas = [c.delta for ch in chunks for c in ch.choices if c.index == i]
+        assert "".join(sdk_extra(d, "reasoning_content") or "" for d in deltas) == THINKING
+        assert "".join(d.content or "" for d in deltas) == ANSWER
 
 
 def test_thinking_cut_by_max_tokens_is_all_reasoning(srv: ServerThread) -> None:
