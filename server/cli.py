@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from servelm.scheduler.config import EngineConfig
 from servelm.server.reasoning.parsers import PARSERS as REASONING_PARSERS
+from servelm.server.tool_parsers import PARSERS as TOOL_PARSERS
 
 # runtime.quantization.QUANTIZATIONS, spelled out here: this module must not import torch (`servelm bench`
 # and `--help` stay light); a test keeps the two equal.
@@ -156,6 +157,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--served-model-name", default=None, help="model id clients send and /v1/models lists (default: the model folder name)")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model folder)")
     g.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None, help="split the thinking a reasoning model writes before its answer (<think>...</think>) into chat's reasoning_content, a Responses reasoning item and Messages thinking blocks, as vLLM's flag: qwen3 (Qwen3, SmolLM3, QwQ), deepseek_r1 (DeepSeek-R1 and its distills, which think first even without <think>); constrained outputs then constrain the answer after the thinking. See docs/reasoning.md (default: off, the text is all answer)")
+    g.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None, help="read tool calls in the model's own format, as vLLM's flag: hermes (Qwen2.5, Qwen3: <tool_call>{...}</tool_call>), llama3_json (Llama 3.x JSON, after <|python_tag|> or alone), mistral ([TOOL_CALLS]), granite (<|tool_call|>[...]); the tools then go to the chat template, required and named calls are held to the family's format by the grammar, and calls stream as their arguments arrive. See docs/tools.md (default: off, one JSON-array convention for every model)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true", help="with --tool-call-parser: tool_choice auto lets the model write a text answer or calls in its own format (the grammar takes over at its start marker); without it auto is refused, as in vLLM")
     g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"], help="weight and KV dtype (default: auto = float32 on CPU, bfloat16 on CUDA)")
     g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "float32", "bfloat16", "float16"], help="KV cache dtype (default: auto = --dtype). On CPU, bfloat16 or float16 under float32 weights halve the KV pool's bytes per token, as llama.cpp's f16 cache does; attention still computes in float32, but greedy tokens are then no longer exactly transformers' float32 ones. On CUDA it must equal --dtype")
     g.add_argument("--device", default=d.device, help="auto, cpu or cuda[:N] (default: auto = cuda when available)")
@@ -290,6 +293,9 @@ def run_serve(args: argparse.Namespace) -> int:
     from servelm.server.async_engine import AsyncEngine
     from servelm.server.engine_thread import run_in_transient_thread
 
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        log.error("cannot start: --enable-auto-tool-choice needs --tool-call-parser (the format the model writes calls in)")
+        return 1
     config = engine_config_from_args(args)
     proxy = ObserverProxy()
 
@@ -316,6 +322,8 @@ def run_serve(args: argparse.Namespace) -> int:
         playground=args.playground,
     )
     app.state.serving.reasoning_parser = REASONING_PARSERS[args.reasoning_parser] if args.reasoning_parser else None
+    app.state.serving.tool_parser = TOOL_PARSERS[args.tool_call_parser] if args.tool_call_parser else None
+    app.state.serving.auto_tool_choice = args.enable_auto_tool_choice
     _return_freed_heap()
     server = _make_uvicorn_server(app, args, lambda: async_engine.begin_drain(args.drain_timeout))
     # uvicorn re-raises the signal that stopped it once it has shut down, with the handlers it found

@@ -12,6 +12,7 @@ from servelm.server.errors import APIError, anthropic_error
 from servelm.server.reasoning import ReasoningMode, ReasoningStream
 from servelm.server.request_group import RequestGroup
 from servelm.server.serving_outputs import UsageCounter, counted_outputs, dumps
+from servelm.server.tool_parsers.answer import AnswerStream, Piece
 from servelm.server.tools import ToolMode
 
 
@@ -32,10 +33,11 @@ def thinking_block(text: str) -> dict[str, Any]:
 
 
 def content_blocks(tools: ToolMode | None, text: str) -> list[dict[str, Any]]:
-    """A finished output as blocks: one ``tool_use`` per call it parses to, else one ``text`` block."""
-    calls = tools.parse(text) if tools is not None else None
+    """A finished output as blocks: one ``tool_use`` per call it parses to (after a ``text`` block of the
+    text a family's calls follow), else one ``text`` block."""
+    content, calls = tools.answer(text) if tools is not None else (text, None)
     if calls is not None:
-        return [tool_use_block(c) for c in calls]
+        return ([{"type": "text", "text": content}] if content else []) + [tool_use_block(c) for c in calls]
     return [{"type": "text", "text": text}]
 
 
@@ -73,7 +75,8 @@ class MessageStream:
     Text streams as ``text_delta``s of one text block; a named tool's arguments stream as
     ``input_json_delta``s of one ``tool_use`` block; calls to any tool ("any", or "auto" once the output
     starts with ``[``) are announced whole when the output ends and parses (text that does not, cut by
-    ``max_tokens``, is sent as a text block then)."""
+    ``max_tokens``, is sent as a text block then). With a family's parser (--tool-call-parser), text
+    and calls stream as the parser reads them: a ``tool_use`` block per call, its input as it arrives."""
 
     def __init__(
         self, message_id: str, model: str, tools: ToolMode | None, group: RequestGroup, counter: UsageCounter,
@@ -92,6 +95,9 @@ class MessageStream:
         self.index = 0  # the next block's index
         self.open: dict[str, Any] | None = None  # the block being streamed
         self.called = False  # the answer is complete tool calls
+        self.answer = AnswerStream(tools.family) if tools is not None and tools.family is not None else None
+        if self.answer is not None:
+            self.mode = "family"
 
     def message(self) -> dict[str, Any]:
         prompt = self.counter.prompt_tokens
@@ -153,6 +159,8 @@ class MessageStream:
         return events
 
     def _add(self, text: str) -> list[bytes]:
+        if self.answer is not None:
+            return self._pieces(self.answer.feed(text))
         events: list[bytes] = []
         tools = self.tools
         if self.mode is None and text:
@@ -172,7 +180,31 @@ class MessageStream:
                 events.append(event("content_block_delta", index=self.index, delta={"type": "input_json_delta", "partial_json": text}))
         return events
 
+    def _pieces(self, pieces: list[Piece]) -> list[bytes]:
+        """A family parser's pieces as blocks: text into a text block, each call its own tool_use block."""
+        events: list[bytes] = []
+        for p in pieces:
+            starts = p.name is not None or p.index is None and (self.open is None or self.open["type"] != "text")
+            if starts and self.open is not None:
+                events.append(self._stop())
+            if p.index is None:
+                if starts:
+                    events.append(self._start({"type": "text", "text": ""}))
+                events.append(event("content_block_delta", index=self.index, delta={"type": "text_delta", "text": p.text}))
+                continue
+            if p.name is not None:
+                events.append(self._start({"type": "tool_use", "id": tool_use_id(), "name": p.name, "input": {}}))
+            if p.text:
+                events.append(event("content_block_delta", index=self.index, delta={"type": "input_json_delta", "partial_json": p.text}))
+        return events
+
     def _close(self) -> list[bytes]:
+        if self.answer is not None:
+            events = self._pieces(self.answer.feed("", final=True))
+            self.called = self.answer.called
+            if self.open is None:  # no text at all
+                events.append(self._start({"type": "text", "text": ""}))
+            return [*events, self._stop()]
         text = "".join(self.texts)
         if self.mode == "named" and self.open is not None:
             assert self.tools is not None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import uuid
 from typing import Any, Protocol
 
+from servelm.server.tool_parsers.answer import AnswerStream, Piece
 from servelm.server.tools import ToolMode
 
 
@@ -82,10 +83,12 @@ class StreamedReasoning:
 def output_items(
     tools: ToolMode | None, message_id: str, text: str, logprobs: list[dict[str, Any]], reason: str | None
 ) -> list[dict[str, Any]]:
-    """A finished output as items: one ``function_call`` item per call it parses to, else one message."""
-    calls = tools.parse(text) if tools is not None else None
+    """A finished output as items: one ``function_call`` item per call it parses to (after a message of the
+    text a family's calls follow), else one message."""
+    content, calls = tools.answer(text) if tools is not None else (text, None)
     if calls is not None:
-        return [call_item(c, hex_id("fc")) for c in calls]
+        head = [message_item(message_id, content, logprobs, "completed")] if content else []
+        return head + [call_item(c, hex_id("fc")) for c in calls]
     return [message_item(message_id, text, logprobs, "incomplete" if reason == "length" else "completed")]
 
 
@@ -105,7 +108,9 @@ class StreamedOutput:
     Text streams as ``response.output_text.delta`` events of one message item; a named function's
     arguments stream as ``response.function_call_arguments.delta`` events of one call item; an array of
     calls ("required", or "auto" once the output starts with ``[``) is announced whole when the output
-    ends and parses (text that does not, cut by ``max_output_tokens``, is sent as the message then)."""
+    ends and parses (text that does not, cut by ``max_output_tokens``, is sent as the message then).
+    With a family's parser (--tool-call-parser), the text before the calls streams as the message and
+    each call as its own item, its arguments as they arrive."""
 
     def __init__(self, job: ResponseEvents) -> None:
         self.job = job
@@ -117,8 +122,11 @@ class StreamedOutput:
         self.item: dict[str, Any] | None = None  # the item being streamed
         self.reason: str | None = None
         self.base = 0  # the first answer item's output_index (1 after a reasoning item)
+        self.answer = AnswerStream(self.tools.family) if self.tools is not None and self.tools.family is not None else None
 
     def add(self, text: str, logprobs: list[dict[str, Any]], reason: str | None) -> list[bytes]:
+        if self.answer is not None:
+            return self._family(self.answer.feed(text, final=reason is not None), logprobs, reason)
         job, events = self.job, []
         if self.mode is None and text:
             assert self.tools is not None
@@ -194,12 +202,64 @@ class StreamedOutput:
                                          content_index=0, delta=text, logprobs=self.logprobs))
         elif self.item is None:
             events += self._open_message()
+        return events + self._message_done(text)
+
+    def _message_done(self, text: str) -> list[bytes]:
+        """The message item's closing events (it is always the first answer item)."""
+        job = self.job
         message = message_item(job.message_id, text, self.logprobs, "incomplete" if self.reason == "length" else "completed")
         part = message["content"][0]
-        events.append(job.event("response.output_text.done", item_id=job.message_id, output_index=self.base, content_index=0,
-                                 text=text, logprobs=self.logprobs))
-        events.append(job.event("response.content_part.done", item_id=job.message_id, output_index=self.base, content_index=0,
-                                 part=part))
-        events.append(job.event("response.output_item.done", output_index=self.base, item=message))
-        self.output = [message]
+        self.output.append(message)
+        self.item = None
+        return [
+            job.event("response.output_text.done", item_id=job.message_id, output_index=self.base, content_index=0,
+                      text=text, logprobs=self.logprobs),
+            job.event("response.content_part.done", item_id=job.message_id, output_index=self.base, content_index=0, part=part),
+            job.event("response.output_item.done", output_index=self.base, item=message),
+        ]
+
+    def _family(self, pieces: list[Piece], logprobs: list[dict[str, Any]], reason: str | None) -> list[bytes]:
+        """A family parser's pieces as items: the text as the message, each call its own item."""
+        job, events = self.job, []
+        for p in pieces:
+            if p.index is None:
+                if self.item is None:
+                    events += self._open_message()
+                self.text.append(p.text)
+                self.logprobs.extend(logprobs)
+                events.append(job.event("response.output_text.delta", item_id=job.message_id, output_index=self.base,
+                                         content_index=0, delta=p.text, logprobs=logprobs))
+                logprobs = []
+                continue
+            if p.name is not None:
+                events += self._end_item()
+                self.item = call_item({"id": p.id, "function": {"name": p.name, "arguments": ""}}, hex_id("fc"), "in_progress")
+                events.append(job.event("response.output_item.added", output_index=self.base + len(self.output), item=self.item))
+            assert self.item is not None
+            self.item["arguments"] += p.text
+            if p.text:
+                events.append(job.event("response.function_call_arguments.delta", item_id=self.item["id"],
+                                         output_index=self.base + len(self.output), delta=p.text))
+        if reason is not None:
+            self.reason = reason
+            if self.item is None and not self.output:  # no text at all: an empty message
+                events += self._open_message()
+            events += self._end_item()
         return events
+
+    def _end_item(self) -> list[bytes]:
+        """Close the item being streamed (a family's message or call)."""
+        item = self.item
+        if item is None:
+            return []
+        if item["type"] == "message":
+            return self._message_done("".join(self.text))
+        job, index = self.job, self.base + len(self.output)
+        done = {**item, "status": "incomplete" if self.reason == "length" else "completed"}
+        self.output.append(done)
+        self.item = None
+        return [
+            job.event("response.function_call_arguments.done", item_id=done["id"], output_index=index, name=done["name"],
+                      arguments=done["arguments"]),
+            job.event("response.output_item.done", output_index=index, item=done),
+        ]

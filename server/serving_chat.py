@@ -28,6 +28,7 @@ from servelm.server.serving_common import (
 )
 from servelm.server.serving_outputs import UsageCounter, collect_choices, counted_outputs, dumps, event_stream
 from servelm.server.structured_outputs import structured_output_spec
+from servelm.server.tool_parsers.answer import AnswerStream
 from servelm.server.tools import ToolMode, render_kwargs, tool_mode
 
 
@@ -72,7 +73,7 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, arrival: f
     field for what cannot be served). Shared by /v1/chat/completions and /v1/responses."""
     lora = ctx.resolve_model(req.model)
     refuse_unsupported(req)
-    tools = tool_mode(req)
+    tools = tool_mode(req, ctx.tool_parser, ctx.auto_tool_choice)
     messages = normalize_messages(req.messages)
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -88,11 +89,13 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, arrival: f
             e.param = "top_logprobs"  # type: ignore[attr-defined]
         raise
     ctx.check_sequences(1, params.n)
+    if tools is not None and tools.family is not None and tools.family.keeps_special_tokens(ctx.tokenizer):
+        params.skip_special_tokens = False  # the family's markers are special tokens its parser must see
     kwargs = template_kwargs(req.chat_template_kwargs)
     # The template adds to the messages' text, never removes from it.
     text = chat_text_chars(req.messages, req.tools, kwargs)
     ctx.check_prompt_chars(text, "messages", "the messages and tools have", "Please shorten the messages.")
-    spec = tools.structured_output() if tools is not None else structured_output_spec(req)
+    spec = tools.structured_output(ctx.tokenizer) if tools is not None else structured_output_spec(req)
     parser = ctx.reasoning_parser
 
     def render() -> tuple[list[int], ReasoningMode | None]:
@@ -167,10 +170,11 @@ class _ChatCompletion:
                 if thinking is not None and mode.include:
                     message["reasoning_content"] = thinking
             reason = collected.finish[i]
-            calls = self.tools.parse(message["content"] or "") if self.tools is not None else None
-            if calls is not None:
-                message["content"], message["tool_calls"] = None, calls
-                reason = self._call_finish_reason(reason)
+            if self.tools is not None:
+                content, calls = self.tools.answer(message["content"] or "")
+                if calls is not None:
+                    message["content"], message["tool_calls"] = content, calls
+                    reason = self._call_finish_reason(reason)
             choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason})
         body = {
             "id": self.id,
@@ -253,7 +257,8 @@ class _StreamedCalls:
     """Tool calls as stream deltas. A named function's arguments stream as they come (its first delta
     carries the call's id and name); an array of calls is sent whole when the choice finishes, once it
     has parsed (text that does not parse, cut by ``max_tokens``, is sent as content then). Under
-    "auto", a choice whose first text does not start the array is a text answer, streamed as usual."""
+    "auto", a choice whose first text does not start the array is a text answer, streamed as usual.
+    With a family's parser (--tool-call-parser), content and calls stream as the parser reads them."""
 
     def __init__(self, tools: ToolMode, n: int) -> None:
         self.tools = tools
@@ -261,10 +266,15 @@ class _StreamedCalls:
         self.ids = [f"call_{uuid.uuid4().hex[:24]}" for _ in range(n)]
         self.started = [False] * n
         self.calling: list[bool | None] = [None] * n  # undecided until a choice's first text
+        # With a family's parser, each choice's text is read as it comes: calls stream as they form.
+        self.answers = [AnswerStream(tools.family) for _ in range(n)] if tools.family is not None else None
 
     def delta(self, i: int, text: str, finished: bool) -> tuple[dict[str, Any] | None, bool]:
         """(the delta to send for choice i, or None; whether its output was a call)."""
         tools = self.tools
+        if self.answers is not None:
+            answer = self.answers[i]
+            return answer.chat_delta(text, finished), answer.called
         if self.calling[i] is None and text:
             self.calling[i] = tools.is_call(text)
         if self.calling[i] is False:

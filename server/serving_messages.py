@@ -227,7 +227,7 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, raw: Request
             thinking, text = split_reasoning(mode.parser, mode.phase, text)
             thought = [thinking_block(thinking)] if thinking is not None and mode.include else []
         blocks = content_blocks(start.tools, text)
-        reason, sequence = stop_reason(blocks[0]["type"] == "tool_use", collected.finish[0], matched[0])
+        reason, sequence = stop_reason(blocks[-1]["type"] == "tool_use", collected.finish[0], matched[0])
         blocks = thought + blocks
         return {
             "id": message_id,

@@ -36,7 +36,7 @@ async def render_completion(ctx: ServingContext, req: CompletionRequest) -> list
 async def render_chat(ctx: ServingContext, req: ChatCompletionRequest) -> dict[str, Any]:
     """``{"token_ids": [...]}``: the messages (and tools) through the chat template, as vLLM answers."""
     ctx.resolve_model(req.model)
-    tools = tool_mode(req)
+    tools = tool_mode(req, ctx.tool_parser, ctx.auto_tool_choice)  # rendered as the request itself is
     messages = normalize_messages(req.messages)
     kwargs = template_kwargs(req.chat_template_kwargs)
     text = chat_text_chars(req.messages, req.tools, kwargs)

@@ -155,11 +155,10 @@ class _Response:
         """The conversation a next turn continues: this one's messages, without its instructions, and its output."""
         messages = list(self.chat.messages[1:] if self.req.instructions is not None else self.chat.messages)
         calls = [ToolCall(id=o["call_id"], function=FunctionCall(name=o["name"], arguments=o["arguments"])) for o in output if o["type"] == "function_call"]
-        if calls:
-            messages.append(ChatMessage(role="assistant", content=None, tool_calls=calls))
-        else:
-            message = next(o for o in output if o["type"] == "message")
-            messages.append(ChatMessage(role="assistant", content=message["content"][0]["text"]))
+        # A message item: the whole answer, or (with a family's parser) the text its calls follow.
+        message = next((o for o in output if o["type"] == "message"), None)
+        text = message["content"][0]["text"] if message is not None else None
+        messages.append(ChatMessage(role="assistant", content=text, tool_calls=calls or None))
         return messages
 
     # ---- non-streaming

@@ -15,6 +15,12 @@ The tools reach the model through its chat template (``tools=``) when the templa
 "required" and named calls; otherwise (the default model's template, and "auto" always, whose
 convention is ours) they are described in the system message, and earlier assistant calls in the
 history are written as the same JSON the model is constrained to produce.
+
+With ``--tool-call-parser`` (``family``) the model writes calls in its own format instead, which its
+chat template was trained on and is always given the tools: the grammar holds the text after the
+family's start marker to calls of the declared tools (``server.tool_parsers``), and the family's
+parser reads the answer into content and calls, also as it streams. ``"auto"`` then needs
+``--enable-auto-tool-choice``, as in vLLM.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from typing import Any
 from servelm.scheduler.structured_output import JSON_WHITESPACE, StructuredOutput
 from servelm.server.errors import bad_request
 from servelm.server.protocol_chat import ChatCompletionRequest, ChatTool
+from servelm.server.tool_parsers import ToolParser, Vocabulary
+from servelm.server.tool_parsers.answer import answer_calls
 
 # Any JSON object: a function declared without parameters takes any.
 _ANY_PARAMETERS: dict[str, Any] = {"type": "object"}
@@ -43,6 +51,7 @@ class ToolMode:
     name: str | None = None
     parallel: bool = True  # more than one call allowed (OpenAI's parallel_tool_calls)
     auto: bool = False  # the model chooses between a text answer and calls
+    family: type[ToolParser] | None = None  # --tool-call-parser: calls in the model's own format
 
     def schema(self) -> dict[str, Any]:
         if self.name is not None:
@@ -61,7 +70,13 @@ class ToolMode:
             schema["maxItems"] = 1
         return schema
 
-    def structured_output(self) -> StructuredOutput:
+    def structured_output(self, tokenizer: Any = None) -> StructuredOutput:
+        """The grammar of this mode's answers (``tokenizer``: the family's markers that are tokens)."""
+        if self.family is not None:
+            tools = [(t.function.name, _parameters(t)) for t in self.tools if self.name in (None, t.function.name)]
+            parallel = self.parallel and self.name is None
+            lark = self.family.grammar(Vocabulary(tokenizer), tools, not self.auto, parallel, JSON_WHITESPACE)
+            return StructuredOutput("grammar", lark, param="tools")
         if not self.auto:
             return StructuredOutput("json", json.dumps(self.schema(), ensure_ascii=False), param="tools")
         # The calls' JSON gets the whitespace bounds a "json" spec gets (through its own options).
@@ -72,7 +87,7 @@ class ToolMode:
     @property
     def template_tools(self) -> bool:
         """Whether a chat template that reads tools gets them (else they are described by us)."""
-        return not self.auto
+        return self.family is not None or not self.auto
 
     def is_call(self, text: str) -> bool:
         """Whether an output that begins with ``text`` (non-empty) is calls rather than a text answer."""
@@ -84,6 +99,8 @@ class ToolMode:
     def parse(self, text: str) -> list[dict[str, Any]] | None:
         """The OpenAI ``tool_calls`` the constrained text spells, or None where it is not calls (a text
         answer under "auto") or does not parse (the output was cut by ``max_tokens``)."""
+        if self.family is not None:
+            return answer_calls(self.family, text)[1]
         if self.auto and not text.startswith("["):
             return None
         try:
@@ -95,6 +112,15 @@ class ToolMode:
         if not isinstance(value, list):
             return None
         return [_call(c["name"], c.get("parameters", {})) for c in value if isinstance(c, dict) and "name" in c]
+
+
+    def answer(self, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
+        """A finished answer as (content, calls): a family's text before its calls is content; the
+        convention's calls are the whole answer. Calls None: ``text`` is the content, whole."""
+        if self.family is not None:
+            return answer_calls(self.family, text)
+        calls = self.parse(text)
+        return (text, None) if calls is None else (None, calls)
 
 
 def _parameters(tool: ChatTool) -> dict[str, Any]:
@@ -109,9 +135,9 @@ def _call(name: str, arguments: Any) -> dict[str, Any]:
     }
 
 
-def tool_mode(req: ChatCompletionRequest) -> ToolMode | None:
+def tool_mode(req: ChatCompletionRequest, family: type[ToolParser] | None = None, auto_enabled: bool = False) -> ToolMode | None:
     """The tool calls ``req`` may ("auto") or must make, None when it uses no tools; 400 for what cannot
-    be served."""
+    be served. ``family``: --tool-call-parser's; ``auto_enabled``: --enable-auto-tool-choice."""
     choice = req.tool_choice
     if not req.tools:
         if choice not in (None, "none"):
@@ -126,12 +152,19 @@ def tool_mode(req: ChatCompletionRequest) -> ToolMode | None:
     if req.response_format is not None and req.response_format.type != "text" or req.structured_outputs is not None:
         raise bad_request("Tool calls and 'response_format' / 'structured_outputs' cannot be combined.", param="tool_choice")
     parallel = req.parallel_tool_calls is not False
+    if choice in (None, "auto") and family is not None and not auto_enabled:
+        raise bad_request(
+            f"tool_choice 'auto' lets the model call tools in its own format, which this server reads with "
+            f"--tool-call-parser {family.name} only when started with --enable-auto-tool-choice (as vLLM); "
+            "send tool_choice 'required', a named function or 'none'.",
+            param="tool_choice",
+        )
     if choice in (None, "auto", "required"):
-        return ToolMode(list(req.tools), parallel=parallel, auto=choice != "required")
+        return ToolMode(list(req.tools), parallel=parallel, auto=choice != "required", family=family)
     assert not isinstance(choice, str)
     if choice.function.name not in names:
         raise bad_request(f"tool_choice names '{choice.function.name}', which is not among the tools.", param="tool_choice")
-    return ToolMode(list(req.tools), choice.function.name)
+    return ToolMode(list(req.tools), choice.function.name, family=family)
 
 
 def render_kwargs(mode: ToolMode | None) -> dict[str, Any]:
