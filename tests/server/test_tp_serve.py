@@ -4,7 +4,8 @@ prefix cache), plans the same KV blocks from half the per-rank bytes, stops its 
 and stops within seconds, exit status 1, when a worker is killed.
 
 A tiny random Llama (4 heads / 2 KV heads): the default model's 9 heads do not split over 2 ranks
-(its TP=3 equality is in ``tests/runtime/test_tensor_parallel.py``).
+(its TP=3 equality is in ``tests/runtime/test_tensor_parallel.py``). With SERVELM_TEST_TP_HTTP_DEFAULT=1
+the default model is also served at TP=3 against TP=1 (about 2 minutes on 2 cores: not in CI).
 """
 
 from __future__ import annotations
@@ -187,3 +188,27 @@ def test_a_killed_worker_stops_the_server_with_a_clear_error(tiny_llama_dir: Pat
         print(f"\nexited {time.monotonic() - killed:.1f} s after the worker was killed")
         assert status == 1, p.log[-3000:]
         assert re.search(rf"tensor-parallel worker rank 1 \(pid {worker}\) died \(killed by signal 9\)", p.log), p.log[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("SERVELM_TEST_TP_HTTP_DEFAULT") != "1", reason="SERVELM_TEST_TP_HTTP_DEFAULT=1: minutes on 2 cores")
+def test_default_model_at_tp3_serves_tp1s_chat_and_streams() -> None:
+    args = ("--num-threads", "1", "--max-model-len", "1024", "--max-num-batched-tokens", "64", "--no-access-log")
+    procs = {tp: ServeProcess(*args, "-tp", str(tp), "--kv-cache-memory", str(96 * 2**20 // tp)) for tp in (1, 3)}
+    questions = ("What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.")
+    texts: dict[int, list[str]] = {}
+    try:
+        for p in procs.values():
+            p.start()
+        for tp, p in procs.items():
+            body = {"max_tokens": 48, "temperature": 0}
+            texts[tp] = [httpx.post(f"{p.url}/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": q}]},
+                                    timeout=300).json()["choices"][0]["message"]["content"] for q in questions]  # fmt: skip
+            long_prompt = "The history of the Roman empire " * 12  # chunked: more tokens than the 64-token budget
+            r = httpx.post(f"{p.url}/v1/completions", json={**body, "prompt": long_prompt, "stream": True}, timeout=300)
+            texts[tp].append("".join(json.loads(e)["choices"][0]["text"] for e in parse_sse(r.content)[:-1]))
+            assert info_label(p.url, "num_blocks") == info_label(procs[1].url, "num_blocks")  # from a third of the bytes per rank
+    finally:
+        for p in procs.values():
+            p.__exit__()
+    assert texts[3] == texts[1] and all(texts[1]), texts
