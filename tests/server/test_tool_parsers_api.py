@@ -183,6 +183,43 @@ def test_without_a_parser_nothing_changes(srv: ServerThread) -> None:
         srv.ctx.tool_parser = PARSERS["hermes"]  # type: ignore[attr-defined]
 
 
+# ---------------------------------------------------------------------- a special-token marker
+
+# Mistral's format, its marker a special token (as in Mistral's tokenizers): decoding must keep it.
+MISTRAL = 'Checking.[TOOL_CALLS][ {"name":"get_weather","arguments":{"city":"Paris"}}]'
+
+
+@pytest.fixture(scope="module")
+def mistral_srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+    tok = scripted_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    end = prompt_end_id(tok)
+    script = distinct_ids(tok, MISTRAL, avoid={end, prompt_end_id(tok, enable_thinking=False)})
+    folder = build_scripted_model(tmp_path_factory.mktemp("mistral"), {end: script}, tok)
+    server = serve_scripted(folder, MODEL, tool_parser=PARSERS["mistral"], auto_tool_choice=True)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_a_special_token_marker_reaches_the_parser(mistral_srv: ServerThread) -> None:
+    c = oai(mistral_srv).chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=80, temperature=0)  # type: ignore[arg-type]
+    m = c.choices[0].message
+    assert (m.content, c.choices[0].finish_reason) == ("Checking.", "tool_calls")
+    call = m.tool_calls[0]  # type: ignore[index]
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", ARGS)
+    assert len(call.id) == 9 and call.id.isalnum()  # Mistral's templates want such ids back
+    chunks = list(oai(mistral_srv).chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=80, temperature=0, stream=True))  # type: ignore[arg-type]
+    deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+    assert "".join(d.content or "" for d in deltas) == "Checking."
+    pieces = [tc for d in deltas for tc in d.tool_calls or ()]
+    assert pieces[0].function.name == "get_weather" and json.loads("".join(p.function.arguments or "" for p in pieces)) == ARGS
+    # Without tools the special token is skipped as usual (the grammar does not apply either).
+    plain = oai(mistral_srv).chat.completions.create(model=MODEL, messages=ASK, max_tokens=80, temperature=0)  # type: ignore[arg-type]
+    assert plain.choices[0].message.content == MISTRAL.replace("[TOOL_CALLS]", "")
+
+
 # ------------------------------------------------------------------------------------------ flags
 
 
