@@ -134,8 +134,12 @@ class GGUFMethod:
                     rows[s : s + KERNEL_CHUNK], self.rows2d, int(self.qtype), out[s : s + KERNEL_CHUNK], bias, self.int8_x
                 )
             return
-        if self.int8_x:
-            rows = round_activations(rows, activation_block(self.qtype))  # the same W x' as the kernel's
+        if self.int8_x:  # the same W x' as the kernel's
+            block = activation_block(self.qtype)
+            if self.kernel is not None and rows.dtype == torch.float32:
+                rows = self.kernel.gguf_round_x(rows.contiguous(), block)
+            else:
+                rows = round_activations(rows, block)
         for start in range(0, self.out_features, self.tile_rows):
             stop = min(start + self.tile_rows, self.out_features)
             tile = self.dequantize_rows(start, stop)

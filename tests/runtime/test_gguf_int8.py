@@ -72,6 +72,7 @@ def test_rounding_equals_the_torch_statement(module, block: int) -> None:
     assert q.dtype == torch.int8 and int(q.abs().max()) == 127
     rounded = (d.repeat_interleave(block, dim=1) * q.float())
     assert torch.equal(rounded, round_activations(x, block))
+    assert torch.equal(module.gguf_round_x(x, block), rounded)
     assert torch.equal(rounded[2, :block], torch.zeros(block))
     # the rounding error is at most half a step of each block's scale
     assert bool(((rounded - x).abs() <= d.repeat_interleave(block, dim=1) * 0.5 + 1e-7).all())

@@ -1167,6 +1167,20 @@ std::tuple<at::Tensor, at::Tensor> gguf_quantize_x(const at::Tensor& x, int64_t 
   return {d, q};
 }
 
+// x [M, K] as the int8 path sees it, x' = d * q per block of blk, as float32 (the many-row steps'
+// input: one pass here instead of several torch ops).
+at::Tensor gguf_round_x(const at::Tensor& x, int64_t blk) {
+  const float* xp = check_x(x, "gguf_round_x");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK((blk == 32 || blk == 256) && K % blk == 0, "gguf_round_x: blk must be 32 or 256 and divide K");
+  QuantX xq;
+  quantize_x(xp, M, K, int(blk), xq);
+  at::Tensor out = at::empty({M, K}, at::kFloat);
+  const std::vector<float> xf = dequantize_x(xq, M, K);
+  std::memcpy(out.data_ptr<float>(), xf.data(), xf.size() * sizeof(float));
+  return out;
+}
+
 // Instruction-set extensions this build was compiled for, named as in /proc/cpuinfo, so the
 // loader can refuse a binary the running CPU cannot execute.
 std::vector<std::string> compiled_isa() {
@@ -1202,6 +1216,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out[M, sum N_i] = x @ [W_0; W_1; ...]^T (+ bias): parts of a fused projection, concatenated along N",
         py::arg("x"), py::arg("blocks"), py::arg("qtypes"), py::arg("out"), py::arg("bias") = py::none(),
         py::arg("int8_x") = false, py::call_guard<py::gil_scoped_release>());
+  m.def("gguf_round_x", &gguf_round_x, "x rounded as int8_x rounds it, back as float32 [M, K]",
+        py::arg("x"), py::arg("blk"), py::call_guard<py::gil_scoped_release>());
   m.def("gguf_quantize_x", &gguf_quantize_x, "x rounded to int8 per block of blk as int8_x rounds it: (d, q)",
         py::arg("x"), py::arg("blk"), py::call_guard<py::gil_scoped_release>());
   m.def("gguf_get_rows", &gguf_get_rows, "rows ids of the GGUF weight [N, K] as float32 [T, K]",
