@@ -47,7 +47,7 @@ const EXAMPLES = {
           },
         },
       ],
-      tool_choice: "auto",
+      tool_choice: "required",
     },
   },
 };
@@ -269,7 +269,8 @@ async function loadModels(preferred) {
     });
     $("model").replaceChildren(...options);
     if (data.some((card) => card.id === preferred)) $("model").value = preferred;
-    showStatus(`${data.length} model${data.length === 1 ? "" : "s"}`);
+    const adapters = data.filter((card) => card.parent).length;
+    showStatus(`${data.length - adapters} model${adapters ? `, ${adapters} LoRA adapter${adapters === 1 ? "" : "s"}` : ""}`);
   } catch (e) {
     $("model").replaceChildren();
     showStatus(e.message, true);

@@ -27,6 +27,9 @@ if not CHROMIUM:
     pytest.skip("no chromium here: `apt-get install chromium` (.ci/run does so as root)", allow_module_level=True)
 
 KEY = "sk-browser-test"
+LORA = "tiny-adapter"
+# A bound for one short answer, generous for a machine busy with other work (they take seconds alone).
+GENERATION_TIMEOUT_MS = 240_000
 ARTIFACTS = Path(os.environ.get("SERVELM_ARTIFACTS") or REPO / "artifacts")
 # The model is made to write this exactly (a regex constraint), so what reaches the page is known.
 MARKUP = "<script>pwned=1</script><img src=x onerror=pwned=2> **bold** `<b>x</b>`"
@@ -69,8 +72,12 @@ def _until(check: Callable[[], bool], timeout: float, what: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServeProcess]:
-    args = ("--api-key", KEY, "--quantization", "auto", "--kv-cache-memory", "128MiB", "--max-model-len", "2048", "--no-access-log")
+def server(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    from lora_files import save_lora_adapter
+
+    adapter = save_lora_adapter(default_model_dir, tmp_path_factory.mktemp("lora") / "a", seed=0, r=4, target_modules=("q_proj", "v_proj"))
+    args = ("--api-key", KEY, "--quantization", "auto", "--kv-cache-memory", "128MiB", "--max-model-len", "2048",
+            "--lora-modules", f"{LORA}={adapter}", "--no-access-log")  # fmt: skip
     with ServeProcess(*args) as srv:
         yield srv
 
@@ -110,7 +117,10 @@ def test_the_key_unlocks_the_models_and_a_chat_streams_with_its_speed(page: Any,
     sync_api.expect(page.locator("#status")).to_contain_text("API key")  # /v1/models said 401
     page.fill("#api-key", KEY)
     page.locator("#api-key").blur()
-    sync_api.expect(page.locator("#model option")).to_have_count(1)
+    options = page.locator("#model option")
+    sync_api.expect(options).to_have_count(2)
+    base = options.first.get_attribute("value")
+    sync_api.expect(options.last).to_have_text(f"{LORA} (LoRA on {base})")
     _new_chat(page, max_tokens=32)
     # Every text the answer shows while it streams, recorded in the page as the DOM changes.
     page.evaluate(
@@ -121,14 +131,14 @@ def test_the_key_unlocks_the_models_and_a_chat_streams_with_its_speed(page: Any,
     )
     question = "What is the capital of France?"
     answer = _send(page, question)
-    sync_api.expect(answer).to_have_attribute("data-state", "done", timeout=60_000)
+    sync_api.expect(answer).to_have_attribute("data-state", "done", timeout=GENERATION_TIMEOUT_MS)
     assert page.evaluate("window.seen.size") >= 2, "the answer did not appear a piece at a time"
     speed = answer.locator(".speed").inner_text()
     m = re.fullmatch(r"TTFT \d+ ms · [\d.]+ tok/s · (\d+) prompt \+ (\d+) completion tokens · finish: (stop|length)", speed)
     assert m, speed
     # The same request without the page: the same greedy tokens.
     ref = httpx.post(
-        f"{server.url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+        f"{server.url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=GENERATION_TIMEOUT_MS / 1000,
         json={"messages": [{"role": "user", "content": question}], "max_tokens": 32, "temperature": 0, "top_p": 1},
     ).json()  # fmt: skip
     assert (int(m[1]), int(m[2])) == (ref["usage"]["prompt_tokens"], ref["usage"]["completion_tokens"])
@@ -144,11 +154,14 @@ def test_the_key_unlocks_the_models_and_a_chat_streams_with_its_speed(page: Any,
 
 
 def test_stop_ends_a_long_answer_and_the_server_frees_it(page: Any, server: ServeProcess) -> None:
+    """On the LoRA adapter chosen in the model list (the server reports it running)."""
     _new_chat(page, max_tokens=1500, extra='{"ignore_eos": true}')
+    page.select_option("#model", LORA)
     answer = _send(page, "Count from one to a thousand.")
-    sync_api.expect(answer.locator(".content")).not_to_be_empty(timeout=60_000)
+    sync_api.expect(answer.locator(".content")).not_to_be_empty(timeout=GENERATION_TIMEOUT_MS)
     assert _metric(server.url, "servelm_num_requests_running") == 1
-    sync_api.expect(page.locator("#m-running")).to_have_text("1", timeout=5_000)
+    assert re.search(rf'servelm_lora_requests_info{{[^}}]*running_lora_adapters="{LORA}"', httpx.get(f"{server.url}/metrics").text)
+    sync_api.expect(page.locator("#m-running")).to_have_text("1", timeout=10_000)
     page.click("#stop")
     sync_api.expect(answer).to_have_attribute("data-state", "stopped")
     sync_api.expect(answer.locator(".speed")).to_contain_text("stopped")
@@ -156,7 +169,8 @@ def test_stop_ends_a_long_answer_and_the_server_frees_it(page: Any, server: Serv
     assert _metric(server.url, "servelm_kv_cache_usage_perc") == 0
     assert re.search(r'servelm_request_failure_total\{[^}]*reason="aborted"[^}]*\} 1\.0', httpx.get(f"{server.url}/metrics").text)
     assert page.locator("#send").is_enabled() and page.locator("#stop").is_disabled()
-    sync_api.expect(page.locator("#m-running")).to_have_text("0", timeout=5_000)
+    sync_api.expect(page.locator("#m-running")).to_have_text("0", timeout=10_000)
+    page.select_option("#model", index=0)
 
 
 def test_markup_from_the_model_is_shown_as_text(page: Any) -> None:
@@ -164,7 +178,7 @@ def test_markup_from_the_model_is_shown_as_text(page: Any) -> None:
     _new_chat(page, max_tokens=80, extra=json.dumps({"structured_outputs": {"regex": _regex_for(MARKUP)}}))
     page.check('input[name="mode"][value="completion"]')
     answer = _send(page, "Some HTML:")
-    sync_api.expect(answer).to_have_attribute("data-state", "done", timeout=60_000)
+    sync_api.expect(answer).to_have_attribute("data-state", "done", timeout=GENERATION_TIMEOUT_MS)
     sync_api.expect(answer.locator(".speed")).to_contain_text("finish: stop")
 
     def check() -> None:
