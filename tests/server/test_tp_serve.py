@@ -82,9 +82,10 @@ def start(model_dir: Path, tp: int) -> ServeProcess:
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_llama_dir: Path) -> Iterator[dict[int, ServeProcess]]:
-    procs = {1: start(tiny_llama_dir, 1), 2: start(tiny_llama_dir, 2)}
-    threads = [threading.Thread(target=p.start) for p in procs.values()]  # loading side by side
+def servers(tiny_llama_dir: Path) -> Iterator[dict[Any, ServeProcess]]:
+    """TP=1, TP=2, and a TP=2 server whose worker is killed, started side by side."""
+    procs: dict[Any, ServeProcess] = {1: start(tiny_llama_dir, 1), 2: start(tiny_llama_dir, 2), "to kill": start(tiny_llama_dir, 2)}
+    threads = [threading.Thread(target=p.start) for p in procs.values()]
     try:
         for t in threads:
             t.start()
@@ -117,15 +118,16 @@ def chat(url: str, stream: bool = False) -> str:
     return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
 
 
-def test_tp2_plans_the_blocks_of_tp1_from_half_the_bytes_per_rank(servers: dict[int, ServeProcess]) -> None:
-    blocks = {tp: int(info_label(p.url, "num_blocks")) for tp, p in servers.items()}
+def test_tp2_plans_the_blocks_of_tp1_from_half_the_bytes_per_rank(servers: dict[Any, ServeProcess]) -> None:
+    blocks = {tp: int(info_label(servers[tp].url, "num_blocks")) for tp in (1, 2)}
     assert blocks == {1: BLOCKS, 2: BLOCKS}, blocks
     assert re.search(rf"{BLOCKS} blocks x 16 tokens = {BLOCKS * 16} tokens \(.* MiB per rank x 2 ranks\)", servers[2].log)
 
 
-def test_tp2_serves_tp1s_greedy_completions_under_preemption_and_prefix_cache(servers: dict[int, ServeProcess]) -> None:
+def test_tp2_serves_tp1s_greedy_completions_under_preemption_and_prefix_cache(servers: dict[Any, ServeProcess]) -> None:
     texts = {}
-    for tp, p in servers.items():
+    for tp in (1, 2):
+        p = servers[tp]
         with ThreadPoolExecutor(len(PROMPTS)) as pool:  # all at once: more than the pool holds
             texts[tp] = list(pool.map(lambda prompt: completion(p.url, prompt, max_tokens=60), PROMPTS))
     assert texts[2] == texts[1]
@@ -136,7 +138,7 @@ def test_tp2_serves_tp1s_greedy_completions_under_preemption_and_prefix_cache(se
     assert preempted > 0 and hits > 0
 
 
-def test_tp2_serves_tp1s_chat_and_streams(servers: dict[int, ServeProcess]) -> None:
+def test_tp2_serves_tp1s_chat_and_streams(servers: dict[Any, ServeProcess]) -> None:
     ref_chat, ref_text = chat(servers[1].url), completion(servers[1].url, PROMPTS[2])
     assert ref_chat and ref_text
     for stream in (False, True):
@@ -144,10 +146,10 @@ def test_tp2_serves_tp1s_chat_and_streams(servers: dict[int, ServeProcess]) -> N
         assert completion(servers[2].url, PROMPTS[2], stream) == ref_text
 
 
-def test_tp2_prompt_logprobs_equal_tp1s(servers: dict[int, ServeProcess]) -> None:
+def test_tp2_prompt_logprobs_equal_tp1s(servers: dict[Any, ServeProcess]) -> None:
     """Prompt logprobs over a chunked 60-token prompt: the workers join the scored rows' gathers."""
     body = {"model": "tiny", "prompt": PROMPTS[5], "max_tokens": 4, "temperature": 0, "logprobs": 2, "prompt_logprobs": 2}
-    got = {tp: httpx.post(f"{p.url}/v1/completions", json=body, timeout=120) for tp, p in servers.items()}
+    got = {tp: httpx.post(f"{servers[tp].url}/v1/completions", json=body, timeout=120) for tp in (1, 2)}
     assert all(r.status_code == 200 for r in got.values()), {tp: r.text for tp, r in got.items()}
     ref, tp2 = (got[tp].json()["choices"][0] for tp in (1, 2))
     assert tp2["text"] == ref["text"]
@@ -158,7 +160,7 @@ def test_tp2_prompt_logprobs_equal_tp1s(servers: dict[int, ServeProcess]) -> Non
             assert a[tok]["rank"] == b[tok]["rank"] and abs(a[tok]["logprob"] - b[tok]["logprob"]) < 1e-4, (a, b)
 
 
-def test_sigterm_drains_then_stops_the_workers(servers: dict[int, ServeProcess]) -> None:
+def test_sigterm_drains_then_stops_the_workers(servers: dict[Any, ServeProcess]) -> None:
     p = servers[2]
     assert p.proc is not None
     workers = ranks(p.proc.pid)
@@ -177,17 +179,17 @@ def test_sigterm_drains_then_stops_the_workers(servers: dict[int, ServeProcess])
     assert not any(alive(w) for w in workers), workers
 
 
-def test_a_killed_worker_stops_the_server_with_a_clear_error(tiny_llama_dir: Path) -> None:
-    with start(tiny_llama_dir, 2) as p:
-        assert p.proc is not None
-        (worker,) = ranks(p.proc.pid)
-        assert completion(p.url, PROMPTS[0])
-        killed = time.monotonic()
-        os.kill(worker, signal.SIGKILL)
-        status = p.wait(30)
-        print(f"\nexited {time.monotonic() - killed:.1f} s after the worker was killed")
-        assert status == 1, p.log[-3000:]
-        assert re.search(rf"tensor-parallel worker rank 1 \(pid {worker}\) died \(killed by signal 9\)", p.log), p.log[-3000:]
+def test_a_killed_worker_stops_the_server_with_a_clear_error(servers: dict[Any, ServeProcess]) -> None:
+    p = servers["to kill"]
+    assert p.proc is not None
+    (worker,) = ranks(p.proc.pid)
+    assert completion(p.url, PROMPTS[0])
+    killed = time.monotonic()
+    os.kill(worker, signal.SIGKILL)
+    status = p.wait(30)
+    print(f"\nexited {time.monotonic() - killed:.1f} s after the worker was killed")
+    assert status == 1, p.log[-3000:]
+    assert re.search(rf"tensor-parallel worker rank 1 \(pid {worker}\) died \(killed by signal 9\)", p.log), p.log[-3000:]
 
 
 @pytest.mark.slow
