@@ -59,7 +59,7 @@ def check_tensor_parallel(
     if platform.is_cuda(device):
         # NCCL is chosen for CUDA (``launcher.backend_for``), but no CUDA run has ever checked it.
         raise UnsupportedModelError(
-            f"tensor parallelism on CUDA (device {device}, NCCL) is unproven, so it is refused: it has only run on CPU over gloo"
+            f"tensor parallelism on CUDA (device {device}, NCCL) is unproven, so it is refused: it has only run on CPU over gloo (--device cpu)"
         )
     if quantization not in (None, NONE):
         raise UnsupportedModelError(f"--quantization {quantization} is not supported with tensor parallelism yet")
