@@ -230,7 +230,7 @@ def test_it_fits_a_phone_and_leaves_a_screenshot(page: Any) -> None:
     page.screenshot(path=str(ARTIFACTS / "playground.png"))
     page.set_viewport_size({"width": 390, "height": 844})
     assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth"), "the page scrolls sideways on a phone"
-    for selector in ("#prompt", "#send", "#stop", "#model"):
+    for selector in ("#prompt", "#send", "#stop", "#model", "#api-key"):
         box = page.locator(selector).bounding_box()
-        assert box and box["x"] >= 0 and box["x"] + box["width"] <= 390, selector
+        assert box and box["x"] >= 0 and box["x"] + box["width"] <= 390 and box["width"] >= 150, (selector, box)
     page.screenshot(path=str(ARTIFACTS / "playground-phone.png"))
