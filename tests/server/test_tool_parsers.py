@@ -206,3 +206,22 @@ def test_mistral_call_ids_fit_its_templates() -> None:
 def test_every_vllm_name_is_served() -> None:
     assert set(PARSERS) == {"hermes", "llama3_json", "mistral", "granite"}
     assert all(issubclass(p, ToolParser) and p.name == n for n, p in PARSERS.items())
+
+
+def test_answer_stream_as_openai_chat_deltas() -> None:
+    # OpenAI streams a call as {index, id, type, function: {name, arguments}} and then {index, function: {arguments}}.
+    from servelm.server.tool_parsers.answer import AnswerStream, answer_calls
+
+    text = "Sure.\n" + hermes([WEATHER, EMPTY])
+    stream = AnswerStream(PARSERS["hermes"])
+    deltas = [d for d in (stream.chat_delta(ch) for ch in text) if d] + [stream.chat_delta("", final=True) or {}]
+    assert "".join(d.get("content", "") for d in deltas) == "Sure."
+    calls = [c for d in deltas for c in d.get("tool_calls", ())]
+    firsts = [c for c in calls if "id" in c]
+    assert [(c["index"], c["type"], c["function"]["name"]) for c in firsts] == [(0, "function", "get_weather"), (1, "function", "now")]
+    assert all(set(c) == {"index", "function"} and set(c["function"]) == {"arguments"} for c in calls if "id" not in c)
+    joined = ["".join(c["function"]["arguments"] for c in calls if c["index"] == i) for i in (0, 1)]
+    assert [json.loads(a) for a in joined] == [WEATHER[1], EMPTY[1]] and stream.called
+    content, whole = answer_calls(PARSERS["hermes"], text)
+    assert content == "Sure." and [c["function"]["arguments"] for c in whole or ()] == joined
+    assert answer_calls(PARSERS["hermes"], "no call") == ("no call", None)
