@@ -199,6 +199,18 @@ def test_markup_from_the_model_is_shown_as_text(page: Any) -> None:
     page.check('input[name="mode"][value="chat"]')
 
 
+def test_the_json_schema_example_answers_in_that_schema(page: Any) -> None:
+    _new_chat(page, max_tokens=80)
+    page.fill("#prompt", "")
+    page.click('[data-example="json_schema"]')  # fills the extra fields and the prompt
+    schema = json.loads(page.input_value("#extra"))["response_format"]["json_schema"]["schema"]
+    page.click("#send")
+    answer = page.locator(".msg.assistant").last
+    sync_api.expect(answer).to_have_attribute("data-state", "done", timeout=GENERATION_TIMEOUT_MS)
+    value = json.loads(answer.locator(".content").inner_text())
+    assert set(value) == set(schema["required"]) and isinstance(value["population"], int), value
+
+
 MARKDOWN_DOCS = [
     "Hello **bold** and *it*, _under_ and __strong__ with `<b>x</b>` & more.\na second line",
     "text <script>alert(1)</script> <img src=x onerror=alert(1)>",
