@@ -129,10 +129,9 @@ class GGUFMethod:
         output is fine: the fused projections write each part into its own columns)."""
         if self.kernel is not None and rows.shape[0] <= self.kernel_max_rows and rows.dtype == torch.float32:
             rows = rows.contiguous()
-            for s in range(0, rows.shape[0], KERNEL_CHUNK):
-                self.kernel.gguf_linear(
-                    rows[s : s + KERNEL_CHUNK], self.rows2d, int(self.qtype), out[s : s + KERNEL_CHUNK], bias, self.int8_x
-                )
+            chunk = self.kernel.int8_rows if self.int8_x else KERNEL_CHUNK  # int8: one pass over W for all
+            for s in range(0, rows.shape[0], chunk):
+                self.kernel.gguf_linear(rows[s : s + chunk], self.rows2d, int(self.qtype), out[s : s + chunk], bias, self.int8_x)
             return
         if self.int8_x:  # the same W x' as the kernel's
             block = activation_block(self.qtype)
@@ -199,8 +198,9 @@ class GGUFShardedMethod:
             and all(rows.shape[0] <= m.kernel_max_rows for _, m in self.parts)
         ):
             int8_x = any(m.int8_x for _, m in self.parts)
-            for s in range(0, rows.shape[0], KERNEL_CHUNK):
-                chunk = slice(s, s + KERNEL_CHUNK)
+            step = self.fused_kernel.int8_rows if int8_x else KERNEL_CHUNK
+            for s in range(0, rows.shape[0], step):
+                chunk = slice(s, s + step)
                 self.fused_kernel.gguf_linear_parts(rows[chunk], self.fused_blocks, self.fused_qtypes, out[chunk], bias, int8_x)
         else:
             for cols, method in self.parts:

@@ -78,7 +78,7 @@ def test_rounding_equals_the_torch_statement(module, block: int) -> None:
     assert bool(((rounded - x).abs() <= d.repeat_interleave(block, dim=1) * 0.5 + 1e-7).all())
 
 
-@pytest.mark.parametrize("m", (1, 2, 3, 5, 8, 17))
+@pytest.mark.parametrize("m", (1, 2, 3, 5, 8, 17, 32, 33))
 @pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda q: q.name)
 def test_int8_linear_is_w_times_rounded_x(module, qtype: Q, m: int) -> None:
     k, n = 512, 45

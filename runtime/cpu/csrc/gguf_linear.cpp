@@ -806,6 +806,7 @@ std::vector<float> dequantize_x(const QuantX& xq, int64_t M, int64_t K) {
 }
 
 template <int Q> constexpr int kXBlock = Format<Q>::elems == 256 ? 256 : 32;
+constexpr int64_t kInt8Rows = 4 * kGroup;  // most x rows the int8 kernels take in one pass over W
 
 #if SERVELM_GGUF_AVX2
 inline __m256i ones16() { return _mm256_set1_epi16(1); }
@@ -838,7 +839,7 @@ template <> struct Bytes32<Q8_0> { static constexpr bool kSigned = true;
 // Output row n of a 32-element format for M rows of x'. One chain per row and block phase (A of
 // them), so a one-row step is not bound by FMA latency.
 template <int Q, int M>
-inline void int8_rows32(const LinearArgs& a, const QuantX& xq, int64_t n) {
+inline void int8_rows32(const LinearArgs& a, const QuantX& xq, int64_t n, int64_t m0) {
   using F = Format<Q>;
   using B = Bytes32<Q>;
   constexpr int A = M >= 4 ? 1 : 4 / M;
@@ -856,11 +857,11 @@ inline void int8_rows32(const LinearArgs& a, const QuantX& xq, int64_t n) {
     const float dw = f16(b);
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
-      const __m256i xv = load_q(xq.q.data() + m * a.K + blk * 32);
+      const __m256i xv = load_q(xq.q.data() + (m0 + m) * a.K + blk * 32);
       const __m256i p16 = B::kSigned ? dot_i8_pairs(w, xv) : _mm256_maddubs_epi16(w, xv);
       const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones16()));
-      acc[m][c] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * xq.d[size_t(m * nblk + blk)]), acc[m][c]);
-      if constexpr (F::has_min) mins[m] += f16(b + 2) * xq.dsum32[size_t(m * nblk + blk)];
+      acc[m][c] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * xq.d[size_t((m0 + m) * nblk + blk)]), acc[m][c]);
+      if constexpr (F::has_min) mins[m] += f16(b + 2) * xq.dsum32[size_t((m0 + m) * nblk + blk)];
     }
   };
   int64_t blk = 0;
@@ -873,7 +874,7 @@ inline void int8_rows32(const LinearArgs& a, const QuantX& xq, int64_t n) {
   for (int m = 0; m < M; ++m) {
     __m256 v = acc[m][0];
     for (int c = 1; c < A; ++c) v = _mm256_add_ps(v, acc[m][c]);
-    a.out[m * a.ldo + n] = hsum(v) + mins[m] + bias;
+    a.out[(m0 + m) * a.ldo + n] = hsum(v) + mins[m] + bias;
   }
 }
 
@@ -945,7 +946,7 @@ template <> struct KBlock<Q6_K> {
 };
 
 template <int Q, int M>
-inline void int8_rowsK(const LinearArgs& a, const QuantX& xq, int64_t n) {
+inline void int8_rowsK(const LinearArgs& a, const QuantX& xq, int64_t n, int64_t m0) {
   using F = Format<Q>;
   const int64_t nblk = a.K / 256;
   const uint8_t* row = a.w + n * a.ldw;
@@ -962,20 +963,20 @@ inline void int8_rowsK(const LinearArgs& a, const QuantX& xq, int64_t n) {
     __m256i sumi[M];
     int minsum[M];
     for (int m = 0; m < M; ++m) {
-      xp[m] = xq.q.data() + m * a.K + blk * 256;
-      sp[m] = xq.sum16.data() + (m * a.K + blk * 256) / 16;
+      xp[m] = xq.q.data() + (m0 + m) * a.K + blk * 256;
+      sp[m] = xq.sum16.data() + ((m0 + m) * a.K + blk * 256) / 16;
       sumi[m] = _mm256_setzero_si256();
     }
     KBlock<Q>::template dots<M>(b, xp, sumi, minsum, sp);
     const float dw = KBlock<Q>::d(b), dmin = KBlock<Q>::dmin(b);
     for (int m = 0; m < M; ++m) {
-      const float dx = xq.d[size_t(m * nblk + blk)];
+      const float dx = xq.d[size_t((m0 + m) * nblk + blk)];
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[m]), _mm256_set1_ps(dw * dx), acc[m]);
       if constexpr (F::has_min) mins[m] -= dmin * dx * float(minsum[m]);
     }
   }
   const float bias = a.bias ? a.bias[n] : 0.0f;
-  for (int m = 0; m < M; ++m) a.out[m * a.ldo + n] = hsum(acc[m]) + mins[m] + bias;
+  for (int m = 0; m < M; ++m) a.out[(m0 + m) * a.ldo + n] = hsum(acc[m]) + mins[m] + bias;
 }
 #endif
 
@@ -983,14 +984,16 @@ inline void int8_rowsK(const LinearArgs& a, const QuantX& xq, int64_t n) {
 template <int Q>
 void int8_linear_rows(const LinearArgs& a, const QuantX& xq, const float* xf, int64_t n0, int64_t n1) {
 #if SERVELM_GGUF_AVX2
-  if (a.M <= kGroup) {
-    with_rows(a.M, [&](auto mm) {
-      constexpr int M = decltype(mm)::value;
-      for (int64_t n = n0; n < n1; ++n) {
-        if constexpr (Format<Q>::elems == 256) int8_rowsK<Q, M>(a, xq, n);
-        else int8_rows32<Q, M>(a, xq, n);
-      }
-    });
+  if (a.M <= kInt8Rows) {
+    // Each weight row meets every group of kGroup x rows while it is still in L1: one pass over the
+    // weight for up to kInt8Rows rows (a step of 32 decodes read the head once, not four times).
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t m0 = 0; m0 < a.M; m0 += kGroup)
+        with_rows(std::min<int64_t>(kGroup, a.M - m0), [&](auto mm) {
+          constexpr int M = decltype(mm)::value;
+          if constexpr (Format<Q>::elems == 256) int8_rowsK<Q, M>(a, xq, n, m0);
+          else int8_rows32<Q, M>(a, xq, n, m0);
+        });
     return;
   }
 #endif
@@ -1225,4 +1228,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compiled_isa", &compiled_isa);
   m.attr("vectorized") = py::bool_(SERVELM_GGUF_AVX2 != 0);
   m.attr("group_rows") = kGroup;
+  m.attr("int8_rows") = kInt8Rows;
 }
