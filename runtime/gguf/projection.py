@@ -129,7 +129,7 @@ class GGUFMethod:
         output is fine: the fused projections write each part into its own columns)."""
         if self.kernel is not None and rows.shape[0] <= self.kernel_max_rows and rows.dtype == torch.float32:
             rows = rows.contiguous()
-            chunk = self.kernel.int8_rows if self.int8_x else KERNEL_CHUNK  # int8: one pass over W for all
+            chunk = getattr(self.kernel, "pass_rows", KERNEL_CHUNK)  # rows one pass over W serves
             for s in range(0, rows.shape[0], chunk):
                 self.kernel.gguf_linear(rows[s : s + chunk], self.rows2d, int(self.qtype), out[s : s + chunk], bias, self.int8_x)
             return
@@ -198,7 +198,7 @@ class GGUFShardedMethod:
             and all(rows.shape[0] <= m.kernel_max_rows for _, m in self.parts)
         ):
             int8_x = any(m.int8_x for _, m in self.parts)
-            step = self.fused_kernel.int8_rows if int8_x else KERNEL_CHUNK
+            step = getattr(self.fused_kernel, "pass_rows", KERNEL_CHUNK)
             for s in range(0, rows.shape[0], step):
                 chunk = slice(s, s + step)
                 self.fused_kernel.gguf_linear_parts(rows[chunk], self.fused_blocks, self.fused_qtypes, out[chunk], bias, int8_x)

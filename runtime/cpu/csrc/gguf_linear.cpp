@@ -51,6 +51,7 @@
 namespace {
 
 constexpr int kGroup = 8;          // activation rows that share one decode of a block
+constexpr int kPassRows = 4 * kGroup;  // most activation rows the few-row kernels take in one pass over W
 constexpr int kFloatChunk = 256;   // elements decoded at a time for the float formats
 
 // gguf.GGMLQuantizationType values.
@@ -671,6 +672,21 @@ void linear_rows(const LinearArgs& a, int64_t n0, int64_t n1) {
       with_rows(a.M, [&](auto mm) { quant_rows<Q, decltype(mm)::value>(a, n0, n1); });
       return;
     }
+#if SERVELM_GGUF_AVX2
+    if (a.M <= kPassRows) {
+      // Each weight row meets every group of kGroup rows while it is still in L1: one pass over W.
+      for (int64_t n = n0; n < n1; ++n)
+        for (int64_t m0 = 0; m0 < a.M; m0 += kGroup) {
+          LinearArgs b = a;
+          b.M = std::min<int64_t>(kGroup, a.M - m0);
+          b.x += m0 * a.K;
+          if (b.xsum) b.xsum += m0 * (a.K / 4);
+          b.out += m0 * a.ldo;
+          with_rows(b.M, [&](auto mm) { regs_rows<Q, decltype(mm)::value>(b, n); });
+        }
+      return;
+    }
+#endif
   }
   if (a.M <= kGroup) {
     // Decode each chunk once into L1 and multiply it into every row's accumulators.
@@ -806,7 +822,6 @@ std::vector<float> dequantize_x(const QuantX& xq, int64_t M, int64_t K) {
 }
 
 template <int Q> constexpr int kXBlock = Format<Q>::elems == 256 ? 256 : 32;
-constexpr int64_t kInt8Rows = 4 * kGroup;  // most x rows the int8 kernels take in one pass over W
 
 #if SERVELM_GGUF_AVX2
 inline __m256i ones16() { return _mm256_set1_epi16(1); }
@@ -984,9 +999,9 @@ inline void int8_rowsK(const LinearArgs& a, const QuantX& xq, int64_t n, int64_t
 template <int Q>
 void int8_linear_rows(const LinearArgs& a, const QuantX& xq, const float* xf, int64_t n0, int64_t n1) {
 #if SERVELM_GGUF_AVX2
-  if (a.M <= kInt8Rows) {
+  if (a.M <= kPassRows) {
     // Each weight row meets every group of kGroup x rows while it is still in L1: one pass over the
-    // weight for up to kInt8Rows rows (a step of 32 decodes read the head once, not four times).
+    // weight for up to kPassRows rows (a step of 32 decodes read the head once, not four times).
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t m0 = 0; m0 < a.M; m0 += kGroup)
         with_rows(std::min<int64_t>(kGroup, a.M - m0), [&](auto mm) {
@@ -1024,7 +1039,7 @@ void run_parts(std::vector<Part>& parts, const float* x, int64_t M, int64_t K, b
     with_qtype(p.qtype, [&](auto qq) {
       constexpr int Q = decltype(qq)::value;
       if constexpr (!kIsFloat<Q>) {
-        need_sums |= Format<Q>::has_min && M <= kGroup;
+        need_sums |= Format<Q>::has_min && M <= kPassRows;
         if (int8_x) need_rounded[kXBlock<Q> == 256] = true;
       }
     });
@@ -1228,5 +1243,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compiled_isa", &compiled_isa);
   m.attr("vectorized") = py::bool_(SERVELM_GGUF_AVX2 != 0);
   m.attr("group_rows") = kGroup;
-  m.attr("int8_rows") = kInt8Rows;
+  m.attr("pass_rows") = kPassRows;
 }
