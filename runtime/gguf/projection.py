@@ -76,6 +76,7 @@ class GGUFMethod:
                 f"{out_features * blocks_per_row * block_bytes} uint8 bytes, got {raw.dtype} {raw.numel()}"
             )
         self.qtype = qtype
+        self.qtype_id = int(qtype)
         self.out_features = out_features
         self.in_features = in_features
         self.block_bytes = block_bytes
@@ -130,8 +131,11 @@ class GGUFMethod:
         if self.kernel is not None and rows.shape[0] <= self.kernel_max_rows and rows.dtype == torch.float32:
             rows = rows.contiguous()
             chunk = getattr(self.kernel, "pass_rows", KERNEL_CHUNK)  # rows one pass over W serves
+            if rows.shape[0] <= chunk:  # a decode step: no slicing (views cost a few µs, ~70 calls a token)
+                self.kernel.gguf_linear(rows, self.rows2d, self.qtype_id, out, bias, self.int8_x)
+                return
             for s in range(0, rows.shape[0], chunk):
-                self.kernel.gguf_linear(rows[s : s + chunk], self.rows2d, int(self.qtype), out[s : s + chunk], bias, self.int8_x)
+                self.kernel.gguf_linear(rows[s : s + chunk], self.rows2d, self.qtype_id, out[s : s + chunk], bias, self.int8_x)
             return
         if self.int8_x:  # the same W x' as the kernel's
             block = activation_block(self.qtype)
@@ -199,6 +203,9 @@ class GGUFShardedMethod:
         ):
             int8_x = any(m.int8_x for _, m in self.parts)
             step = getattr(self.fused_kernel, "pass_rows", KERNEL_CHUNK)
+            if rows.shape[0] <= step:
+                self.fused_kernel.gguf_linear_parts(rows, self.fused_blocks, self.fused_qtypes, out, bias, int8_x)
+                return out.reshape(*x.shape[:-1], self.out_features)
             for s in range(0, rows.shape[0], step):
                 chunk = slice(s, s + step)
                 self.fused_kernel.gguf_linear_parts(rows[chunk], self.fused_blocks, self.fused_qtypes, out[chunk], bias, int8_x)

@@ -140,3 +140,23 @@ def test_float_weights_keep_float_activations() -> None:
     assert {activation_block(q) for q in K_QUANTS} == {256}
     assert {activation_block(q) for q in QUANTIZED if q not in K_QUANTS} == {32}
     assert all(BLOCK_LAYOUT[q][0] % activation_block(q) == 0 for q in QUANTIZED)
+
+
+@pytest.mark.parametrize("m", (1, 8, 32))
+def test_int8_weights_split_over_threads(module, m: int) -> None:
+    """Weights large enough that both threads take rows: the workers read the caller's rounded x (a
+    per-thread buffer named inside the parallel region would be each worker's own, empty one)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        k, formats, sizes = 1024, (Q.Q8_0, Q.Q4_K, Q.Q5_0), (900, 700, 500)
+        blocks = [weight(q, n, k, seed=i) for i, (q, n) in enumerate(zip(formats, sizes))]
+        assert sum(b.numel() for b in blocks) > 4 * (64 << 10)  # over the kernel's 64 KB a thread
+        x = activations(m, k, seed=m)
+        got = kernels.linear_parts(x, blocks, list(formats), torch.empty(m, sum(sizes)), int8_x=True)
+        col = 0
+        for q, n, b in zip(formats, sizes, blocks):
+            assert_within_sum_order(got[:, col : col + n], round_activations(x, activation_block(q)), gguf_dequantized(b, q, k))
+            col += n
+    finally:
+        torch.set_num_threads(before)

@@ -1029,10 +1029,15 @@ struct Part {
 // most get_num_threads() contiguous spans of about equal bytes (none under 64 KB, as a fork/join
 // costs more than a smaller read), so the threads share fused work evenly and fork once.
 void run_parts(std::vector<Part>& parts, const float* x, int64_t M, int64_t K, bool int8_x) {
-  std::vector<float> xsum;
+  thread_local std::vector<float> xsum;
   // With int8_x: x rounded per 32 ([0]) and per 256 ([1]) as the parts' formats want, x' as floats,
   // and x' sums.
-  struct Rounded { QuantX q; std::vector<float> xf, xsum; } rounded[2];
+  // Per thread and kept between calls: a decode step makes ~70 of these calls, and fresh buffers
+  // each time cost a measurable share of the small ones.
+  // (Workers reach them through this pointer: a thread_local named in the lambda would be their own.)
+  struct Rounded { QuantX q; std::vector<float> xf, xsum; };
+  thread_local Rounded kept[2];
+  Rounded* rounded = kept;
   bool need_sums = false, need_rounded[2] = {false, false};
   int64_t total_bytes = 0;
   for (const Part& p : parts) {
@@ -1048,8 +1053,11 @@ void run_parts(std::vector<Part>& parts, const float* x, int64_t M, int64_t K, b
   for (int g = 0; g < 2; ++g) {
     if (!need_rounded[g]) continue;
     quantize_x(x, M, K, g ? 256 : 32, rounded[g].q);
-    rounded[g].xf = dequantize_x(rounded[g].q, M, K);
-    if (need_sums) x_sums(rounded[g].xf.data(), M, K, rounded[g].xsum);
+    // x' as floats only where a float kernel will read it (many rows, or no AVX2).
+    if (M > kPassRows || !SERVELM_GGUF_AVX2) {
+      rounded[g].xf = dequantize_x(rounded[g].q, M, K);
+      if (need_sums) x_sums(rounded[g].xf.data(), M, K, rounded[g].xsum);
+    }
   }
   if (need_sums && !int8_x) x_sums(x, M, K, xsum);
   for (Part& p : parts) p.a.xsum = xsum.data();
