@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
+from test_gguf_kernels import module  # noqa: F401  (the compiled module, or a skip where it cannot be built)
+
 from servelm.runtime.gguf import kernels
 from servelm.runtime.gguf.projection import GGUFMethod, activation_block, round_activations, use_int8_activations
 from servelm.runtime.gguf.registry import BLOCK_LAYOUT
@@ -25,14 +27,6 @@ from servelm.runtime.gguf.registry import BLOCK_LAYOUT
 QUANTIZED = sorted(kernels.KERNEL_TYPES - {Q.F32, Q.F16, Q.BF16})
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
 SUM_ORDER_RTOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def module():
-    m = kernels.load()
-    if m is None:
-        pytest.skip("the GGUF kernel extension cannot be built here (no compiler or self-check failed)")
-    return m
 
 
 def weight(qtype: Q, n: int, k: int, seed: int) -> torch.Tensor:
