@@ -165,6 +165,7 @@ class GGUFShardedMethod:
         self.out_features = sum(m.out_features for _, m in parts)
         self.name = "gguf-" + "/".join(m.name.removeprefix("gguf-") for _, m in parts)
         self.fused_kernel: Any = None
+        self.int8_x = False  # any part's activations rounded to int8 (`use_int8_activations`)
         ordered = sorted(parts, key=lambda p: p[0].start or 0)
         kernel = parts[0][1].kernel
         if (
@@ -201,7 +202,7 @@ class GGUFShardedMethod:
             and rows.dtype == torch.float32
             and all(rows.shape[0] <= m.kernel_max_rows for _, m in self.parts)
         ):
-            int8_x = any(m.int8_x for _, m in self.parts)
+            int8_x = self.int8_x
             step = getattr(self.fused_kernel, "pass_rows", KERNEL_CHUNK)
             if rows.shape[0] <= step:
                 self.fused_kernel.gguf_linear_parts(rows, self.fused_blocks, self.fused_qtypes, out, bias, int8_x)
@@ -242,19 +243,12 @@ def gguf_method(tensor: GGUFTensor, tile_rows: int | None = None) -> GGUFMethod:
 
 GGUF_ACTIVATIONS = ("float32", "int8")  # what the stored projections multiply by (--gguf-activations)
 
-# The int8 activation path (llama.cpp's arithmetic): x rounded to int8 with one scale per block of 32
-# elements, or of 256 for the K-quants, whose weight blocks are that long.
-INT8_BLOCK_256: frozenset[GGMLQuantizationType] = frozenset(
-    {GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K}
-)
-FLOAT_TYPES: frozenset[GGMLQuantizationType] = frozenset(
-    {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
-)
-
-
 def activation_block(qtype: GGMLQuantizationType) -> int:
-    """Elements per activation scale against weights of ``qtype`` (0: float weights meet float x)."""
-    return 0 if qtype in FLOAT_TYPES else 256 if qtype in INT8_BLOCK_256 else 32
+    """Elements per activation scale against weights of ``qtype`` on the int8 path (llama.cpp's
+    arithmetic): a weight block's length, 32 or 256 (the K-quants); 0 for float weights, which meet x
+    as it is."""
+    elems = BLOCK_LAYOUT[qtype][0]
+    return 0 if elems == 1 else elems
 
 
 def round_activations(rows: torch.Tensor, block: int) -> torch.Tensor:
@@ -279,7 +273,7 @@ def use_int8_activations(methods: list[Any]) -> int:
         parts = [m for _, m in method.parts] if isinstance(method, GGUFShardedMethod) else [method]
         for part in parts:
             if isinstance(part, GGUFMethod) and activation_block(part.qtype):
-                part.int8_x = True
+                part.int8_x = method.int8_x = True
                 changed += 1
     return changed
 

@@ -2,7 +2,7 @@
 
 What is asserted: the compiled rounding of x (``gguf_quantize_x``) equals the torch statement of it
 (``projection.round_activations``: ``d = max|x| / 127`` per block, ``round(x / d)`` half to even); for
-every quantized format and 1 to 17 rows, ``linear(..., int8_x=True)`` equals ``F.linear(x', W)`` with
+every quantized format and 1 to 33 rows, ``linear(..., int8_x=True)`` equals ``F.linear(x', W)`` with
 ``W`` gguf-py's own dequantization and ``x'`` the rounded x, within the float32 summation bound (so
 the integer dot products lose nothing beyond the rounding of x); fused parts of mixed formats do the
 same; a row with a non-finite activation comes out NaN without touching the others; and a
