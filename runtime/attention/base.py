@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+# The q and k heads' RMSNorm weights (float32, Gemma's 1 + w folded in) and their eps.
+QKNorm = tuple[torch.Tensor, torch.Tensor, float]
+
 
 @dataclass
 class AttentionMetadata:
@@ -67,8 +70,10 @@ class AttentionBackend(ABC):
         scale: float,
         num_heads: int,
         window: int | None = None,
+        qk_norm: QKNorm | None = None,
     ) -> torch.Tensor | None:
         """Optional fused path: RoPE, the K/V store and attention straight from the fused projection.
+        ``qk_norm`` (Qwen3, Gemma 3): RMSNorm each q and k head first, with these weights and eps.
 
         Returns ``[num_tokens, num_heads, head_dim]`` like ``forward`` after the model's own RoPE, or
         None where this backend has no such path for this step (the model then does it the usual way;

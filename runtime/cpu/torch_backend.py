@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from servelm.runtime.attention.base import AttentionBackend, AttentionMetadata
+from servelm.runtime.attention.base import AttentionBackend, AttentionMetadata, QKNorm
 
 log = logging.getLogger(__name__)
 
@@ -216,11 +216,13 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
         num_heads: int,
         window: int | None = None,
+        qk_norm: QKNorm | None = None,
     ) -> torch.Tensor | None:
         if (
             self.rope_decode is None
-            or qkv.dtype != torch.float32
-            or k_cache.dtype != qkv.dtype  # the fused kernel writes a float32 cache only
+            or qkv.dtype != torch.float32  # (the cache may be float32 or 16-bit: it stores k, v rounded)
+            or k_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16)
+            or (qk_norm is not None and not all(w.dtype == torch.float32 and w.is_contiguous() for w in qk_norm[:2]))
             or meta.num_decode_tokens != meta.num_tokens
             or not isinstance(meta, TorchAttentionMetadata)
             or meta.write_rows is not None
@@ -229,9 +231,10 @@ class TorchAttentionBackend(AttentionBackend):
             return None
         assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
         cos, sin = cos_sin
+        q_w, k_w, eps = qk_norm if qk_norm is not None else (None, None, 0.0)
         return self.rope_decode(
             qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens,
-            num_heads, scale, _effective(window, meta),
+            num_heads, scale, _effective(window, meta), q_w, k_w, eps,
         )
 
     def forward(

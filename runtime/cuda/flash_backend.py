@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from servelm.runtime.attention.base import AttentionBackend, AttentionMetadata
+from servelm.runtime.attention.base import AttentionBackend, AttentionMetadata, QKNorm
 
 log = logging.getLogger(__name__)
 
@@ -173,11 +173,12 @@ class PagedCudaBackend(AttentionBackend):
         scale: float,
         num_heads: int,
         window: int | None = None,
+        qk_norm: QKNorm | None = None,
     ) -> torch.Tensor | None:
         """One Triton kernel rotates q and k and stores k and v (``runtime.cuda.triton_ops``), then
         ``_attend`` reads the pool; None (the model's own RoPE, then ``forward``) when the fused ops are off."""
         check_no_window(window, meta)
-        if not self.fused_rope:
+        if not self.fused_rope or qk_norm is not None:  # (no q/k norms in the Triton kernel)
             return None
         cos, sin = cos_sin  # [T, 1, D / 2] rows of the step
         q = self._ops.rope_store(qkv, cos[:, 0], sin[:, 0], k_cache, v_cache, meta.slot_mapping, num_heads)
@@ -311,12 +312,14 @@ class TritonPagedBackend(PagedCudaBackend):
         scale: float,
         num_heads: int,
         window: int | None = None,
+        qk_norm: QKNorm | None = None,
     ) -> torch.Tensor | None:
         """A decode-only step small enough for split-KV decode does RoPE, the K/V store and attention in
         one launch (``triton_decode.rope_paged_decode``, plus its merge): one kernel a layer fewer."""
         check_no_window(window, meta)
         if (
             self.fused_rope
+            and qk_norm is None
             and isinstance(meta, CudaAttentionMetadata)
             and meta.num_prefills == 0
             and meta.num_decodes

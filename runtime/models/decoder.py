@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from servelm.runtime import platform
-from servelm.runtime.attention.base import AttentionBackend, AttentionMetadata
+from servelm.runtime.attention.base import AttentionBackend, AttentionMetadata, QKNorm
 from servelm.runtime.config import ModelConfig
 from servelm.runtime.models.layers import (
     CosSin,
@@ -26,6 +26,7 @@ from servelm.runtime.models.layers import (
 )
 
 if TYPE_CHECKING:  # (lora imports this module: the layers it attaches to)
+    from servelm.runtime.gguf.layer import StoredStep
     from servelm.runtime.lora import LoRAContext
 
 
@@ -73,19 +74,33 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
+    @property
+    def qk_norm(self) -> QKNorm | None:
+        """The q/k norms as a fused backend takes them (float32 weights), or None: no norms."""
+        if self.q_norm is None or self.k_norm is None:
+            return None
+        return (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+
     def forward(self, x: torch.Tensor, cos_sin: CosSin, meta: AttentionMetadata) -> torch.Tensor:
         return self.attend(self.qkv_proj.forward(x), cos_sin, meta)
 
     def attend(self, qkv: torch.Tensor, cos_sin: CosSin, meta: AttentionMetadata) -> torch.Tensor:
         """Everything after the q/k/v projection: RoPE, the K/V store, attention and o_proj."""
+        return self.o_proj.forward(self.attend_heads(qkv, cos_sin, meta).reshape(qkv.shape[0], self.q_size))
+
+    def attend_heads(self, qkv: torch.Tensor, cos_sin: CosSin, meta: AttentionMetadata) -> torch.Tensor:
+        """Between the q/k/v projection and o_proj: the q/k norms, RoPE, the K/V store and attention;
+        ``[tokens, num_heads, head_dim]``."""
         t = qkv.shape[0]
-        if self.use_rope and self.q_norm is None and self.k_cache is not None and self.v_cache is not None:
-            # A backend may do RoPE, the K/V store and attention straight from the fused projection.
+        if self.use_rope and self.k_cache is not None and self.v_cache is not None:
+            # A backend may do (the q/k norms,) RoPE, the K/V store and attention straight from the
+            # fused projection.
+            kw = self.window_kw if self.qk_norm is None else {**self.window_kw, "qk_norm": self.qk_norm}
             fused = self.backend.forward_from_qkv(
-                qkv, cos_sin, self.k_cache, self.v_cache, meta, self.scale, self.num_heads, **self.window_kw
+                qkv, cos_sin, self.k_cache, self.v_cache, meta, self.scale, self.num_heads, **kw
             )
             if fused is not None:
-                return self.o_proj.forward(fused.reshape(t, self.q_size))
+                return fused
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
@@ -96,8 +111,7 @@ class Attention(nn.Module):
         k = qk[:, self.num_heads :]
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("KV cache not bound: call CausalLM.bind_kv_cache() first")
-        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, **self.window_kw)
-        return self.o_proj.forward(out.reshape(t, self.q_size))
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, **self.window_kw)
 
 
 class MLP(nn.Module):
@@ -156,6 +170,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, dtype, device)
         self.few_rows: FewRowKernels | None = None
         self.lora_ctx: LoRAContext | None = None  # set by runtime.lora.attach
+        # Projections kept as GGUF blocks: the few-row step in compiled calls (runtime.gguf.layer.attach)
+        self.stored_step: StoredStep | None = None
 
     def _few_rows_apply(self, rows: int) -> bool:
         # The fused kernels take the weights directly: a step with LoRA rows goes through the projections.
@@ -171,6 +187,11 @@ class DecoderLayer(nn.Module):
         are the same as ``h = h + attn(norm(h)); h = h + mlp(norm(h))``."""
         if self.few_rows is not None and self._few_rows_apply(x.shape[0]):
             return self._forward_few_rows(self.few_rows, x, residual, cos_sin, meta)
+        step = self.stored_step
+        if step is not None and x.shape[0] <= step.max_rows and x.dtype == torch.float32 and not (
+            self.lora_ctx is not None and self.lora_ctx.plan
+        ):
+            return step.forward(x, residual, cos_sin, meta)
         if residual is None:
             residual = x
             x = self.input_layernorm.forward(x)

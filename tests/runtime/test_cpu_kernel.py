@@ -117,8 +117,11 @@ def test_kernel_builds_where_a_compiler_exists():
         pytest.skip(f"{cpu_kernel.DISABLE_ENV} is set")
     assert cpu_kernel.load_kernel() is not None, "the kernel failed to build; see the logged warning"
     module = cpu_kernel._loader.get()
-    if "avx512f" in (cpu_kernel._cpu_flags() or set()):
+    flags = cpu_kernel._cpu_flags() or set()
+    if "avx512f" in flags:
         assert module.has_avx512, "built without the AVX-512 path on an AVX-512 CPU"
+    elif {"avx2", "fma", "f16c"} <= flags:
+        assert module.has_avx2, "built without the AVX2 path on an AVX2 CPU"
 
 
 SHAPES = [
@@ -155,6 +158,19 @@ def test_other_head_dims(request, impl, head_dim):
     gen = torch.Generator().manual_seed(head_dim)
     case = Case(gen, [1, 16, 17, 100, 250], group=2, kv_heads=2, head_dim=head_dim, block_size=16, num_blocks=64)
     torch.testing.assert_close(fn(*case.args()), reference(*case.args()), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("group,head_dim", [(6, 72), (5, 256), (8, 64)])
+def test_query_groups_beyond_four(kernel, group, head_dim, cache_dtype):
+    # The AVX2 path scores 4 queries per pass over a K row: 5, 6 and 8 take a second pass; 72 leaves
+    # a chunk of 8 after the 16-wide loop and no 64-wide one.
+    gen = torch.Generator().manual_seed(group)
+    case = Case(gen, [1, 15, 16, 33, 200], group=group, kv_heads=2, head_dim=head_dim, block_size=16, num_blocks=64)
+    q, k_cache, v_cache, *rest = case.args()
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    want = reference(q, k_cache.float(), v_cache.float(), *rest)
+    torch.testing.assert_close(kernel(q, k_cache, v_cache, *rest), want, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("block_size", [1, 5, 64])
@@ -406,3 +422,45 @@ def test_rope_write_decode_equals_the_unfused_ops(kernel):
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
     with pytest.raises(RuntimeError, match="outside the pool"):
         fused(qkv, cos, sin, kc, vc, slots + nblocks * bs, tables, lens, heads, 0.125)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_rope_write_decode_with_qk_norms_and_a_16_bit_cache(kernel, cache_dtype):
+    """Qwen3's and Gemma 3's q/k RMSNorms before RoPE, and a 16-bit pool (k and v stored rounded): the
+    fused call equals F.rms_norm per head, apply_rope, the rounded store and attention over that pool."""
+    from servelm.runtime.models.layers import apply_rope
+
+    fused = cpu_kernel.load_rope_decode()
+    assert fused is not None
+    g = torch.Generator().manual_seed(5)
+    heads, kv_heads, d, bs, nblocks, batch, eps = 4, 1, 256, 16, 24, 3, 1e-6
+    k_cache = torch.randn(nblocks, bs, kv_heads, d, generator=g).to(cache_dtype)
+    v_cache = torch.randn(nblocks, bs, kv_heads, d, generator=g).to(cache_dtype)
+    lens = torch.tensor([1, 30, 70], dtype=torch.int32)
+    tables = torch.randperm(nblocks, generator=g).to(torch.int32)[: batch * 5].view(batch, 5).contiguous()
+    slots = torch.tensor([int(tables[b, (n - 1) // bs]) * bs + (n - 1) % bs for b, n in enumerate(lens.tolist())])
+    qkv = torch.randn(batch, (heads + 2 * kv_heads) * d, generator=g) * 3
+    cos = torch.randn(batch, 1, d // 2, generator=g)
+    sin = torch.randn(batch, 1, d // 2, generator=g)
+    q_w = 1 + torch.randn(d, generator=g) * 0.1
+    k_w = 1 + torch.randn(d, generator=g) * 0.1
+
+    kc, vc = k_cache.clone(), v_cache.clone()
+    out = fused(qkv, cos, sin, kc, vc, slots, tables, lens, heads, 0.0625, window=48, q_norm=q_w, k_norm=k_w, norm_eps=eps)
+
+    qk = qkv[:, : (heads + kv_heads) * d].view(batch, heads + kv_heads, d)
+    qk = torch.cat((F.rms_norm(qk[:, :heads], (d,), q_w, eps), F.rms_norm(qk[:, heads:], (d,), k_w, eps)), dim=1)
+    qk = apply_rope(qk, (cos, sin))
+    v = qkv[:, (heads + kv_heads) * d :].view(batch, kv_heads, d)
+    rk, rv = k_cache.clone(), v_cache.clone()
+    rk.view(-1, kv_heads, d).index_copy_(0, slots, qk[:, heads:].to(cache_dtype))
+    rv.view(-1, kv_heads, d).index_copy_(0, slots, v.to(cache_dtype))
+    # The norm's sum may round apart from F.rms_norm's by an ulp; the rounded rows then differ by one
+    # step of their type at most.
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[cache_dtype]
+    torch.testing.assert_close(kc.float(), rk.float(), atol=tol, rtol=tol)
+    assert torch.equal(vc, rv)
+    want = reference(qk[:, :heads], rk.float(), rv.float(), tables, lens, 0.0625, window=48)
+    torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(RuntimeError, match="q_norm"):
+        fused(qkv, cos, sin, kc, vc, slots, tables, lens, heads, 0.0625, q_norm=q_w[:-1], k_norm=k_w, norm_eps=eps)

@@ -31,6 +31,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__F16C__)
@@ -41,15 +42,21 @@
 #else
 #define SERVELM_HAVE_AVX512 0
 #endif
+#if !SERVELM_HAVE_AVX512 && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SERVELM_HAVE_AVX2 1
+#else
+#define SERVELM_HAVE_AVX2 0
+#endif
 
 namespace {
 
 constexpr int kTile = 16;  // tokens per online-softmax update; also the AVX-512 lane count
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-// K/V rows (token x KV head) below which a call stays on one thread: ~10 us with warm caches. A decode
-// step's are cold (the layer's K/V was last read a whole step of weights ago): 600 rows took 61 us
-// on one core, and two balanced threads ran 1.6x faster.
-constexpr int64_t kMinRowsToParallelise = 512;
+// Work (K/V rows x query heads per KV head x head_dim) below which a call stays on one thread. A decode
+// step's rows are cold (the layer's K/V was last read a whole step of weights ago): 600 rows of the
+// default model (3 queries per KV head, head_dim 64) took 61 us on one core, and two balanced threads
+// ran 1.6x faster; Gemma 3's rows (4 queries, head_dim 256) weigh 5x as much each.
+constexpr int64_t kMinWorkToParallelise = 512 * 3 * 64;
 // A sequence's context is cut into slices (merged afterwards) only down to this many tokens.
 constexpr int64_t kMinSliceTokens = 64;
 
@@ -204,18 +211,21 @@ void attend_portable(const Problem& p, const TQ* q, const T* k, const T* v, int6
       tile_offsets(p, table, kvh, t0 + kTile, nn, next_offs);
       prefetch_rows(k, v, next_offs, nn, D);
     }
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = w.qs + g * D;
-      float* sg = w.s + g * kTile;
-      float tile_max = kNegInf;
-      for (int i = 0; i < nt; ++i) {
-        const auto* kr = as_floats(k + offs[i], D, w.row);
+    // Each K and V row is read (and a float16 row widened) once for the whole group of G queries.
+    for (int i = 0; i < nt; ++i) {
+      const auto* kr = as_floats(k + offs[i], D, w.row);
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = w.qs + g * D;
         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < D; ++d) dot += qg[d] * to_float(kr[d]);
-        sg[i] = dot;
-        tile_max = std::max(tile_max, dot);
+        w.s[g * kTile + i] = dot;
       }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float* sg = w.s + g * kTile;
+      float tile_max = kNegInf;
+      for (int i = 0; i < nt; ++i) tile_max = std::max(tile_max, sg[i]);
       const float m_new = std::max(w.m[g], tile_max);
       const float alpha = std::exp(w.m[g] - m_new);  // 0 on the first tile (m = -inf)
       w.m[g] = m_new;
@@ -230,9 +240,12 @@ void attend_portable(const Problem& p, const TQ* q, const T* k, const T* v, int6
       if (alpha != 1.0f) {
         for (int64_t d = 0; d < D; ++d) ag[d] *= alpha;
       }
-      for (int i = 0; i < nt; ++i) {
-        const auto* vr = as_floats(v + offs[i], D, w.row);
-        const float pi = sg[i];
+    }
+    for (int i = 0; i < nt; ++i) {
+      const auto* vr = as_floats(v + offs[i], D, w.row);
+      for (int64_t g = 0; g < G; ++g) {
+        float* ag = w.acc + g * D;
+        const float pi = w.s[g * kTile + i];
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) ag[d] += pi * to_float(vr[d]);
       }
@@ -369,6 +382,100 @@ void attend_avx512(const Problem& p, const TQ* q, const T* k, const T* v, int64_
 #endif  // SERVELM_HAVE_AVX512
 
 // ---------------------------------------------------------------------------------------------
+#if SERVELM_HAVE_AVX2
+// AVX2 + FMA (float32 queries over a float32 or float16 cache, head_dim a multiple of 8): the same
+// tiles and online softmax as the portable loop, with the work arranged for the FMA units. The portable
+// loop's dot products were one chain of dependent FMAs each, and each K/V row was widened once per
+// query head: Gemma 3's 4 queries per KV head at head_dim 256 ran ~4x slower than this.
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8(const c10::Half* x) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+}
+inline float hsum8(__m256 v) {
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  r = _mm_add_ss(r, _mm_movehdup_ps(r));
+  return _mm_cvtss_f32(r);
+}
+
+template <typename T>
+void attend_avx2(const Problem& p, const float* q, const T* k, const T* v, int64_t b, int64_t kvh,
+                 int64_t begin, int64_t n, Scratch& w) {
+  const int64_t D = p.head_dim, G = p.group;
+  const int32_t* table = p.block_tables + b * p.max_blocks;
+  load_group(p, q, b, kvh, D, w);
+  int64_t offs_a[kTile], offs_b[kTile];
+  int64_t* offs = offs_a;
+  int64_t* next_offs = offs_b;
+  if (begin < n) tile_offsets(p, table, kvh, begin, static_cast<int>(std::min<int64_t>(kTile, n - begin)), offs);
+  for (int64_t t0 = begin; t0 < n; t0 += kTile) {
+    const int nt = static_cast<int>(std::min<int64_t>(kTile, n - t0));
+    if (t0 + kTile < n) {
+      const int nn = static_cast<int>(std::min<int64_t>(kTile, n - t0 - kTile));
+      tile_offsets(p, table, kvh, t0 + kTile, nn, next_offs);
+      prefetch_rows(k, v, next_offs, nn, D);
+    }
+    // Scores: each K chunk is loaded once for up to 4 queries, two independent sums each.
+    for (int i = 0; i < nt; ++i) {
+      const T* kr = k + offs[i];
+      for (int64_t g0 = 0; g0 < G; g0 += 4) {
+        const int gn = static_cast<int>(std::min<int64_t>(4, G - g0));
+        __m256 acc[4][2];
+        for (int j = 0; j < 4; ++j) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+        int64_t d = 0;
+        for (; d + 16 <= D; d += 16) {
+          const __m256 k0 = load8(kr + d), k1 = load8(kr + d + 8);
+          for (int j = 0; j < gn; ++j) {
+            const float* qj = w.qs + (g0 + j) * D + d;
+            acc[j][0] = _mm256_fmadd_ps(_mm256_loadu_ps(qj), k0, acc[j][0]);
+            acc[j][1] = _mm256_fmadd_ps(_mm256_loadu_ps(qj + 8), k1, acc[j][1]);
+          }
+        }
+        if (d < D) {  // head_dim 8 mod 16
+          const __m256 k0 = load8(kr + d);
+          for (int j = 0; j < gn; ++j) acc[j][0] = _mm256_fmadd_ps(_mm256_loadu_ps(w.qs + (g0 + j) * D + d), k0, acc[j][0]);
+        }
+        for (int j = 0; j < gn; ++j) w.s[(g0 + j) * kTile + i] = hsum8(_mm256_add_ps(acc[j][0], acc[j][1]));
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float* sg = w.s + g * kTile;
+      float tile_max = kNegInf;
+      for (int i = 0; i < nt; ++i) tile_max = std::max(tile_max, sg[i]);
+      const float m_new = std::max(w.m[g], tile_max);
+      const float alpha = std::exp(w.m[g] - m_new);  // 0 on the first tile (m = -inf)
+      w.m[g] = m_new;
+      float sum = 0.0f;
+      for (int i = 0; i < nt; ++i) {
+        sg[i] = exp_nonpositive(sg[i] - m_new);
+        sum += sg[i];
+      }
+      w.l[g] = w.l[g] * alpha + sum;
+      // Values: the tile's rows summed into 8 chunks of the accumulator at a time (8 independent chains).
+      float* ag = w.acc + g * D;
+      const __m256 va = _mm256_set1_ps(alpha);
+      int64_t d = 0;
+      for (; d + 64 <= D; d += 64) {
+        __m256 a[8];
+        for (int c = 0; c < 8; ++c) a[c] = _mm256_mul_ps(_mm256_loadu_ps(ag + d + 8 * c), va);
+        for (int i = 0; i < nt; ++i) {
+          const __m256 pi = _mm256_set1_ps(sg[i]);
+          const T* vr = v + offs[i] + d;
+          for (int c = 0; c < 8; ++c) a[c] = _mm256_fmadd_ps(pi, load8(vr + 8 * c), a[c]);
+        }
+        for (int c = 0; c < 8; ++c) _mm256_storeu_ps(ag + d + 8 * c, a[c]);
+      }
+      for (; d < D; d += 8) {
+        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(ag + d), va);
+        for (int i = 0; i < nt; ++i) a = _mm256_fmadd_ps(_mm256_set1_ps(sg[i]), load8(v + offs[i] + d), a);
+        _mm256_storeu_ps(ag + d, a);
+      }
+    }
+    std::swap(offs, next_offs);
+  }
+}
+#endif  // SERVELM_HAVE_AVX2
+
 // Attention of sequence b's query group for KV head kvh over its tokens [begin, end): the softmax
 // state (running max, denominator, unnormalised output) is left in the scratch.
 using AttendFn = void (*)(const Problem&, const void*, const void*, const void*, int64_t, int64_t,
@@ -380,6 +487,15 @@ void portable_entry(const Problem& p, const void* q, const void* k, const void* 
   attend_portable<TQ, T, kD>(p, static_cast<const TQ*>(q), static_cast<const T*>(k),
                          static_cast<const T*>(v), b, kvh, begin, end, w);
 }
+
+#if SERVELM_HAVE_AVX2
+template <typename T>
+void avx2_entry(const Problem& p, const void* q, const void* k, const void* v, int64_t b, int64_t kvh,
+                int64_t begin, int64_t end, Scratch& w) {
+  attend_avx2<T>(p, static_cast<const float*>(q), static_cast<const T*>(k), static_cast<const T*>(v), b, kvh,
+                 begin, end, w);
+}
+#endif
 
 #if SERVELM_HAVE_AVX512
 template <typename TQ, typename T, int kC>
@@ -405,6 +521,10 @@ AttendFn choose(int64_t head_dim, bool allow_simd) {
     if (head_dim == 64) return avx512_entry<TQ, T, 4>;
     if (head_dim == 128) return avx512_entry<TQ, T, 8>;
     return avx512_entry<TQ, T, 0>;
+  }
+#elif SERVELM_HAVE_AVX2
+  if constexpr (std::is_same_v<TQ, float> && (std::is_same_v<T, float> || std::is_same_v<T, c10::Half>)) {
+    if (allow_simd && head_dim % 8 == 0) return avx2_entry<T>;
   }
 #else
   (void)allow_simd;
@@ -512,7 +632,7 @@ at::Tensor run(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tens
   // microseconds on an idle machine and milliseconds on a busy one.
   const int64_t threads = at::get_num_threads();
   const int64_t pairs = B * KVH;
-  const bool parallel = threads > 1 && total_tokens * KVH >= kMinRowsToParallelise;
+  const bool parallel = threads > 1 && total_tokens * KVH * p.group * D >= kMinWorkToParallelise;
   // Too few pairs to keep the threads evenly busy (batch 1: 3 KV heads on 2 threads): each pair's
   // context is cut into slices ("split-K"), whose softmax states are merged afterwards.
   int64_t splits = 1;
@@ -606,17 +726,85 @@ __attribute__((optimize("fp-contract=off"))) void rotate_head(const float* x, co
   }
 }
 
-// A decode-only step of one layer in one call: rotate q and k of every token (fused qkv rows
-// [q heads | k heads | v heads]), write k and v at their slots (slot < 0: not written), then decode
-// attention over the pool. Replaces ~15 small torch ops per layer. float32 only.
+// RMS-normalise one head, x * rsqrt(mean(x^2) + eps) * w, in float32 as F.rms_norm computes it (the
+// q/k norms of Qwen3 and Gemma 3; Gemma's 1 + w is already folded into w).
+void rms_head(const float* x, const float* w, float eps, float* dst, int64_t D) {
+  float ss = 0.0f;
+  for (int64_t d = 0; d < D; ++d) ss += x[d] * x[d];
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
+  for (int64_t d = 0; d < D; ++d) dst[d] = x[d] * r * w[d];
+}
+
+template <typename T>
+inline void store_row(const float* src, T* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, src, sizeof(float) * n);
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);  // rounded to the cache's type
+  }
+}
+
+// Rotate (and first normalise, with q/k norms) q and k of every token, and write k and v at their slots
+// in a cache of type T (float32, or a 16-bit pool that stores them rounded).
+template <typename T>
+void rope_store(const float* src, const float* cp, const float* sp, const int64_t* slot, int64_t B, int64_t H,
+                int64_t KVH, int64_t D, const float* qn, const float* kn, float eps, float* qp, T* kc, T* vc) {
+  const int64_t half = D / 2, row = (H + 2 * KVH) * D;
+  std::vector<float> tmp(D);
+  for (int64_t b = 0; b < B; ++b) {
+    const float* x = src + b * row;
+    const float* c = cp + b * half;
+    const float* s = sp + b * half;
+    for (int64_t h = 0; h < H; ++h) {
+      float* qd = qp + (b * H + h) * D;
+      const float* in = x + h * D;
+      if (qn != nullptr) {
+        rms_head(in, qn, eps, qd, D);
+        in = qd;  // rotate_head reads each pair before writing it: in place is safe
+      }
+      rotate_head(in, c, s, qd, half);
+    }
+    if (slot[b] < 0) continue;
+    T* kd = kc + slot[b] * KVH * D;
+    T* vd = vc + slot[b] * KVH * D;
+    for (int64_t h = 0; h < KVH; ++h) {
+      const float* in = x + (H + h) * D;
+      if (kn != nullptr) {
+        rms_head(in, kn, eps, tmp.data(), D);
+        in = tmp.data();
+      }
+      if constexpr (std::is_same_v<T, float>) {
+        rotate_head(in, c, s, kd + h * D, half);
+      } else {
+        rotate_head(in, c, s, tmp.data(), half);
+        store_row(tmp.data(), kd + h * D, D);
+      }
+    }
+    store_row(x + (H + KVH) * D, vd, KVH * D);
+  }
+}
+
+const float* norm_weight(const c10::optional<at::Tensor>& w, int64_t D, const char* what) {
+  if (!w.has_value() || !w->defined()) return nullptr;
+  TORCH_CHECK(w->scalar_type() == at::kFloat && w->is_contiguous() && w->numel() == D,
+              "rope_write_decode: ", what, " must be contiguous float32 [head_dim]");
+  return w->data_ptr<float>();
+}
+
+// A decode-only step of one layer in one call: (q/k norms,) rotate q and k of every token (fused qkv
+// rows [q heads | k heads | v heads]), write k and v at their slots (slot < 0: not written), then
+// decode attention over the pool. Replaces ~15 small torch ops per layer (~25 with q/k norms and a
+// 16-bit cache). float32 activations; the cache float32, bfloat16 or float16.
 at::Tensor rope_write_decode(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
                              const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping_in,
                              const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads,
-                             double scale, int64_t window) {
+                             double scale, int64_t window, const c10::optional<at::Tensor>& q_norm,
+                             const c10::optional<at::Tensor>& k_norm, double norm_eps) {
   const at::Tensor qkv = qkv_in.contiguous();
-  TORCH_CHECK(qkv.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat,
-              "rope_write_decode: float32 only");
+  const auto kv_dtype = k_cache.scalar_type();
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && v_cache.scalar_type() == kv_dtype &&
+                  (kv_dtype == at::kFloat || kv_dtype == at::kHalf || kv_dtype == at::kBFloat16),
+              "rope_write_decode: float32 qkv, and a float32, float16 or bfloat16 cache");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous(),
               "rope_write_decode: contiguous [num_blocks, block_size, num_kv_heads, head_dim] caches expected");
@@ -631,29 +819,28 @@ at::Tensor rope_write_decode(const at::Tensor& qkv_in, const at::Tensor& cos_in,
   const at::Tensor slot_mapping = slot_mapping_in.contiguous();
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == B,
               "rope_write_decode: slot_mapping must be int64 [batch]");
+  const float* qn = norm_weight(q_norm, D, "q_norm");
+  const float* kn = norm_weight(k_norm, D, "k_norm");
   at::Tensor q = at::empty({B, num_heads, D}, qkv.options());
-  const float* src = qkv.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
   const int64_t* slot = slot_mapping.data_ptr<int64_t>();
-  float* qp = q.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
-  const int64_t row = (num_heads + 2 * KVH) * D;
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(slot[b] < slots, "slot_mapping[", b, "] = ", slot[b], " is outside the pool of ", slots, " slots");
   }
   // Tiny work per token (a few hundred floats): one thread; the attention below is parallel.
-  for (int64_t b = 0; b < B; ++b) {
-    const float* x = src + b * row;
-    const float* c = cp + b * half;
-    const float* s = sp + b * half;
-    for (int64_t h = 0; h < num_heads; ++h) rotate_head(x + h * D, c, s, qp + (b * num_heads + h) * D, half);
-    if (slot[b] < 0) continue;
-    float* kd = kc + slot[b] * KVH * D;
-    float* vd = vc + slot[b] * KVH * D;
-    for (int64_t h = 0; h < KVH; ++h) rotate_head(x + (num_heads + h) * D, c, s, kd + h * D, half);
-    std::memcpy(vd, x + (num_heads + KVH) * D, sizeof(float) * KVH * D);
+  const float* src = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const float eps = static_cast<float>(norm_eps);
+  float* qp = q.data_ptr<float>();
+  if (kv_dtype == at::kFloat) {
+    rope_store(src, cp, sp, slot, B, num_heads, KVH, D, qn, kn, eps, qp, k_cache.data_ptr<float>(),
+               v_cache.data_ptr<float>());
+  } else if (kv_dtype == at::kHalf) {
+    rope_store(src, cp, sp, slot, B, num_heads, KVH, D, qn, kn, eps, qp, k_cache.data_ptr<c10::Half>(),
+               v_cache.data_ptr<c10::Half>());
+  } else {
+    rope_store(src, cp, sp, slot, B, num_heads, KVH, D, qn, kn, eps, qp, k_cache.data_ptr<c10::BFloat16>(),
+               v_cache.data_ptr<c10::BFloat16>());
   }
   return run(q, k_cache, v_cache, block_tables, seq_lens, scale, c10::nullopt, /*allow_simd=*/true, window);
 }
@@ -716,7 +903,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Decode-only layer step: RoPE on q/k from fused qkv rows, k/v written at their slots, paged attention",
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("slot_mapping"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("num_heads"),
-        py::arg("scale"), py::arg("window") = 0, py::call_guard<py::gil_scoped_release>());
+        py::arg("scale"), py::arg("window") = 0, py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(),
+        py::arg("norm_eps") = 0.0, py::call_guard<py::gil_scoped_release>());
   m.def("compiled_isa", &compiled_isa);
   m.attr("has_avx512") = py::bool_(SERVELM_HAVE_AVX512 != 0);
+  m.attr("has_avx2") = py::bool_(SERVELM_HAVE_AVX2 != 0);
 }
