@@ -27,6 +27,7 @@ from servelm.runtime.kv_cache import KVPool
 from servelm.runtime.models.layers import FewRowKernels, RotaryEmbedding
 from servelm.runtime.platform import host_to_device
 from servelm.runtime.gguf.folder import gguf_source
+from servelm.runtime.gguf import layer as stored_layer
 from servelm.runtime.gguf.projection import GGUF_ACTIVATIONS, use_int8_activations
 from servelm.runtime.quantization import AUTO, NONE, QUANTIZATION_LABELS, check_group_widths, projection_widths
 from servelm.runtime.quantization_setup import check_quantization, quantize_model
@@ -125,6 +126,8 @@ class ModelRunner:
         self.model = self.load_model(model_dir, model_config)
         if gguf_activations == "int8":
             use_int8_activations(self.model.stored_methods())
+        if self.weights_as_stored:
+            stored_layer.attach(self.model)
         kernels = platform.quantized_kernels(self.device) if quantization not in (None, NONE) else {}
         quantization = quantize_model(self.model, quantization, kernels, self.device, dtype, widths)
         self.quantized_kernels = kernels if quantization else {}

@@ -837,18 +837,19 @@ inline float hsum(__m256 s) {
   return _mm_cvtss_f32(r);
 }
 
-// The 32 quants of a 32-element block as bytes: unsigned (formats with a minimum) or signed.
+// The 32 quants of a 32-element block as bytes: signed (Q8_0), or unsigned u with w = u - kOffset.
+// Q4_0 and Q5_0 multiply their unsigned codes (maddubs takes them as they are: no sign trick, no
+// subtraction) and take kOffset * d_w * (d_x * sum of x's quants) off per block instead.
 template <int Q> struct Bytes32;
-template <> struct Bytes32<Q4_0> { static constexpr bool kSigned = true;
-  static __m256i get(const uint8_t* b) { return _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8)); } };
-template <> struct Bytes32<Q4_1> { static constexpr bool kSigned = false;
+template <> struct Bytes32<Q4_0> { static constexpr bool kSigned = false; static constexpr int kOffset = 8;
+  static __m256i get(const uint8_t* b) { return nibbles32(b + 2); } };
+template <> struct Bytes32<Q4_1> { static constexpr bool kSigned = false; static constexpr int kOffset = 0;
   static __m256i get(const uint8_t* b) { return nibbles32(b + 4); } };
-template <> struct Bytes32<Q5_0> { static constexpr bool kSigned = true;
-  static __m256i get(const uint8_t* b) {
-    return _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), fifth_bits(u32(b + 2))), _mm256_set1_epi8(16)); } };
-template <> struct Bytes32<Q5_1> { static constexpr bool kSigned = false;
+template <> struct Bytes32<Q5_0> { static constexpr bool kSigned = false; static constexpr int kOffset = 16;
+  static __m256i get(const uint8_t* b) { return _mm256_or_si256(nibbles32(b + 6), fifth_bits(u32(b + 2))); } };
+template <> struct Bytes32<Q5_1> { static constexpr bool kSigned = false; static constexpr int kOffset = 0;
   static __m256i get(const uint8_t* b) { return _mm256_or_si256(nibbles32(b + 8), fifth_bits(u32(b + 4))); } };
-template <> struct Bytes32<Q8_0> { static constexpr bool kSigned = true;
+template <> struct Bytes32<Q8_0> { static constexpr bool kSigned = true; static constexpr int kOffset = 0;
   static __m256i get(const uint8_t* b) { return load256(b + 2); } };
 
 // Output row n of a 32-element format for M rows of x'. One chain per row and block phase (A of
@@ -876,7 +877,9 @@ inline void int8_rows32(const LinearArgs& a, const QuantX& xq, int64_t n, int64_
       const __m256i p16 = B::kSigned ? dot_i8_pairs(w, xv) : _mm256_maddubs_epi16(w, xv);
       const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones16()));
       acc[m][c] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * xq.d[size_t((m0 + m) * nblk + blk)]), acc[m][c]);
+      // What each block adds besides its products: its minimum, or minus its codes' offset, times x's sum.
       if constexpr (F::has_min) mins[m] += f16(b + 2) * xq.dsum32[size_t((m0 + m) * nblk + blk)];
+      if constexpr (B::kOffset != 0) mins[m] -= float(B::kOffset) * dw * xq.dsum32[size_t((m0 + m) * nblk + blk)];
     }
   };
   int64_t blk = 0;
@@ -1117,18 +1120,17 @@ const float* check_out_bias(const at::Tensor& out, const c10::optional<at::Tenso
   return bias->data_ptr<float>();
 }
 
-void gguf_linear_parts(const at::Tensor& x, const std::vector<at::Tensor>& blocks, const std::vector<int64_t>& qtypes,
-                       const at::Tensor& out, const c10::optional<at::Tensor>& bias, bool int8_x) {
-  const float* xp = check_x(x, "gguf_linear_parts");
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(!blocks.empty() && blocks.size() == qtypes.size(), "gguf_linear_parts: one qtype per part, at least one part");
+// The parts of a fused projection of x [M, K] (checked), each writing its columns of out in order.
+std::vector<Part> make_parts(const float* xp, int64_t M, int64_t K, const std::vector<at::Tensor>& blocks,
+                             const std::vector<int64_t>& qtypes, const at::Tensor& out,
+                             const c10::optional<at::Tensor>& bias, const char* fn) {
+  TORCH_CHECK(!blocks.empty() && blocks.size() == qtypes.size(), fn, ": one qtype per part, at least one part");
   int64_t N = 0;
   for (size_t i = 0; i < blocks.size(); ++i) {
     check_blocks(blocks[i], qtypes[i], K);
     N += blocks[i].size(0);
   }
-  const float* b = check_out_bias(out, bias, M, N, "gguf_linear_parts");
-  if (M == 0 || N == 0) return;
+  const float* b = check_out_bias(out, bias, M, N, fn);
   std::vector<Part> parts;
   int64_t col = 0;
   for (size_t i = 0; i < blocks.size(); ++i) {
@@ -1139,7 +1141,114 @@ void gguf_linear_parts(const at::Tensor& x, const std::vector<at::Tensor>& block
                      blocks[i].size(1)});
     col += n;
   }
+  return parts;
+}
+
+void gguf_linear_parts(const at::Tensor& x, const std::vector<at::Tensor>& blocks, const std::vector<int64_t>& qtypes,
+                       const at::Tensor& out, const c10::optional<at::Tensor>& bias, bool int8_x) {
+  const float* xp = check_x(x, "gguf_linear_parts");
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<Part> parts = make_parts(xp, M, K, blocks, qtypes, out, bias, "gguf_linear_parts");
+  if (M == 0) return;
   run_parts(parts, xp, M, K, int8_x);
+}
+
+// x * rsqrt(mean(x^2) + eps) * w, as F.rms_norm computes it in float32 (its sum here in double).
+inline void rms_row(const float* x, const float* w, float eps, float* dst, int64_t K) {
+  double ss = 0.0;
+  for (int64_t k = 0; k < K; ++k) ss += double(x[k]) * x[k];
+  const float r = 1.0f / std::sqrt(float(ss / double(K)) + eps);
+  for (int64_t k = 0; k < K; ++k) dst[k] = x[k] * r * w[k];
+}
+
+const float* check_vec(const c10::optional<at::Tensor>& w, int64_t K, const char* fn, const char* what) {
+  if (!w.has_value() || !w->defined()) return nullptr;
+  TORCH_CHECK(w->scalar_type() == at::kFloat && w->is_contiguous() && w->numel() == K && w->device().is_cpu(),
+              fn, ": ", what, " must be contiguous float32 [", K, "]");
+  return w->data_ptr<float>();
+}
+
+// The norm before a projection and the projection, in one call for a step of a few rows:
+// r = (pre_w ? rms(x) * pre_w : x) + residual (r = x without a residual: the first layer), then
+// out = (rms(r) * norm_w) W^T (+ bias). Returns r, the residual stream after the add. pre_w is Gemma
+// 3's norm of the attention's output before its residual add.
+at::Tensor gguf_norm_linear(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                            const c10::optional<at::Tensor>& pre_w, const at::Tensor& norm_w, double eps,
+                            const std::vector<at::Tensor>& blocks, const std::vector<int64_t>& qtypes,
+                            const at::Tensor& out, const c10::optional<at::Tensor>& bias, bool int8_x) {
+  const char* fn = "gguf_norm_linear";
+  const float* xp = check_x(x, fn);
+  const int64_t M = x.size(0), K = x.size(1);
+  const float* nw = check_vec(norm_w, K, fn, "norm_w");
+  const float* pw = check_vec(pre_w, K, fn, "pre_w");
+  const bool has_residual = residual.has_value() && residual->defined();
+  TORCH_CHECK(has_residual || pw == nullptr, fn, ": pre_w needs a residual");
+  at::Tensor r = x;
+  if (has_residual) {
+    const float* rp = check_x(*residual, fn);
+    TORCH_CHECK(residual->size(0) == M && residual->size(1) == K, fn, ": residual must be shaped like x");
+    r = at::empty({M, K}, at::kFloat);
+    float* sum = r.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xm = xp + m * K;
+      float* sm = sum + m * K;
+      if (pw != nullptr) {
+        rms_row(xm, pw, float(eps), sm, K);
+        xm = sm;
+      }
+      for (int64_t k = 0; k < K; ++k) sm[k] = xm[k] + rp[m * K + k];
+    }
+  }
+  // The normalised rows: per thread, kept between calls (workers read them through the pointer).
+  thread_local std::vector<float> normed;
+  normed.resize(size_t(M * K));
+  const float* rp = r.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) rms_row(rp + m * K, nw, float(eps), normed.data() + m * K, K);
+  std::vector<Part> parts = make_parts(normed.data(), M, K, blocks, qtypes, out, bias, fn);
+  if (M > 0) run_parts(parts, normed.data(), M, K, int8_x);
+  return r;
+}
+
+// The projection after the gated activation, in one call for a step of a few rows:
+// out = (act(gate) * up) W^T (+ bias) for gate_up [M, 2I] = [gate | up], act GELU (tanh approximation)
+// or SiLU as torch computes them; then, with post_w, each out row becomes rms(out) * post_w (Gemma 3's
+// norm of the MLP's output).
+void gguf_act_mul_linear(const at::Tensor& gate_up, bool gelu, const std::vector<at::Tensor>& blocks,
+                         const std::vector<int64_t>& qtypes, const at::Tensor& out,
+                         const c10::optional<at::Tensor>& bias, bool int8_x, const c10::optional<at::Tensor>& post_w,
+                         double eps) {
+  const char* fn = "gguf_act_mul_linear";
+  const float* gp = check_x(gate_up, fn);
+  const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
+  TORCH_CHECK(gate_up.size(1) == 2 * I, fn, ": gate_up must be [M, 2 * intermediate]");
+  thread_local std::vector<float> act;
+  act.resize(size_t(M * I));
+  for (int64_t m = 0; m < M; ++m) {
+    const float* g = gp + m * 2 * I;
+    const float* u = g + I;
+    float* a = act.data() + m * I;
+    if (gelu) {
+      constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;  // sqrt(2 / pi)
+      for (int64_t i = 0; i < I; ++i) {
+        const float v = g[i];
+        a[i] = 0.5f * v * (1.0f + std::tanh(kBeta * (v + kKappa * v * v * v))) * u[i];
+      }
+    } else {
+      for (int64_t i = 0; i < I; ++i) a[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    }
+  }
+  std::vector<Part> parts = make_parts(act.data(), M, I, blocks, qtypes, out, bias, fn);
+  const int64_t N = out.size(1);
+  const float* pw = check_vec(post_w, N, fn, "post_w");
+  if (M == 0) return;
+  run_parts(parts, act.data(), M, I, int8_x);
+  if (pw == nullptr) return;
+  std::vector<float> row(N);
+  float* o = out.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    rms_row(o + m * out.stride(0), pw, float(eps), row.data(), N);
+    std::memcpy(o + m * out.stride(0), row.data(), sizeof(float) * N);
+  }
 }
 
 void gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, const at::Tensor& out,
@@ -1242,6 +1351,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out[M, sum N_i] = x @ [W_0; W_1; ...]^T (+ bias): parts of a fused projection, concatenated along N",
         py::arg("x"), py::arg("blocks"), py::arg("qtypes"), py::arg("out"), py::arg("bias") = py::none(),
         py::arg("int8_x") = false, py::call_guard<py::gil_scoped_release>());
+  m.def("gguf_norm_linear", &gguf_norm_linear,
+        "r = (pre_w ? rms(x) pre_w : x) + residual; out = (rms(r) norm_w) @ W^T (+ bias); returns r",
+        py::arg("x"), py::arg("residual"), py::arg("pre_w"), py::arg("norm_w"), py::arg("eps"), py::arg("blocks"),
+        py::arg("qtypes"), py::arg("out"), py::arg("bias") = py::none(), py::arg("int8_x") = false,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gguf_act_mul_linear", &gguf_act_mul_linear,
+        "out = (act(gate) * up) @ W^T (+ bias), act GELU-tanh or SiLU; then rms(out) post_w with post_w",
+        py::arg("gate_up"), py::arg("gelu"), py::arg("blocks"), py::arg("qtypes"), py::arg("out"),
+        py::arg("bias") = py::none(), py::arg("int8_x") = false, py::arg("post_w") = py::none(),
+        py::arg("eps") = 0.0, py::call_guard<py::gil_scoped_release>());
   m.def("gguf_round_x", &gguf_round_x, "x rounded as int8_x rounds it, back as float32 [M, K]",
         py::arg("x"), py::arg("blk"), py::call_guard<py::gil_scoped_release>());
   m.def("gguf_quantize_x", &gguf_quantize_x, "x rounded to int8 per block of blk as int8_x rounds it: (d, q)",
