@@ -31,6 +31,11 @@ MIN_TILE_ROWS = 16
 # (Q4_K 2048x2048 M=32: 7.2 vs 12.9 ms; M=64: 14.7 vs 8.3) and far beyond on a vocabulary head.
 KERNEL_MAX_ROWS = 32
 KERNEL_CHUNK = 8
+# With int8 activations the kernel's integer dots outrun the tiles further (same host, 2026-12-03,
+# 2 threads): the K-quants' (~155-170 GFLOP/s against the tiles' 100-155) at every size measured up to
+# 512 rows; the 32-element formats' (~90-105) up to ~96 rows (Q5_0 4096x640 at 96 rows: 5.6 vs 7.3 ms;
+# at 128: 7.5 vs 6.9), which a prefill chunk shared with 32 decodes often is.
+INT8_KERNEL_MAX_ROWS = {32: 96, 256: 512}
 
 
 def tile_rows_for(in_features: int, tile_bytes: int = TILE_BYTES) -> int:
@@ -125,9 +130,12 @@ class GGUFMethod:
         self.apply_into(rows, out, bias)
         return out.reshape(*x.shape[:-1], self.out_features)
 
-    def apply_into(self, rows: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def apply_into(
+        self, rows: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, rounded: dict[int, torch.Tensor] | None = None
+    ) -> None:
         """Write ``rows W^T (+ bias)`` into ``out`` ``[M, out_features]`` (a column slice of a wider
-        output is fine: the fused projections write each part into its own columns)."""
+        output is fine: the fused projections write each part into its own columns). ``rounded``: the
+        int8 path's x' per activation block, shared by a fused projection's parts (rounded once)."""
         if self.kernel is not None and rows.shape[0] <= self.kernel_max_rows and rows.dtype == torch.float32:
             rows = rows.contiguous()
             chunk = getattr(self.kernel, "pass_rows", KERNEL_CHUNK)  # rows one pass over W serves
@@ -139,10 +147,15 @@ class GGUFMethod:
             return
         if self.int8_x:  # the same W x' as the kernel's
             block = activation_block(self.qtype)
-            if self.kernel is not None and rows.dtype == torch.float32:
-                rows = self.kernel.gguf_round_x(rows.contiguous(), block)
-            else:
-                rows = round_activations(rows, block)
+            x = rounded.get(block) if rounded is not None else None
+            if x is None:
+                if self.kernel is not None and rows.dtype == torch.float32:
+                    x = self.kernel.gguf_round_x(rows.contiguous(), block)
+                else:
+                    x = round_activations(rows, block)
+                if rounded is not None:
+                    rounded[block] = x
+            rows = x
         for start in range(0, self.out_features, self.tile_rows):
             stop = min(start + self.tile_rows, self.out_features)
             tile = self.dequantize_rows(start, stop)
@@ -211,8 +224,9 @@ class GGUFShardedMethod:
                 chunk = slice(s, s + step)
                 self.fused_kernel.gguf_linear_parts(rows[chunk], self.fused_blocks, self.fused_qtypes, out[chunk], bias, int8_x)
         else:
+            rounded: dict[int, torch.Tensor] = {}  # int8: x' per activation block, once for all parts
             for cols, method in self.parts:
-                method.apply_into(rows, out[:, cols], bias[cols] if bias is not None else None)
+                method.apply_into(rows, out[:, cols], bias[cols] if bias is not None else None, rounded)
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
@@ -274,6 +288,7 @@ def use_int8_activations(methods: list[Any]) -> int:
         for part in parts:
             if isinstance(part, GGUFMethod) and activation_block(part.qtype):
                 part.int8_x = method.int8_x = True
+                part.kernel_max_rows = INT8_KERNEL_MAX_ROWS[activation_block(part.qtype)]
                 changed += 1
     return changed
 

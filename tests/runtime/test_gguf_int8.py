@@ -21,7 +21,13 @@ from gguf import GGMLQuantizationType as Q
 from test_gguf_kernels import module  # noqa: F401  (the compiled module, or a skip where it cannot be built)
 
 from servelm.runtime.gguf import kernels
-from servelm.runtime.gguf.projection import GGUFMethod, activation_block, round_activations, use_int8_activations
+from servelm.runtime.gguf.projection import (
+    INT8_KERNEL_MAX_ROWS,
+    GGUFMethod,
+    activation_block,
+    round_activations,
+    use_int8_activations,
+)
 from servelm.runtime.gguf.registry import BLOCK_LAYOUT
 
 QUANTIZED = sorted(kernels.KERNEL_TYPES - {Q.F32, Q.F16, Q.BF16})
@@ -116,17 +122,24 @@ def test_a_non_finite_row_fails_alone(module, qtype: Q) -> None:
 
 @pytest.mark.parametrize("qtype", (Q.Q4_1, Q.Q6_K), ids=lambda q: q.name)
 def test_method_gives_the_same_product_at_any_batch_size(module, qtype: Q) -> None:
-    """Rows served by the kernel (<= KERNEL_MAX_ROWS) and by the dequantized tile (more rows) compute
-    the same ``W x'``: a request's tokens do not depend on how many others share its step."""
+    """Rows served by the kernel (one pass, or several of pass_rows, up to the format's
+    INT8_KERNEL_MAX_ROWS) and by the dequantized tile (more rows) compute the same ``W x'``: a
+    request's tokens do not depend on how many others share its step."""
     k, n = 512, 64
     blocks = weight(qtype, n, k, seed=3)
     method = GGUFMethod(blocks.reshape(-1), qtype, (n, k))
     assert use_int8_activations([method]) == 1 and method.int8_x
-    x = activations(40, k, seed=3)
-    batched = method.apply(x)  # 40 rows: the tile path
+    most = INT8_KERNEL_MAX_ROWS[activation_block(qtype)]
+    assert method.kernel_max_rows == most
+    x = activations(most + 1, k, seed=3)
+    tiled = method.apply(x)  # one row past the kernel's: the tile path
+    passes = method.apply(x[:40])  # the kernel, in passes of pass_rows
     alone = torch.cat([method.apply(x[i : i + 1]) for i in range(4)])  # one row at a time: the kernel
-    assert_within_sum_order(batched, round_activations(x, activation_block(qtype)), gguf_dequantized(blocks, qtype, k))
-    torch.testing.assert_close(batched[:4], alone, rtol=1e-5, atol=1e-5 * float(alone.abs().max()))
+    assert_within_sum_order(tiled, round_activations(x, activation_block(qtype)), gguf_dequantized(blocks, qtype, k))
+    assert_within_sum_order(passes, round_activations(x[:40], activation_block(qtype)), gguf_dequantized(blocks, qtype, k))
+    tol = 1e-5 * float(alone.abs().max())
+    torch.testing.assert_close(tiled[:40], passes, rtol=1e-5, atol=tol)
+    torch.testing.assert_close(passes[:4], alone, rtol=1e-5, atol=tol)
 
 
 def test_float_weights_keep_float_activations() -> None:

@@ -78,6 +78,20 @@ inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& mn) {
   }
 }
 
+// All 8 (scale, minimum) pairs of a Q4_K / Q5_K block at once, as bytes: the same fields as
+// scale_min_k4, taken 4 at a time from the 32-bit words of the 12 packed bytes.
+inline void scales_mins_k4(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
+  const uint32_t w0 = u32(s), w1 = u32(s + 4), w2 = u32(s + 8);
+  const uint32_t low6 = 0x3F3F3F3Fu, low4 = 0x0F0F0F0Fu, top2 = 0x03030303u;
+  const uint32_t sc_lo = w0 & low6, mn_lo = w1 & low6;
+  const uint32_t sc_hi = (w2 & low4) | (((w0 >> 6) & top2) << 4);
+  const uint32_t mn_hi = ((w2 >> 4) & low4) | (((w1 >> 6) & top2) << 4);
+  std::memcpy(sc, &sc_lo, 4);
+  std::memcpy(sc + 4, &sc_hi, 4);
+  std::memcpy(mn, &mn_lo, 4);
+  std::memcpy(mn + 4, &mn_hi, 4);
+}
+
 #if SERVELM_GGUF_AVX2
 inline __m128i hi8(__m128i v) { return _mm_srli_si128(v, 8); }
 inline __m128i load128(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
@@ -780,8 +794,49 @@ struct QuantX {
   std::vector<float> dsum32;   // [M * K / 32]: d * (sum of q over 32), for the formats with a minimum
 };
 
-// Round half to even, as _mm256_cvtps_epi32 does under the default rounding mode.
-inline int round_even(float v) { return int(std::nearbyint(v)); }
+
+// One block of blk elements: its scale d and int8 quants q. Returns d (NaN if the block has a non-finite value).
+inline float quantize_block(const float* xb, int blk, int8_t* q) {
+  float amax = 0.0f;
+  bool finite = true;
+#if SERVELM_GGUF_AVX2
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 vmax = _mm256_setzero_ps(), vfin = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+  const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  for (int i = 0; i < blk; i += 8) {
+    const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i));
+    vmax = _mm256_max_ps(vmax, a);
+    vfin = _mm256_and_ps(vfin, _mm256_cmp_ps(a, inf, _CMP_LT_OQ));  // false for inf and NaN
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  amax = _mm_cvtss_f32(m);
+  finite = _mm256_movemask_ps(vfin) == 0xFF;
+#else
+  for (int i = 0; i < blk; ++i) {
+    finite &= std::isfinite(xb[i]);
+    amax = std::max(amax, std::fabs(xb[i]));
+  }
+#endif
+  // A non-finite activation must surface as NaN in the output (a faulty row), never as zeros.
+  const float d = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+  const float id = (finite && d > 0.0f) ? 1.0f / d : 0.0f;
+#if SERVELM_GGUF_AVX2
+  // cvtps rounds half to even under the default rounding mode, as std::nearbyint does.
+  const __m256 vid = _mm256_set1_ps(id);
+  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+  for (int i = 0; i < blk; i += 8) {
+    __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i), vid));
+    v = _mm256_min_epi32(_mm256_max_epi32(v, lo), hi);
+    const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), _mm_packs_epi16(w16, w16));
+  }
+#else
+  for (int i = 0; i < blk; ++i) q[i] = int8_t(std::clamp(int(std::nearbyint(xb[i] * id)), -127, 127));
+#endif
+  return d;
+}
 
 void quantize_x(const float* x, int64_t M, int64_t K, int blk, QuantX& out) {
   out.blk = blk;
@@ -790,21 +845,7 @@ void quantize_x(const float* x, int64_t M, int64_t K, int blk, QuantX& out) {
   out.q.resize(size_t(M * K));
   out.sum16.resize(size_t(M * K / 16));
   out.dsum32.resize(size_t(M * K / 32));
-  for (int64_t b = 0; b < nb; ++b) {
-    const float* xb = x + b * blk;
-    float amax = 0.0f;
-    bool finite = true;
-    for (int i = 0; i < blk; ++i) {
-      finite &= std::isfinite(xb[i]);
-      amax = std::max(amax, std::fabs(xb[i]));
-    }
-    // A non-finite activation must surface as NaN in the output (a faulty row), never as zeros.
-    const float d = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
-    const float id = (finite && d > 0.0f) ? 1.0f / d : 0.0f;
-    out.d[size_t(b)] = d;
-    int8_t* q = out.q.data() + b * blk;
-    for (int i = 0; i < blk; ++i) q[i] = int8_t(std::clamp(round_even(xb[i] * id), -127, 127));
-  }
+  for (int64_t b = 0; b < nb; ++b) out.d[size_t(b)] = quantize_block(x + b * blk, blk, out.q.data() + b * blk);
   for (int64_t g = 0; g < M * K / 16; ++g) {
     int s = 0;
     for (int i = 0; i < 16; ++i) s += out.q[size_t(16 * g + i)];
@@ -814,10 +855,20 @@ void quantize_x(const float* x, int64_t M, int64_t K, int blk, QuantX& out) {
     out.dsum32[size_t(g)] = out.d[size_t(32 * g / blk)] * float(out.sum16[size_t(2 * g)] + out.sum16[size_t(2 * g + 1)]);
 }
 
-// x' as floats [M, K]: what the many-row and non-AVX2 paths multiply, so every path computes W x'.
+// x' as floats [M, K] into xf: what the many-row and non-AVX2 paths multiply, so every path computes W x'.
+void dequantize_x_into(const QuantX& xq, int64_t M, int64_t K, float* xf) {
+  const int64_t nb = M * K / xq.blk;
+  for (int64_t b = 0; b < nb; ++b) {
+    const float d = xq.d[size_t(b)];
+    const int8_t* q = xq.q.data() + b * xq.blk;
+    float* o = xf + b * xq.blk;
+    for (int i = 0; i < xq.blk; ++i) o[i] = d * float(q[i]);
+  }
+}
+
 std::vector<float> dequantize_x(const QuantX& xq, int64_t M, int64_t K) {
   std::vector<float> xf(size_t(M * K));
-  for (int64_t i = 0; i < M * K; ++i) xf[size_t(i)] = xq.d[size_t(i / xq.blk)] * float(xq.q[size_t(i)]);
+  dequantize_x_into(xq, M, K, xf.data());
   return xf;
 }
 
@@ -901,10 +952,11 @@ inline void int8_rows32(const LinearArgs& a, const QuantX& xq, int64_t n, int64_
 template <int Q> struct KBlock;
 template <bool kHigh> struct KBlock45 {
   // 8 sub-blocks of 32: integer scale and minimum; quants unsigned (0..15, or 0..31 with the 5th bit).
+  // minsum[m]: sum over sub-blocks of minimum * (sum of x's quants there), as 8 int32 lanes.
   template <int M>
-  static void dots(const uint8_t* b, const int8_t* const* xq, __m256i* sumi, int* minsum, const int16_t* const* s16) {
-    int sc[8], mn[8];
-    for (int j = 0; j < 8; ++j) scale_min_k4(b + 4, j, sc[j], mn[j]);
+  static void dots(const uint8_t* b, const int8_t* const* xq, __m256i* sumi, __m256i* minsum, const int16_t* const* s16) {
+    alignas(16) uint8_t sc[8], mn[16];
+    scales_mins_k4(b + 4, sc, mn);
     const __m256i mask = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
     const __m256i h = kHigh ? load256(b + 16) : _mm256_setzero_si256();
     const uint8_t* qs = b + (kHigh ? 48 : 16);
@@ -924,11 +976,11 @@ template <bool kHigh> struct KBlock45 {
         sumi[m] = _mm256_add_epi32(sumi[m], _mm256_add_epi32(p_lo, p_hi));
       }
     }
-    for (int m = 0; m < M; ++m) {
-      int t = 0;
-      for (int j = 0; j < 8; ++j) t += mn[j] * (int(s16[m][2 * j]) + int(s16[m][2 * j + 1]));
-      minsum[m] = t;
-    }
+    // The minimums against x's sums per 16 (two per sub-block): one madd a row instead of 16 scalar steps.
+    const __m128i dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m256i mins16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)), dup));
+    for (int m = 0; m < M; ++m)
+      minsum[m] = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s16[m])), mins16);
   }
   static float d(const uint8_t* b) { return f16(b); }
   static float dmin(const uint8_t* b) { return f16(b + 2); }
@@ -938,7 +990,7 @@ template <> struct KBlock<Q5_K> : KBlock45<true> {};
 template <> struct KBlock<Q6_K> {
   // 16 sub-blocks of 16 with a signed int8 scale; quants 6 bits less 32 (signed bytes).
   template <int M>
-  static void dots(const uint8_t* b, const int8_t* const* xq, __m256i* sumi, int* minsum, const int16_t* const*) {
+  static void dots(const uint8_t* b, const int8_t* const* xq, __m256i* sumi, __m256i*, const int16_t* const*) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03), off = _mm256_set1_epi8(32);
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
 #pragma GCC unroll 2
@@ -957,7 +1009,6 @@ template <> struct KBlock<Q6_K> {
           sumi[m] = _mm256_add_epi32(sumi[m], _mm256_madd_epi16(dot_i8_pairs(w, load_q(xq[m] + 128 * h + 32 * p)), s));
       }
     }
-    for (int m = 0; m < M; ++m) minsum[m] = 0;
   }
   static float d(const uint8_t* b) { return f16(b + 208); }
   static float dmin(const uint8_t*) { return 0.0f; }
@@ -969,17 +1020,12 @@ inline void int8_rowsK(const LinearArgs& a, const QuantX& xq, int64_t n, int64_t
   const int64_t nblk = a.K / 256;
   const uint8_t* row = a.w + n * a.ldw;
   __m256 acc[M];
-  float mins[M];
-  for (int m = 0; m < M; ++m) {
-    acc[m] = _mm256_setzero_ps();
-    mins[m] = 0.0f;
-  }
+  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t blk = 0; blk < nblk; ++blk) {
     const uint8_t* b = row + blk * F::bytes;
     const int8_t* xp[M];
     const int16_t* sp[M];
-    __m256i sumi[M];
-    int minsum[M];
+    __m256i sumi[M], minsum[M];
     for (int m = 0; m < M; ++m) {
       xp[m] = xq.q.data() + (m0 + m) * a.K + blk * 256;
       sp[m] = xq.sum16.data() + ((m0 + m) * a.K + blk * 256) / 16;
@@ -990,11 +1036,11 @@ inline void int8_rowsK(const LinearArgs& a, const QuantX& xq, int64_t n, int64_t
     for (int m = 0; m < M; ++m) {
       const float dx = xq.d[size_t((m0 + m) * nblk + blk)];
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[m]), _mm256_set1_ps(dw * dx), acc[m]);
-      if constexpr (F::has_min) mins[m] -= dmin * dx * float(minsum[m]);
+      if constexpr (F::has_min) acc[m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(minsum[m]), _mm256_set1_ps(dmin * dx), acc[m]);
     }
   }
   const float bias = a.bias ? a.bias[n] : 0.0f;
-  for (int m = 0; m < M; ++m) a.out[(m0 + m) * a.ldo + n] = hsum(acc[m]) + mins[m] + bias;
+  for (int m = 0; m < M; ++m) a.out[(m0 + m) * a.ldo + n] = hsum(acc[m]) + bias;
 }
 #endif
 
@@ -1308,11 +1354,10 @@ at::Tensor gguf_round_x(const at::Tensor& x, int64_t blk) {
   const float* xp = check_x(x, "gguf_round_x");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK((blk == 32 || blk == 256) && K % blk == 0, "gguf_round_x: blk must be 32 or 256 and divide K");
-  QuantX xq;
+  thread_local QuantX xq;  // kept between calls: a prefill step rounds each layer's inputs
   quantize_x(xp, M, K, int(blk), xq);
   at::Tensor out = at::empty({M, K}, at::kFloat);
-  const std::vector<float> xf = dequantize_x(xq, M, K);
-  std::memcpy(out.data_ptr<float>(), xf.data(), xf.size() * sizeof(float));
+  dequantize_x_into(xq, M, K, out.data_ptr<float>());
   return out;
 }
 
