@@ -256,3 +256,51 @@ def test_sharded_method_fuses_parts(module, m: int, monkeypatch: pytest.MonkeyPa
         assert_within_sum_order(got, x, w, bias)
     else:
         torch.testing.assert_close(got, F.linear(x, w, bias), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("m", (1, 3, 8))
+def test_norm_linear_is_the_norm_then_the_projection(module, m: int) -> None:
+    """gguf_norm_linear: r = (pre_w ? rms_norm(x) pre_w : x) + residual, out = rms_norm(r) norm_w W^T (+ b),
+    each as F.rms_norm and the dequantized projection compute it; without a residual r is x itself."""
+    k, sizes, formats, eps = 512, [70, 30], [Q.Q4_K, Q.Q8_0], 1e-6
+    rng = np.random.default_rng(m)
+    blocks = [kernels.random_blocks(q, n, k, rng) for q, n in zip(formats, sizes)]
+    w = torch.cat([dequantize((b.reshape(-1), q, (n, k))) for b, q, n in zip(blocks, formats, sizes)])
+    gen = torch.Generator().manual_seed(m)
+    x, residual = torch.randn(m, k, generator=gen) * 3, torch.randn(m, k, generator=gen)
+    pre_w, norm_w = (1 + 0.1 * torch.randn(k, generator=gen) for _ in range(2))
+    bias = torch.randn(sum(sizes), generator=gen)
+    for res, pre in ((None, None), (residual, None), (residual, pre_w)):
+        out = torch.empty(m, sum(sizes))
+        r = module.gguf_norm_linear(x, res, pre, norm_w, eps, blocks, [int(q) for q in formats], out, bias, False)
+        want_r = x if res is None else (F.rms_norm(x, (k,), pre, eps) if pre is not None else x) + res
+        if res is None:
+            assert r is x or r.data_ptr() == x.data_ptr()
+        torch.testing.assert_close(r, want_r, rtol=1e-6, atol=1e-6)
+        assert_within_sum_order(out, F.rms_norm(want_r, (k,), norm_w, eps), w, bias)
+    with pytest.raises(RuntimeError, match="pre_w needs a residual"):
+        module.gguf_norm_linear(x, None, pre_w, norm_w, eps, blocks, [int(q) for q in formats], torch.empty(m, sum(sizes)), None, False)
+
+
+@pytest.mark.parametrize("gelu", (True, False), ids=("gelu_tanh", "silu"))
+@pytest.mark.parametrize("m", (1, 4))
+@pytest.mark.parametrize("q,inter", [(Q.Q8_0, 256), (Q.F32, 267)], ids=("Q8_0", "F32-tail"))
+def test_act_mul_linear_is_the_gated_activation_then_the_projection(module, m: int, gelu: bool, q: Q, inter: int) -> None:
+    """gguf_act_mul_linear: (act(gate) * up) W^T, act GELU (tanh) or SiLU as torch computes them (the
+    compiled one to a few ulp; 267 leaves 3 elements to the scalar loop), then optionally Gemma 3's
+    norm of the output."""
+    n, eps = 96, 1e-6
+    blocks = kernels.random_blocks(q, n, inter, np.random.default_rng(inter))
+    w = dequantize((blocks.reshape(-1), q, (n, inter)))
+    gen = torch.Generator().manual_seed(m)
+    gate_up = torch.randn(m, 2 * inter, generator=gen) * 4
+    gate_up[:, :8] = torch.tensor([-30.0, -9.0, -1e-3, 0.0, 1e-3, 9.0, 30.0, 80.0])  # the curves' tails
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    act = (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
+    for post in (None, 1 + 0.1 * torch.randn(n, generator=gen)):
+        out = torch.empty(m, n)
+        module.gguf_act_mul_linear(gate_up, gelu, [blocks], [int(q)], out, None, False, post, eps)
+        want = F.linear(act.double(), w.double()).float()
+        if post is not None:
+            want = F.rms_norm(want, (n,), post, eps)
+        torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5 * float(want.abs().max()))
