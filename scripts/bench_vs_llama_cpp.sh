@@ -13,7 +13,8 @@
 # Workloads (servelm bench, token-id prompts, ignore_eos, greedy): one request at a time (8 x 128 -> 128),
 # then 64 x 128 -> 128 at concurrency 32; per model, servelm (on smollm2 in each of $VARIANTS, default
 # "float32 int8 int4": float32, then --quantization int8, then --quantization int4; also "gguf" and
-# "gguf-int8": the Q4_1 file itself as stored, with float32 or int8 activations), then llama-server. On
+# "gguf-int8": the Q4_1 file itself as stored, with float32 or int8 activations and, as llama-server's
+# -c 32768 holds, a float16 pool of 32,768 tokens ($SMOLLM2_GGUF_ARGS overrides that)), then llama-server. On
 # gemma3, servelm runs once per $GEMMA_VARIANTS (default "float32 int8": --gguf-activations), each with
 # a float16 KV pool of 32,768 tokens as llama-server's -c 32768 holds ($GEMMA_ARGS overrides that).
 # After its runs each server's resident memory (VmHWM, the peak, and VmRSS, from /proc/PID/status; file
@@ -36,6 +37,8 @@ THREADS="${THREADS:-2}"
 VARIANTS="${VARIANTS:-float32 int8 int4}"
 GEMMA_VARIANTS="${GEMMA_VARIANTS:-float32 int8}"
 GEMMA_ARGS="${GEMMA_ARGS:---kv-cache-dtype float16 --kv-cache-memory 576MiB}"
+# The SmolLM2 file served as stored gets llama-server's KV too: float16, 32,768 tokens (30 layers x 3 KV heads x 64).
+SMOLLM2_GGUF_ARGS="${SMOLLM2_GGUF_ARGS:---kv-cache-dtype float16 --kv-cache-memory 720MiB}"
 ROUNDS="${ROUNDS:-1}"
 LLAMA_ARGS="${LLAMA_ARGS:-}"
 LORA="${LORA:-}"
@@ -133,8 +136,10 @@ for round in $(seq "$ROUNDS"); do
                     case "$variant" in
                         float32) servelm smollm2-servelm ;;
                         int8|int4|auto) servelm "smollm2-servelm-$variant" --quantization "$variant" ;;
-                        gguf) servelm smollm2-servelm-gguf --model "$smollm2_gguf" ;;
-                        gguf-int8) servelm smollm2-servelm-gguf-int8 --model "$smollm2_gguf" --gguf-activations int8 ;;
+                        # shellcheck disable=SC2086  # SMOLLM2_GGUF_ARGS is a list of flags
+                        gguf) servelm smollm2-servelm-gguf --model "$smollm2_gguf" $SMOLLM2_GGUF_ARGS ;;
+                        # shellcheck disable=SC2086
+                        gguf-int8) servelm smollm2-servelm-gguf-int8 --model "$smollm2_gguf" --gguf-activations int8 $SMOLLM2_GGUF_ARGS ;;
                         *) echo "unknown variant $variant (float32, int8, int4, auto, gguf, gguf-int8)" >&2; exit 2 ;;
                     esac
                 done
