@@ -135,6 +135,28 @@ inline void prefetch_rows(const T* k, const T* v, const int64_t* offs, int n, in
   }
 }
 
+// Tokens [begin, n) of sequence b's KV head kvh in tiles of kTile: tile(offs, nt) gets each tile's row
+// offsets, with the next tile's rows already asked for.
+template <typename T, typename Fn>
+inline void for_each_tile(const Problem& p, const T* k, const T* v, int64_t b, int64_t kvh, int64_t begin,
+                          int64_t n, int64_t D, Fn&& tile) {
+  const int32_t* table = p.block_tables + b * p.max_blocks;
+  int64_t offs_a[kTile], offs_b[kTile];
+  int64_t* offs = offs_a;
+  int64_t* next_offs = offs_b;
+  if (begin < n) tile_offsets(p, table, kvh, begin, static_cast<int>(std::min<int64_t>(kTile, n - begin)), offs);
+  for (int64_t t0 = begin; t0 < n; t0 += kTile) {
+    const int nt = static_cast<int>(std::min<int64_t>(kTile, n - t0));
+    if (t0 + kTile < n) {
+      const int nn = static_cast<int>(std::min<int64_t>(kTile, n - t0 - kTile));
+      tile_offsets(p, table, kvh, t0 + kTile, nn, next_offs);
+      prefetch_rows(k, v, next_offs, nn, D);
+    }
+    tile(offs, nt);
+    std::swap(offs, next_offs);
+  }
+}
+
 // Per-thread scratch: scaled queries, accumulators, scores and softmax state of one group.
 struct Scratch {
   std::vector<float> buf;
@@ -153,6 +175,25 @@ struct Scratch {
     row = l + p.group;
   }
 };
+
+// The online softmax over one tile's scores of query g: its scores become e^(s - m) in place, the
+// running max and denominator move on; returns the factor the accumulator must be scaled by first.
+inline float softmax_tile(Scratch& w, int64_t g, int nt) {
+  float* sg = w.s + g * kTile;
+  float tile_max = kNegInf;
+  for (int i = 0; i < nt; ++i) tile_max = std::max(tile_max, sg[i]);
+  const float m_new = std::max(w.m[g], tile_max);
+  const float alpha = std::exp(w.m[g] - m_new);  // 0 on the first tile (m = -inf)
+  w.m[g] = m_new;
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int i = 0; i < nt; ++i) {
+    sg[i] = exp_nonpositive(sg[i] - m_new);
+    sum += sg[i];
+  }
+  w.l[g] = w.l[g] * alpha + sum;
+  return alpha;
+}
 
 template <typename T>
 inline void load_group(const Problem& p, const T* q, int64_t b, int64_t kvh, int64_t D, Scratch& w) {
@@ -198,19 +239,8 @@ void attend_portable(const Problem& p, const TQ* q, const T* k, const T* v, int6
                      int64_t begin, int64_t n, Scratch& w) {
   const int64_t D = kD > 0 ? kD : p.head_dim;
   const int64_t G = p.group;
-  const int32_t* table = p.block_tables + b * p.max_blocks;
   load_group(p, q, b, kvh, D, w);
-  int64_t offs_a[kTile], offs_b[kTile];
-  int64_t* offs = offs_a;
-  int64_t* next_offs = offs_b;
-  if (begin < n) tile_offsets(p, table, kvh, begin, static_cast<int>(std::min<int64_t>(kTile, n - begin)), offs);
-  for (int64_t t0 = begin; t0 < n; t0 += kTile) {
-    const int nt = static_cast<int>(std::min<int64_t>(kTile, n - t0));
-    if (t0 + kTile < n) {
-      const int nn = static_cast<int>(std::min<int64_t>(kTile, n - t0 - kTile));
-      tile_offsets(p, table, kvh, t0 + kTile, nn, next_offs);
-      prefetch_rows(k, v, next_offs, nn, D);
-    }
+  for_each_tile(p, k, v, b, kvh, begin, n, D, [&](const int64_t* offs, int nt) {
     // Each K and V row is read (and a float16 row widened) once for the whole group of G queries.
     for (int i = 0; i < nt; ++i) {
       const auto* kr = as_floats(k + offs[i], D, w.row);
@@ -223,19 +253,7 @@ void attend_portable(const Problem& p, const TQ* q, const T* k, const T* v, int6
       }
     }
     for (int64_t g = 0; g < G; ++g) {
-      float* sg = w.s + g * kTile;
-      float tile_max = kNegInf;
-      for (int i = 0; i < nt; ++i) tile_max = std::max(tile_max, sg[i]);
-      const float m_new = std::max(w.m[g], tile_max);
-      const float alpha = std::exp(w.m[g] - m_new);  // 0 on the first tile (m = -inf)
-      w.m[g] = m_new;
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int i = 0; i < nt; ++i) {
-        sg[i] = exp_nonpositive(sg[i] - m_new);
-        sum += sg[i];
-      }
-      w.l[g] = w.l[g] * alpha + sum;
+      const float alpha = softmax_tile(w, g, nt);
       float* ag = w.acc + g * D;
       if (alpha != 1.0f) {
         for (int64_t d = 0; d < D; ++d) ag[d] *= alpha;
@@ -250,8 +268,7 @@ void attend_portable(const Problem& p, const TQ* q, const T* k, const T* v, int6
         for (int64_t d = 0; d < D; ++d) ag[d] += pi * to_float(vr[d]);
       }
     }
-    std::swap(offs, next_offs);
-  }
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -402,19 +419,8 @@ template <typename T>
 void attend_avx2(const Problem& p, const float* q, const T* k, const T* v, int64_t b, int64_t kvh,
                  int64_t begin, int64_t n, Scratch& w) {
   const int64_t D = p.head_dim, G = p.group;
-  const int32_t* table = p.block_tables + b * p.max_blocks;
   load_group(p, q, b, kvh, D, w);
-  int64_t offs_a[kTile], offs_b[kTile];
-  int64_t* offs = offs_a;
-  int64_t* next_offs = offs_b;
-  if (begin < n) tile_offsets(p, table, kvh, begin, static_cast<int>(std::min<int64_t>(kTile, n - begin)), offs);
-  for (int64_t t0 = begin; t0 < n; t0 += kTile) {
-    const int nt = static_cast<int>(std::min<int64_t>(kTile, n - t0));
-    if (t0 + kTile < n) {
-      const int nn = static_cast<int>(std::min<int64_t>(kTile, n - t0 - kTile));
-      tile_offsets(p, table, kvh, t0 + kTile, nn, next_offs);
-      prefetch_rows(k, v, next_offs, nn, D);
-    }
+  for_each_tile(p, k, v, b, kvh, begin, n, D, [&](const int64_t* offs, int nt) {
     // Scores: each K chunk is loaded once for up to 4 queries, two independent sums each.
     for (int i = 0; i < nt; ++i) {
       const T* kr = k + offs[i];
@@ -439,18 +445,8 @@ void attend_avx2(const Problem& p, const float* q, const T* k, const T* v, int64
       }
     }
     for (int64_t g = 0; g < G; ++g) {
-      float* sg = w.s + g * kTile;
-      float tile_max = kNegInf;
-      for (int i = 0; i < nt; ++i) tile_max = std::max(tile_max, sg[i]);
-      const float m_new = std::max(w.m[g], tile_max);
-      const float alpha = std::exp(w.m[g] - m_new);  // 0 on the first tile (m = -inf)
-      w.m[g] = m_new;
-      float sum = 0.0f;
-      for (int i = 0; i < nt; ++i) {
-        sg[i] = exp_nonpositive(sg[i] - m_new);
-        sum += sg[i];
-      }
-      w.l[g] = w.l[g] * alpha + sum;
+      const float alpha = softmax_tile(w, g, nt);
+      const float* sg = w.s + g * kTile;
       // Values: the tile's rows summed into 8 chunks of the accumulator at a time (8 independent chains).
       float* ag = w.acc + g * D;
       const __m256 va = _mm256_set1_ps(alpha);
@@ -471,8 +467,7 @@ void attend_avx2(const Problem& p, const float* q, const T* k, const T* v, int64
         _mm256_storeu_ps(ag + d, a);
       }
     }
-    std::swap(offs, next_offs);
-  }
+  });
 }
 #endif  // SERVELM_HAVE_AVX2
 
