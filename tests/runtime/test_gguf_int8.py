@@ -93,6 +93,18 @@ def test_int8_linear_is_w_times_rounded_x(module, qtype: Q, m: int) -> None:
     assert not torch.allclose(got, exact, rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("n", (1, 2, 7))
+@pytest.mark.parametrize("qtype", (Q.Q4_1, Q.Q5_1), ids=lambda q: q.name)
+def test_one_row_two_weight_rows_at_a_time(module, qtype: Q, n: int) -> None:
+    """A decode row against Q4_1 / Q5_1 takes the weight's rows in pairs: an odd last row, and an odd
+    number of blocks a row (544 = 17 x 32), come out as F.linear(x', W) too."""
+    k = 544
+    blocks = weight(qtype, n, k, seed=n)
+    x = activations(1, k, seed=n)
+    got = kernels.linear(x, blocks, qtype, torch.empty(1, n), int8_x=True)
+    assert_within_sum_order(got, round_activations(x, activation_block(qtype)), gguf_dequantized(blocks, qtype, k))
+
+
 @pytest.mark.parametrize("m", (1, 4, 11))
 def test_int8_parts_of_mixed_formats(module, m: int) -> None:
     """A fused projection whose parts round x differently (per 32 and per 256) and a float part,
