@@ -66,6 +66,16 @@ class StoredStep:
         self.gate_up_bias = layer.mlp.gate_up_proj.bias
         self.down_bias = layer.mlp.down_proj.bias
         self.eps = float(layer.input_layernorm.eps)
+        self.gelu = bool(layer.mlp.gelu)  # Gemma: GELU (tanh); else SiLU
+        # The norms' weights, resolved once (loaded before attach): Gemma 3 norms the attention's output
+        # before its residual add (pre), then the MLP's input (norm), then the MLP's output (post).
+        self.input_norm = layer.input_layernorm.weight
+        if layer.sandwich:
+            self.pre = layer.post_attention_layernorm.weight
+            self.norm = layer.pre_feedforward_layernorm.weight
+            self.post = layer.post_feedforward_layernorm.weight
+        else:
+            self.pre, self.norm, self.post = None, layer.post_attention_layernorm.weight, None
 
     @classmethod
     def attach(cls, layer: Any) -> "StoredStep | None":
@@ -93,26 +103,21 @@ class StoredStep:
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: Any, meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """``DecoderLayer.forward`` for a step of at most ``max_rows`` rows (float32 ``x``)."""
-        layer, k = self.layer, self.kernel
-        attn, mlp = layer.self_attn, layer.mlp
+        k, attn = self.kernel, self.layer.self_attn
         t = x.shape[0]
         x = x.contiguous()
         qkv = x.new_empty((t, self.qkv.out_features))
-        residual = k.gguf_norm_linear(x, residual, None, layer.input_layernorm.weight, self.eps, self.qkv.blocks,
+        residual = k.gguf_norm_linear(x, residual, None, self.input_norm, self.eps, self.qkv.blocks,
                                       self.qkv.qtypes, qkv, self.qkv_bias, self.qkv.int8_x)
         a = attn.attend_heads(qkv, cos_sin, meta).reshape(t, attn.q_size)
         o = x.new_empty((t, self.o.out_features))
         k.gguf_linear_parts(a.contiguous(), self.o.blocks, self.o.qtypes, o, self.o_bias, self.o.int8_x)
-        if layer.sandwich:  # Gemma 3: norm the attention's output, add, then the pre-feedforward norm
-            pre, norm, post = layer.post_attention_layernorm.weight, layer.pre_feedforward_layernorm.weight, layer.post_feedforward_layernorm.weight
-        else:
-            pre, norm, post = None, layer.post_attention_layernorm.weight, None
         gate_up = x.new_empty((t, self.gate_up.out_features))
-        residual = k.gguf_norm_linear(o, residual, pre, norm, self.eps, self.gate_up.blocks, self.gate_up.qtypes,
-                                      gate_up, self.gate_up_bias, self.gate_up.int8_x)
+        residual = k.gguf_norm_linear(o, residual, self.pre, self.norm, self.eps, self.gate_up.blocks,
+                                      self.gate_up.qtypes, gate_up, self.gate_up_bias, self.gate_up.int8_x)
         out = x.new_empty((t, self.down.out_features))
-        k.gguf_act_mul_linear(gate_up, mlp.gelu, self.down.blocks, self.down.qtypes, out, self.down_bias,
-                              self.down.int8_x, post, self.eps)
+        k.gguf_act_mul_linear(gate_up, self.gelu, self.down.blocks, self.down.qtypes, out, self.down_bias,
+                              self.down.int8_x, self.post, self.eps)
         return out, residual
 
 

@@ -95,7 +95,8 @@ class Attention(nn.Module):
         if self.use_rope and self.k_cache is not None and self.v_cache is not None:
             # A backend may do (the q/k norms,) RoPE, the K/V store and attention straight from the
             # fused projection.
-            kw = self.window_kw if self.qk_norm is None else {**self.window_kw, "qk_norm": self.qk_norm}
+            qk_norm = self.qk_norm
+            kw = self.window_kw if qk_norm is None else {**self.window_kw, "qk_norm": qk_norm}
             fused = self.backend.forward_from_qkv(
                 qkv, cos_sin, self.k_cache, self.v_cache, meta, self.scale, self.num_heads, **kw
             )
