@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .projection import GGUFMethod, GGUFShardedMethod
+from .projection import GGUFMethod, GGUFShardedMethod, passes_of
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class StoredProjection:
             return None
         if not hasattr(kernel, "gguf_norm_linear"):
             return None
-        rows = min(min(m.kernel_max_rows for m in parts), int(getattr(kernel, "pass_rows", 8)))
+        rows = min(min(m.kernel_max_rows for m in parts), passes_of(kernel, bool(method.int8_x)))
         return cls(kernel, blocks, qtypes, method.out_features, bool(method.int8_x), rows)
 
 
@@ -50,9 +50,9 @@ def _float32_vector(t: torch.Tensor | None) -> bool:
 
 
 class StoredStep:
-    """The few-row step of one ``DecoderLayer`` whose four projections are stored GGUF blocks with the
-    compiled kernel (``attach``). ``max_rows``: the most rows a step may have to take this path (one
-    pass of the kernel over each weight)."""
+    """The step of one ``DecoderLayer`` whose four projections are stored GGUF blocks with the compiled
+    kernel (``attach``). ``max_rows``: the most rows a step may have to take this path (one pass of the
+    kernel over each weight: a few rows, or with int8 activations a whole prefill step)."""
 
     def __init__(self, layer: Any, qkv: StoredProjection, o: StoredProjection, gate_up: StoredProjection,
                  down: StoredProjection) -> None:

@@ -33,9 +33,17 @@ KERNEL_MAX_ROWS = 32
 KERNEL_CHUNK = 8
 # With int8 activations the kernel's integer dots outrun the tiles further (same host, 2026-12-03,
 # 2 threads): the K-quants' (~155-170 GFLOP/s against the tiles' 100-155) at every size measured up to
-# 512 rows; the 32-element formats' (~90-105) up to ~96 rows (Q5_0 4096x640 at 96 rows: 5.6 vs 7.3 ms;
-# at 128: 7.5 vs 6.9), which a prefill chunk shared with 32 decodes often is.
-INT8_KERNEL_MAX_ROWS = {32: 96, 256: 512}
+# 512 rows; the 32-element formats', since they take 8 rows a tile (~110-130), as far (at 512 rows
+# even with the tiles or ahead) -- 512 being the CPU's default step budget.
+INT8_KERNEL_MAX_ROWS = {32: 512, 256: 512}
+
+
+def passes_of(kernel: Any, int8_x: bool) -> int:
+    """Rows one call of the compiled kernel takes in one pass over a weight: any number with int8
+    activations where the build has the integer tiles (``int8_one_pass``), else its ``pass_rows``."""
+    if int8_x and getattr(kernel, "int8_one_pass", False):
+        return 1 << 30
+    return int(getattr(kernel, "pass_rows", KERNEL_CHUNK))
 
 
 def tile_rows_for(in_features: int, tile_bytes: int = TILE_BYTES) -> int:
@@ -138,7 +146,7 @@ class GGUFMethod:
         int8 path's x' per activation block, shared by a fused projection's parts (rounded once)."""
         if self.kernel is not None and rows.shape[0] <= self.kernel_max_rows and rows.dtype == torch.float32:
             rows = rows.contiguous()
-            chunk = getattr(self.kernel, "pass_rows", KERNEL_CHUNK)  # rows one pass over W serves
+            chunk = passes_of(self.kernel, self.int8_x)  # rows one pass over W serves
             if rows.shape[0] <= chunk:  # a decode step: no slicing (views cost a few µs, ~70 calls a token)
                 self.kernel.gguf_linear(rows, self.rows2d, self.qtype_id, out, bias, self.int8_x)
                 return
@@ -216,7 +224,7 @@ class GGUFShardedMethod:
             and all(rows.shape[0] <= m.kernel_max_rows for _, m in self.parts)
         ):
             int8_x = self.int8_x
-            step = getattr(self.fused_kernel, "pass_rows", KERNEL_CHUNK)
+            step = passes_of(self.fused_kernel, int8_x)
             if rows.shape[0] <= step:
                 self.fused_kernel.gguf_linear_parts(rows, self.fused_blocks, self.fused_qtypes, out, bias, int8_x)
                 return out.reshape(*x.shape[:-1], self.out_features)

@@ -78,7 +78,7 @@ def test_rounding_equals_the_torch_statement(module, block: int) -> None:
     assert bool(((rounded - x).abs() <= d.repeat_interleave(block, dim=1) * 0.5 + 1e-7).all())
 
 
-@pytest.mark.parametrize("m", (1, 2, 3, 5, 8, 17, 32, 33))
+@pytest.mark.parametrize("m", (1, 2, 3, 5, 8, 17, 27, 32, 33, 100))  # whole 8-row tiles, and a tail
 @pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda q: q.name)
 def test_int8_linear_is_w_times_rounded_x(module, qtype: Q, m: int) -> None:
     k, n = 512, 45
@@ -121,15 +121,17 @@ def test_int8_parts_of_mixed_formats(module, m: int) -> None:
         col += s
 
 
-@pytest.mark.parametrize("qtype", (Q.Q8_0, Q.Q4_K), ids=lambda q: q.name)
-def test_a_non_finite_row_fails_alone(module, qtype: Q) -> None:
+@pytest.mark.parametrize("m", (3, 16))  # 16: two 8-row tiles of the 32-element formats
+@pytest.mark.parametrize("qtype", (Q.Q8_0, Q.Q4_1, Q.Q4_K), ids=lambda q: q.name)
+def test_a_non_finite_row_fails_alone(module, qtype: Q, m: int) -> None:
     k, n = 256, 20
     blocks = weight(qtype, n, k, seed=1)
-    x = activations(3, k, seed=1)
+    x = activations(m, k, seed=1)
     x[1, 5] = float("nan")
-    got = kernels.linear(x, blocks, qtype, torch.empty(3, n), int8_x=True)
+    got = kernels.linear(x, blocks, qtype, torch.empty(m, n), int8_x=True)
     assert bool(got[1].isnan().all())
-    assert bool(torch.isfinite(got[[0, 2]]).all())
+    others = [i for i in range(m) if i != 1]
+    assert bool(torch.isfinite(got[others]).all())
 
 
 @pytest.mark.parametrize("qtype", (Q.Q4_1, Q.Q6_K), ids=lambda q: q.name)
@@ -145,7 +147,7 @@ def test_method_gives_the_same_product_at_any_batch_size(module, qtype: Q) -> No
     assert method.kernel_max_rows == most
     x = activations(most + 1, k, seed=3)
     tiled = method.apply(x)  # one row past the kernel's: the tile path
-    passes = method.apply(x[:40])  # the kernel, in passes of pass_rows
+    passes = method.apply(x[:40])  # the kernel: one pass (int8_one_pass), else passes of pass_rows
     alone = torch.cat([method.apply(x[i : i + 1]) for i in range(4)])  # one row at a time: the kernel
     assert_within_sum_order(tiled, round_activations(x, activation_block(qtype)), gguf_dequantized(blocks, qtype, k))
     assert_within_sum_order(passes, round_activations(x[:40], activation_block(qtype)), gguf_dequantized(blocks, qtype, k))

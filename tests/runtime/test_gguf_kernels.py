@@ -10,6 +10,8 @@ registry's rows bit for bit; unsupported formats and mismatched shapes raise.
 from __future__ import annotations
 
 import math
+import os
+import shutil
 from pathlib import Path
 
 import gguf
@@ -21,6 +23,7 @@ from gguf import GGMLQuantizationType as Q
 
 from gguf_files import write_gguf
 
+from servelm.runtime.cpu.extension import cpu_flags
 from servelm.runtime.gguf import kernels
 from servelm.runtime.gguf.reader import GGUFTensor, read_gguf_tensors
 from servelm.runtime.gguf.registry import BLOCK_LAYOUT, dequantize
@@ -62,6 +65,19 @@ def module():
     if m is None:
         pytest.skip("the GGUF kernel extension cannot be built here (no compiler or self-check failed)")
     return m
+
+
+def test_kernels_build_where_a_compiler_exists() -> None:
+    # Otherwise a compile error, or a kernel failing its own self-check, shows up only as skipped tests.
+    if shutil.which("c++") is None or shutil.which("ninja") is None:
+        pytest.skip("no C++ compiler or ninja on this machine")
+    if os.environ.get(kernels.DISABLE_ENV, "").strip() not in ("", "0"):
+        pytest.skip(f"{kernels.DISABLE_ENV} is set")
+    module = kernels.load()
+    assert module is not None, "the GGUF kernels failed to build or their self-check; see the logged warning"
+    flags = cpu_flags() or set()
+    if {"avx2", "fma", "f16c"} <= flags:
+        assert module.vectorized, "built without the AVX2 paths on an AVX2 CPU"
 
 
 @pytest.fixture(scope="module")
@@ -258,8 +274,17 @@ def test_sharded_method_fuses_parts(module, m: int, monkeypatch: pytest.MonkeyPa
         torch.testing.assert_close(got, F.linear(x, w, bias), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("m", (1, 3, 8))
-def test_norm_linear_is_the_norm_then_the_projection(module, m: int) -> None:
+@pytest.fixture
+def two_threads():  # type: ignore[no-untyped-def]
+    """Two torch threads, so a prefill's rows are split over both (the per-row loops' parallel path)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("m", (1, 3, 8, 70))  # 70: rows over both threads (32 of 512 a chunk)
+def test_norm_linear_is_the_norm_then_the_projection(module, two_threads, m: int) -> None:
     """gguf_norm_linear: r = (pre_w ? rms_norm(x) pre_w : x) + residual, out = rms_norm(r) norm_w W^T (+ b),
     each as F.rms_norm and the dequantized projection compute it; without a residual r is x itself."""
     k, sizes, formats, eps = 512, [70, 30], [Q.Q4_K, Q.Q8_0], 1e-6
@@ -283,9 +308,9 @@ def test_norm_linear_is_the_norm_then_the_projection(module, m: int) -> None:
 
 
 @pytest.mark.parametrize("gelu", (True, False), ids=("gelu_tanh", "silu"))
-@pytest.mark.parametrize("m", (1, 4))
+@pytest.mark.parametrize("m", (1, 4, 200))  # 200: rows over both threads
 @pytest.mark.parametrize("q,inter", [(Q.Q8_0, 256), (Q.F32, 267)], ids=("Q8_0", "F32-tail"))
-def test_act_mul_linear_is_the_gated_activation_then_the_projection(module, m: int, gelu: bool, q: Q, inter: int) -> None:
+def test_act_mul_linear_is_the_gated_activation_then_the_projection(module, two_threads, m: int, gelu: bool, q: Q, inter: int) -> None:
     """gguf_act_mul_linear: (act(gate) * up) W^T, act GELU (tanh) or SiLU as torch computes them (the
     compiled one to a few ulp; 267 leaves 3 elements to the scalar loop), then optionally Gemma 3's
     norm of the output."""

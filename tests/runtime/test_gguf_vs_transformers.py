@@ -310,14 +310,19 @@ def test_compiled_layer_step_equals_the_layers_own_forward(case_id: str, activat
     assert all(steps) == stored, f"{case_id}: every projection stored: {stored}, steps: {steps}"
     if not stored:
         pytest.skip(f"{case_id}: some projections are dense parameters")
+    # The prefill (33 rows) takes the compiled step too where every projection takes any number of
+    # rows in one call (int8 activations on quantized weights); float parts keep it to pass_rows.
+    prefill_compiled = sum(len(q) - DECODE_STEPS for q in s.seqs) <= steps[0].max_rows
     fused = run_ours(runner, rt, s.seqs)
     for layer in layers:
         layer.stored_step = None
     plain = run_ours(runner, rt, s.seqs)
-    decode = []  # per decode position (the steps the compiled path computes): |fused - plain| / max
+    decode = []  # per compiled position (decodes; the prefill too where compiled): |fused - plain| / max
     for a, b in zip(fused, plain):
-        assert torch.equal(a[:-DECODE_STEPS], b[:-DECODE_STEPS])  # the prefill is the layers' own forward
-        decode += ((a - b)[-DECODE_STEPS:].abs().max(dim=-1).values / b.abs().max()).tolist()
+        if not prefill_compiled:
+            assert torch.equal(a[:-DECODE_STEPS], b[:-DECODE_STEPS])  # the prefill is the layers' own forward
+        compared = slice(None) if prefill_compiled else slice(-DECODE_STEPS, None)
+        decode += ((a - b)[compared].abs().max(dim=-1).values / b.abs().max()).tolist()
     shown = [f"{d:.1e}" for d in decode]
     if activations == "float32":
         assert max(decode) <= 2e-5, f"{case_id}: per decode position {shown}"
@@ -330,6 +335,6 @@ def test_compiled_layer_step_equals_the_layers_own_forward(case_id: str, activat
     for layer in runner32.model.model.layers:
         layer.stored_step = None
     float32 = run_ours(runner32, rt, s.seqs)
-    apart = max(float((a - b)[-DECODE_STEPS:].abs().max() / b.abs().max()) for a, b in zip(float32, plain))
+    apart = max(float((a - b)[compared].abs().max() / b.abs().max()) for a, b in zip(float32, plain))
     print(f"{case_id} int8: compiled vs plain {max(decode):.1e}, float32 vs int8 {apart:.1e}")
     assert max(decode) <= 0.75 * apart, f"{case_id} int8: per decode position {shown}; float32 activations {apart:.1e} apart"

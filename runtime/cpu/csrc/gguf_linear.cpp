@@ -25,6 +25,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <tuple>
@@ -793,8 +794,15 @@ struct QuantX {
   std::vector<int8_t> q;       // [M * K]
   std::vector<int16_t> sum16;  // [M * K / 16]
   std::vector<float> dsum32;   // [M * K / 32]: d * (sum of q over 32), for the formats with a minimum
+  // For blk 32, per group g of 8 whole rows: d and dsum32 of block b for rows 8g..8g+7 at [(g * K / 32 + b) * 8]
+  // (what the 8-row tile loads as one vector).
+  std::vector<float> d8, dsum8;
 };
 
+
+// Rows a thread takes at least in the per-row loops around the projections (~16k elements: a
+// decode step's few rows stay on the calling thread, a prefill's spread over all).
+inline int64_t row_grain(int64_t K) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)); }
 
 // One block of blk elements: its scale d and int8 quants q. Returns d (NaN if the block has a non-finite value).
 inline float quantize_block(const float* xb, int blk, int8_t* q) {
@@ -841,19 +849,34 @@ inline float quantize_block(const float* xb, int blk, int8_t* q) {
 
 void quantize_x(const float* x, int64_t M, int64_t K, int blk, QuantX& out) {
   out.blk = blk;
-  const int64_t nb = M * K / blk;
-  out.d.resize(size_t(nb));
+  const int64_t nb = K / blk, nblk = K / 32, groups = blk == 32 ? M / 8 : 0;
+  out.d.resize(size_t(M * nb));
   out.q.resize(size_t(M * K));
   out.sum16.resize(size_t(M * K / 16));
-  out.dsum32.resize(size_t(M * K / 32));
-  for (int64_t b = 0; b < nb; ++b) out.d[size_t(b)] = quantize_block(x + b * blk, blk, out.q.data() + b * blk);
-  for (int64_t g = 0; g < M * K / 16; ++g) {
-    int s = 0;
-    for (int i = 0; i < 16; ++i) s += out.q[size_t(16 * g + i)];
-    out.sum16[size_t(g)] = int16_t(s);
-  }
-  for (int64_t g = 0; g < M * K / 32; ++g)
-    out.dsum32[size_t(g)] = out.d[size_t(32 * g / blk)] * float(out.sum16[size_t(2 * g)] + out.sum16[size_t(2 * g + 1)]);
+  out.dsum32.resize(size_t(M * nblk));
+  out.d8.resize(size_t(groups * nblk * 8));
+  out.dsum8.resize(out.d8.size());
+  // Row by row, over the threads for a prefill's rows (serially, one thread waited while it ran).
+  at::parallel_for(0, M, row_grain(K), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      int8_t* q = out.q.data() + m * K;
+      for (int64_t b = 0; b < nb; ++b) out.d[size_t(m * nb + b)] = quantize_block(x + m * K + b * blk, blk, q + b * blk);
+      int16_t* s16 = out.sum16.data() + m * K / 16;
+      for (int64_t g = 0; g < K / 16; ++g) {
+        int s = 0;
+        for (int i = 0; i < 16; ++i) s += q[16 * g + i];
+        s16[g] = int16_t(s);
+      }
+      for (int64_t g = 0; g < nblk; ++g) {
+        const float ds = out.d[size_t(m * nb + 32 * g / blk)] * float(s16[2 * g] + s16[2 * g + 1]);
+        out.dsum32[size_t(m * nblk + g)] = ds;
+        if (m / 8 < groups) {
+          out.d8[size_t((m / 8 * nblk + g) * 8 + m % 8)] = out.d[size_t(m * nb + g)];
+          out.dsum8[size_t((m / 8 * nblk + g) * 8 + m % 8)] = ds;
+        }
+      }
+    }
+  });
 }
 
 // x' as floats [M, K] into xf: what the many-row and non-AVX2 paths multiply, so every path computes W x'.
@@ -998,6 +1021,59 @@ inline void int8_two_rows32(const LinearArgs& a, const QuantX& xq, int64_t n) {
     a.out[n + r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) + mins[r] + (a.bias ? a.bias[n + r] : 0.0f);
 }
 
+// Output row n of a 32-element format for the 8 rows 8g..8g+7 of x' (a step of many rows). Per block,
+// each row's products are summed to 8 int32 lanes as in int8_rows32, and the 8 rows' lanes are then
+// folded into one vector of their 8 totals (unpacks and adds, a lane swap), which meets the rows'
+// scales in one conversion and one multiply-add: the per-row-and-block float work of int8_rows32 (a
+// conversion, a broadcast scale, a multiply-add, the minimum's scalar steps) is paid once per 8 rows.
+template <int Q>
+inline void int8_tile32(const LinearArgs& a, const QuantX& xq, int64_t n, int64_t g) {
+  using F = Format<Q>;
+  using B = Bytes32<Q>;
+  const int64_t nblk = a.K / 32;
+  const uint8_t* row = a.w + n * a.ldw;
+  const int8_t* x = xq.q.data() + 8 * g * a.K;
+  const float* d8 = xq.d8.data() + g * nblk * 8;
+  const float* s8 = xq.dsum8.data() + g * nblk * 8;
+  __m256 acc = _mm256_setzero_ps(), extra = _mm256_setzero_ps();
+  for (int64_t blk = 0; blk < nblk; ++blk) {
+    const uint8_t* b = row + blk * F::bytes;
+    const __m256i w = B::get(b);
+    const __m256i aw = B::kSigned ? _mm256_sign_epi8(w, w) : w;
+    __m256i s[8];
+#pragma GCC unroll 8
+    for (int m = 0; m < 8; ++m) {
+      __m256i xv = load_q(x + m * a.K + blk * 32);
+      if (B::kSigned) xv = _mm256_sign_epi8(xv, w);
+      s[m] = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones16());
+    }
+    // Each row's 8 lanes summed to one: unpacking row pairs and adding (then pairs of pairs) gives
+    // [r0, r1, r2, r3] from each half of rows 0-3 and of rows 4-7 (measured 3-8% ahead of hadd here).
+    auto pairs = [](__m256i u, __m256i v) { return _mm256_add_epi32(_mm256_unpacklo_epi32(u, v), _mm256_unpackhi_epi32(u, v)); };
+    auto quads = [](__m256i u, __m256i v) { return _mm256_add_epi32(_mm256_unpacklo_epi64(u, v), _mm256_unpackhi_epi64(u, v)); };
+    const __m256i s03 = quads(pairs(s[0], s[1]), pairs(s[2], s[3]));
+    const __m256i s47 = quads(pairs(s[4], s[5]), pairs(s[6], s[7]));
+    const __m256i t = _mm256_add_epi32(_mm256_permute2x128_si256(s03, s47, 0x20), _mm256_permute2x128_si256(s03, s47, 0x31));
+    float dw, wmin = 0.0f;
+    if constexpr (F::has_min) {
+      const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(int(u32(b))));
+      dw = _mm_cvtss_f32(dm);
+      wmin = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+    } else {
+      dw = f16(b);
+    }
+    const __m256 dx = _mm256_loadu_ps(d8 + blk * 8);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(dx, _mm256_set1_ps(dw)), acc);
+    if constexpr (F::has_min) extra = _mm256_fmadd_ps(_mm256_set1_ps(wmin), _mm256_loadu_ps(s8 + blk * 8), extra);
+    if constexpr (B::kOffset != 0)
+      extra = _mm256_fnmadd_ps(_mm256_set1_ps(float(B::kOffset) * dw), _mm256_loadu_ps(s8 + blk * 8), extra);
+  }
+  alignas(32) float tot[8];
+  _mm256_store_ps(tot, _mm256_add_ps(acc, extra));
+  const float bias = a.bias ? a.bias[n] : 0.0f;
+  for (int m = 0; m < 8; ++m) a.out[(8 * g + m) * a.ldo + n] = tot[m] + bias;
+}
+
 // The K-quants against x' rounded per 256: each 32 quants' integer products are scaled by the
 // sub-block's integer scale (madd), summed over the block in int32, and meet d_w * d_x once.
 template <int Q> struct KBlock;
@@ -1109,16 +1185,21 @@ void int8_linear_rows(const LinearArgs& a, const QuantX& xq, const float* xf, in
       return;
     }
   }
-  if (a.M <= kPassRows) {
-    // Each weight row meets every group of kGroup x rows while it is still in L1: one pass over the
-    // weight for up to kPassRows rows (a step of 32 decodes read the head once, not four times).
-    for (int64_t n = n0; n < n1; ++n)
-      for (int64_t m0 = 0; m0 < a.M; m0 += kGroup)
+  {
+    // Each weight row meets every group of x rows while it is still in L1: one pass over the weight
+    // for any number of rows (x' in int8 is a quarter of x: 512 rows of 2048 stay in L2).
+    // 32-element formats: whole groups of 8 rows through the tile, the rest row by row.
+    const int64_t tiled = Format<Q>::elems == 32 && a.M >= 8 ? a.M / 8 * 8 : 0;
+    for (int64_t n = n0; n < n1; ++n) {
+      if constexpr (Format<Q>::elems == 32)
+        for (int64_t g = 0; g < tiled / 8; ++g) int8_tile32<Q>(a, xq, n, g);
+      for (int64_t m0 = tiled; m0 < a.M; m0 += kGroup)
         with_rows(std::min<int64_t>(kGroup, a.M - m0), [&](auto mm) {
           constexpr int M = decltype(mm)::value;
           if constexpr (Format<Q>::elems == 256) int8_rowsK<Q, M>(a, xq, n, m0);
           else int8_rows32<Q, M>(a, xq, n, m0);
         });
+    }
     return;
   }
 #endif
@@ -1154,7 +1235,7 @@ void run_parts(std::vector<Part>& parts, const float* x, int64_t M, int64_t K, b
     with_qtype(p.qtype, [&](auto qq) {
       constexpr int Q = decltype(qq)::value;
       if constexpr (!kIsFloat<Q>) {
-        need_sums |= Format<Q>::has_min && M <= kPassRows;
+        need_sums |= Format<Q>::has_min && M <= kPassRows && (!int8_x || !SERVELM_GGUF_AVX2);
         if (int8_x) need_rounded[kXBlock<Q> == 256] = true;
       }
     });
@@ -1163,8 +1244,8 @@ void run_parts(std::vector<Part>& parts, const float* x, int64_t M, int64_t K, b
   for (int g = 0; g < 2; ++g) {
     if (!need_rounded[g]) continue;
     quantize_x(x, M, K, g ? 256 : 32, rounded[g].q);
-    // x' as floats only where a float kernel will read it (many rows, or no AVX2).
-    if (M > kPassRows || !SERVELM_GGUF_AVX2) {
+    // x' as floats only where a float kernel will read it (no AVX2).
+    if (!SERVELM_GGUF_AVX2) {
       rounded[g].xf = dequantize_x(rounded[g].q, M, K);
       if (need_sums) x_sums(rounded[g].xf.data(), M, K, rounded[g].xsum);
     }
@@ -1183,9 +1264,14 @@ void run_parts(std::vector<Part>& parts, const float* x, int64_t M, int64_t K, b
     }
     return row;
   };
-  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total_bytes / (int64_t(64) << 10)));
-  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
+  // Threads take spans as they free up rather than one fixed span each: on a shared 2-core host a
+  // thread preempted by the HTTP loop, the tokenizer or a neighbour left the other waiting at the
+  // join (OpenMP waits were ~23% of a 32-stream run's samples).
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total_bytes / (int64_t(64) << 10)));
+  const int64_t tasks = threads == 1 ? 1 : std::max(threads, std::min(8 * threads, total_bytes / (int64_t(16) << 10)));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
       int64_t lo = row_at(total_bytes * t / tasks), hi = row_at(total_bytes * (t + 1) / tasks);
       for (const Part& p : parts) {
         const int64_t n0 = std::max<int64_t>(lo, 0), n1 = std::min(hi, p.a.N);
@@ -1318,21 +1404,26 @@ at::Tensor gguf_norm_linear(const at::Tensor& x, const c10::optional<at::Tensor>
     TORCH_CHECK(residual->size(0) == M && residual->size(1) == K, fn, ": residual must be shaped like x");
     r = at::empty({M, K}, at::kFloat);
     float* sum = r.data_ptr<float>();
-    for (int64_t m = 0; m < M; ++m) {
-      const float* xm = xp + m * K;
-      float* sm = sum + m * K;
-      if (pw != nullptr) {
-        rms_row(xm, pw, float(eps), sm, K);
-        xm = sm;
+    at::parallel_for(0, M, row_grain(K), [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m) {
+        const float* xm = xp + m * K;
+        float* sm = sum + m * K;
+        if (pw != nullptr) {
+          rms_row(xm, pw, float(eps), sm, K);
+          xm = sm;
+        }
+        for (int64_t k = 0; k < K; ++k) sm[k] = xm[k] + rp[m * K + k];
       }
-      for (int64_t k = 0; k < K; ++k) sm[k] = xm[k] + rp[m * K + k];
-    }
+    });
   }
   // The normalised rows: per thread, kept between calls (workers read them through the pointer).
   thread_local std::vector<float> normed;
   normed.resize(size_t(M * K));
   const float* rp = r.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) rms_row(rp + m * K, nw, float(eps), normed.data() + m * K, K);
+  float* np = normed.data();
+  at::parallel_for(0, M, row_grain(K), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) rms_row(rp + m * K, nw, float(eps), np + m * K, K);
+  });
   std::vector<Part> parts = make_parts(normed.data(), M, K, blocks, qtypes, out, bias, fn);
   if (M > 0) run_parts(parts, normed.data(), M, K, int8_x);
   return r;
@@ -1352,45 +1443,51 @@ void gguf_act_mul_linear(const at::Tensor& gate_up, bool gelu, const std::vector
   TORCH_CHECK(gate_up.size(1) == 2 * I, fn, ": gate_up must be [M, 2 * intermediate]");
   thread_local std::vector<float> act;
   act.resize(size_t(M * I));
+  float* actp = act.data();
   constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;  // sqrt(2 / pi)
-  for (int64_t m = 0; m < M; ++m) {
-    const float* g = gp + m * 2 * I;
-    const float* u = g + I;
-    float* a = act.data() + m * I;
-    int64_t i = 0;
+  at::parallel_for(0, M, row_grain(I), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* g = gp + m * 2 * I;
+      const float* u = g + I;
+      float* a = actp + m * I;
+      int64_t i = 0;
 #if SERVELM_GGUF_AVX2
-    // 0.5 v (1 + tanh(t)) = v / (1 + e^(-2t)) and silu(v) = v / (1 + e^-v), 8 at a time: the scalar
-    // tanh took ~35 us a Gemma 3 layer, on one thread.
-    for (; i + 8 <= I; i += 8) {
-      const __m256 v = _mm256_loadu_ps(g + i);
-      __m256 z = v;  // silu: v / (1 + e^-v)
-      if (gelu) {
-        const __m256 v3 = _mm256_mul_ps(_mm256_mul_ps(v, v), v);
-        z = _mm256_mul_ps(_mm256_set1_ps(2.0f * kBeta), _mm256_fmadd_ps(_mm256_set1_ps(kKappa), v3, v));
+      // 0.5 v (1 + tanh(t)) = v / (1 + e^(-2t)) and silu(v) = v / (1 + e^-v), 8 at a time: the scalar
+      // tanh took ~35 us a Gemma 3 layer, on one thread.
+      for (; i + 8 <= I; i += 8) {
+        const __m256 v = _mm256_loadu_ps(g + i);
+        __m256 z = v;  // silu: v / (1 + e^-v)
+        if (gelu) {
+          const __m256 v3 = _mm256_mul_ps(_mm256_mul_ps(v, v), v);
+          z = _mm256_mul_ps(_mm256_set1_ps(2.0f * kBeta), _mm256_fmadd_ps(_mm256_set1_ps(kKappa), v3, v));
+        }
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), z));
+        const __m256 act8 = _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+        _mm256_storeu_ps(a + i, _mm256_mul_ps(act8, _mm256_loadu_ps(u + i)));
       }
-      const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), z));
-      const __m256 act8 = _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-      _mm256_storeu_ps(a + i, _mm256_mul_ps(act8, _mm256_loadu_ps(u + i)));
-    }
 #endif
-    for (; i < I; ++i) {
-      const float v = g[i];
-      a[i] = gelu ? 0.5f * v * (1.0f + std::tanh(kBeta * (v + kKappa * v * v * v))) * u[i]
-                  : v / (1.0f + std::exp(-v)) * u[i];
+      for (; i < I; ++i) {
+        const float v = g[i];
+        a[i] = gelu ? 0.5f * v * (1.0f + std::tanh(kBeta * (v + kKappa * v * v * v))) * u[i]
+                    : v / (1.0f + std::exp(-v)) * u[i];
+      }
     }
-  }
+  });
   std::vector<Part> parts = make_parts(act.data(), M, I, blocks, qtypes, out, bias, fn);
   const int64_t N = out.size(1);
   const float* pw = check_vec(post_w, N, fn, "post_w");
   if (M == 0) return;
   run_parts(parts, act.data(), M, I, int8_x);
   if (pw == nullptr) return;
-  std::vector<float> row(N);
   float* o = out.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) {
-    rms_row(o + m * out.stride(0), pw, float(eps), row.data(), N);
-    std::memcpy(o + m * out.stride(0), row.data(), sizeof(float) * N);
-  }
+  const int64_t ld = out.stride(0);
+  at::parallel_for(0, M, row_grain(N), [&](int64_t m0, int64_t m1) {
+    std::vector<float> row(N);
+    for (int64_t m = m0; m < m1; ++m) {
+      rms_row(o + m * ld, pw, float(eps), row.data(), N);
+      std::memcpy(o + m * ld, row.data(), sizeof(float) * N);
+    }
+  });
 }
 
 void gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, const at::Tensor& out,
@@ -1512,4 +1609,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("vectorized") = py::bool_(SERVELM_GGUF_AVX2 != 0);
   m.attr("group_rows") = kGroup;
   m.attr("pass_rows") = kPassRows;
+  // With int8 activations (and AVX2) one call takes any number of rows in one pass over the weight.
+  m.attr("int8_one_pass") = py::bool_(SERVELM_GGUF_AVX2 != 0);
 }
