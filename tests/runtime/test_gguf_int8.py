@@ -93,6 +93,17 @@ def test_int8_linear_is_w_times_rounded_x(module, qtype: Q, m: int) -> None:
     assert not torch.allclose(got, exact, rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("qtype", (Q.Q5_0, Q.Q8_0, Q.Q4_K), ids=lambda q: q.name)
+def test_a_prefill_step_in_blocks_of_rows(module, qtype: Q) -> None:
+    """A step of many rows goes over x' in blocks of ~128 KB (64 rows of 2048): 150 rows are two whole
+    blocks and a third with whole 8-row tiles and a tail of 6."""
+    k, n, m = 2048, 40, 150
+    blocks = weight(qtype, n, k, seed=5)
+    x = activations(m, k, seed=5)
+    got = kernels.linear(x, blocks, qtype, torch.empty(m, n), int8_x=True)
+    assert_within_sum_order(got, round_activations(x, activation_block(qtype)), gguf_dequantized(blocks, qtype, k))
+
+
 @pytest.mark.parametrize("n", (1, 2, 7))
 @pytest.mark.parametrize("qtype", (Q.Q4_1, Q.Q5_1), ids=lambda q: q.name)
 def test_one_row_two_weight_rows_at_a_time(module, qtype: Q, n: int) -> None:

@@ -1186,19 +1186,25 @@ void int8_linear_rows(const LinearArgs& a, const QuantX& xq, const float* xf, in
     }
   }
   {
-    // Each weight row meets every group of x rows while it is still in L1: one pass over the weight
-    // for any number of rows (x' in int8 is a quarter of x: 512 rows of 2048 stay in L2).
+    // Each weight row meets every group of x rows in a block of x' rows while it is still in L1, and
+    // the block (~128 KB of x') stays in L2 while the thread's span of weight rows passes it: a decode
+    // step reads the weight once; a prefill of 512 rows of 2048 (1 MB of x') reads its span of the
+    // weight a few times from L2 instead of x' from L3 for every weight row.
     // 32-element formats: whole groups of 8 rows through the tile, the rest row by row.
-    const int64_t tiled = Format<Q>::elems == 32 && a.M >= 8 ? a.M / 8 * 8 : 0;
-    for (int64_t n = n0; n < n1; ++n) {
-      if constexpr (Format<Q>::elems == 32)
-        for (int64_t g = 0; g < tiled / 8; ++g) int8_tile32<Q>(a, xq, n, g);
-      for (int64_t m0 = tiled; m0 < a.M; m0 += kGroup)
-        with_rows(std::min<int64_t>(kGroup, a.M - m0), [&](auto mm) {
-          constexpr int M = decltype(mm)::value;
-          if constexpr (Format<Q>::elems == 256) int8_rowsK<Q, M>(a, xq, n, m0);
-          else int8_rows32<Q, M>(a, xq, n, m0);
-        });
+    const int64_t block_rows = std::max<int64_t>(8, (int64_t(128) << 10) / a.K / 8 * 8);
+    for (int64_t mb = 0; mb < a.M; mb += block_rows) {
+      const int64_t me = std::min(a.M, mb + block_rows);
+      for (int64_t n = n0; n < n1; ++n) {
+        int64_t m0 = mb;
+        if constexpr (Format<Q>::elems == 32)
+          for (; m0 + 8 <= me; m0 += 8) int8_tile32<Q>(a, xq, n, m0 / 8);
+        for (; m0 < me; m0 += kGroup)
+          with_rows(std::min<int64_t>(kGroup, me - m0), [&](auto mm) {
+            constexpr int M = decltype(mm)::value;
+            if constexpr (Format<Q>::elems == 256) int8_rowsK<Q, M>(a, xq, n, m0);
+            else int8_rows32<Q, M>(a, xq, n, m0);
+          });
+      }
     }
     return;
   }
