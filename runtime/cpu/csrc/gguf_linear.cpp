@@ -927,6 +927,18 @@ template <> struct Bytes32<Q5_1> { static constexpr bool kSigned = false; static
 template <> struct Bytes32<Q8_0> { static constexpr bool kSigned = true; static constexpr int kOffset = 0;
   static __m256i get(const uint8_t* b) { return load256(b + 2); } };
 
+// A 32-element block's float16 scale d (returned) and, for the formats with one, its minimum (adjacent
+// to d: both converted in one instruction).
+template <bool kMin>
+inline float scale_min32(const uint8_t* b, float& wmin) {
+  if constexpr (kMin) {
+    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(int(u32(b))));
+    wmin = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+    return _mm_cvtss_f32(dm);
+  }
+  return f16(b);
+}
+
 // Output row n of a 32-element format for M rows of x'. One chain per row and block phase (A of
 // them), so a one-row step is not bound by FMA latency.
 template <int Q, int M>
@@ -945,14 +957,8 @@ inline void int8_rows32(const LinearArgs& a, const QuantX& xq, int64_t n, int64_
   auto block = [&](int64_t blk, int c) {
     const uint8_t* b = row + blk * F::bytes;
     const __m256i w = B::get(b);
-    float dw, wmin = 0.0f;
-    if constexpr (F::has_min) {  // d and the minimum are adjacent: one conversion for both
-      const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(int(u32(b))));
-      dw = _mm_cvtss_f32(dm);
-      wmin = _mm_cvtss_f32(_mm_movehdup_ps(dm));
-    } else {
-      dw = f16(b);
-    }
+    float wmin = 0.0f;
+    const float dw = scale_min32<F::has_min>(b, wmin);
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
       const __m256i xv = load_q(xq.q.data() + (m0 + m) * a.K + blk * 32);
@@ -996,14 +1002,8 @@ inline void int8_two_rows32(const LinearArgs& a, const QuantX& xq, int64_t n) {
     for (int r = 0; r < 2; ++r) {
       const uint8_t* b = rows[r] + blk * F::bytes;
       const __m256i w = B::get(b);
-      float dw, wmin = 0.0f;
-      if constexpr (F::has_min) {
-        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(int(u32(b))));
-        dw = _mm_cvtss_f32(dm);
-        wmin = _mm_cvtss_f32(_mm_movehdup_ps(dm));
-      } else {
-        dw = f16(b);
-      }
+      float wmin = 0.0f;
+      const float dw = scale_min32<F::has_min>(b, wmin);
       const __m256i p16 = B::kSigned ? dot_i8_pairs(w, xv) : _mm256_maddubs_epi16(w, xv);
       const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones16()));
       acc[r][c] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * dx), acc[r][c]);
@@ -1054,14 +1054,8 @@ inline void int8_tile32(const LinearArgs& a, const QuantX& xq, int64_t n, int64_
     const __m256i s03 = quads(pairs(s[0], s[1]), pairs(s[2], s[3]));
     const __m256i s47 = quads(pairs(s[4], s[5]), pairs(s[6], s[7]));
     const __m256i t = _mm256_add_epi32(_mm256_permute2x128_si256(s03, s47, 0x20), _mm256_permute2x128_si256(s03, s47, 0x31));
-    float dw, wmin = 0.0f;
-    if constexpr (F::has_min) {
-      const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(int(u32(b))));
-      dw = _mm_cvtss_f32(dm);
-      wmin = _mm_cvtss_f32(_mm_movehdup_ps(dm));
-    } else {
-      dw = f16(b);
-    }
+    float wmin = 0.0f;
+    const float dw = scale_min32<F::has_min>(b, wmin);
     const __m256 dx = _mm256_loadu_ps(d8 + blk * 8);
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(dx, _mm256_set1_ps(dw)), acc);
     if constexpr (F::has_min) extra = _mm256_fmadd_ps(_mm256_set1_ps(wmin), _mm256_loadu_ps(s8 + blk * 8), extra);
