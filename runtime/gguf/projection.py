@@ -33,8 +33,8 @@ KERNEL_MAX_ROWS = 32
 KERNEL_CHUNK = 8
 # With int8 activations the kernel's integer dots outrun the tiles further (same host, 2026-12-03,
 # 2 threads): the K-quants' (~155-170 GFLOP/s against the tiles' 100-155) at every size measured up to
-# 512 rows; the 32-element formats', since they take 8 rows a tile (~110-130), as far (at 512 rows
-# even with the tiles or ahead) -- 512 being the CPU's default step budget.
+# 512 rows; the 32-element formats' too since they take 8 rows a tile (docs/gguf.md), and at 512 (the
+# CPU's default step budget) a call keeps the step in one parallel region, rounding x once.
 INT8_KERNEL_MAX_ROWS = {32: 512, 256: 512}
 
 
