@@ -173,6 +173,9 @@ class TensorParallelGroup:
                 if self._closing.is_set():
                     return
                 w = self.workers[rank - 1]
+                # The sentinel closes as the worker's files close, a moment before the kernel lets its
+                # exit status be reaped: wait for the status rather than report "unknown".
+                w.join(timeout=5)
                 code = w.exitcode if w.exitcode is not None else "unknown"
                 how = f"killed by signal {-code}" if isinstance(code, int) and code < 0 else f"exit status {code}"
                 self.failure = WorkerDiedError(
