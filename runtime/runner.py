@@ -24,7 +24,7 @@ from servelm.runtime.batch import BatchItem, RunnerOutput, SequenceView
 from servelm.runtime.capacity import kv_bytes_per_token
 from servelm.runtime.config import ModelConfig, UnsupportedModelError
 from servelm.runtime.kv_cache import KVPool
-from servelm.runtime.models.layers import FewRowKernels, RotaryEmbedding
+from servelm.runtime.models.layers import FewRowKernels
 from servelm.runtime.platform import host_to_device
 from servelm.runtime.gguf.folder import gguf_source
 from servelm.runtime.gguf import layer as stored_layer
@@ -45,8 +45,6 @@ log = logging.getLogger(__name__)
 
 # Prompt rows scored at once (prompt logprobs): their float32 logits take SCORE_ROWS x vocab x 4 bytes.
 SCORE_ROWS = 128
-# RoPE positions kept past max_model_len (speculative drafts are scored past the last accepted token).
-ROPE_MARGIN = 256
 
 
 class ModelRunner:
@@ -143,9 +141,6 @@ class ModelRunner:
         self.few_rows_mode = installed.few_rows_mode
         self.few_rows_limit = installed.few_rows_limit  # most rows the fused few-row projections take
         self.max_model_len = max_model_len or model_config.max_position_embeddings
-        for module in self.model.modules():
-            if isinstance(module, RotaryEmbedding):  # with room for drafts past the last position
-                module.keep_positions(self.max_model_len + ROPE_MARGIN)
         self.enforce_eager = enforce_eager
         self.kv_pool: KVPool = None  # type: ignore[assignment]  # set by allocate_kv_pool
         self.graph_runner: CudaGraphRunner | None = None

@@ -302,29 +302,24 @@ CosSin = tuple[torch.Tensor, torch.Tensor]  # the step's RoPE rows, [T, 1, head_
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style RoPE (rotate_half, as HF Llama) from cos/sin tables indexed by position.
+    """Neox-style RoPE (rotate_half, as HF Llama): cos/sin rows computed for each step's positions.
 
-    The tables hold half the head dim (HF's full-width tables repeat the halves), so the rotation
+    The rows hold half the head dim (HF's full-width tables repeat the halves), so the rotation
     ``[x1 cos - x2 sin, x2 cos + x1 sin]`` is the same arithmetic as ``x cos + rotate_half(x) sin``.
+    They are computed per step rather than looked up in tables of every position: the same float32
+    product and cos/sin, without tables that grow with the context (Gemma 3 270M's two for 32k positions
+    held 67 MiB, a tenth of the served model's resident memory).
     """
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(cfg)
-        pos = torch.arange(cfg.max_position_embeddings, dtype=torch.int64).float()
-        freqs = pos[:, None] * inv_freq[None, :]  # float32, as HF computes it
-        self.register_buffer("cos", freqs.cos().to(device=device, dtype=dtype), persistent=False)
-        self.register_buffer("sin", freqs.sin().to(device=device, dtype=dtype), persistent=False)
-
-    def keep_positions(self, n: int) -> None:
-        """Drop the rows past position ``n``: a server never reaches them (Gemma 3 270M's two tables
-        for 32k positions hold 67 MiB)."""
-        if n < self.cos.shape[0]:
-            self.cos, self.sin = self.cos[:n].clone(), self.sin[:n].clone()
+        self.dtype = dtype
+        self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device=device, dtype=torch.float32), persistent=False)
 
     def tables(self, positions: torch.Tensor) -> CosSin:
-        """cos and sin rows for ``positions``, ``[T, 1, D/2]`` each: looked up once per step, used by every layer."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """cos and sin rows for ``positions``, ``[T, 1, D/2]`` each: computed once per step, used by every layer."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # float32, as HF computes it
+        return freqs.cos().to(self.dtype).unsqueeze(1), freqs.sin().to(self.dtype).unsqueeze(1)
 
 
 def apply_rope(x: torch.Tensor, cos_sin: CosSin) -> torch.Tensor:
