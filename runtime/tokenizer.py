@@ -46,6 +46,13 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     for name in ("_vocab", "_merges"):
         if isinstance(getattr(tok, name, None), (dict, list)):
             setattr(tok, name, type(getattr(tok, name))())
+    # Encoding then only reads the Rust tokenizer (transformers clears these on a call that finds them
+    # set, a write): the server's threads and the engine's share one tokenizer.
+    backend = tok.backend_tokenizer
+    if backend.truncation is not None:
+        backend.no_truncation()
+    if backend.padding is not None:
+        backend.no_padding()
     if slim is not None:
         placeholders = json.loads((slim / PLACEHOLDERS_FILE).read_text())
         PlaceholderAware.adopt(tok, {str(k): int(v) for k, v in placeholders.items()}, path / "tokenizer.json")
