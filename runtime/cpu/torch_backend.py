@@ -87,6 +87,8 @@ class TorchAttentionBackend(AttentionBackend):
         self.decode_kernel: DecodeKernel | None = _load_decode_kernel() if use_kernel else None
         # RoPE + K/V store + decode attention in one compiled call (decode-only float32 steps).
         self.rope_decode = _cpu_kernel.load_rope_decode() if self.decode_kernel is not None and _cpu_kernel else None
+        # Its address and ABI number, for a caller in another extension (``gguf.layer.DecodeStack``).
+        self.rope_decode_address = _cpu_kernel.load_rope_decode_address() if self.rope_decode is not None else None
         self.name = "torch+cpu_kernel" if self.decode_kernel is not None else "torch"
 
     # ---- once per step -------------------------------------------------------------------------
@@ -218,11 +220,28 @@ class TorchAttentionBackend(AttentionBackend):
         window: int | None = None,
         qk_norm: QKNorm | None = None,
     ) -> torch.Tensor | None:
+        args = self.fused_decode_args(meta)
         if (
-            self.rope_decode is None
+            args is None
             or qkv.dtype != torch.float32  # (the cache may be float32 or 16-bit: it stores k, v rounded)
             or k_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16)
             or (qk_norm is not None and not all(w.dtype == torch.float32 and w.is_contiguous() for w in qk_norm[:2]))
+        ):
+            return None
+        slots, block_tables, seq_lens, _ = args
+        cos, sin = cos_sin
+        q_w, k_w, eps = qk_norm if qk_norm is not None else (None, None, 0.0)
+        return self.rope_decode(
+            qkv, cos, sin, k_cache, v_cache, slots, block_tables, seq_lens, num_heads, scale,
+            _effective(window, meta), q_w, k_w, eps,
+        )
+
+    def fused_decode_args(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
+        """The step's slot mapping, block tables, sequence lengths and longest sequence for the fused
+        decode call (``rope_write_decode``), or None where the step has no such path: it must be
+        decode-only, write every row, and give each row a sequence of its own."""
+        if (
+            self.rope_decode is None
             or meta.num_decode_tokens != meta.num_tokens
             or not isinstance(meta, TorchAttentionMetadata)
             or meta.write_rows is not None
@@ -230,12 +249,7 @@ class TorchAttentionBackend(AttentionBackend):
         ):
             return None
         assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
-        cos, sin = cos_sin
-        q_w, k_w, eps = qk_norm if qk_norm is not None else (None, None, 0.0)
-        return self.rope_decode(
-            qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens,
-            num_heads, scale, _effective(window, meta), q_w, k_w, eps,
-        )
+        return meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens, meta.max_seq_len
 
     def forward(
         self,

@@ -121,11 +121,82 @@ class StoredStep:
         return out, residual
 
 
+class DecodeStack:
+    """A decode-only step through every layer in one compiled call (``gguf_decode_stack``): each layer
+    the calls of ``StoredStep.forward`` in the same order, from C++, where the Python, pybind and torch
+    between ~150 calls a token ran while the other thread waited. For models whose every layer has a
+    ``StoredStep``, on the CPU attention backend's fused decode path (``forward_from_qkv``)."""
+
+    def __init__(self, model: Any, attention: tuple[int, int]) -> None:
+        self.layers = list(model.model.layers)
+        self.kernel = self.layers[0].stored_step.kernel
+        self.attention = attention  # the fused decode call's address and ABI number
+        self.max_rows = min(layer.stored_step.max_rows for layer in self.layers)
+        self.bound: list[Any] | None = None  # the C++ layers, once the KV pool is bound (``bind``)
+
+    @classmethod
+    def attach(cls, model: Any) -> "DecodeStack | None":
+        layers = list(model.model.layers)
+        steps = [layer.stored_step for layer in layers]
+        if not steps or any(s is None for s in steps) or len({id(s.kernel) for s in steps}) != 1:
+            return None
+        attention = getattr(layers[0].self_attn.backend, "rope_decode_address", None)
+        if attention is None or not hasattr(steps[0].kernel, "gguf_decode_stack"):
+            return None
+        return cls(model, attention)
+
+    def bind(self) -> None:
+        """Build the C++ layers over the bound KV pool; a layer whose pool or q/k norms the fused
+        attention cannot take leaves the stack unbound (the layers' own forwards run)."""
+        k, layers = self.kernel, []
+        for layer in self.layers:
+            step, attn = layer.stored_step, layer.self_attn
+            qk = attn.qk_norm
+            if attn.k_cache is None or attn.k_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16) or (
+                qk is not None and not all(_float32_vector(w) for w in qk[:2])
+            ):
+                self.bound = None
+                return
+            projections = [
+                k.StackProjection(p.blocks, p.qtypes, p.out_features, bias, p.int8_x)
+                for p, bias in ((step.qkv, step.qkv_bias), (step.o, step.o_bias), (step.gate_up, step.gate_up_bias),
+                                (step.down, step.down_bias))
+            ]
+            q_w, k_w, qk_eps = qk if qk is not None else (None, None, 0.0)
+            layers.append(k.StackLayer(
+                *projections, step.input_norm, step.norm, step.pre, step.post, step.eps, step.gelu, attn.k_cache,
+                attn.v_cache, attn.num_heads, float(attn.scale), int(attn.window_kw.get("window", 0)), q_w, k_w,
+                float(qk_eps), bool(layer.local_rope),
+            ))
+        self.bound = layers
+
+    def forward(self, x: torch.Tensor, cos_sin: Any, cos_sin_local: Any, meta: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(last MLP output, residual)`` after every layer, or None where this step cannot take the
+        stack (not decode-only, too many rows, LoRA or few-row kernels in use): the layers run one by one."""
+        first = self.layers[0]
+        rows = x.shape[0]
+        if self.bound is None or rows > self.max_rows or x.dtype != torch.float32:
+            return None
+        if (first.lora_ctx is not None and first.lora_ctx.plan) or (first.few_rows is not None and first._few_rows_apply(rows)):
+            return None
+        args = first.self_attn.backend.fused_decode_args(meta)
+        if args is None:
+            return None
+        slots, block_tables, seq_lens, max_seq_len = args
+        (cos, sin), (cos_l, sin_l) = cos_sin, cos_sin_local
+        out, residual = self.kernel.gguf_decode_stack(
+            x, self.bound, cos, sin, cos_l, sin_l, slots, block_tables, seq_lens, int(max_seq_len), *self.attention
+        )
+        return out, residual
+
+
 def attach(model: Any) -> int:
-    """Give every decoder layer of ``model`` whose projections all qualify its ``StoredStep``; returns
-    how many layers got one. Call after the int8 choice (``use_int8_activations``): the steps keep it."""
+    """Give every decoder layer of ``model`` whose projections all qualify its ``StoredStep``, and the
+    model a ``DecodeStack`` where every layer has one; returns how many layers got one. Call after the
+    int8 choice (``use_int8_activations``): the steps keep it."""
     count = 0
     for layer in model.model.layers:
         layer.stored_step = StoredStep.attach(layer)
         count += layer.stored_step is not None
+    model.decode_stack = DecodeStack.attach(model)
     return count

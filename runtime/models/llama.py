@@ -85,6 +85,7 @@ class CausalLM(nn.Module):
         # Weights kept in their GGUF blocks (``runtime.gguf.loader``): the token lookup and the head
         self.stored_embedding: Any = None  # gguf.projection.GGUFEmbedding
         self.stored_head: ProjectionMethod | None = None
+        self.decode_stack: Any = None  # gguf.layer.DecodeStack: a decode step's layers in one compiled call
         self.head_method: ProjectionMethod = select_method(tall_skinny_rows=self.tall_skinny_head_max_rows)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Module()
@@ -116,6 +117,8 @@ class CausalLM(nn.Module):
         for layer, k, v in zip(self.model.layers, k_caches, v_caches):
             layer.self_attn.k_cache = k
             layer.self_attn.v_cache = v
+        if self.decode_stack is not None:
+            self.decode_stack.bind()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """``input_ids``, ``positions``: ``[T]`` -> final-normed hidden states ``[T, hidden]``."""
@@ -124,8 +127,12 @@ class CausalLM(nn.Module):
         local = self.model.rotary_emb_local
         cos_sin_local = local.tables(positions) if local is not None else cos_sin
         residual: torch.Tensor | None = None
-        for layer in self.model.layers:
-            h, residual = layer.forward(h, residual, cos_sin_local if layer.local_rope else cos_sin, meta)
+        stacked = self.decode_stack.forward(h, cos_sin, cos_sin_local, meta) if self.decode_stack is not None else None
+        if stacked is not None:
+            h, residual = stacked
+        else:
+            for layer in self.model.layers:
+                h, residual = layer.forward(h, residual, cos_sin_local if layer.local_rope else cos_sin, meta)
         if residual is None:
             return self.model.norm.forward(h)
         return self.model.norm.forward_add(h, residual)[0]

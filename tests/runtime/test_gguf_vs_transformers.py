@@ -338,3 +338,33 @@ def test_compiled_layer_step_equals_the_layers_own_forward(case_id: str, activat
     apart = max(float((a - b)[compared].abs().max() / b.abs().max()) for a, b in zip(float32, plain))
     print(f"{case_id} int8: compiled vs plain {max(decode):.1e}, float32 vs int8 {apart:.1e}")
     assert max(decode) <= 0.75 * apart, f"{case_id} int8: per decode position {shown}; float32 activations {apart:.1e} apart"
+
+
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_decode_stack_equals_the_layer_steps(case_id: str, activations: str, served, build_runner, rt) -> None:  # type: ignore[no-untyped-def]
+    """A decode step through every layer in one compiled call (``runtime.gguf.layer.DecodeStack``) makes
+    the layers' compiled calls in the same order: the same logits, bit for bit, on every architecture
+    (Gemma 3's sliding layers and local RoPE, Qwen3's q/k norms, Qwen2's biases)."""
+    s = served(case_id)
+    runner = build_runner(s.folder, num_blocks=8, gguf_activations=activations)
+    stack = runner.model.decode_stack
+    if not all(layer.stored_step for layer in runner.model.model.layers):
+        assert stack is None, f"{case_id}: a stack over layers without compiled steps"
+        pytest.skip(f"{case_id}: some projections are dense parameters")
+    assert stack is not None and stack.bound is not None, f"{case_id}: no decode stack bound"
+    taken: list[bool] = []
+    forward = stack.forward
+
+    def counted(*args: Any) -> Any:
+        out = forward(*args)
+        taken.append(out is not None)
+        return out
+
+    stack.forward = counted
+    stacked = run_ours(runner, rt, s.seqs)
+    assert taken == [False] + [True] * DECODE_STEPS, f"{case_id}: the stack ran on steps {taken} (the prefill, then the decodes)"
+    runner.model.decode_stack = None
+    layered = run_ours(runner, rt, s.seqs)
+    for i, (a, b) in enumerate(zip(stacked, layered)):
+        assert torch.equal(a, b), f"{case_id} {activations}, sequence {i}: {float((a - b).abs().max()):.2e} apart"

@@ -28,6 +28,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <tuple>
 #include <cstdint>
 #include <cstring>
@@ -1554,6 +1555,80 @@ at::Tensor gguf_round_x(const at::Tensor& x, int64_t blk) {
   return out;
 }
 
+// ---- A decode step's whole stack of layers in one call ----------------------------------------
+// One stream's decode step is ~30 layers x 5 compiled calls; the Python, pybind and torch around
+// each call ran on the engine thread while the other OpenMP thread waited. Here each layer is the
+// calls of runtime/gguf/layer.py (StoredStep.forward) in the same order, from C++.
+
+// The paged attention extension's rope_write_decode, reached by its address (the two extensions are
+// built apart); kRopeWriteDecodeAbi names this signature and must match that extension's.
+using RopeWriteDecode = at::Tensor (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                       const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                       int64_t, double, int64_t, const c10::optional<at::Tensor>&,
+                                       const c10::optional<at::Tensor>&, double);
+constexpr int64_t kRopeWriteDecodeAbi = 1;
+
+struct StackProjection {
+  std::vector<at::Tensor> blocks;
+  std::vector<int64_t> qtypes;
+  int64_t out_features;
+  c10::optional<at::Tensor> bias;
+  bool int8_x;
+};
+
+struct StackLayer {
+  StackProjection qkv, o, gate_up, down;
+  at::Tensor input_norm, norm;
+  c10::optional<at::Tensor> pre, post;  // Gemma 3's sandwich norms
+  double eps;
+  bool gelu;
+  at::Tensor k_cache, v_cache;
+  int64_t num_heads;
+  double scale;
+  int64_t window;  // sliding window, 0 for none
+  c10::optional<at::Tensor> q_norm, k_norm;
+  double qk_eps;
+  bool local_rope;  // Gemma 3's sliding layers: the local RoPE rows
+};
+
+// Every layer over a decode-only step of x [B, hidden] (float32); returns [the last layer's MLP
+// output, the residual stream before it], as the layers' forwards in turn would.
+std::vector<at::Tensor> gguf_decode_stack(const at::Tensor& x_in, const std::vector<std::shared_ptr<StackLayer>>& layers,
+                                          const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& cos_local,
+                                          const at::Tensor& sin_local, const at::Tensor& slot_mapping,
+                                          const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                          int64_t max_seq_len, int64_t attention, int64_t attention_abi) {
+  TORCH_CHECK(attention != 0 && attention_abi == kRopeWriteDecodeAbi,
+              "gguf_decode_stack: the attention function's ABI ", attention_abi, " is not ", kRopeWriteDecodeAbi);
+  TORCH_CHECK(!layers.empty(), "gguf_decode_stack: no layers");
+  const auto attend = reinterpret_cast<RopeWriteDecode>(attention);
+  at::Tensor x = x_in.contiguous();
+  c10::optional<at::Tensor> residual;
+  const int64_t B = x.size(0);
+  for (const auto& layer : layers) {
+    const StackLayer& L = *layer;
+    at::Tensor qkv = at::empty({B, L.qkv.out_features}, x.options());
+    at::Tensor r = gguf_norm_linear(x, residual, c10::nullopt, L.input_norm, L.eps, L.qkv.blocks, L.qkv.qtypes, qkv,
+                                    L.qkv.bias, L.qkv.int8_x);
+    const int64_t window = L.window > 0 && max_seq_len > L.window ? L.window : 0;
+    const at::Tensor a = attend(qkv, L.local_rope ? cos_local : cos, L.local_rope ? sin_local : sin, L.k_cache,
+                                L.v_cache, slot_mapping, block_tables, seq_lens, L.num_heads, L.scale, window,
+                                L.q_norm, L.k_norm, L.qk_eps)
+                             .reshape({B, -1})
+                             .contiguous();
+    at::Tensor o = at::empty({B, L.o.out_features}, x.options());
+    gguf_linear_parts(a, L.o.blocks, L.o.qtypes, o, L.o.bias, L.o.int8_x);
+    at::Tensor gate_up = at::empty({B, L.gate_up.out_features}, x.options());
+    r = gguf_norm_linear(o, r, L.pre, L.norm, L.eps, L.gate_up.blocks, L.gate_up.qtypes, gate_up, L.gate_up.bias,
+                         L.gate_up.int8_x);
+    at::Tensor out = at::empty({B, L.down.out_features}, x.options());
+    gguf_act_mul_linear(gate_up, L.gelu, L.down.blocks, L.down.qtypes, out, L.down.bias, L.down.int8_x, L.post, L.eps);
+    x = out;
+    residual = r;
+  }
+  return {x, *residual};
+}
+
 // Instruction-set extensions this build was compiled for, named as in /proc/cpuinfo, so the
 // loader can refuse a binary the running CPU cannot execute.
 std::vector<std::string> compiled_isa() {
@@ -1605,6 +1680,35 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("blk"), py::call_guard<py::gil_scoped_release>());
   m.def("gguf_get_rows", &gguf_get_rows, "rows ids of the GGUF weight [N, K] as float32 [T, K]",
         py::arg("blocks"), py::arg("ids"), py::arg("qtype"), py::arg("K"), py::call_guard<py::gil_scoped_release>());
+  py::class_<StackProjection, std::shared_ptr<StackProjection>>(m, "StackProjection")
+      .def(py::init([](std::vector<at::Tensor> blocks, std::vector<int64_t> qtypes, int64_t out_features,
+                       c10::optional<at::Tensor> bias, bool int8_x) {
+             return std::make_shared<StackProjection>(
+                 StackProjection{std::move(blocks), std::move(qtypes), out_features, std::move(bias), int8_x});
+           }),
+           py::arg("blocks"), py::arg("qtypes"), py::arg("out_features"), py::arg("bias"), py::arg("int8_x"));
+  py::class_<StackLayer, std::shared_ptr<StackLayer>>(m, "StackLayer")
+      .def(py::init([](const StackProjection& qkv, const StackProjection& o, const StackProjection& gate_up,
+                       const StackProjection& down, at::Tensor input_norm, at::Tensor norm,
+                       c10::optional<at::Tensor> pre, c10::optional<at::Tensor> post, double eps, bool gelu,
+                       at::Tensor k_cache, at::Tensor v_cache, int64_t num_heads, double scale, int64_t window,
+                       c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm, double qk_eps,
+                       bool local_rope) {
+             return std::make_shared<StackLayer>(StackLayer{qkv, o, gate_up, down, std::move(input_norm),
+                                                            std::move(norm), std::move(pre), std::move(post), eps, gelu,
+                                                            std::move(k_cache), std::move(v_cache), num_heads, scale,
+                                                            window, std::move(q_norm), std::move(k_norm), qk_eps,
+                                                            local_rope});
+           }),
+           py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("input_norm"), py::arg("norm"),
+           py::arg("pre"), py::arg("post"), py::arg("eps"), py::arg("gelu"), py::arg("k_cache"), py::arg("v_cache"),
+           py::arg("num_heads"), py::arg("scale"), py::arg("window"), py::arg("q_norm"), py::arg("k_norm"),
+           py::arg("qk_eps"), py::arg("local_rope"));
+  m.def("gguf_decode_stack", &gguf_decode_stack,
+        "every StackLayer over a decode-only step x [B, hidden]: [the last MLP output, the residual before it]",
+        py::arg("x"), py::arg("layers"), py::arg("cos"), py::arg("sin"), py::arg("cos_local"), py::arg("sin_local"),
+        py::arg("slot_mapping"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("max_seq_len"),
+        py::arg("attention"), py::arg("attention_abi"), py::call_guard<py::gil_scoped_release>());
   m.def("compiled_isa", &compiled_isa);
   m.attr("vectorized") = py::bool_(SERVELM_GGUF_AVX2 != 0);
   m.attr("group_rows") = kGroup;

@@ -900,6 +900,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("slot_mapping"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("num_heads"),
         py::arg("scale"), py::arg("window") = 0, py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(),
         py::arg("norm_eps") = 0.0, py::call_guard<py::gil_scoped_release>());
+  // For a caller in another extension (gguf_linear.cpp's gguf_decode_stack): the function's address
+  // and a number for its signature, which that caller checks against its own.
+  m.attr("rope_write_decode_address") = py::int_(reinterpret_cast<std::uintptr_t>(&rope_write_decode));
+  m.attr("rope_write_decode_abi") = 1;
   m.def("compiled_isa", &compiled_isa);
   m.attr("has_avx512") = py::bool_(SERVELM_HAVE_AVX512 != 0);
   m.attr("has_avx2") = py::bool_(SERVELM_HAVE_AVX2 != 0);
