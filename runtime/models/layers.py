@@ -308,7 +308,7 @@ class RotaryEmbedding(nn.Module):
     ``[x1 cos - x2 sin, x2 cos + x1 sin]`` is the same arithmetic as ``x cos + rotate_half(x) sin``.
     They are computed per step rather than looked up in tables of every position: the same float32
     product and cos/sin, without tables that grow with the context (Gemma 3 270M's two for 32k positions
-    held 67 MiB, a tenth of the served model's resident memory).
+    are 67 MiB).
     """
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
