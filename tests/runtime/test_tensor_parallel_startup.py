@@ -77,3 +77,37 @@ def test_the_cli_refuses_lora_under_tp_and_exits_1(tiny_model_dir: Callable[[str
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert "cannot start: LoRA adapters (--enable-lora, --lora-modules) are not supported with --tensor-parallel-size" in proc.stderr
+
+
+def test_a_dead_worker_is_reported_with_its_exit_status_when_it_is_reaped_late() -> None:
+    """A worker's sentinel closes as its files close, a moment before the kernel lets its exit status
+    be reaped (CI saw "exit status unknown" for a SIGKILL): the watcher waits for the status."""
+    import os
+    import threading
+    import types
+
+    from servelm.runtime.distributed.launcher import TensorParallelGroup
+
+    class LateReapedWorker:
+        """The sentinel is already readable; the exit status appears only once joined."""
+
+        def __init__(self) -> None:
+            read, write = os.pipe()
+            os.close(write)  # the read end is at EOF: readable, as a dead process's sentinel
+            self.sentinel, self.pid, self._code = read, 4242, None
+
+        @property
+        def exitcode(self) -> int | None:
+            return self._code
+
+        def join(self, timeout: float | None = None) -> None:
+            self._code = -9
+
+    worker = LateReapedWorker()
+    deaths: list[BaseException] = []
+    group = types.SimpleNamespace(workers=[worker], _closing=threading.Event(), failure=None, on_worker_death=deaths.append)
+    try:
+        TensorParallelGroup._watch(group)  # type: ignore[arg-type]
+    finally:
+        os.close(worker.sentinel)
+    assert deaths and "tensor-parallel worker rank 1 (pid 4242) died (killed by signal 9)" in str(deaths[0]), deaths
