@@ -37,7 +37,7 @@ class ServingContext:
     served_model_name: str
     max_model_len: int
     vocab_size: int
-    tokenizer: Any  # the server's own copy (the engine thread detokenizes with the engine's)
+    tokenizer: Any  # the engine's, shared (see from_engine)
     created: int = field(default_factory=lambda: int(time.time()))
     model_path: str | None = None
     eos_token_ids: tuple[int, ...] = ()

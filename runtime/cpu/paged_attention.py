@@ -162,11 +162,8 @@ def load_rope_decode() -> Callable[..., torch.Tensor] | None:
 def load_rope_decode_address() -> tuple[int, int] | None:
     """``rope_write_decode``'s address and ABI number, for a caller in another compiled extension
     (``gguf_decode_stack``), or None. Never raises."""
-    if _disabled():
-        return None
-    module = _loader.get(False)
-    address = getattr(module, "rope_write_decode_address", None)
-    return None if address is None else (int(address), int(module.rope_write_decode_abi))
+    address = _compiled("rope_write_decode_address")
+    return None if address is None else (int(address), int(_compiled("rope_write_decode_abi")))  # type: ignore[call-overload]
 
 
 def load_portable_kernel() -> PagedDecodeAttention | None:

@@ -224,8 +224,7 @@ class TorchAttentionBackend(AttentionBackend):
         if (
             args is None
             or qkv.dtype != torch.float32  # (the cache may be float32 or 16-bit: it stores k, v rounded)
-            or k_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16)
-            or (qk_norm is not None and not all(w.dtype == torch.float32 and w.is_contiguous() for w in qk_norm[:2]))
+            or not self.fused_decode_takes(k_cache, qk_norm)
         ):
             return None
         slots, block_tables, seq_lens, _ = args
@@ -234,6 +233,13 @@ class TorchAttentionBackend(AttentionBackend):
         return self.rope_decode(
             qkv, cos, sin, k_cache, v_cache, slots, block_tables, seq_lens, num_heads, scale,
             _effective(window, meta), q_w, k_w, eps,
+        )
+
+    @staticmethod
+    def fused_decode_takes(k_cache: torch.Tensor, qk_norm: QKNorm | None) -> bool:
+        """Whether the fused decode call takes a layer with this pool and these q/k norms."""
+        return k_cache.dtype in (torch.float32, torch.float16, torch.bfloat16) and (
+            qk_norm is None or all(w.dtype == torch.float32 and w.is_contiguous() for w in qk_norm[:2])
         )
 
     def fused_decode_args(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:

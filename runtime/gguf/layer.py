@@ -152,9 +152,7 @@ class DecodeStack:
         for layer in self.layers:
             step, attn = layer.stored_step, layer.self_attn
             qk = attn.qk_norm
-            if attn.k_cache is None or attn.k_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16) or (
-                qk is not None and not all(_float32_vector(w) for w in qk[:2])
-            ):
+            if attn.k_cache is None or not attn.backend.fused_decode_takes(attn.k_cache, qk):
                 self.bound = None
                 return
             projections = [
