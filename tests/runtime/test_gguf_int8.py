@@ -104,14 +104,18 @@ def test_a_prefill_step_in_blocks_of_rows(module, qtype: Q) -> None:
     assert_within_sum_order(got, round_activations(x, activation_block(qtype)), gguf_dequantized(blocks, qtype, k))
 
 
-@pytest.mark.parametrize("n", (1, 2, 7))
-@pytest.mark.parametrize("qtype", (Q.Q4_1, Q.Q5_1), ids=lambda q: q.name)
-def test_one_row_two_weight_rows_at_a_time(module, qtype: Q, n: int) -> None:
-    """A decode row against Q4_1 / Q5_1 takes the weight's rows in pairs: an odd last row, and an odd
-    number of blocks a row (544 = 17 x 32), come out as F.linear(x', W) too."""
-    k = 544
-    blocks = weight(qtype, n, k, seed=n)
-    x = activations(1, k, seed=n)
+THIRTY_TWO = [q for q in QUANTIZED if q not in K_QUANTS]
+
+
+@pytest.mark.parametrize("k", (96, 544, 640))
+@pytest.mark.parametrize("qtype", THIRTY_TWO, ids=lambda q: q.name)
+def test_one_row_eight_blocks_at_a_time(module, qtype: Q, k: int) -> None:
+    """A decode row against a 32-element format takes a weight row's blocks eight at a time (their scales
+    gathered) and the rest one by one: 3 blocks (none whole), 17 (two groups and one), 20 (two and four)
+    all come out as F.linear(x', W)."""
+    n = 37
+    blocks = weight(qtype, n, k, seed=k)
+    x = activations(1, k, seed=k)
     got = kernels.linear(x, blocks, qtype, torch.empty(1, n), int8_x=True)
     assert_within_sum_order(got, round_activations(x, activation_block(qtype)), gguf_dequantized(blocks, qtype, k))
 

@@ -940,8 +940,8 @@ inline float scale_min32(const uint8_t* b, float& wmin) {
   return f16(b);
 }
 
-// Output row n of a 32-element format for M rows of x'. One chain per row and block phase (A of
-// them), so a one-row step is not bound by FMA latency.
+// Output row n of a 32-element format for M rows of x' (2-7 rows; one row takes int8_row32_folded).
+// One chain per row and block phase (A of them), so a few-row step is not bound by FMA latency.
 template <int Q, int M>
 inline void int8_rows32(const LinearArgs& a, const QuantX& xq, int64_t n, int64_t m0) {
   using F = Format<Q>;
@@ -985,41 +985,75 @@ inline void int8_rows32(const LinearArgs& a, const QuantX& xq, int64_t n, int64_
   }
 }
 
-// Two output rows of a 32-element format for one row of x (a decode step): each x block, its scale and
-// its sum are loaded once for both rows, and the per-row tail (reduction, store) is shared out.
+// The 8 int32 lanes of each of s[0..7] summed: one vector of the 8 totals. Unpacking pairs and adding
+// (then pairs of pairs) gives [t0, t1, t2, t3] from each half of s[0..3] and of s[4..7]; a lane swap
+// adds the halves (a little ahead of hadd on Zen 3).
+inline __m256i fold8(const __m256i* s) {
+  auto pairs = [](__m256i u, __m256i v) { return _mm256_add_epi32(_mm256_unpacklo_epi32(u, v), _mm256_unpackhi_epi32(u, v)); };
+  auto quads = [](__m256i u, __m256i v) { return _mm256_add_epi32(_mm256_unpacklo_epi64(u, v), _mm256_unpackhi_epi64(u, v)); };
+  const __m256i s03 = quads(pairs(s[0], s[1]), pairs(s[2], s[3]));
+  const __m256i s47 = quads(pairs(s[4], s[5]), pairs(s[6], s[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(s03, s47, 0x20), _mm256_permute2x128_si256(s03, s47, 0x31));
+}
+
+// The float16 scales d of 8 consecutive 32-element blocks from b (and, for the formats with one, their
+// minimums, stored just after d): one gather of each block's first 4 bytes and one conversion.
 template <int Q>
-inline void int8_two_rows32(const LinearArgs& a, const QuantX& xq, int64_t n) {
+inline __m256 scales8(const uint8_t* b, __m256& wmin) {
+  const __m256i at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(Format<Q>::bytes));
+  const __m256i g = _mm256_i32gather_epi32(reinterpret_cast<const int*>(b), at, 1);
+  if constexpr (Format<Q>::has_min) {
+    // [d0 m0 d1 m1 d2 m2 d3 m3] and the same of blocks 4-7; even and odd lanes apart, then in block order.
+    const __m256 lo = _mm256_cvtph_ps(_mm256_castsi256_si128(g)), hi = _mm256_cvtph_ps(_mm256_extracti128_si256(g, 1));
+    auto in_order = [](__m256 v) { return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(v), 0xD8)); };
+    wmin = in_order(_mm256_shuffle_ps(lo, hi, 0xDD));
+    return in_order(_mm256_shuffle_ps(lo, hi, 0x88));
+  }
+  const __m256i d = _mm256_and_si256(g, _mm256_set1_epi32(0xFFFF));
+  return _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(d, d), 0x08)));
+}
+
+// Output row n of a 32-element format for one row of x' (a decode step). Eight blocks at a time: their
+// integer dot products are folded into one vector of 8 totals that meets the 8 blocks' scales (one
+// gather) in one conversion and one multiply-add, where int8_rows32 pays a conversion, a scalar scale
+// and a broadcast per block: on the 5-bit formats that float work was most of a block's instructions.
+template <int Q>
+inline void int8_row32_folded(const LinearArgs& a, const QuantX& xq, int64_t n) {
   using F = Format<Q>;
   using B = Bytes32<Q>;
   const int64_t nblk = a.K / 32;
-  const uint8_t* rows[2] = {a.w + n * a.ldw, a.w + (n + 1) * a.ldw};
-  __m256 acc[2][2];
-  float mins[2] = {0.0f, 0.0f};
-  for (int r = 0; r < 2; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  auto block = [&](int64_t blk, int c) {
-    const __m256i xv = load_q(xq.q.data() + blk * 32);
-    const float dx = xq.d[size_t(blk)];
-#pragma GCC unroll 2
-    for (int r = 0; r < 2; ++r) {
-      const uint8_t* b = rows[r] + blk * F::bytes;
-      const __m256i w = B::get(b);
-      float wmin = 0.0f;
-      const float dw = scale_min32<F::has_min>(b, wmin);
-      const __m256i p16 = B::kSigned ? dot_i8_pairs(w, xv) : _mm256_maddubs_epi16(w, xv);
-      const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones16()));
-      acc[r][c] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * dx), acc[r][c]);
-      if constexpr (F::has_min) mins[r] += wmin * xq.dsum32[size_t(blk)];
-      if constexpr (B::kOffset != 0) mins[r] -= float(B::kOffset) * dw * xq.dsum32[size_t(blk)];
-    }
-  };
+  const uint8_t* row = a.w + n * a.ldw;
+  const int8_t* x = xq.q.data();
+  __m256 acc = _mm256_setzero_ps(), extra = _mm256_setzero_ps();
   int64_t blk = 0;
-  for (; blk + 2 <= nblk; blk += 2) {
-    block(blk, 0);
-    block(blk + 1, 1);
+  for (; blk + 8 <= nblk; blk += 8) {
+    __m256i s[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m256i w = B::get(row + (blk + j) * F::bytes), xv = load_q(x + (blk + j) * 32);
+      s[j] = _mm256_madd_epi16(B::kSigned ? dot_i8_pairs(w, xv) : _mm256_maddubs_epi16(w, xv), ones16());
+    }
+    __m256 wmin;
+    const __m256 dw = scales8<Q>(row + blk * F::bytes, wmin);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(fold8(s)), _mm256_mul_ps(dw, _mm256_loadu_ps(xq.d.data() + blk)), acc);
+    const __m256 dsum = _mm256_loadu_ps(xq.dsum32.data() + blk);
+    if constexpr (F::has_min) extra = _mm256_fmadd_ps(wmin, dsum, extra);
+    if constexpr (B::kOffset != 0) extra = _mm256_fnmadd_ps(_mm256_mul_ps(_mm256_set1_ps(float(B::kOffset)), dw), dsum, extra);
   }
-  if (blk < nblk) block(blk, 0);
-  for (int r = 0; r < 2; ++r)
-    a.out[n + r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) + mins[r] + (a.bias ? a.bias[n + r] : 0.0f);
+  // The last nblk % 8 blocks one at a time, as int8_rows32 takes them.
+  float tail = 0.0f;
+  for (; blk < nblk; ++blk) {
+    const uint8_t* b = row + blk * F::bytes;
+    const __m256i w = B::get(b), xv = load_q(x + blk * 32);
+    float wmin = 0.0f;
+    const float dw = scale_min32<F::has_min>(b, wmin);
+    const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(B::kSigned ? dot_i8_pairs(w, xv) : _mm256_maddubs_epi16(w, xv), ones16()));
+    const float dx = xq.d[size_t(blk)], ds = xq.dsum32[size_t(blk)];
+    tail += hsum(p) * (dw * dx);
+    if constexpr (F::has_min) tail += wmin * ds;
+    if constexpr (B::kOffset != 0) tail -= float(B::kOffset) * dw * ds;
+  }
+  a.out[n] = hsum(_mm256_add_ps(acc, extra)) + tail + (a.bias ? a.bias[n] : 0.0f);
 }
 
 // Output row n of a 32-element format for the 8 rows 8g..8g+7 of x' (a step of many rows). Per block,
@@ -1048,13 +1082,7 @@ inline void int8_tile32(const LinearArgs& a, const QuantX& xq, int64_t n, int64_
       if (B::kSigned) xv = _mm256_sign_epi8(xv, w);
       s[m] = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones16());
     }
-    // Each row's 8 lanes summed to one: unpacking row pairs and adding (then pairs of pairs) gives
-    // [r0, r1, r2, r3] from each half of rows 0-3 and of rows 4-7 (a little ahead of hadd on Zen 3).
-    auto pairs = [](__m256i u, __m256i v) { return _mm256_add_epi32(_mm256_unpacklo_epi32(u, v), _mm256_unpackhi_epi32(u, v)); };
-    auto quads = [](__m256i u, __m256i v) { return _mm256_add_epi32(_mm256_unpacklo_epi64(u, v), _mm256_unpackhi_epi64(u, v)); };
-    const __m256i s03 = quads(pairs(s[0], s[1]), pairs(s[2], s[3]));
-    const __m256i s47 = quads(pairs(s[4], s[5]), pairs(s[6], s[7]));
-    const __m256i t = _mm256_add_epi32(_mm256_permute2x128_si256(s03, s47, 0x20), _mm256_permute2x128_si256(s03, s47, 0x31));
+    const __m256i t = fold8(s);
     float wmin = 0.0f;
     const float dw = scale_min32<F::has_min>(b, wmin);
     const __m256 dx = _mm256_loadu_ps(d8 + blk * 8);
@@ -1170,13 +1198,11 @@ inline void int8_rowsK(const LinearArgs& a, const QuantX& xq, int64_t n, int64_t
 template <int Q>
 void int8_linear_rows(const LinearArgs& a, const QuantX& xq, const float* xf, int64_t n0, int64_t n1) {
 #if SERVELM_GGUF_AVX2
-  // (Q4_1 / Q5_1 only: on Q5_0 and Q8_0 the two rows' registers cost more than the shared loads saved;
-  // medians of 3 runs, one thread, 2026-12-03: Q4_1 3072x576 133 -> 108 us, Q5_0 4096x640 209 -> 190-336.)
-  if constexpr (Format<Q>::elems == 32 && Format<Q>::has_min) {
+  // (Medians, two threads, 2026-12-04: Q5_0 4096x640 160 -> 117 us, Q8_0 262144x640 9.8 -> 8.3 ms,
+  // Q4_1 576x1536 46-58 -> 32-34 us against the rows of Q4_1 / Q5_1 taken in pairs.)
+  if constexpr (Format<Q>::elems == 32) {
     if (a.M == 1) {
-      int64_t n = n0;
-      for (; n + 2 <= n1; n += 2) int8_two_rows32<Q>(a, xq, n);
-      if (n < n1) int8_rows32<Q, 1>(a, xq, n, 0);
+      for (int64_t n = n0; n < n1; ++n) int8_row32_folded<Q>(a, xq, n);
       return;
     }
   }
