@@ -89,6 +89,17 @@ def test_greedy_is_argmax(vocab: int) -> None:
     assert argmax_rows(logits).tolist() == expected
 
 
+@pytest.mark.parametrize("rows", [1, 33])  # 33 x 65,536 logits: past numpy's share, the torch path
+def test_argmax_rows_takes_the_first_maximum_and_the_first_nan(rows: int) -> None:
+    logits = torch.randn(rows, 65536, generator=seeded(rows))
+    logits[0, 7] = logits[0, 60000] = 50.0
+    logits[-1, 9] = logits[-1, 40000] = float("nan")
+    got = argmax_rows(logits)
+    assert got.dtype == torch.int64
+    assert got.tolist() == logits.argmax(-1).tolist()
+    assert got[0] == (9 if rows == 1 else 7) and got[-1] == 9
+
+
 def test_empty_batch() -> None:
     assert Sampler().sample(torch.empty(0, 50), []) == ([], [])
 
