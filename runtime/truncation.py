@@ -24,8 +24,7 @@ TOP_P_FIRST_CANDIDATES = 64
 
 _BLOCK = 256  # vocabulary block for the two-level argmax and inverse CDF
 # Up to this many logits numpy's argmax (vectorised, one thread) is ahead of the two-level torch one,
-# whose amax forks the OpenMP pool: one row of 262,144 25 vs 67 us, 32 of 49,152 164 vs 218 us; 32
-# of 262,144 2.6 vs 1.5 ms (2026-12-04, 2 threads).
+# whose amax forks the OpenMP pool for a decode step's one row; past it the threads win (docs/gguf.md).
 _NUMPY_ARGMAX_MAX = 1 << 21
 _NUMPY_FLOATS = (torch.float32, torch.float64, torch.float16)
 
