@@ -44,12 +44,14 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     the first block holding the row max, then the first maximum inside that block.
     """
     n, v = x.shape
-    if x.device.type == "cpu" and x.dtype in _NUMPY_FLOATS and x.numel() <= _NUMPY_ARGMAX_MAX:
+    if not has_scalar_argmax(x.device):
+        return x.argmax(-1)  # (on a GPU argmax is one fast kernel)
+    if x.dtype in _NUMPY_FLOATS and x.numel() <= _NUMPY_ARGMAX_MAX:
         # numpy's argmax also takes the first maximum, and the first NaN, as torch's does
         return torch.from_numpy(np.argmax(x.numpy(), axis=-1))
     b = _block_size(v)
-    if b < 16 or v <= _BLOCK or not has_scalar_argmax(x.device):
-        return x.argmax(-1)  # (on a GPU argmax is one fast kernel)
+    if b < 16 or v <= _BLOCK:
+        return x.argmax(-1)
     blocks = x.view(n, v // b, b)
     best_block = blocks.amax(-1).argmax(-1)  # [n]
     inner = blocks[torch.arange(n, device=x.device), best_block]  # [n, b]
