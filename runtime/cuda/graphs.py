@@ -129,7 +129,7 @@ class CudaGraphRunner:
                 self.few_rows.max_rows = saved_max if self.few_rows_max else 0
         torch.cuda.synchronize(self.device)
         log.info(
-            "captured CUDA graphs for decode batch sizes %s in %.1f s%s",
+            "captured CUDA graphs for decode batch sizes %s in %.1f s%s%s",
             ", ".join(map(str, self.sizes)),
             time.perf_counter() - t0,
             ("; fused few-row projections at sizes " + ", ".join(map(str, sorted(self.fused_sizes))))
