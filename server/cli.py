@@ -288,6 +288,7 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     from servelm.runtime.capacity import CapacityError
     from servelm.runtime.config import UnsupportedModelError
+    from servelm.runtime.platform import gil_switch_interval
     from servelm.scheduler.engine import Engine
     from servelm.server.app import ObserverProxy, build_app, create_prometheus_observer
     from servelm.server.async_engine import AsyncEngine
@@ -310,6 +311,9 @@ def run_serve(args: argparse.Namespace) -> int:
         log.error("cannot start: %s", e)
         return 1
     proxy.target = observer
+    interval = gil_switch_interval(engine.device)
+    if interval is not None:
+        sys.setswitchinterval(interval)
     log.info("model %s (%s); capacity: %s", engine.served_model_name, engine.config.model or "default", engine.capacity.describe())
     async_engine = AsyncEngine(engine, observer=proxy, max_waiting_requests=engine.config.max_waiting_requests)
     app = build_app(

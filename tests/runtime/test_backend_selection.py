@@ -138,3 +138,13 @@ def test_a_loadable_flash_attn_2_is_chosen(fake_flash_attn: None) -> None:
 
     backend = select_backend("cuda", block_size=256, dtype=torch.bfloat16, head_dim=128)
     assert isinstance(backend, flash_backend.FlashAttentionBackend)
+
+
+def test_only_a_gpu_server_shortens_the_gil_switch_interval() -> None:
+    """The engine thread feeding a GPU must not wait Python's 5 ms for the HTTP thread after each CUDA
+    call; on CPU the default stays (no gain measured there)."""
+    from servelm.runtime.platform import gil_switch_interval
+
+    assert gil_switch_interval(torch.device("cpu")) is None
+    got = gil_switch_interval(torch.device("cuda", 0))
+    assert got is not None and 0 < got < sys.getswitchinterval()

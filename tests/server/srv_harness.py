@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import httpx
+import torch
 import uvicorn
 
 from servelm.runtime.batch import TokenLogprobs
@@ -60,6 +61,7 @@ class FakeEngine:
         self.config = EngineConfig(max_model_len=max_model_len, max_waiting_requests=max_waiting_requests, max_num_seqs=max_num_seqs)
         self.model_config = SimpleNamespace(vocab_size=len(tokenizer))
         self.served_model_name = "fake-model"
+        self.device = torch.device("cpu")
         self.capacity = SimpleNamespace(describe=lambda: "fake capacity", block_size=16, num_blocks=64)
         self.step_time = step_time
         self.script = list(tokenizer.encode(SCRIPT))
