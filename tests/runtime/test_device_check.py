@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -60,3 +61,24 @@ def test_skip_exact_leaves_out_the_float32_engine(tmp_path: Path) -> None:
     assert got["ok"] and "float32 prefill logits vs HF float32" not in names
     assert "torch.bfloat16 prefill logits: distance from HF float32 vs HF torch.bfloat16's own" in names
     assert "load it into servelm in float32 (Engine)" not in stdout and "skipped (--skip exact)" in stdout
+
+
+def test_http_check_dry_run_on_cpu_passes_every_check(tmp_path: Path) -> None:
+    """The HTTP half of the device check (scripts/device_http_check.py) on CPU with a tiny model: the
+    server starts from the checkout, every API check and both load runs pass, and the summary says so."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    with socket.socket() as s:  # a free port for the server
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run(
+        [sys.executable, "scripts/device_http_check.py", "--build", "tiny", "--device", "cpu", "--out", str(tmp_path),
+         "--single", "2", "--concurrent", "8", "--input-len", "32", "--output-len", "16", "--profile-seconds", "0",
+         "--port", str(port)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    got = json.loads((tmp_path / "http_check.json").read_text())
+    names = {c["name"] for c in got["checks"] if c["ok"]}
+    assert len(names) == len(got["checks"]) >= 14
+    assert {"400-class: prompt over max_model_len", "no KV block in use once idle", "streamed completion (SSE)"} <= names
+    assert got["concurrent"]["completed"] == 16 and got["server_exit"] == 0
