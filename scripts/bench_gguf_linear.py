@@ -94,6 +94,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=None, help="NxK[:FMT] shapes instead of --set")
     parser.add_argument("--skip-dense", action="store_true", help="do not time dense F.linear")
     parser.add_argument("--skip-fallback", action="store_true", help="do not time GGUFMethod (slow)")
+    parser.add_argument("--int8-activations", action="store_true", help="the kernel with activations rounded to int8 (--gguf-activations int8)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if kernels.load() is None:
@@ -122,7 +123,7 @@ def main() -> None:
         for m in args.rows:
             x = torch.randn(m, in_f)
             out = torch.empty(m, out_f)
-            t_kernel, best_kernel = timed_ms([lambda b=b: kernels.linear(x, b, qtype, out) for b in blocks], args.reps)
+            t_kernel, best_kernel = timed_ms([lambda b=b: kernels.linear(x, b, qtype, out, int8_x=args.int8_activations) for b in blocks], args.reps)
             t_fallback = (
                 float("nan") if args.skip_fallback
                 else timed_ms([lambda g=g: g.apply(x) for g in methods], max(5, args.reps // 3))[0]

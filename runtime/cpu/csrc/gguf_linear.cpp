@@ -80,18 +80,16 @@ inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& mn) {
   }
 }
 
-// All 8 (scale, minimum) pairs of a Q4_K / Q5_K block at once, as bytes: the same fields as
-// scale_min_k4, taken 4 at a time from the 32-bit words of the 12 packed bytes.
-inline void scales_mins_k4(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
+// All 8 (scale, minimum) pairs of a Q4_K / Q5_K block at once: the same fields as scale_min_k4,
+// taken 4 at a time from the 32-bit words of the 12 packed bytes, as the words of scales 0-3, 4-7 and
+// minimums 0-3, 4-7 (one byte each).
+inline void scales_mins_k4(const uint8_t* s, uint32_t words[4]) {
   const uint32_t w0 = u32(s), w1 = u32(s + 4), w2 = u32(s + 8);
   const uint32_t low6 = 0x3F3F3F3Fu, low4 = 0x0F0F0F0Fu, top2 = 0x03030303u;
-  const uint32_t sc_lo = w0 & low6, mn_lo = w1 & low6;
-  const uint32_t sc_hi = (w2 & low4) | (((w0 >> 6) & top2) << 4);
-  const uint32_t mn_hi = ((w2 >> 4) & low4) | (((w1 >> 6) & top2) << 4);
-  std::memcpy(sc, &sc_lo, 4);
-  std::memcpy(sc + 4, &sc_hi, 4);
-  std::memcpy(mn, &mn_lo, 4);
-  std::memcpy(mn + 4, &mn_hi, 4);
+  words[0] = w0 & low6;
+  words[1] = (w2 & low4) | (((w0 >> 6) & top2) << 4);
+  words[2] = w1 & low6;
+  words[3] = ((w2 >> 4) & low4) | (((w1 >> 6) & top2) << 4);
 }
 
 #if SERVELM_GGUF_AVX2
@@ -1105,8 +1103,12 @@ template <bool kHigh> struct KBlock45 {
   // minsum[m]: sum over sub-blocks of minimum * (sum of x's quants there), as 8 int32 lanes.
   template <int M>
   static void dots(const uint8_t* b, const int8_t* const* xq, __m256i* sumi, __m256i* minsum, const int16_t* const* s16) {
-    alignas(16) uint8_t sc[8], mn[16];
-    scales_mins_k4(b + 4, sc, mn);
+    // Scales and minimums stay in registers ([sc0..sc7 | mn0..mn7] bytes): each sub-block's scale is
+    // one in-lane shuffle of them, where byte loads of a stack copy cost a broadcast from memory each.
+    uint32_t words[4];
+    scales_mins_k4(b + 4, words);
+    const __m128i sm = _mm_setr_epi32(int(words[0]), int(words[1]), int(words[2]), int(words[3]));
+    const __m256i scales = _mm256_cvtepu8_epi16(_mm_unpacklo_epi64(sm, sm));  // sc0..sc7 in each lane
     const __m256i mask = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
     const __m256i h = kHigh ? load256(b + 16) : _mm256_setzero_si256();
     const uint8_t* qs = b + (kHigh ? 48 : 16);
@@ -1118,7 +1120,8 @@ template <bool kHigh> struct KBlock45 {
         lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * c)), one), 4));
         hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * c + 1)), one), 4));
       }
-      const __m256i s_lo = _mm256_set1_epi16(int16_t(sc[2 * c])), s_hi = _mm256_set1_epi16(int16_t(sc[2 * c + 1]));
+      const __m256i s_lo = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(int16_t(0x0100 + 0x0202 * (2 * c))));
+      const __m256i s_hi = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(int16_t(0x0100 + 0x0202 * (2 * c + 1))));
 #pragma GCC unroll 8
       for (int m = 0; m < M; ++m) {
         const __m256i p_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load_q(xq[m] + 64 * c)), s_lo);
@@ -1128,7 +1131,7 @@ template <bool kHigh> struct KBlock45 {
     }
     // The minimums against x's sums per 16 (two per sub-block): one madd a row instead of 16 scalar steps.
     const __m128i dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    const __m256i mins16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)), dup));
+    const __m256i mins16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_unpackhi_epi64(sm, sm), dup));
     for (int m = 0; m < M; ++m)
       minsum[m] = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s16[m])), mins16);
   }
@@ -1142,7 +1145,10 @@ template <> struct KBlock<Q6_K> {
   template <int M>
   static void dots(const uint8_t* b, const int8_t* const* xq, __m256i* sumi, __m256i*, const int16_t* const*) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03), off = _mm256_set1_epi8(32);
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    // The 16 scales as int16, scales 0-7 (then 8-15) in both lanes: a pair of sub-blocks' scales is one
+    // in-lane shuffle, where two sign-extended byte broadcasts and an insert cost ~7 instructions.
+    const __m256i sc16 = _mm256_cvtepi8_epi16(load128(b + 192));
+    const __m256i halves[2] = {_mm256_permute2x128_si256(sc16, sc16, 0x00), _mm256_permute2x128_si256(sc16, sc16, 0x11)};
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
       const __m256i A = load256(b + 64 * h), B = load256(b + 64 * h + 32), H = load256(b + 128 + 32 * h);
@@ -1152,8 +1158,10 @@ template <> struct KBlock<Q6_K> {
       for (int p = 0; p < 4; ++p) {
         const __m256i high = _mm256_and_si256(_mm256_srl_epi16(H, _mm_cvtsi32_si128(2 * p)), m2);
         const __m256i w = _mm256_sub_epi8(_mm256_or_si256(low[p], _mm256_slli_epi16(high, 4)), off);
-        const int j = 8 * h + 2 * p;  // the sub-blocks of elements 128h + 32p + [0, 16) and [16, 32)
-        const __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[j + 1]), _mm_set1_epi16(sc[j]));
+        // the scales of sub-blocks 8h + 2p and 8h + 2p + 1 (elements 128h + 32p + [0, 16) and [16, 32))
+        const int k = 2 * p;
+        const __m256i s = _mm256_shuffle_epi8(
+            halves[h], _mm256_set_m128i(_mm_set1_epi16(int16_t(0x0100 + 0x0202 * (k + 1))), _mm_set1_epi16(int16_t(0x0100 + 0x0202 * k))));
 #pragma GCC unroll 8
         for (int m = 0; m < M; ++m)
           sumi[m] = _mm256_add_epi32(sumi[m], _mm256_madd_epi16(dot_i8_pairs(w, load_q(xq[m] + 128 * h + 32 * p)), s));
