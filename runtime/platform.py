@@ -235,8 +235,8 @@ def lora_kernel(device: torch.device) -> Any:
 
 # The GIL switch interval of a server driving a GPU. The engine thread releases the GIL in every CUDA
 # call (staging copies, graph replay, event waits) and at Python's default 5 ms may then wait that long
-# for the HTTP thread, which is busy writing hundreds of streams; the GPU idles meanwhile. At 0.2 ms an
-# H200 served 1.14-1.33x the output tokens at 256 streams (docs/cuda.md).
+# for the HTTP thread, which is busy writing hundreds of streams; the GPU idles meanwhile (the A/B on
+# an H200 is in docs/cuda.md).
 CUDA_SWITCH_INTERVAL_S = 2e-4
 
 

@@ -173,7 +173,7 @@ def api_checks(c: httpx.Client, ck: Checks, vocab: int, max_model_len: int) -> N
     for name, (path, body) in bad.items():
         r = c.post(path, json=body)
         problem = error_shape(r)
-        ck.check(f"400-class: {name}", not problem, problem or f"{r.status_code} {r.json()['error']['message'][:120]!r}")
+        ck.check(f"4xx: {name}", not problem, problem or f"{r.status_code} {r.json()['error']['message'][:120]!r}")
 
     # A client that leaves mid-stream: the request is aborted and its blocks come back (checked in /metrics).
     body = {"model": NAME, "prompt": prompt, "max_tokens": 2000, "stream": True, "ignore_eos": True}
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=None, help="a saved HF model folder with its tokenizer")
     p.add_argument("--build", choices=("tiny", "8b"), default=None, help="build a random Llama in --out (or /dev/shm) and serve that")
-    p.add_argument("--profile-seconds", type=int, default=8, help="py-spy over the second 256-concurrent run (0: no profile)")
+    p.add_argument("--profile-seconds", type=int, default=8, help="seconds of py-spy over a third 256-concurrent run, when py-spy is on PATH (0: no third run)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--port", type=int, default=8377)
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp")))

@@ -80,5 +80,5 @@ def test_http_check_dry_run_on_cpu_passes_every_check(tmp_path: Path) -> None:
     got = json.loads((tmp_path / "http_check.json").read_text())
     names = {c["name"] for c in got["checks"] if c["ok"]}
     assert len(names) == len(got["checks"]) >= 14
-    assert {"400-class: prompt over max_model_len", "no KV block in use once idle", "streamed completion (SSE)"} <= names
+    assert {"4xx: prompt over max_model_len", "no KV block in use once idle", "streamed completion (SSE)"} <= names
     assert got["concurrent"]["completed"] == 16 and got["server_exit"] == 0
