@@ -54,10 +54,10 @@ from device_checks.common import (  # noqa: E402  (scripts/ is on sys.path: this
     Plan,
     Report,
     build_hf_model,
-    build_tokenizer,
     engine_config,
     free_memory,
     random_prompts,
+    save_model_folder,
 )
 from device_checks.correctness import (  # noqa: E402
     check_cuda_graphs,
@@ -158,9 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             model = build_hf_model(shape, dtype, device, args.seed)
             t1 = time.perf_counter()
-            model_dir.mkdir(parents=True, exist_ok=True)
-            model.save_pretrained(str(model_dir))
-            build_tokenizer(vocab).save_pretrained(str(model_dir))
+            save_model_folder(model, model_dir)
             params = sum(p.numel() for p in model.parameters())
             print(f"  HF model: {params / 1e9:.2f} B params, built in {t1 - t0:.1f} s, saved in {time.perf_counter() - t1:.1f} s")
             return model

@@ -60,13 +60,12 @@ def build(shape_name: str, device: str, folder: Path) -> None:
     checkout.use_checkout()
     import torch
 
-    from device_checks.common import LLAMA3_8B, TINY, build_hf_model, build_tokenizer
+    from device_checks.common import LLAMA3_8B, TINY, build_hf_model, save_model_folder
 
     shape, dtype = (TINY, torch.float32) if shape_name == "tiny" else (LLAMA3_8B, torch.bfloat16)
     t0 = time.perf_counter()
     model = build_hf_model(shape, dtype, torch.device(device), 0)
-    model.save_pretrained(str(folder))
-    build_tokenizer(int(shape["vocab_size"])).save_pretrained(str(folder))
+    save_model_folder(model, folder)
     del model
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the server sizes its KV pool from the GPU memory left

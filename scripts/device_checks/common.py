@@ -232,6 +232,13 @@ def build_tokenizer(vocab_size: int) -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2")
 
 
+def save_model_folder(model: Any, folder: Path) -> None:
+    """``model`` and a word-level tokenizer over its vocabulary, as a folder servelm (and HF) load."""
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(folder))
+    build_tokenizer(int(model.config.vocab_size)).save_pretrained(str(folder))
+
+
 def build_hf_model(shape: dict[str, Any], dtype: torch.dtype, device: torch.device, seed: int) -> Any:
     """HF ``LlamaForCausalLM`` with random weights, created directly on ``device`` in ``dtype``."""
     from transformers import LlamaConfig, LlamaForCausalLM
