@@ -91,7 +91,9 @@ class CompiledExtension:
             from torch.utils import cpp_extension
 
             source = self.source()
-            name = build_name(self.prefix, source.read_bytes())
+            # The headers beside the source are part of it (gguf_linear.cpp includes gguf_vnni.h).
+            text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+            name = build_name(self.prefix, text)
             build_dir = cache_dir() / "torch_extensions" / name
             build_dir.mkdir(parents=True, exist_ok=True)
             if not any(build_dir.glob("*.so")):

@@ -4,8 +4,8 @@ What is asserted: the compiled rounding of x (``gguf_quantize_x``) equals the to
 (``projection.round_activations``: ``d = max|x| / 127`` per block, ``round(x / d)`` half to even); for
 every quantized format and 1 to 33 rows, ``linear(..., int8_x=True)`` equals ``F.linear(x', W)`` with
 ``W`` gguf-py's own dequantization and ``x'`` the rounded x, within the float32 summation bound (so
-the integer dot products lose nothing beyond the rounding of x); fused parts of mixed formats do the
-same; a row with a non-finite activation comes out NaN without touching the others; and a
+the integer dot products lose nothing beyond the rounding of x), through the AVX2 tiles and, on CPUs
+with AVX-512 VNNI, the packed 16-row tiles; fused parts of mixed formats do the same; a row with a non-finite activation comes out NaN without touching the others; and a
 ``GGUFMethod`` gives the same ``W x'`` through the kernel (few rows) and the tile path (many rows).
 """
 
@@ -20,6 +20,7 @@ from gguf import GGMLQuantizationType as Q
 
 from test_gguf_kernels import module  # noqa: F401  (the compiled module, or a skip where it cannot be built)
 
+from servelm.runtime.cpu.extension import cpu_flags
 from servelm.runtime.gguf import kernels
 from servelm.runtime.gguf.projection import (
     INT8_KERNEL_MAX_ROWS,
@@ -64,6 +65,24 @@ def assert_within_sum_order(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor)
     assert excess <= 1e-30, f"max excess over the summation bound {excess:.3g}"
 
 
+@pytest.fixture(params=("tiles", "vnni"))
+def int8_path(request, module) -> str:
+    """Steps of any number of rows through the AVX2 tiles, or (where the CPU has AVX-512 VNNI) through
+    the packed 16-row tiles, whatever their usual row threshold."""
+    if request.param == "vnni" and not module.vnni:
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    before = module.set_vnni_min_rows(1 if request.param == "vnni" else 1 << 62)
+    yield request.param
+    module.set_vnni_min_rows(before)
+
+
+def test_vnni_tiles_are_built_where_the_cpu_has_them(module) -> None:
+    flags = cpu_flags()
+    if flags is None:
+        pytest.skip("no /proc/cpuinfo")
+    assert module.vnni == {"avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}.issubset(flags)
+
+
 @pytest.mark.parametrize("block", (32, 256))
 def test_rounding_equals_the_torch_statement(module, block: int) -> None:
     x = activations(5, 512, seed=block)
@@ -80,21 +99,23 @@ def test_rounding_equals_the_torch_statement(module, block: int) -> None:
 
 @pytest.mark.parametrize("m", (1, 2, 3, 5, 8, 17, 27, 32, 33, 100))  # whole 8-row tiles, and a tail
 @pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda q: q.name)
-def test_int8_linear_is_w_times_rounded_x(module, qtype: Q, m: int) -> None:
+def test_int8_linear_is_w_times_rounded_x(module, int8_path: str, qtype: Q, m: int) -> None:
+    """45 output rows: five tiles of 8 weight rows, one of 4 and one alone on the packed path."""
     k, n = 512, 45
     blocks = weight(qtype, n, k, seed=m)
     w = gguf_dequantized(blocks, qtype, k)
     x = activations(m, k, seed=m)
     x_rounded = round_activations(x, activation_block(qtype))
-    got = kernels.linear(x, blocks, qtype, torch.empty(m, n), int8_x=True)
-    assert_within_sum_order(got, x_rounded, w)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(m))
+    got = kernels.linear(x, blocks, qtype, torch.empty(m, n), bias, int8_x=True)
+    assert_within_sum_order(got - bias, x_rounded, w)
     # and it is not the float32 path's answer: the rounding of x shows
-    exact = kernels.linear(x, blocks, qtype, torch.empty(m, n))
+    exact = kernels.linear(x, blocks, qtype, torch.empty(m, n), bias)
     assert not torch.allclose(got, exact, rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("qtype", (Q.Q5_0, Q.Q8_0, Q.Q4_K), ids=lambda q: q.name)
-def test_a_prefill_step_in_blocks_of_rows(module, qtype: Q) -> None:
+def test_a_prefill_step_in_blocks_of_rows(module, int8_path: str, qtype: Q) -> None:
     """A step of many rows goes over x' in blocks of ~128 KB (64 rows of 2048): 150 rows are two whole
     blocks and a third with whole 8-row tiles and a tail of 6."""
     k, n, m = 2048, 40, 150
@@ -121,7 +142,7 @@ def test_one_row_eight_blocks_at_a_time(module, qtype: Q, k: int) -> None:
 
 
 @pytest.mark.parametrize("m", (1, 4, 11))
-def test_int8_parts_of_mixed_formats(module, m: int) -> None:
+def test_int8_parts_of_mixed_formats(module, int8_path: str, m: int) -> None:
     """A fused projection whose parts round x differently (per 32 and per 256) and a float part,
     which keeps x as it is."""
     k, formats, sizes = 512, (Q.Q5_0, Q.Q4_K, Q.F16, Q.Q6_K, Q.Q8_0), (40, 33, 24, 50, 17)
@@ -138,7 +159,7 @@ def test_int8_parts_of_mixed_formats(module, m: int) -> None:
 
 @pytest.mark.parametrize("m", (3, 16))  # 16: two 8-row tiles of the 32-element formats
 @pytest.mark.parametrize("qtype", (Q.Q8_0, Q.Q4_1, Q.Q4_K), ids=lambda q: q.name)
-def test_a_non_finite_row_fails_alone(module, qtype: Q, m: int) -> None:
+def test_a_non_finite_row_fails_alone(module, int8_path: str, qtype: Q, m: int) -> None:
     k, n = 256, 20
     blocks = weight(qtype, n, k, seed=1)
     x = activations(m, k, seed=1)
@@ -179,7 +200,7 @@ def test_float_weights_keep_float_activations() -> None:
 
 
 @pytest.mark.parametrize("m", (1, 8, 32))
-def test_int8_weights_split_over_threads(module, m: int) -> None:
+def test_int8_weights_split_over_threads(module, int8_path: str, m: int) -> None:
     """Weights large enough that both threads take rows: the workers read the caller's rounded x (a
     per-thread buffer named inside the parallel region would be each worker's own, empty one)."""
     before = torch.get_num_threads()

@@ -1202,9 +1202,20 @@ inline void int8_rowsK(const LinearArgs& a, const QuantX& xq, int64_t n, int64_t
 }
 #endif
 
-// Output rows [n0, n1) of a quantized format against x' (x rounded per block as kXBlock<Q>).
-template <int Q>
-void int8_linear_rows(const LinearArgs& a, const QuantX& xq, const float* xf, int64_t n0, int64_t n1) {
+#include "gguf_vnni.h"
+
+// Output rows [n0, n1) of a quantized format against x' (x rounded per block as kXBlock<Q>); px: x'
+// packed for the AVX-512 VNNI tiles, where the step has the rows for them.
+template <int Q, typename PX>
+void int8_linear_rows(const LinearArgs& a, const QuantX& xq, const float* xf, const PX* px, int64_t n0, int64_t n1) {
+#if SERVELM_GGUF_VNNI
+  if constexpr (Format<Q>::elems == 32) {
+    if (px != nullptr) {
+      vnni_rows32<Q>(a, *px, n0, n1);
+      return;
+    }
+  }
+#endif
 #if SERVELM_GGUF_AVX2
   // One row: eight blocks at a time (ahead of rows taken in pairs for Q4_1 / Q5_1 too; docs/gguf.md).
   if constexpr (Format<Q>::elems == 32) {
@@ -1260,7 +1271,12 @@ void run_parts(std::vector<Part>& parts, const float* x, int64_t M, int64_t K, b
   // Per thread and kept between calls: a decode step makes ~70 of these calls, and fresh buffers
   // each time cost a measurable share of the small ones.
   // (Workers reach them through this pointer: a thread_local named in the lambda would be their own.)
-  struct Rounded { QuantX q; std::vector<float> xf, xsum; };
+#if SERVELM_GGUF_VNNI
+  using Packed = PackedX;
+#else
+  struct Packed {};
+#endif
+  struct Rounded { QuantX q; std::vector<float> xf, xsum; Packed packed; };
   thread_local Rounded kept[2];
   Rounded* rounded = kept;
   bool need_sums = false, need_rounded[2] = {false, false};
@@ -1278,6 +1294,10 @@ void run_parts(std::vector<Part>& parts, const float* x, int64_t M, int64_t K, b
   for (int g = 0; g < 2; ++g) {
     if (!need_rounded[g]) continue;
     quantize_x(x, M, K, g ? 256 : 32, rounded[g].q);
+#if SERVELM_GGUF_VNNI
+    if (g == 0 && M >= vnni_min_rows.load(std::memory_order_relaxed)) pack_x(rounded[0].q, M, K, rounded[0].packed);
+    else rounded[g].packed.groups = 0;
+#endif
     // x' as floats only where a float kernel will read it (no AVX2).
     if (!SERVELM_GGUF_AVX2) {
       rounded[g].xf = dequantize_x(rounded[g].q, M, K);
@@ -1316,7 +1336,11 @@ void run_parts(std::vector<Part>& parts, const float* x, int64_t M, int64_t K, b
               Rounded& r = rounded[kXBlock<Q> == 256];
               LinearArgs b = p.a;
               b.xsum = r.xsum.data();
-              int8_linear_rows<Q>(b, r.q, r.xf.data(), n0, n1);
+              const Packed* px = nullptr;
+#if SERVELM_GGUF_VNNI
+              if (r.packed.groups > 0) px = &r.packed;
+#endif
+              int8_linear_rows<Q>(b, r.q, r.xf.data(), px, n0, n1);
               return;
             }
           }
@@ -1681,6 +1705,9 @@ std::vector<std::string> compiled_isa() {
 #ifdef __AVX512F__
   isa.emplace_back("avx512f");
 #endif
+#if SERVELM_GGUF_VNNI
+  isa.insert(isa.end(), {"avx512bw", "avx512vl", "avx512_vnni"});
+#endif
   return isa;
 }
 
@@ -1743,6 +1770,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("slot_mapping"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("max_seq_len"),
         py::arg("attention"), py::arg("attention_abi"), py::call_guard<py::gil_scoped_release>());
   m.def("compiled_isa", &compiled_isa);
+  m.attr("vnni") = py::bool_(SERVELM_GGUF_VNNI != 0);
+  m.def("set_vnni_min_rows", [](int64_t rows) { return vnni_min_rows.exchange(rows); },
+        "the fewest rows a step needs for the AVX-512 VNNI tiles (returns the previous value)", py::arg("rows"));
   m.attr("vectorized") = py::bool_(SERVELM_GGUF_AVX2 != 0);
   m.attr("group_rows") = kGroup;
   m.attr("pass_rows") = kPassRows;

@@ -1,0 +1,195 @@
+// Part of gguf_linear.cpp (included inside its namespace, after the int8-activation kernels): steps
+// of many rows with int8 activations on CPUs with AVX-512 VNNI (vpdpbusd: four u8 x s8 products and
+// their sum added to an int32 lane, one instruction where AVX2 takes maddubs and madd).
+//
+// The activation rows are vectorised instead of the weight's elements: x' is packed 16 rows at a time
+// so that one 64-byte vector holds the same four consecutive quants of 16 rows, and four of a weight
+// row's quants, broadcast, meet all 16 rows in one vpdpbusd. A block's lanes are then the 16 rows'
+// whole dot products: no horizontal sums, where the 8-row tile folds 8 vectors per block. Weights stay
+// as stored; a tile of kTileN weight rows is unpacked once into a per-thread buffer of unsigned codes
+// (Q8_0 with its sign bit flipped: w + 128) and every group of 16 rows reads it there.
+
+#if SERVELM_GGUF_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
+#define SERVELM_GGUF_VNNI 1
+#else
+#define SERVELM_GGUF_VNNI 0
+#endif
+
+// Fewest rows a step must have to take the packed path: with fewer, most of each vector's 16 rows
+// are padding and the 8-row tiles are quicker (settable, so tests reach both paths).
+std::atomic<int64_t> vnni_min_rows{6};
+
+#if SERVELM_GGUF_VNNI
+constexpr int kLanes = 16;  // activation rows in one vector
+constexpr int kTileN = 8;  // weight rows sharing each load of packed x
+
+// x' (QuantX with 32-element blocks) in groups of 16 rows; rows past M are zero in every field.
+struct PackedX {
+  int64_t groups = 0;
+  std::vector<int8_t> q;     // [G][K / 4][16][4]: quants 4j..4j+3 of the group's 16 rows
+  std::vector<float> d;      // [G][K / 32][16]: each row's scale of each block
+  std::vector<float> dsum;   // [G][K / 32][16]: d * (sum of the row's quants in the block)
+  std::vector<int32_t> qsum; // [G][K / 32][16]: the sum of the row's quants in the block
+};
+
+void pack_x(const QuantX& xq, int64_t M, int64_t K, PackedX& out) {
+  const int64_t G = (M + kLanes - 1) / kLanes, words = K / 4, nblk = K / 32;
+  out.groups = G;
+  out.q.resize(size_t(G * K * kLanes));
+  out.d.resize(size_t(G * nblk * kLanes));
+  out.dsum.resize(out.d.size());
+  out.qsum.resize(out.d.size());
+  at::parallel_for(0, G * kLanes, std::max<int64_t>(kLanes, row_grain(K)), [&](int64_t r0, int64_t r1) {
+    for (int64_t m = r0; m < r1; ++m) {
+      const int64_t g = m / kLanes, lane = m % kLanes;
+      int32_t* dst = reinterpret_cast<int32_t*>(out.q.data()) + g * words * kLanes + lane;
+      float* d = out.d.data() + g * nblk * kLanes + lane;
+      float* ds = out.dsum.data() + g * nblk * kLanes + lane;
+      int32_t* qs = out.qsum.data() + g * nblk * kLanes + lane;
+      if (m >= M) {
+        for (int64_t j = 0; j < words; ++j) dst[j * kLanes] = 0;
+        for (int64_t b = 0; b < nblk; ++b) {
+          d[b * kLanes] = ds[b * kLanes] = 0.0f;
+          qs[b * kLanes] = 0;
+        }
+        continue;
+      }
+      const int8_t* src = xq.q.data() + m * K;
+      for (int64_t j = 0; j < words; ++j) std::memcpy(dst + j * kLanes, src + 4 * j, 4);
+      for (int64_t b = 0; b < nblk; ++b) {
+        d[b * kLanes] = xq.d[size_t(m * nblk + b)];
+        ds[b * kLanes] = xq.dsum32[size_t(m * nblk + b)];
+        const int16_t* s16 = xq.sum16.data() + m * K / 16 + 2 * b;
+        qs[b * kLanes] = s16[0] + s16[1];
+      }
+    }
+  });
+}
+
+// The offset of a 32-element format's codes as the tiles read them (w = code - offset): Q8_0's
+// signed quants are read as unsigned with their sign bit flipped.
+template <int Q> constexpr int kCodeOffset = Bytes32<Q>::kSigned ? 128 : Bytes32<Q>::kOffset;
+
+// Weight rows [n, n + T) of a 32-element format as unsigned codes [T][K] with, per block, the scale
+// d_w and (the formats with one) the minimum.
+template <int Q, int T>
+inline void unpack_rows32(const LinearArgs& a, int64_t n, uint8_t* codes, float* dw, float* mins) {
+  using F = Format<Q>;
+  using B = Bytes32<Q>;
+  const int64_t nblk = a.K / 32;
+  for (int t = 0; t < T; ++t) {
+    const uint8_t* row = a.w + (n + t) * a.ldw;
+    for (int64_t blk = 0; blk < nblk; ++blk) {
+      __m256i w = B::get(row + blk * F::bytes);
+      if (B::kSigned) w = _mm256_xor_si256(w, _mm256_set1_epi8(char(0x80)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + t * a.K + blk * 32), w);
+    }
+    // The scales eight blocks at a time (one gather and one conversion), the rest one by one.
+    int64_t blk = 0;
+    for (; blk + 8 <= nblk; blk += 8) {
+      __m256 wmin = _mm256_setzero_ps();
+      _mm256_storeu_ps(dw + t * nblk + blk, scales8<Q>(row + blk * F::bytes, wmin));
+      _mm256_storeu_ps(mins + t * nblk + blk, wmin);
+    }
+    for (; blk < nblk; ++blk) {
+      float wmin = 0.0f;
+      dw[t * nblk + blk] = scale_min32<F::has_min>(row + blk * F::bytes, wmin);
+      mins[t * nblk + blk] = wmin;
+    }
+  }
+}
+
+// Rows [m0, m0 + 16) (those under M) of out's columns [n, n + T) from acc[t] (+ bias): four columns
+// at a time as whole 16-byte rows, transposed in registers, where one float at a time was 64 scattered
+// stores a tile.
+template <int T>
+inline void store_tile(const LinearArgs& a, const __m512 (&acc)[T], int64_t n, int64_t m0) {
+  const int64_t rows = std::min<int64_t>(kLanes, a.M - m0);
+  int c = 0;
+  for (; c + 4 <= T; c += 4) {
+    const __m512 t0 = _mm512_unpacklo_ps(acc[c], acc[c + 1]), t1 = _mm512_unpackhi_ps(acc[c], acc[c + 1]);
+    const __m512 t2 = _mm512_unpacklo_ps(acc[c + 2], acc[c + 3]), t3 = _mm512_unpackhi_ps(acc[c + 2], acc[c + 3]);
+    // u[i], 128-bit lane l: row 4l + i's four columns.
+    const __m512 u[4] = {_mm512_shuffle_ps(t0, t2, 0x44), _mm512_shuffle_ps(t0, t2, 0xEE),
+                         _mm512_shuffle_ps(t1, t3, 0x44), _mm512_shuffle_ps(t1, t3, 0xEE)};
+    const __m128 bias = a.bias ? _mm_loadu_ps(a.bias + n + c) : _mm_setzero_ps();
+    alignas(64) float rowsv[kLanes][4];
+    for (int i = 0; i < 4; ++i) {
+      _mm_store_ps(rowsv[i], _mm_add_ps(_mm512_extractf32x4_ps(u[i], 0), bias));
+      _mm_store_ps(rowsv[4 + i], _mm_add_ps(_mm512_extractf32x4_ps(u[i], 1), bias));
+      _mm_store_ps(rowsv[8 + i], _mm_add_ps(_mm512_extractf32x4_ps(u[i], 2), bias));
+      _mm_store_ps(rowsv[12 + i], _mm_add_ps(_mm512_extractf32x4_ps(u[i], 3), bias));
+    }
+    for (int64_t r = 0; r < rows; ++r) _mm_storeu_ps(a.out + (m0 + r) * a.ldo + n + c, _mm_load_ps(rowsv[r]));
+  }
+  for (; c < T; ++c) {
+    alignas(64) float tot[kLanes];
+    _mm512_store_ps(tot, acc[c]);
+    const float bias = a.bias ? a.bias[n + c] : 0.0f;
+    for (int64_t r = 0; r < rows; ++r) a.out[(m0 + r) * a.ldo + n + c] = tot[r] + bias;
+  }
+}
+
+// out's rows of group g (16 rows) for weight rows [n, n + T), from their unpacked codes. Per four
+// quants, T broadcasts meet one load of x in T vpdpbusd; 8 x 1 keeps the block sums, the running
+// totals and the operands in 18 of the 32 vector registers (4 x 2 and 4 x 3 tiles were slower).
+template <int Q, int T>
+inline void vnni_tile32(const LinearArgs& a, const PackedX& px, int64_t n, int64_t g, const uint8_t* codes,
+                        const float* dw, const float* mins) {
+  constexpr int kOffset = kCodeOffset<Q>;
+  static_assert(kOffset == 0 || kOffset == 8 || kOffset == 16 || kOffset == 128, "a power of two: a shift");
+  constexpr int kShift = kOffset == 128 ? 7 : kOffset == 16 ? 4 : 3;
+  const int64_t nblk = a.K / 32;
+  __m512 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t blk = 0; blk < nblk; ++blk) {
+    const int8_t* xp = px.q.data() + (g * nblk + blk) * 32 * kLanes;
+    const size_t at = size_t((g * nblk + blk) * kLanes);
+    // Each sum starts at minus the offset times x's block sum, so it ends as the sum over w = code - offset.
+    __m512i start = _mm512_setzero_si512();
+    if constexpr (kOffset != 0)
+      start = _mm512_sub_epi32(start, _mm512_slli_epi32(_mm512_loadu_si512(px.qsum.data() + at), kShift));
+    __m512i s[T];
+    for (int t = 0; t < T; ++t) s[t] = start;
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m512i xv = _mm512_loadu_si512(xp + 64 * j);
+      for (int t = 0; t < T; ++t) {
+        int32_t w4;
+        std::memcpy(&w4, codes + t * a.K + blk * 32 + 4 * j, 4);
+        s[t] = _mm512_dpbusd_epi32(s[t], _mm512_set1_epi32(w4), xv);
+      }
+    }
+    const __m512 dx = _mm512_loadu_ps(px.d.data() + at);
+    for (int t = 0; t < T; ++t) {
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[t]), _mm512_mul_ps(dx, _mm512_set1_ps(dw[t * nblk + blk])), acc[t]);
+      if constexpr (Format<Q>::has_min)
+        acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(mins[t * nblk + blk]), _mm512_loadu_ps(px.dsum.data() + at), acc[t]);
+    }
+  }
+  store_tile<T>(a, acc, n, g * kLanes);
+}
+
+// Output rows [n0, n1) of a 32-element format against packed x'.
+template <int Q>
+void vnni_rows32(const LinearArgs& a, const PackedX& px, int64_t n0, int64_t n1) {
+  const int64_t nblk = a.K / 32;
+  // Per thread, kept between calls (each worker's own).
+  thread_local std::vector<uint8_t> codes;
+  thread_local std::vector<float> scales;
+  codes.resize(size_t(kTileN * a.K));
+  scales.resize(size_t(2 * kTileN * nblk));
+  float* dw = scales.data();
+  float* mins = dw + kTileN * nblk;
+  auto tile = [&](auto tt, int64_t n) {
+    constexpr int T = decltype(tt)::value;
+    unpack_rows32<Q, T>(a, n, codes.data(), dw, mins);
+    for (int64_t g = 0; g < px.groups; ++g) vnni_tile32<Q, T>(a, px, n, g, codes.data(), dw, mins);
+  };
+  int64_t n = n0;
+  for (; n + kTileN <= n1; n += kTileN) tile(std::integral_constant<int, kTileN>{}, n);
+  for (; n + 4 <= n1; n += 4) tile(std::integral_constant<int, 4>{}, n);
+  for (; n < n1; ++n) tile(std::integral_constant<int, 1>{}, n);
+}
+#endif
