@@ -1101,6 +1101,18 @@ template <int Q> struct KBlock;
 template <bool kHigh> struct KBlock45 {
   // 8 sub-blocks of 32: integer scale and minimum; quants unsigned (0..15, or 0..31 with the 5th bit).
   // minsum[m]: sum over sub-blocks of minimum * (sum of x's quants there), as 8 int32 lanes.
+  // Quants 64c..64c+31 (lo, sub-block 2c) and 64c+32..64c+63 (hi, sub-block 2c+1) as unsigned codes.
+  static void codes(const uint8_t* b, int c, __m256i& lo, __m256i& hi) {
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    const __m256i raw = load256(b + (kHigh ? 48 : 16) + 32 * c);
+    lo = _mm256_and_si256(raw, mask);
+    hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+    if (kHigh) {
+      const __m256i h = load256(b + 16), one = _mm256_set1_epi8(1);
+      lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * c)), one), 4));
+      hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * c + 1)), one), 4));
+    }
+  }
   template <int M>
   static void dots(const uint8_t* b, const int8_t* const* xq, __m256i* sumi, __m256i* minsum, const int16_t* const* s16) {
     // Scales and minimums stay in registers ([sc0..sc7 | mn0..mn7] bytes): each sub-block's scale is
@@ -1109,17 +1121,10 @@ template <bool kHigh> struct KBlock45 {
     scales_mins_k4(b + 4, words);
     const __m128i sm = _mm_setr_epi32(int(words[0]), int(words[1]), int(words[2]), int(words[3]));
     const __m256i scales = _mm256_cvtepu8_epi16(_mm_unpacklo_epi64(sm, sm));  // sc0..sc7 in each lane
-    const __m256i mask = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
-    const __m256i h = kHigh ? load256(b + 16) : _mm256_setzero_si256();
-    const uint8_t* qs = b + (kHigh ? 48 : 16);
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
-      const __m256i raw = load256(qs + 32 * c);
-      __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-      if (kHigh) {
-        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * c)), one), 4));
-        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * c + 1)), one), 4));
-      }
+      __m256i lo, hi;
+      codes(b, c, lo, hi);
       const __m256i s_lo = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(int16_t(0x0100 + 0x0202 * (2 * c))));
       const __m256i s_hi = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(int16_t(0x0100 + 0x0202 * (2 * c + 1))));
 #pragma GCC unroll 8
@@ -1142,22 +1147,26 @@ template <> struct KBlock<Q4_K> : KBlock45<false> {};
 template <> struct KBlock<Q5_K> : KBlock45<true> {};
 template <> struct KBlock<Q6_K> {
   // 16 sub-blocks of 16 with a signed int8 scale; quants 6 bits less 32 (signed bytes).
+  // Quants 128h + 32p .. 128h + 32p + 31 as unsigned codes q (the weights are scale * (q - 32)).
+  static __m256i codes(const uint8_t* b, int h, int p) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i ql = load256(b + 64 * h + 32 * (p & 1));
+    const __m256i low = _mm256_and_si256(p < 2 ? ql : _mm256_srli_epi16(ql, 4), m4);
+    const __m256i high = _mm256_and_si256(_mm256_srl_epi16(load256(b + 128 + 32 * h), _mm_cvtsi32_si128(2 * p)), _mm256_set1_epi8(0x03));
+    return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+  }
   template <int M>
   static void dots(const uint8_t* b, const int8_t* const* xq, __m256i* sumi, __m256i*, const int16_t* const*) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03), off = _mm256_set1_epi8(32);
+    const __m256i off = _mm256_set1_epi8(32);
     // The 16 scales as int16, scales 0-7 (then 8-15) in both lanes: a pair of sub-blocks' scales is one
     // in-lane shuffle, where two sign-extended byte broadcasts and an insert cost ~7 instructions.
     const __m256i sc16 = _mm256_cvtepi8_epi16(load128(b + 192));
     const __m256i halves[2] = {_mm256_permute2x128_si256(sc16, sc16, 0x00), _mm256_permute2x128_si256(sc16, sc16, 0x11)};
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
-      const __m256i A = load256(b + 64 * h), B = load256(b + 64 * h + 32), H = load256(b + 128 + 32 * h);
-      const __m256i low[4] = {_mm256_and_si256(A, m4), _mm256_and_si256(B, m4),
-                              _mm256_and_si256(_mm256_srli_epi16(A, 4), m4), _mm256_and_si256(_mm256_srli_epi16(B, 4), m4)};
 #pragma GCC unroll 4
       for (int p = 0; p < 4; ++p) {
-        const __m256i high = _mm256_and_si256(_mm256_srl_epi16(H, _mm_cvtsi32_si128(2 * p)), m2);
-        const __m256i w = _mm256_sub_epi8(_mm256_or_si256(low[p], _mm256_slli_epi16(high, 4)), off);
+        const __m256i w = _mm256_sub_epi8(codes(b, h, p), off);
         // the scales of sub-blocks 8h + 2p and 8h + 2p + 1 (elements 128h + 32p + [0, 16) and [16, 32))
         const int k = 2 * p;
         const __m256i s = _mm256_shuffle_epi8(
@@ -1209,11 +1218,10 @@ inline void int8_rowsK(const LinearArgs& a, const QuantX& xq, int64_t n, int64_t
 template <int Q, typename PX>
 void int8_linear_rows(const LinearArgs& a, const QuantX& xq, const float* xf, const PX* px, int64_t n0, int64_t n1) {
 #if SERVELM_GGUF_VNNI
-  if constexpr (Format<Q>::elems == 32) {
-    if (px != nullptr) {
-      vnni_rows32<Q>(a, *px, n0, n1);
-      return;
-    }
+  if (px != nullptr) {
+    if constexpr (Format<Q>::elems == 32) vnni_rows32<Q>(a, *px, n0, n1);
+    else vnni_rowsK<Q>(a, *px, n0, n1);
+    return;
   }
 #endif
 #if SERVELM_GGUF_AVX2
@@ -1295,7 +1303,7 @@ void run_parts(std::vector<Part>& parts, const float* x, int64_t M, int64_t K, b
     if (!need_rounded[g]) continue;
     quantize_x(x, M, K, g ? 256 : 32, rounded[g].q);
 #if SERVELM_GGUF_VNNI
-    if (g == 0 && M >= vnni_min_rows.load(std::memory_order_relaxed)) pack_x(rounded[0].q, M, K, rounded[0].packed);
+    if (M >= vnni_min_rows(g ? 256 : 32)) pack_x(rounded[g].q, M, K, rounded[g].packed);
     else rounded[g].packed.groups = 0;
 #endif
     // x' as floats only where a float kernel will read it (no AVX2).
@@ -1771,8 +1779,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("attention"), py::arg("attention_abi"), py::call_guard<py::gil_scoped_release>());
   m.def("compiled_isa", &compiled_isa);
   m.attr("vnni") = py::bool_(SERVELM_GGUF_VNNI != 0);
-  m.def("set_vnni_min_rows", [](int64_t rows) { return vnni_min_rows.exchange(rows); },
-        "the fewest rows a step needs for the AVX-512 VNNI tiles (returns the previous value)", py::arg("rows"));
+  m.def("set_vnni_min_rows", [](int64_t rows) { return vnni_rows_override.exchange(rows); },
+        "the fewest rows a step needs for the AVX-512 VNNI tiles, -1 for each format's default (returns the "
+        "previous setting)", py::arg("rows"));
   m.attr("vectorized") = py::bool_(SERVELM_GGUF_AVX2 != 0);
   m.attr("group_rows") = kGroup;
   m.attr("pass_rows") = kPassRows;

@@ -16,53 +16,69 @@
 #define SERVELM_GGUF_VNNI 0
 #endif
 
-// Fewest rows a step must have to take the packed path: with fewer, most of each vector's 16 rows
-// are padding and the 8-row tiles are quicker (settable, so tests reach both paths).
-std::atomic<int64_t> vnni_min_rows{6};
+// Fewest rows a step must have to take the packed path: with fewer, most of each vector's 16 rows are
+// padding and the AVX2 tiles are quicker (their K-quant kernels up to ~8 rows, the others ~5).
+// vnni_rows_override (-1: none) replaces both, so tests reach either path.
+std::atomic<int64_t> vnni_rows_override{-1};
+inline int64_t vnni_min_rows(int blk) {
+  const int64_t o = vnni_rows_override.load(std::memory_order_relaxed);
+  return o >= 0 ? o : blk == 256 ? 8 : 6;
+}
 
 #if SERVELM_GGUF_VNNI
 constexpr int kLanes = 16;  // activation rows in one vector
 constexpr int kTileN = 8;  // weight rows sharing each load of packed x
 
-// x' (QuantX with 32-element blocks) in groups of 16 rows; rows past M are zero in every field.
+// x' in groups of 16 rows; rows past M are zero in every field.
 struct PackedX {
   int64_t groups = 0;
   std::vector<int8_t> q;     // [G][K / 4][16][4]: quants 4j..4j+3 of the group's 16 rows
-  std::vector<float> d;      // [G][K / 32][16]: each row's scale of each block
-  std::vector<float> dsum;   // [G][K / 32][16]: d * (sum of the row's quants in the block)
-  std::vector<int32_t> qsum; // [G][K / 32][16]: the sum of the row's quants in the block
+  std::vector<float> d;      // [G][K / blk][16]: each row's scale of each block
+  // x' per 32: [G][K / 32][16] d * (sum of the row's quants in the block), and the sum itself.
+  std::vector<float> dsum;
+  std::vector<int32_t> qsum;
+  // x' per 256 (the K-quants): the sums of each 16 quants as int16 pairs, [G][K / 32][16] (sums 2i and
+  // 2i + 1), and of each 32, [G][K / 64][16]: what vpdpwssd meets the sub-blocks' scales or minimums with.
+  std::vector<int32_t> pairs16, pairs32;
 };
 
+inline int32_t int16_pair(int lo, int hi) { return int32_t(uint32_t(uint16_t(int16_t(lo))) | (uint32_t(uint16_t(int16_t(hi))) << 16)); }
+
 void pack_x(const QuantX& xq, int64_t M, int64_t K, PackedX& out) {
-  const int64_t G = (M + kLanes - 1) / kLanes, words = K / 4, nblk = K / 32;
+  const int64_t G = (M + kLanes - 1) / kLanes, words = K / 4, nb = K / xq.blk, n32 = K / 32, n64 = K / 64;
+  const bool k256 = xq.blk == 256;
   out.groups = G;
   out.q.resize(size_t(G * K * kLanes));
-  out.d.resize(size_t(G * nblk * kLanes));
-  out.dsum.resize(out.d.size());
-  out.qsum.resize(out.d.size());
+  out.d.resize(size_t(G * nb * kLanes));
+  out.dsum.resize(k256 ? 0 : size_t(G * n32 * kLanes));
+  out.qsum.resize(out.dsum.size());
+  out.pairs16.resize(k256 ? size_t(G * n32 * kLanes) : 0);
+  out.pairs32.resize(k256 ? size_t(G * n64 * kLanes) : 0);
   at::parallel_for(0, G * kLanes, std::max<int64_t>(kLanes, row_grain(K)), [&](int64_t r0, int64_t r1) {
     for (int64_t m = r0; m < r1; ++m) {
       const int64_t g = m / kLanes, lane = m % kLanes;
+      const bool pad = m >= M;
       int32_t* dst = reinterpret_cast<int32_t*>(out.q.data()) + g * words * kLanes + lane;
-      float* d = out.d.data() + g * nblk * kLanes + lane;
-      float* ds = out.dsum.data() + g * nblk * kLanes + lane;
-      int32_t* qs = out.qsum.data() + g * nblk * kLanes + lane;
-      if (m >= M) {
-        for (int64_t j = 0; j < words; ++j) dst[j * kLanes] = 0;
-        for (int64_t b = 0; b < nblk; ++b) {
-          d[b * kLanes] = ds[b * kLanes] = 0.0f;
-          qs[b * kLanes] = 0;
+      const int8_t* src = xq.q.data() + m * K;
+      for (int64_t j = 0; j < words; ++j) {
+        if (pad) dst[j * kLanes] = 0;
+        else std::memcpy(dst + j * kLanes, src + 4 * j, 4);
+      }
+      for (int64_t b = 0; b < nb; ++b) out.d[size_t((g * nb + b) * kLanes + lane)] = pad ? 0.0f : xq.d[size_t(m * nb + b)];
+      const int16_t* s16 = xq.sum16.data() + m * K / 16;
+      auto sum16 = [&](int64_t i) { return pad ? 0 : int(s16[i]); };
+      if (!k256) {
+        for (int64_t b = 0; b < n32; ++b) {
+          const size_t at = size_t((g * n32 + b) * kLanes + lane);
+          out.dsum[at] = pad ? 0.0f : xq.dsum32[size_t(m * n32 + b)];
+          out.qsum[at] = sum16(2 * b) + sum16(2 * b + 1);
         }
         continue;
       }
-      const int8_t* src = xq.q.data() + m * K;
-      for (int64_t j = 0; j < words; ++j) std::memcpy(dst + j * kLanes, src + 4 * j, 4);
-      for (int64_t b = 0; b < nblk; ++b) {
-        d[b * kLanes] = xq.d[size_t(m * nblk + b)];
-        ds[b * kLanes] = xq.dsum32[size_t(m * nblk + b)];
-        const int16_t* s16 = xq.sum16.data() + m * K / 16 + 2 * b;
-        qs[b * kLanes] = s16[0] + s16[1];
-      }
+      for (int64_t b = 0; b < n32; ++b) out.pairs16[size_t((g * n32 + b) * kLanes + lane)] = int16_pair(sum16(2 * b), sum16(2 * b + 1));
+      for (int64_t b = 0; b < n64; ++b)
+        out.pairs32[size_t((g * n64 + b) * kLanes + lane)] =
+            int16_pair(sum16(4 * b) + sum16(4 * b + 1), sum16(4 * b + 2) + sum16(4 * b + 3));
     }
   });
 }
@@ -186,6 +202,128 @@ void vnni_rows32(const LinearArgs& a, const PackedX& px, int64_t n0, int64_t n1)
     constexpr int T = decltype(tt)::value;
     unpack_rows32<Q, T>(a, n, codes.data(), dw, mins);
     for (int64_t g = 0; g < px.groups; ++g) vnni_tile32<Q, T>(a, px, n, g, codes.data(), dw, mins);
+  };
+  int64_t n = n0;
+  for (; n + kTileN <= n1; n += kTileN) tile(std::integral_constant<int, kTileN>{}, n);
+  for (; n + 4 <= n1; n += 4) tile(std::integral_constant<int, 4>{}, n);
+  for (; n < n1; ++n) tile(std::integral_constant<int, 1>{}, n);
+}
+// Weight rows [n, n + T) of a K-quant as unsigned codes [T][K] with, per sub-block, its integer scale
+// ([T][K / 256][subs]) and, per pair of sub-blocks, the int16 pair that vpdpwssd meets x's pair sums
+// with: the two minimums (Q4_K, Q5_K) or the two scales (Q6_K, whose codes are offset by 32)
+// ([T][K / 256][subs / 2]); per block, d and dmin ([T][K / 256]).
+template <int Q, int T>
+inline void unpack_rowsK(const LinearArgs& a, int64_t n, uint8_t* codes, int32_t* scales, int32_t* pairs, float* d,
+                         float* dmin) {
+  constexpr bool k6 = Q == Q6_K;
+  constexpr int kSubs = k6 ? 16 : 8;
+  const int64_t nblk = a.K / 256;
+  for (int t = 0; t < T; ++t) {
+    const uint8_t* row = a.w + (n + t) * a.ldw;
+    for (int64_t blk = 0; blk < nblk; ++blk) {
+      const uint8_t* b = row + blk * Format<Q>::bytes;
+      uint8_t* c = codes + t * a.K + blk * 256;
+      int32_t* sc = scales + (t * nblk + blk) * kSubs;
+      int32_t* pr = pairs + (t * nblk + blk) * kSubs / 2;
+      if constexpr (k6) {
+        for (int h = 0; h < 2; ++h)
+          for (int p = 0; p < 4; ++p)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + 128 * h + 32 * p), KBlock<Q6_K>::codes(b, h, p));
+        const int8_t* s8 = reinterpret_cast<const int8_t*>(b + 192);
+        for (int j = 0; j < 16; ++j) sc[j] = s8[j];
+        for (int i = 0; i < 8; ++i) pr[i] = int16_pair(s8[2 * i], s8[2 * i + 1]);
+      } else {
+        for (int q = 0; q < 4; ++q) {
+          __m256i lo, hi;
+          KBlock<Q>::codes(b, q, lo, hi);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + 64 * q), lo);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + 64 * q + 32), hi);
+        }
+        uint32_t words[4];
+        scales_mins_k4(b + 4, words);
+        uint8_t sm[16];  // scales 0-7, then minimums 0-7
+        std::memcpy(sm, words, 16);
+        for (int j = 0; j < 8; ++j) sc[j] = sm[j];
+        for (int i = 0; i < 4; ++i) pr[i] = int16_pair(sm[8 + 2 * i], sm[9 + 2 * i]);
+      }
+      d[t * nblk + blk] = KBlock<Q>::d(b);
+      dmin[t * nblk + blk] = KBlock<Q>::dmin(b);
+    }
+  }
+}
+
+// out's rows of group g for weight rows [n, n + T) of a K-quant, from their unpacked codes: each
+// sub-block's sums (vpdpbusd) times its scale (one multiply per sub-block and weight row) add up to
+// the block's integer sum, which meets d_w * d_x once; the minimums (or Q6_K's offset) meet x's sums
+// per sub-block in a few vpdpwssd per block.
+template <int Q, int T>
+inline void vnni_tileK(const LinearArgs& a, const PackedX& px, int64_t n, int64_t g, const uint8_t* codes,
+                       const int32_t* scales, const int32_t* pairs, const float* d, const float* dmin) {
+  constexpr bool k6 = Q == Q6_K;
+  constexpr int kSubs = k6 ? 16 : 8, kWords = 256 / kSubs / 4, kPairs = kSubs / 2;
+  const int64_t nblk = a.K / 256;
+  const int32_t* xpairs = (k6 ? px.pairs16.data() : px.pairs32.data()) + g * nblk * kPairs * kLanes;
+  __m512 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t blk = 0; blk < nblk; ++blk) {
+    const int8_t* xp = px.q.data() + (g * a.K / 4 + blk * 64) * 64;
+    __m512i sum[T];
+    for (int t = 0; t < T; ++t) sum[t] = _mm512_setzero_si512();
+    for (int j = 0; j < kSubs; ++j) {
+      __m512i s[T];
+      for (int t = 0; t < T; ++t) s[t] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int w = 0; w < kWords; ++w) {
+        const int kg = j * kWords + w;
+        const __m512i xv = _mm512_loadu_si512(xp + 64 * kg);
+        for (int t = 0; t < T; ++t) {
+          int32_t w4;
+          std::memcpy(&w4, codes + t * a.K + blk * 256 + 4 * kg, 4);
+          s[t] = _mm512_dpbusd_epi32(s[t], _mm512_set1_epi32(w4), xv);
+        }
+      }
+      for (int t = 0; t < T; ++t)
+        sum[t] = _mm512_add_epi32(sum[t], _mm512_mullo_epi32(s[t], _mm512_set1_epi32(scales[(t * nblk + blk) * kSubs + j])));
+    }
+    const __m512 dx = _mm512_loadu_ps(px.d.data() + (g * nblk + blk) * kLanes);
+    const int32_t* xpr = xpairs + blk * kPairs * kLanes;
+    for (int t = 0; t < T; ++t) {
+      __m512i other = _mm512_setzero_si512();
+      for (int i = 0; i < kPairs; ++i)
+        other = _mm512_dpwssd_epi32(other, _mm512_set1_epi32(pairs[(t * nblk + blk) * kPairs + i]), _mm512_loadu_si512(xpr + i * kLanes));
+      const int64_t at = t * nblk + blk;
+      if constexpr (k6) {
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum[t], _mm512_slli_epi32(other, 5))),
+                                 _mm512_mul_ps(dx, _mm512_set1_ps(d[at])), acc[t]);
+      } else {
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[t]), _mm512_mul_ps(dx, _mm512_set1_ps(d[at])), acc[t]);
+        acc[t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(other), _mm512_mul_ps(dx, _mm512_set1_ps(dmin[at])), acc[t]);
+      }
+    }
+  }
+  store_tile<T>(a, acc, n, g * kLanes);
+}
+
+// Output rows [n0, n1) of a K-quant against packed x'.
+template <int Q>
+void vnni_rowsK(const LinearArgs& a, const PackedX& px, int64_t n0, int64_t n1) {
+  constexpr int kSubs = Q == Q6_K ? 16 : 8;
+  const int64_t nblk = a.K / 256;
+  // Per thread, kept between calls (each worker's own).
+  thread_local std::vector<uint8_t> codes;
+  thread_local std::vector<int32_t> ints;
+  thread_local std::vector<float> floats;
+  codes.resize(size_t(kTileN * a.K));
+  ints.resize(size_t(kTileN * nblk * (kSubs + kSubs / 2)));
+  floats.resize(size_t(2 * kTileN * nblk));
+  int32_t* scales = ints.data();
+  int32_t* pairs = scales + kTileN * nblk * kSubs;
+  float* d = floats.data();
+  float* dmin = d + kTileN * nblk;
+  auto tile = [&](auto tt, int64_t n) {
+    constexpr int T = decltype(tt)::value;
+    unpack_rowsK<Q, T>(a, n, codes.data(), scales, pairs, d, dmin);
+    for (int64_t g = 0; g < px.groups; ++g) vnni_tileK<Q, T>(a, px, n, g, codes.data(), scales, pairs, d, dmin);
   };
   int64_t n = n0;
   for (; n + kTileN <= n1; n += kTileN) tile(std::integral_constant<int, kTileN>{}, n);
