@@ -926,6 +926,25 @@ template <> struct Bytes32<Q5_1> { static constexpr bool kSigned = false; static
 template <> struct Bytes32<Q8_0> { static constexpr bool kSigned = true; static constexpr int kOffset = 0;
   static __m256i get(const uint8_t* b) { return load256(b + 2); } };
 
+// A block's 32 products of weight codes and x's quants, summed in 8 int32 lanes: one vpdpbusd with
+// AVX-512 VNNI (Q8_0's signed quants read as unsigned codes w + 128), else maddubs and madd.
+// kDotOffset<Q>: the offset of the codes so read (w = code - offset), taken off with x's block sums.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr bool kVnniDots = true;
+#else
+constexpr bool kVnniDots = false;
+#endif
+template <int Q> constexpr int kDotOffset = Bytes32<Q>::kSigned && kVnniDots ? 128 : Bytes32<Q>::kOffset;
+template <int Q>
+inline __m256i block_dots(__m256i w, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  if constexpr (Bytes32<Q>::kSigned) w = _mm256_xor_si256(w, _mm256_set1_epi8(char(0x80)));
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+#else
+  return _mm256_madd_epi16(Bytes32<Q>::kSigned ? dot_i8_pairs(w, x) : _mm256_maddubs_epi16(w, x), ones16());
+#endif
+}
+
 // A 32-element block's float16 scale d (returned) and, for the formats with one, its minimum (adjacent
 // to d: both converted in one instruction).
 template <bool kMin>
@@ -961,12 +980,11 @@ inline void int8_rows32(const LinearArgs& a, const QuantX& xq, int64_t n, int64_
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
       const __m256i xv = load_q(xq.q.data() + (m0 + m) * a.K + blk * 32);
-      const __m256i p16 = B::kSigned ? dot_i8_pairs(w, xv) : _mm256_maddubs_epi16(w, xv);
-      const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones16()));
+      const __m256 p = _mm256_cvtepi32_ps(block_dots<Q>(w, xv));
       acc[m][c] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * xq.d[size_t((m0 + m) * nblk + blk)]), acc[m][c]);
       // What each block adds besides its products: its minimum, or minus its codes' offset, times x's sum.
       if constexpr (F::has_min) mins[m] += wmin * xq.dsum32[size_t((m0 + m) * nblk + blk)];
-      if constexpr (B::kOffset != 0) mins[m] -= float(B::kOffset) * dw * xq.dsum32[size_t((m0 + m) * nblk + blk)];
+      if constexpr (kDotOffset<Q> != 0) mins[m] -= float(kDotOffset<Q>) * dw * xq.dsum32[size_t((m0 + m) * nblk + blk)];
     }
   };
   int64_t blk = 0;
@@ -1029,14 +1047,14 @@ inline void int8_row32_folded(const LinearArgs& a, const QuantX& xq, int64_t n) 
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
       const __m256i w = B::get(row + (blk + j) * F::bytes), xv = load_q(x + (blk + j) * 32);
-      s[j] = _mm256_madd_epi16(B::kSigned ? dot_i8_pairs(w, xv) : _mm256_maddubs_epi16(w, xv), ones16());
+      s[j] = block_dots<Q>(w, xv);
     }
     __m256 wmin;
     const __m256 dw = scales8<Q>(row + blk * F::bytes, wmin);
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(fold8(s)), _mm256_mul_ps(dw, _mm256_loadu_ps(xq.d.data() + blk)), acc);
     const __m256 dsum = _mm256_loadu_ps(xq.dsum32.data() + blk);
     if constexpr (F::has_min) extra = _mm256_fmadd_ps(wmin, dsum, extra);
-    if constexpr (B::kOffset != 0) extra = _mm256_fnmadd_ps(_mm256_mul_ps(_mm256_set1_ps(float(B::kOffset)), dw), dsum, extra);
+    if constexpr (kDotOffset<Q> != 0) extra = _mm256_fnmadd_ps(_mm256_mul_ps(_mm256_set1_ps(float(kDotOffset<Q>)), dw), dsum, extra);
   }
   // The last nblk % 8 blocks one at a time, as int8_rows32 takes them.
   float tail = 0.0f;
@@ -1045,11 +1063,11 @@ inline void int8_row32_folded(const LinearArgs& a, const QuantX& xq, int64_t n) 
     const __m256i w = B::get(b), xv = load_q(x + blk * 32);
     float wmin = 0.0f;
     const float dw = scale_min32<F::has_min>(b, wmin);
-    const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(B::kSigned ? dot_i8_pairs(w, xv) : _mm256_maddubs_epi16(w, xv), ones16()));
+    const __m256 p = _mm256_cvtepi32_ps(block_dots<Q>(w, xv));
     const float dx = xq.d[size_t(blk)], ds = xq.dsum32[size_t(blk)];
     tail += hsum(p) * (dw * dx);
     if constexpr (F::has_min) tail += wmin * ds;
-    if constexpr (B::kOffset != 0) tail -= float(B::kOffset) * dw * ds;
+    if constexpr (kDotOffset<Q> != 0) tail -= float(kDotOffset<Q>) * dw * ds;
   }
   a.out[n] = hsum(_mm256_add_ps(acc, extra)) + tail + (a.bias ? a.bias[n] : 0.0f);
 }

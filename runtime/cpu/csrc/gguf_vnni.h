@@ -83,10 +83,6 @@ void pack_x(const QuantX& xq, int64_t M, int64_t K, PackedX& out) {
   });
 }
 
-// The offset of a 32-element format's codes as the tiles read them (w = code - offset): Q8_0's
-// signed quants are read as unsigned with their sign bit flipped.
-template <int Q> constexpr int kCodeOffset = Bytes32<Q>::kSigned ? 128 : Bytes32<Q>::kOffset;
-
 // Weight rows [n, n + T) of a 32-element format as unsigned codes [T][K] with, per block, the scale
 // d_w and (the formats with one) the minimum.
 template <int Q, int T>
@@ -153,7 +149,7 @@ inline void store_tile(const LinearArgs& a, const __m512 (&acc)[T], int64_t n, i
 template <int Q, int T>
 inline void vnni_tile32(const LinearArgs& a, const PackedX& px, int64_t n, int64_t g, const uint8_t* codes,
                         const float* dw, const float* mins) {
-  constexpr int kOffset = kCodeOffset<Q>;
+  constexpr int kOffset = kDotOffset<Q>;
   static_assert(kOffset == 0 || kOffset == 8 || kOffset == 16 || kOffset == 128, "a power of two: a shift");
   constexpr int kShift = kOffset == 128 ? 7 : kOffset == 16 ? 4 : 3;
   const int64_t nblk = a.K / 32;
