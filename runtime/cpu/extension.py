@@ -101,8 +101,9 @@ class CompiledExtension:
             module = cpp_extension.load(
                 name=name,
                 sources=[str(source)],
-                extra_cflags=CFLAGS,
-                extra_ldflags=LDFLAGS,
+                # Copies: torch appends its own flags to these lists, which would rename later builds.
+                extra_cflags=list(CFLAGS),
+                extra_ldflags=list(LDFLAGS),
                 build_directory=str(build_dir),
                 verbose=verbose,
             )

@@ -124,10 +124,21 @@ def test_rms_norm_bfloat16_rounds_like_hugging_face(rms_norm: cpu_ops.RmsNorm, s
     assert (got != want).float().mean() < 0.02
 
 
-@pytest.mark.parametrize("source", ["runtime/cpu/csrc/cpu_ops.cpp", "runtime/cpu/csrc/paged_attention_cpu.cpp"])
-def test_kernel_sources_compile_without_avx512(source: str) -> None:
+@pytest.mark.parametrize(
+    "source, march",
+    [
+        ("runtime/cpu/csrc/cpu_ops.cpp", ["-march=x86-64-v3"]),
+        ("runtime/cpu/csrc/paged_attention_cpu.cpp", ["-march=x86-64-v3"]),
+        ("runtime/cpu/csrc/gguf_linear.cpp", ["-march=x86-64-v3"]),
+        ("runtime/cpu/csrc/gguf_linear.cpp", ["-march=x86-64-v4"]),  # AVX-512 without VNNI
+        ("runtime/cpu/csrc/gguf_linear.cpp", ["-march=x86-64-v4", "-mavx512vnni"]),  # the VNNI tiles
+    ],
+    ids=lambda v: v.rsplit("/", 1)[-1] if isinstance(v, str) else "+".join(v),
+)
+def test_kernel_sources_compile_for_other_cpus(source: str, march: list[str]) -> None:
     """A CPU without AVX-512 (x86-64-v3: AVX2, FMA) must still build every extension: what needs
-    AVX-512 is behind its macros, and a build failure would cost every op of the file, not only those."""
+    AVX-512 is behind its macros, and a build failure would cost every op of the file, not only those.
+    The GGUF kernels also build for AVX-512 with and without VNNI, whatever this host has."""
     import subprocess
     import sysconfig
 
@@ -137,7 +148,7 @@ def test_kernel_sources_compile_without_avx512(source: str) -> None:
         pytest.skip("no g++ here")
     root = Path(__file__).resolve().parents[2]
     includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
-    cmd = ["g++", "-std=c++20", "-fsyntax-only", "-march=x86-64-v3", "-fopenmp", "-DTORCH_EXTENSION_NAME=check",
+    cmd = ["g++", "-std=c++20", "-fsyntax-only", *march, "-fopenmp", "-DTORCH_EXTENSION_NAME=check",
            *includes, str(root / source)]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -1,0 +1,23 @@
+"""The JIT-built extensions' names: a function of their source and build flags only."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from servelm.runtime.cpu import extension
+from servelm.runtime.gguf import kernels
+
+
+def test_loading_an_extension_leaves_the_build_flags_alone() -> None:
+    """torch's ``cpp_extension.load`` appends its link flags to the list it is handed: given the module's
+    own, every later extension of the process was named (and built) from other flags than the first,
+    so a server and a test run built the same source twice under two names."""
+    if kernels.load() is None:
+        pytest.skip("the GGUF kernels do not build here")
+    name = extension.build_name("servelm_check", b"")
+    again = extension.CompiledExtension("GGUF block kernels", "servelm_gguf_linear", lambda: kernels.SOURCE,
+                                        lambda module: None, logging.getLogger(__name__))
+    assert again.get() is not None
+    assert extension.build_name("servelm_check", b"") == name
