@@ -15,7 +15,8 @@
 // over threads (at::parallel_for) in at most get_num_threads() spans of equal weight bytes;
 // gguf_linear_parts does so over the rows of several weights at once (a fused projection's parts).
 //
-// AVX2 + FMA + F16C where the compiler targets them (so AVX-512 machines run it too), plain C++ else.
+// AVX2 + FMA + F16C where the compiler targets them (so AVX-512 machines run it too), plain C++ else;
+// with AVX-512 VNNI, the int8-activation steps of many rows take the tiles of gguf_vnni.h.
 
 // Narrow headers on purpose: <torch/extension.h> doubles the one-off compile time.
 #include <ATen/core/Tensor.h>
@@ -1118,7 +1119,6 @@ inline void int8_tile32(const LinearArgs& a, const QuantX& xq, int64_t n, int64_
 template <int Q> struct KBlock;
 template <bool kHigh> struct KBlock45 {
   // 8 sub-blocks of 32: integer scale and minimum; quants unsigned (0..15, or 0..31 with the 5th bit).
-  // minsum[m]: sum over sub-blocks of minimum * (sum of x's quants there), as 8 int32 lanes.
   // Quants 64c..64c+31 (lo, sub-block 2c) and 64c+32..64c+63 (hi, sub-block 2c+1) as unsigned codes.
   static void codes(const uint8_t* b, int c, __m256i& lo, __m256i& hi) {
     const __m256i mask = _mm256_set1_epi8(0x0F);
@@ -1131,6 +1131,7 @@ template <bool kHigh> struct KBlock45 {
       hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * c + 1)), one), 4));
     }
   }
+  // minsum[m]: sum over sub-blocks of minimum * (sum of x's quants there), as 8 int32 lanes.
   template <int M>
   static void dots(const uint8_t* b, const int8_t* const* xq, __m256i* sumi, __m256i* minsum, const int16_t* const* s16) {
     // Scales and minimums stay in registers ([sc0..sc7 | mn0..mn7] bytes): each sub-block's scale is
@@ -1731,8 +1732,14 @@ std::vector<std::string> compiled_isa() {
 #ifdef __AVX512F__
   isa.emplace_back("avx512f");
 #endif
-#if SERVELM_GGUF_VNNI
-  isa.insert(isa.end(), {"avx512bw", "avx512vl", "avx512_vnni"});
+#ifdef __AVX512BW__
+  isa.emplace_back("avx512bw");
+#endif
+#ifdef __AVX512VL__
+  isa.emplace_back("avx512vl");
+#endif
+#ifdef __AVX512VNNI__
+  isa.emplace_back("avx512_vnni");
 #endif
   return isa;
 }
