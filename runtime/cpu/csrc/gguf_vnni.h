@@ -42,7 +42,10 @@ struct PackedX {
   std::vector<int32_t> pairs16, pairs32;
 };
 
-inline int32_t int16_pair(int lo, int hi) { return int32_t(uint32_t(uint16_t(int16_t(lo))) | (uint32_t(uint16_t(int16_t(hi))) << 16)); }
+// Two int16 in one int32 lane, lo first: a vpdpwssd operand.
+inline int32_t int16_pair(int lo, int hi) {
+  return int32_t(uint32_t(uint16_t(int16_t(lo))) | (uint32_t(uint16_t(int16_t(hi))) << 16));
+}
 
 void pack_x(const QuantX& xq, int64_t M, int64_t K, PackedX& out) {
   const int64_t G = (M + kLanes - 1) / kLanes, words = K / 4, nb = K / xq.blk, n32 = K / 32, n64 = K / 64;
@@ -59,13 +62,13 @@ void pack_x(const QuantX& xq, int64_t M, int64_t K, PackedX& out) {
       const int64_t g = m / kLanes, lane = m % kLanes;
       const bool pad = m >= M;
       int32_t* dst = reinterpret_cast<int32_t*>(out.q.data()) + g * words * kLanes + lane;
-      const int8_t* src = xq.q.data() + m * K;
+      const int8_t* src = pad ? nullptr : xq.q.data() + m * K;
       for (int64_t j = 0; j < words; ++j) {
         if (pad) dst[j * kLanes] = 0;
         else std::memcpy(dst + j * kLanes, src + 4 * j, 4);
       }
       for (int64_t b = 0; b < nb; ++b) out.d[size_t((g * nb + b) * kLanes + lane)] = pad ? 0.0f : xq.d[size_t(m * nb + b)];
-      const int16_t* s16 = xq.sum16.data() + m * K / 16;
+      const int16_t* s16 = pad ? nullptr : xq.sum16.data() + m * K / 16;
       auto sum16 = [&](int64_t i) { return pad ? 0 : int(s16[i]); };
       if (!k256) {
         for (int64_t b = 0; b < n32; ++b) {
