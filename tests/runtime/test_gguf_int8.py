@@ -4,8 +4,8 @@ What is asserted: the compiled rounding of x (``gguf_quantize_x``) equals the to
 (``projection.round_activations``: ``d = max|x| / 127`` per block, ``round(x / d)`` half to even); for
 every quantized format and 1 to 33 rows, ``linear(..., int8_x=True)`` equals ``F.linear(x', W)`` with
 ``W`` gguf-py's own dequantization and ``x'`` the rounded x, within the float32 summation bound (so
-the integer dot products lose nothing beyond the rounding of x), through the AVX2 tiles and, on CPUs
-with AVX-512 VNNI, the packed 16-row tiles; fused parts of mixed formats do the same; a row with a non-finite activation comes out NaN without touching the others; and a
+the integer dot products lose nothing beyond the rounding of x), through the AVX2 tiles, the packed
+tiles of 8 rows a vector and, on CPUs with AVX-512 VNNI, of 16; fused parts of mixed formats do the same; a row with a non-finite activation comes out NaN without touching the others; and a
 ``GGUFMethod`` gives the same ``W x'`` through the kernel (few rows) and the tile path (many rows).
 """
 
@@ -65,15 +65,18 @@ def assert_within_sum_order(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor)
     assert excess <= 1e-30, f"max excess over the summation bound {excess:.3g}"
 
 
-@pytest.fixture(params=("tiles", "vnni"))
+@pytest.fixture(params=("tiles", "packed8", "vnni"))
 def int8_path(request, module) -> str:
-    """Steps of any number of rows through the AVX2 tiles, or (where the CPU has AVX-512 VNNI) through
-    the packed 16-row tiles, whatever their usual row threshold."""
+    """Steps of any number of rows through the few-row kernels and 8-row tiles, the AVX2 packed tiles (8
+    rows a vector) or, where the CPU has AVX-512 VNNI, the packed 16-row tiles, whatever their usual row
+    thresholds."""
     if request.param == "vnni" and not module.vnni:
         pytest.skip("this CPU has no AVX-512 VNNI")
-    before = module.set_vnni_min_rows(1 if request.param == "vnni" else 1 << 62)
+    lanes = module.set_packed_lanes({"tiles": 0, "packed8": 8, "vnni": 16}[request.param])
+    rows = module.set_packed_min_rows(1 << 62 if request.param == "tiles" else 1)
     yield request.param
-    module.set_vnni_min_rows(before)
+    module.set_packed_min_rows(rows)
+    module.set_packed_lanes(lanes)
 
 
 def test_vnni_tiles_are_built_where_the_cpu_has_them(module) -> None:

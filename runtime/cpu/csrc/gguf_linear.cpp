@@ -1233,14 +1233,26 @@ inline void int8_rowsK(const LinearArgs& a, const QuantX& xq, int64_t n, int64_t
 #include "gguf_vnni.h"
 
 // Output rows [n0, n1) of a quantized format against x' (x rounded per block as kXBlock<Q>); px: x'
-// packed for the AVX-512 VNNI tiles, where the step has the rows for them.
+// packed for the packed tiles, where the step has the rows for them.
 template <int Q, typename PX>
 void int8_linear_rows(const LinearArgs& a, const QuantX& xq, const float* xf, const PX* px, int64_t n0, int64_t n1) {
-#if SERVELM_GGUF_VNNI
+#if SERVELM_GGUF_AVX2
   if (px != nullptr) {
-    if constexpr (Format<Q>::elems == 32) vnni_rows32<Q>(a, *px, n0, n1);
-    else vnni_rowsK<Q>(a, *px, n0, n1);
-    return;
+#if SERVELM_GGUF_VNNI
+    if (px->lanes == 16) {
+      if constexpr (Format<Q>::elems == 32) packed_rows32<Lanes16, Q>(a, *px, n0, n1);
+      else packed_rowsK<Q>(a, *px, n0, n1);
+      return;
+    }
+#endif
+    // Q8_0 keeps the 8-row tiles: its signs cost the AVX2 packed tile two more instructions a dot, and
+    // it measured level with them at 32 rows, behind at 8 and 16 (2026-12-04, docs/gguf.md).
+    if constexpr (Format<Q>::elems == 32) {
+      if constexpr (!Bytes32<Q>::kSigned) {
+        packed_rows32<Lanes8, Q>(a, *px, n0, n1);
+        return;
+      }
+    }
   }
 #endif
 #if SERVELM_GGUF_AVX2
@@ -1298,7 +1310,7 @@ void run_parts(std::vector<Part>& parts, const float* x, int64_t M, int64_t K, b
   // Per thread and kept between calls: a decode step makes ~70 of these calls, and fresh buffers
   // each time cost a measurable share of the small ones.
   // (Workers reach them through this pointer: a thread_local named in the lambda would be their own.)
-#if SERVELM_GGUF_VNNI
+#if SERVELM_GGUF_AVX2
   using Packed = PackedX;
 #else
   struct Packed {};
@@ -1321,8 +1333,10 @@ void run_parts(std::vector<Part>& parts, const float* x, int64_t M, int64_t K, b
   for (int g = 0; g < 2; ++g) {
     if (!need_rounded[g]) continue;
     quantize_x(x, M, K, g ? 256 : 32, rounded[g].q);
-#if SERVELM_GGUF_VNNI
-    if (M >= vnni_min_rows(g ? 256 : 32)) pack_x(rounded[g].q, M, K, rounded[g].packed);
+#if SERVELM_GGUF_AVX2
+    const int lanes = lanes_for_steps();
+    const int64_t least = packed_min_rows(g ? 256 : 32, lanes);
+    if (least > 0 && M >= least) pack_x(rounded[g].q, M, K, lanes, rounded[g].packed);
     else rounded[g].packed.groups = 0;
 #endif
     // x' as floats only where a float kernel will read it (no AVX2).
@@ -1364,7 +1378,7 @@ void run_parts(std::vector<Part>& parts, const float* x, int64_t M, int64_t K, b
               LinearArgs b = p.a;
               b.xsum = r.xsum.data();
               const Packed* px = nullptr;
-#if SERVELM_GGUF_VNNI
+#if SERVELM_GGUF_AVX2
               if (r.packed.groups > 0) px = &r.packed;
 #endif
               int8_linear_rows<Q>(b, r.q, r.xf.data(), px, n0, n1);
@@ -1804,9 +1818,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("attention"), py::arg("attention_abi"), py::call_guard<py::gil_scoped_release>());
   m.def("compiled_isa", &compiled_isa);
   m.attr("vnni") = py::bool_(SERVELM_GGUF_VNNI != 0);
-  m.def("set_vnni_min_rows", [](int64_t rows) { return vnni_rows_override.exchange(rows); },
-        "the fewest rows a step needs for the AVX-512 VNNI tiles, -1 for each format's default (returns the "
+  m.def("set_packed_min_rows", [](int64_t rows) { return packed_rows_override.exchange(rows); },
+        "the fewest rows a step needs for the packed tiles, -1 for each format's default (returns the "
         "previous setting)", py::arg("rows"));
+  m.def("set_packed_lanes", [](int lanes) {
+          TORCH_CHECK(lanes == 0 || lanes == 8 || (lanes == 16 && SERVELM_GGUF_VNNI), "lanes: 0, 8 or (with VNNI) 16");
+          return packed_lanes.exchange(lanes);
+        },
+        "rows a vector of the packed tiles: 8 (AVX2), 16 (AVX-512 VNNI) or 0, the widest built (returns the "
+        "previous setting)", py::arg("lanes"));
   m.attr("vectorized") = py::bool_(SERVELM_GGUF_AVX2 != 0);
   m.attr("group_rows") = kGroup;
   m.attr("pass_rows") = kPassRows;
