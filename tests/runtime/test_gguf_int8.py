@@ -5,7 +5,8 @@ What is asserted: the compiled rounding of x (``gguf_quantize_x``) equals the to
 every quantized format and 1 to 33 rows, ``linear(..., int8_x=True)`` equals ``F.linear(x', W)`` with
 ``W`` gguf-py's own dequantization and ``x'`` the rounded x, within the float32 summation bound (so
 the integer dot products lose nothing beyond the rounding of x), through the AVX2 tiles, the packed
-tiles of 8 rows a vector and, on CPUs with AVX-512 VNNI, of 16; fused parts of mixed formats do the same; a row with a non-finite activation comes out NaN without touching the others; and a
+tiles of 8 rows a vector and, on CPUs with AVX-512 VNNI, of 16; fused parts of mixed formats do the
+same; a row with a non-finite activation comes out NaN without touching the others; and a
 ``GGUFMethod`` gives the same ``W x'`` through the kernel (few rows) and the tile path (many rows).
 """
 
