@@ -1319,6 +1319,7 @@ void run_parts(std::vector<Part>& parts, const float* x, int64_t M, int64_t K, b
   thread_local Rounded kept[2];
   Rounded* rounded = kept;
   bool need_sums = false, need_rounded[2] = {false, false};
+  bool unsigned32 = false;  // a part the 8-lane packed tiles take (Q8_0 alone keeps the 8-row tiles)
   int64_t total_bytes = 0;
   for (const Part& p : parts) {
     with_qtype(p.qtype, [&](auto qq) {
@@ -1326,6 +1327,9 @@ void run_parts(std::vector<Part>& parts, const float* x, int64_t M, int64_t K, b
       if constexpr (!kIsFloat<Q>) {
         need_sums |= Format<Q>::has_min && M <= kPassRows && (!int8_x || !SERVELM_GGUF_AVX2);
         if (int8_x) need_rounded[kXBlock<Q> == 256] = true;
+#if SERVELM_GGUF_AVX2
+        if constexpr (Format<Q>::elems == 32) unsigned32 |= !Bytes32<Q>::kSigned;
+#endif
       }
     });
     total_bytes += p.a.N * p.row_bytes;
@@ -1336,7 +1340,8 @@ void run_parts(std::vector<Part>& parts, const float* x, int64_t M, int64_t K, b
 #if SERVELM_GGUF_AVX2
     const int lanes = lanes_for_steps();
     const int64_t least = packed_min_rows(g ? 256 : 32, lanes);
-    if (least > 0 && M >= least) pack_x(rounded[g].q, M, K, lanes, rounded[g].packed);
+    // (Not for a Q8_0 head alone at 8 lanes: nothing would read it.)
+    if (least > 0 && M >= least && (lanes == 16 || unsigned32)) pack_x(rounded[g].q, M, K, lanes, rounded[g].packed);
     else rounded[g].packed.groups = 0;
 #endif
     // x' as floats only where a float kernel will read it (no AVX2).
