@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import platform
 import threading
 from pathlib import Path
@@ -21,8 +22,14 @@ import torch
 
 from servelm.runtime.model_files import cache_dir
 
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
+MARCH_ENV = "SERVELM_CPU_MARCH"
+
+
+def cflags() -> list[str]:
+    """The compiler flags: this CPU's instructions, unless SERVELM_CPU_MARCH names another target
+    (x86-64-v3 runs the AVX2 code on an AVX-512 host, to measure it or to match older machines)."""
+    return ["-O3", f"-march={os.environ.get(MARCH_ENV, '').strip() or 'native'}", "-fopenmp"]
 
 
 def cpu_flags() -> set[str] | None:
@@ -41,7 +48,7 @@ def build_name(prefix: str, source: bytes) -> str:
     """Extension name keyed on everything that changes the binary: source, flags, torch, CPU."""
     h = hashlib.sha256(source)
     flags = cpu_flags()
-    for part in (CFLAGS, LDFLAGS, [torch.__version__, platform.machine(), platform.python_version()],
+    for part in (cflags(), LDFLAGS, [torch.__version__, platform.machine(), platform.python_version()],
                  sorted(flags or [])):
         h.update("\0".join(part).encode())
     return f"{prefix}_{h.hexdigest()[:16]}"
@@ -102,7 +109,7 @@ class CompiledExtension:
                 name=name,
                 sources=[str(source)],
                 # Copies: torch appends its own flags to these lists, which would rename later builds.
-                extra_cflags=list(CFLAGS),
+                extra_cflags=cflags(),
                 extra_ldflags=list(LDFLAGS),
                 build_directory=str(build_dir),
                 verbose=verbose,
