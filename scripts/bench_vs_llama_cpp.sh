@@ -3,6 +3,7 @@
 #
 #   bash scripts/bench_vs_llama_cpp.sh                         # after `make setup model` (uses .venv)
 #   MODELS=gemma3 SERVERS=llama bash scripts/bench_vs_llama_cpp.sh  # one model, one server
+#   ISA=avx2 bash scripts/bench_vs_llama_cpp.sh                # both servers without AVX-512 (see below)
 #
 # llama-server is built once from the llama.cpp sources vendored in the PyPI sdist of llama-cpp-python
 # (pinned below; nothing of it is kept in this repo) into $SERVELM_CACHE/peers. MODELS (default
@@ -50,14 +51,28 @@ for m in $MODELS; do case "$m" in smollm2|gemma3) ;; *) echo "unknown model $m (
 for s in $SERVERS; do case "$s" in servelm|llama) ;; *) echo "unknown server $s (servelm, llama)" >&2; exit 2 ;; esac; done
 wants() { case " $MODELS $SERVERS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }  # a model or a server
 
+# ISA=avx2 runs both servers on AVX2 (with FMA, F16C, BMI2) alone, as on a CPU without AVX-512: servelm's
+# kernels built for x86-64-v3, ATen and oneDNN held to AVX2, llama-server built without GGML_NATIVE.
+ISA="${ISA:-native}"
+isa_cmake=(-DGGML_NATIVE=ON)
+case "$ISA" in
+    native) build=build ;;
+    avx2)
+        build=build-avx2
+        isa_cmake=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_BMI2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF)
+        export SERVELM_CPU_MARCH=x86-64-v3 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ;;
+    *) echo "unknown ISA $ISA (native, avx2)" >&2; exit 2 ;;
+esac
 src="$PEERS/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION/vendor/llama.cpp"
-bin="$src/build/bin/llama-server"
+bin="$src/$build/bin/llama-server"
 if wants llama && [ ! -x "$bin" ]; then
-    "$PY" -m pip download -q --no-deps --no-binary :all: -d "$PEERS" "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
-    tar -xzf "$PEERS/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz" -C "$PEERS"
-    cmake -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+    [ -d "$src" ] || {
+        "$PY" -m pip download -q --no-deps --no-binary :all: -d "$PEERS" "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
+        tar -xzf "$PEERS/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz" -C "$PEERS"
+    }
+    cmake -S "$src" -B "$src/$build" -DCMAKE_BUILD_TYPE=Release "${isa_cmake[@]}" -DLLAMA_CURL=OFF \
         -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF > "$OUT_DIR/cmake.log"
-    cmake --build "$src/build" --target llama-server -j "$(nproc)" > "$OUT_DIR/build.log"
+    cmake --build "$src/$build" --target llama-server -j "$(nproc)" > "$OUT_DIR/build.log"
 fi
 
 "$PY" -m servelm.runtime.model_files > /dev/null  # the default model (the bench's tokenizer), and its GGUF file
