@@ -31,11 +31,9 @@ MIN_TILE_ROWS = 16
 # (Q4_K 2048x2048 M=32: 7.2 vs 12.9 ms; M=64: 14.7 vs 8.3) and far beyond on a vocabulary head.
 KERNEL_MAX_ROWS = 32
 KERNEL_CHUNK = 8
-# With int8 activations the kernel's integer dots outrun the tiles further (same host, 2026-12-03,
-# 2 threads): the K-quants' (~155-170 GFLOP/s against the tiles' 100-155) at every size measured up to
-# 512 rows; the 32-element formats' too since they take 8 rows a tile (docs/gguf.md), and at 512 (the
-# CPU's default step budget) a call keeps the step in one parallel region, rounding x once.
-INT8_KERNEL_MAX_ROWS = {32: 512, 256: 512}
+# With int8 activations the kernel's integer tiles outrun the dequantized float tiles at every step
+# size measured, with AVX2 alone and with VNNI, up to 2048 rows (docs/gguf.md): no cap.
+INT8_KERNEL_MAX_ROWS = 1 << 62
 
 
 def passes_of(kernel: Any, int8_x: bool) -> int:
@@ -296,7 +294,7 @@ def use_int8_activations(methods: list[Any]) -> int:
         for part in parts:
             if isinstance(part, GGUFMethod) and activation_block(part.qtype):
                 part.int8_x = method.int8_x = True
-                part.kernel_max_rows = INT8_KERNEL_MAX_ROWS[activation_block(part.qtype)]
+                part.kernel_max_rows = INT8_KERNEL_MAX_ROWS
                 changed += 1
     return changed
 

@@ -175,24 +175,30 @@ def test_a_non_finite_row_fails_alone(module, int8_path: str, qtype: Q, m: int) 
 
 
 @pytest.mark.parametrize("qtype", (Q.Q4_1, Q.Q6_K), ids=lambda q: q.name)
-def test_method_gives_the_same_product_at_any_batch_size(module, qtype: Q) -> None:
-    """Rows served by the kernel (one pass, or several of pass_rows, up to the format's
-    INT8_KERNEL_MAX_ROWS) and by the dequantized tile (more rows) compute the same ``W x'``: a
-    request's tokens do not depend on how many others share its step."""
+def test_method_gives_the_same_product_at_any_batch_size(module, qtype: Q, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows served by the kernel (one pass, or several of pass_rows) and by the dequantized tile compute
+    the same ``W x'``: a request's tokens do not depend on how many others share its step. With int8
+    activations the kernel takes steps of any size (a prefill budget past 512 rows too): its integer
+    tiles beat dequantizing float32 tiles at every size measured."""
     k, n = 512, 64
     blocks = weight(qtype, n, k, seed=3)
     method = GGUFMethod(blocks.reshape(-1), qtype, (n, k))
     assert use_int8_activations([method]) == 1 and method.int8_x
-    most = INT8_KERNEL_MAX_ROWS[activation_block(qtype)]
-    assert method.kernel_max_rows == most
-    x = activations(most + 1, k, seed=3)
-    tiled = method.apply(x)  # one row past the kernel's: the tile path
+    x = activations(600, k, seed=3)
+    with monkeypatch.context() as m:
+        m.setattr(method, "dequantize_rows", lambda *a: pytest.fail("a 600-row step left the kernel"))
+        big = method.apply(x)
+    method.kernel_max_rows = 0  # (as benchmarks move it) every step to the tiles
+    tiled = method.apply(x)
+    method.kernel_max_rows = INT8_KERNEL_MAX_ROWS
     passes = method.apply(x[:40])  # the kernel: one pass (int8_one_pass), else passes of pass_rows
     alone = torch.cat([method.apply(x[i : i + 1]) for i in range(4)])  # one row at a time: the kernel
-    assert_within_sum_order(tiled, round_activations(x, activation_block(qtype)), gguf_dequantized(blocks, qtype, k))
-    assert_within_sum_order(passes, round_activations(x[:40], activation_block(qtype)), gguf_dequantized(blocks, qtype, k))
+    reference = gguf_dequantized(blocks, qtype, k)
+    assert_within_sum_order(big, round_activations(x, activation_block(qtype)), reference)
+    assert_within_sum_order(tiled, round_activations(x, activation_block(qtype)), reference)
     tol = 1e-5 * float(alone.abs().max())
-    torch.testing.assert_close(tiled[:40], passes, rtol=1e-5, atol=tol)
+    torch.testing.assert_close(tiled, big, rtol=1e-5, atol=tol)
+    torch.testing.assert_close(big[:40], passes, rtol=1e-5, atol=tol)
     torch.testing.assert_close(passes[:4], alone, rtol=1e-5, atol=tol)
 
 
