@@ -5,7 +5,8 @@ Decode tokens read their context straight from the pool with the C++ kernel when
 batched masked attention (GQA by grouping query heads, never repeating K/V). Prefill tokens gather
 their sequences' whole context (cached + new) and run one ``scaled_dot_product_attention`` per layer,
 either flat under a block-diagonal causal mask or padded to one batch row per sequence, whichever
-computes fewer scores this step. Every index and mask is built once per step in ``build_metadata``;
+computes fewer scores this step; one long prompt alone goes PREFILL_Q_CHUNK queries at a time, each
+against only the keys it can see. Every index and mask is built once per step in ``build_metadata``;
 a layer does no Python work per request.
 
 Sliding-window layers (``window``: each query attends to its sequence's last ``window`` positions,
@@ -27,10 +28,10 @@ from servelm.runtime.attention.base import AttentionBackend, AttentionMetadata, 
 
 log = logging.getLogger(__name__)
 
-try:  # written in parallel by another helper; absent or unbuildable => torch fallback
-    from servelm.runtime.cpu import paged_attention as _cpu_kernel
-except ImportError:  # pragma: no cover - depends on the checkout
-    _cpu_kernel = None  # type: ignore[assignment]
+# Query rows per attention call on one long prompt: each chunk meets only the keys it can see.
+PREFILL_Q_CHUNK = 256
+
+from servelm.runtime.cpu import paged_attention as _cpu_kernel  # builds on first use; unbuildable => torch path
 
 DecodeKernel = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
@@ -69,8 +70,6 @@ class TorchAttentionMetadata(AttentionMetadata):
 
 
 def _load_decode_kernel() -> DecodeKernel | None:
-    if _cpu_kernel is None:
-        return None
     try:
         # The compiled function itself: calling it directly skips the module wrapper's per-call lookup.
         return _cpu_kernel.load_kernel()
@@ -86,7 +85,7 @@ class TorchAttentionBackend(AttentionBackend):
         self.block_size = block_size
         self.decode_kernel: DecodeKernel | None = _load_decode_kernel() if use_kernel else None
         # RoPE + K/V store + decode attention in one compiled call (decode-only float32 steps).
-        self.rope_decode = _cpu_kernel.load_rope_decode() if self.decode_kernel is not None and _cpu_kernel else None
+        self.rope_decode = _cpu_kernel.load_rope_decode() if self.decode_kernel is not None else None
         # Its address and ABI number, for a caller in another extension (``gguf.layer.DecodeStack``).
         self.rope_decode_address = _cpu_kernel.load_rope_decode_address() if self.rope_decode is not None else None
         self.name = "torch+cpu_kernel" if self.decode_kernel is not None else "torch"
@@ -354,6 +353,8 @@ class TorchAttentionBackend(AttentionBackend):
         if meta.prefill_slots is not None:
             k = k_flat.index_select(0, meta.prefill_slots).to(q.dtype)
             v = v_flat.index_select(0, meta.prefill_slots).to(q.dtype)
+        if meta.num_seqs - meta.num_decodes == 1 and q.shape[0] > PREFILL_Q_CHUNK:
+            return self._prefill_in_bands(q, k, v, mask, meta, scale, window)
         # SDPA wants [batch, heads, tokens, head_dim]; the whole prefill is one "batch" row.
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
@@ -365,6 +366,27 @@ class TorchAttentionBackend(AttentionBackend):
             enable_gqa=True,
         )
         return out[0].transpose(0, 1)
+
+
+    @staticmethod
+    def _prefill_in_bands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                          meta: TorchAttentionMetadata, scale: float, window: int) -> torch.Tensor:
+        """One sequence's prefill, PREFILL_Q_CHUNK queries at a time, each chunk against the keys it can
+        see: from its first query's window (or position 0) to its last query. Under one mask over all
+        keys SDPA computes every score, masked or not: the whole square for a windowed layer."""
+        nd = meta.num_decodes
+        # Key i is position i (the sequence's keys in order); query row r is position ctx + r.
+        ctx = meta.seq_lens_list[nd] - meta.query_lens_list[nd]
+        assert meta.prefill_positions is not None
+        q_pos, k_pos = meta.prefill_positions
+        outs = []
+        for r0 in range(0, q.shape[0], PREFILL_Q_CHUNK):
+            r1 = min(q.shape[0], r0 + PREFILL_Q_CHUNK)
+            lo, hi = max(0, ctx + r0 - window + 1) if window else 0, ctx + r1
+            band = mask[r0:r1, lo:hi] if mask is not None else k_pos[:, lo:hi] <= q_pos[r0:r1]
+            qkv = (t.transpose(0, 1).unsqueeze(0) for t in (q[r0:r1], k[lo:hi], v[lo:hi]))
+            outs.append(F.scaled_dot_product_attention(*qkv, attn_mask=band, scale=scale, enable_gqa=True)[0].transpose(0, 1))
+        return torch.cat(outs)
 
 
 def _effective(window: int | None, meta: AttentionMetadata) -> int:

@@ -131,6 +131,8 @@ def test_default_model_matches_hf(
 WINDOW_PLANS = {
     "padded-then-decode": [[(0, 30), (1, 30), (3, 30)], [(0, 30), (1, 9), (3, 24), (2, 11)]],
     "flat-mixed": [[(0, 60), (2, 5)], [(0, 9), (1, 39), (2, 6), (3, 3)], [(1, 0), (3, 50)]],
+    # One prefill a step, fresh or with context: the query bands of TorchAttentionBackend._prefill_in_bands.
+    "one-at-a-time": [[(0, 45)], [(0, 25)], [(1, 40)], [(2, 12)], [(3, 20)], [(3, 35)]],
 }
 
 
@@ -139,10 +141,14 @@ WINDOW_PLANS = {
 @pytest.mark.parametrize("kernel", [True, False], ids=["cpp-kernel", "torch-decode"])
 def test_sliding_window_batches_equal_hf(
     tiny_model_dir: Callable[[str], Path], build_runner: Callable[..., ModelRunner], rt: SimpleNamespace,
-    variant: str, plan: str, kernel: bool,
+    variant: str, plan: str, kernel: bool, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Several sequences at once under 16-token windows: prefill chunks together, decodes beside prefills,
-    then decodes to the end; each sequence's logits equal transformers' for it alone."""
+    then decodes to the end; each sequence's logits equal transformers' for it alone. A lone prefill
+    is attended 8 queries a band (256 when served), so these short prompts take the bands too."""
+    from servelm.runtime.cpu import torch_backend
+
+    monkeypatch.setattr(torch_backend, "PREFILL_Q_CHUNK", 8)
     model_dir = tiny_model_dir(variant)
     lens = [70, 40, 12, 55]
     ids = [random_ids(n, seed=100 + i) for i, n in enumerate(lens)]
