@@ -25,13 +25,12 @@ import torch
 import torch.nn.functional as F
 
 from servelm.runtime.attention.base import AttentionBackend, AttentionMetadata, QKNorm
+from servelm.runtime.cpu import paged_attention as _cpu_kernel  # builds on first use; unbuildable => torch path
 
 log = logging.getLogger(__name__)
 
 # Query rows per attention call on one long prompt: each chunk meets only the keys it can see.
 PREFILL_Q_CHUNK = 256
-
-from servelm.runtime.cpu import paged_attention as _cpu_kernel  # builds on first use; unbuildable => torch path
 
 DecodeKernel = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
@@ -367,7 +366,6 @@ class TorchAttentionBackend(AttentionBackend):
         )
         return out[0].transpose(0, 1)
 
-
     @staticmethod
     def _prefill_in_bands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                           meta: TorchAttentionMetadata, scale: float, window: int) -> torch.Tensor:
@@ -385,7 +383,8 @@ class TorchAttentionBackend(AttentionBackend):
             lo, hi = max(0, ctx + r0 - window + 1) if window else 0, ctx + r1
             band = mask[r0:r1, lo:hi] if mask is not None else k_pos[:, lo:hi] <= q_pos[r0:r1]
             qkv = (t.transpose(0, 1).unsqueeze(0) for t in (q[r0:r1], k[lo:hi], v[lo:hi]))
-            outs.append(F.scaled_dot_product_attention(*qkv, attn_mask=band, scale=scale, enable_gqa=True)[0].transpose(0, 1))
+            out = F.scaled_dot_product_attention(*qkv, attn_mask=band, scale=scale, enable_gqa=True)
+            outs.append(out[0].transpose(0, 1))
         return torch.cat(outs)
 
 
