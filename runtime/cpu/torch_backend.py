@@ -5,8 +5,8 @@ Decode tokens read their context straight from the pool with the C++ kernel when
 batched masked attention (GQA by grouping query heads, never repeating K/V). Prefill tokens gather
 their sequences' whole context (cached + new) and run one ``scaled_dot_product_attention`` per layer,
 either flat under a block-diagonal causal mask or padded to one batch row per sequence, whichever
-computes fewer scores this step; one long prompt alone goes PREFILL_Q_CHUNK queries at a time, each
-against only the keys it can see. Every index and mask is built once per step in ``build_metadata``;
+computes fewer scores this step; where a context is longer than PREFILL_Q_CHUNK, flat, each
+sequence's queries that many at a time against only the keys they can see. Every index and mask is built once per step in ``build_metadata``;
 a layer does no Python work per request.
 
 Sliding-window layers (``window``: each query attends to its sequence's last ``window`` positions,
@@ -148,7 +148,8 @@ class TorchAttentionBackend(AttentionBackend):
         # [n, span]: the slot of every position of every prefill sequence (padded table entries -> block 0,
         # a harmless read of memory that is masked out).
         slots = (m.block_tables[nd:, :span_blocks].long().unsqueeze(-1) * bs + offs).reshape(n, span_blocks * bs)
-        if n > 1 and n * q_max * k_max < q_sum * k_sum:
+        # Padded only while every context fits in one band: past that, flat attends in bands (fewer scores).
+        if n > 1 and k_max <= PREFILL_Q_CHUNK and n * q_max * k_max < q_sum * k_sum:
             j = torch.arange(q_max, device=dev).unsqueeze(0)  # [1, q_max]
             q_start = torch.cumsum(q_lens, 0) - q_lens
             q_valid = j < q_lens.unsqueeze(1)  # [n, q_max]
@@ -352,7 +353,7 @@ class TorchAttentionBackend(AttentionBackend):
         if meta.prefill_slots is not None:
             k = k_flat.index_select(0, meta.prefill_slots).to(q.dtype)
             v = v_flat.index_select(0, meta.prefill_slots).to(q.dtype)
-        if meta.num_seqs - meta.num_decodes == 1 and q.shape[0] > PREFILL_Q_CHUNK:
+        if max(meta.seq_lens_list[meta.num_decodes :]) > PREFILL_Q_CHUNK:
             return self._prefill_in_bands(q, k, v, mask, meta, scale, window)
         # SDPA wants [batch, heads, tokens, head_dim]; the whole prefill is one "batch" row.
         out = F.scaled_dot_product_attention(
@@ -369,22 +370,24 @@ class TorchAttentionBackend(AttentionBackend):
     @staticmethod
     def _prefill_in_bands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                           meta: TorchAttentionMetadata, scale: float, window: int) -> torch.Tensor:
-        """One sequence's prefill, PREFILL_Q_CHUNK queries at a time, each chunk against the keys it can
-        see: from its first query's window (or position 0) to its last query. Under one mask over all
+        """The flat layout's prefills, each PREFILL_Q_CHUNK queries at a time against the keys those can
+        see: from the first query's window (or position 0) to the last query. Under one mask over all
         keys SDPA computes every score, masked or not: the whole square for a windowed layer."""
-        nd = meta.num_decodes
-        # Key i is position i (the sequence's keys in order); query row r is position ctx + r.
-        ctx = meta.seq_lens_list[nd] - meta.query_lens_list[nd]
         assert meta.prefill_positions is not None
         q_pos, k_pos = meta.prefill_positions
-        outs = []
-        for r0 in range(0, q.shape[0], PREFILL_Q_CHUNK):
-            r1 = min(q.shape[0], r0 + PREFILL_Q_CHUNK)
-            lo, hi = max(0, ctx + r0 - window + 1) if window else 0, ctx + r1
-            band = mask[r0:r1, lo:hi] if mask is not None else k_pos[:, lo:hi] <= q_pos[r0:r1]
-            qkv = (t.transpose(0, 1).unsqueeze(0) for t in (q[r0:r1], k[lo:hi], v[lo:hi]))
-            out = F.scaled_dot_product_attention(*qkv, attn_mask=band, scale=scale, enable_gqa=True)
-            outs.append(out[0].transpose(0, 1))
+        outs, q0, k0 = [], 0, 0
+        # Queries and keys go sequence by sequence: query row q0 + r is position ctx + r of its
+        # sequence, key row k0 + i its position i.
+        for ql, sl in zip(meta.query_lens_list[meta.num_decodes :], meta.seq_lens_list[meta.num_decodes :]):
+            ctx = sl - ql
+            for r0 in range(q0, q0 + ql, PREFILL_Q_CHUNK):
+                r1 = min(q0 + ql, r0 + PREFILL_Q_CHUNK)
+                lo, hi = k0 + (max(0, ctx + r0 - q0 - window + 1) if window else 0), k0 + ctx + r1 - q0
+                band = mask[r0:r1, lo:hi] if mask is not None else k_pos[:, lo:hi] <= q_pos[r0:r1]
+                qkv = (t.transpose(0, 1).unsqueeze(0) for t in (q[r0:r1], k[lo:hi], v[lo:hi]))
+                out = F.scaled_dot_product_attention(*qkv, attn_mask=band, scale=scale, enable_gqa=True)
+                outs.append(out[0].transpose(0, 1))
+            q0, k0 = q0 + ql, k0 + sl
         return torch.cat(outs)
 
 

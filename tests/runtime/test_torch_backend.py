@@ -182,3 +182,45 @@ def test_one_long_prefill_attends_in_bands_of_queries(
     for i, (rows, cols) in enumerate(seen):
         last = ctx + 8 * i + rows  # keys up to the chunk's last query
         assert cols <= (rows + window - 1 if window else last), seen
+
+
+@pytest.mark.parametrize("window", [0, 12], ids=["causal", "window"])
+def test_long_prefills_side_by_side_attend_in_bands(monkeypatch: pytest.MonkeyPatch, window: int) -> None:
+    """Several prefills in one step, any of them longer than a band: the flat layout, each sequence's
+    queries in bands against its own visible keys (a padded batch or one block-diagonal mask computes
+    every sequence's every score). A decode beside them keeps its own path."""
+    from servelm.runtime.cpu import torch_backend
+
+    monkeypatch.setattr(torch_backend, "PREFILL_Q_CHUNK", 8)
+    seen: list[tuple[int, int]] = []
+    sdpa = torch_backend.F.scaled_dot_product_attention
+
+    def recording(q: torch.Tensor, k: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        seen.append((q.shape[-2], k.shape[-2]))
+        return sdpa(q, k, *args, **kwargs)
+
+    monkeypatch.setattr(torch_backend.F, "scaled_dot_product_attention", recording)
+    torch.manual_seed(5)
+    ctx, new = [30, 20, 0, 0], [1, 30, 25, 6]
+    k_cache = torch.zeros(32, BS, KVH, D)
+    v_cache = torch.zeros(32, BS, KVH, D)
+    free = list(range(31, -1, -1))
+    tables, keys, vals = [], [], []
+    for c, n in zip(ctx, new):
+        tables.append([free.pop(0) for _ in range(-(-(c + n) // BS))])
+        keys.append(torch.randn(c + n, KVH, D))
+        vals.append(torch.randn(c + n, KVH, D))
+        for p in range(c):
+            k_cache[tables[-1][p // BS], p % BS] = keys[-1][p]
+            v_cache[tables[-1][p // BS], p % BS] = vals[-1][p]
+    backend = TorchAttentionBackend(BS, use_kernel=False)
+    meta = backend.build_metadata(make_meta(ctx, new, tables))
+    assert meta.prefill_batch is None  # flat, though padded would compute fewer scores unbanded
+    q = torch.randn(meta.num_tokens, H, D)
+    k_new = torch.cat([kk[c:] for kk, c in zip(keys, ctx)])
+    v_new = torch.cat([vv[c:] for vv, c in zip(vals, ctx)])
+    out = backend.forward(q, k_new, v_new, k_cache, v_cache, meta, 0.25, window=window or None)
+    torch.testing.assert_close(out, reference(q, keys, vals, ctx, new, 0.25, window=window), atol=1e-5, rtol=1e-5)
+    # (The decode row goes its own way, no SDPA.)
+    assert sum(rows for rows, _ in seen) == sum(new[1:]) and all(rows <= 8 for rows, _ in seen), seen
+    assert max(cols for _, cols in seen) <= (8 + window - 1 if window else max(c + n for c, n in zip(ctx, new))), seen
