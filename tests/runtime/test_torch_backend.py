@@ -144,14 +144,9 @@ def test_padded_prefill_layout_matches_reference(ctx: list[int]) -> None:
     torch.testing.assert_close(out, reference(q, keys, vals, ctx, new, 0.25), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("ctx", [0, 20], ids=["fresh", "with_context"])
-@pytest.mark.parametrize("window", [0, 12], ids=["causal", "window"])
-def test_one_long_prefill_attends_in_bands_of_queries(
-    monkeypatch: pytest.MonkeyPatch, ctx: int, window: int
-) -> None:
-    """One long prompt's queries are attended a chunk at a time, each against only the keys it can see
-    (its window, or the causal prefix): a 2,048-row step of Gemma 3 computed every query against every
-    key under a mask, three times the work of its 512-token windows. Same values as the reference."""
+@pytest.fixture
+def sdpa_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Bands of 8 queries, and the (queries, keys) of every SDPA call the backend makes."""
     from servelm.runtime.cpu import torch_backend
 
     monkeypatch.setattr(torch_backend, "PREFILL_Q_CHUNK", 8)
@@ -163,6 +158,15 @@ def test_one_long_prefill_attends_in_bands_of_queries(
         return sdpa(q, k, *args, **kwargs)
 
     monkeypatch.setattr(torch_backend.F, "scaled_dot_product_attention", recording)
+    return seen
+
+
+@pytest.mark.parametrize("ctx", [0, 20], ids=["fresh", "with_context"])
+@pytest.mark.parametrize("window", [0, 12], ids=["causal", "window"])
+def test_one_long_prefill_attends_in_bands_of_queries(sdpa_calls: list[tuple[int, int]], ctx: int, window: int) -> None:
+    """One long prompt's queries are attended a chunk at a time, each against only the keys it can see
+    (its window, or the causal prefix): a 2,048-row step of Gemma 3 computed every query against every
+    key under a mask, three times the work of its 512-token windows. Same values as the reference."""
     torch.manual_seed(3)
     new = 50
     k_cache = torch.zeros(16, BS, KVH, D)
@@ -178,28 +182,17 @@ def test_one_long_prefill_attends_in_bands_of_queries(
     out = backend.forward(q, keys[ctx:], vals[ctx:], k_cache, v_cache, meta, 0.25, window=window or None)
     want = reference(q, [keys], [vals], [ctx], [new], 0.25, window=window)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
-    assert sum(rows for rows, _ in seen) == new and all(rows <= 8 for rows, _ in seen), seen
-    for i, (rows, cols) in enumerate(seen):
+    assert sum(rows for rows, _ in sdpa_calls) == new and all(rows <= 8 for rows, _ in sdpa_calls), sdpa_calls
+    for i, (rows, cols) in enumerate(sdpa_calls):
         last = ctx + 8 * i + rows  # keys up to the chunk's last query
-        assert cols <= (rows + window - 1 if window else last), seen
+        assert cols <= (rows + window - 1 if window else last), sdpa_calls
 
 
 @pytest.mark.parametrize("window", [0, 12], ids=["causal", "window"])
-def test_long_prefills_side_by_side_attend_in_bands(monkeypatch: pytest.MonkeyPatch, window: int) -> None:
+def test_long_prefills_side_by_side_attend_in_bands(sdpa_calls: list[tuple[int, int]], window: int) -> None:
     """Several prefills in one step, any of them longer than a band: the flat layout, each sequence's
     queries in bands against its own visible keys (a padded batch or one block-diagonal mask computes
     every sequence's every score). A decode beside them keeps its own path."""
-    from servelm.runtime.cpu import torch_backend
-
-    monkeypatch.setattr(torch_backend, "PREFILL_Q_CHUNK", 8)
-    seen: list[tuple[int, int]] = []
-    sdpa = torch_backend.F.scaled_dot_product_attention
-
-    def recording(q: torch.Tensor, k: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-        seen.append((q.shape[-2], k.shape[-2]))
-        return sdpa(q, k, *args, **kwargs)
-
-    monkeypatch.setattr(torch_backend.F, "scaled_dot_product_attention", recording)
     torch.manual_seed(5)
     ctx, new = [30, 20, 0, 0], [1, 30, 25, 6]
     k_cache = torch.zeros(32, BS, KVH, D)
@@ -222,5 +215,5 @@ def test_long_prefills_side_by_side_attend_in_bands(monkeypatch: pytest.MonkeyPa
     out = backend.forward(q, k_new, v_new, k_cache, v_cache, meta, 0.25, window=window or None)
     torch.testing.assert_close(out, reference(q, keys, vals, ctx, new, 0.25, window=window), atol=1e-5, rtol=1e-5)
     # (The decode row goes its own way, no SDPA.)
-    assert sum(rows for rows, _ in seen) == sum(new[1:]) and all(rows <= 8 for rows, _ in seen), seen
-    assert max(cols for _, cols in seen) <= (8 + window - 1 if window else max(c + n for c, n in zip(ctx, new))), seen
+    assert sum(rows for rows, _ in sdpa_calls) == sum(new[1:]) and all(rows <= 8 for rows, _ in sdpa_calls), sdpa_calls
+    assert max(cols for _, cols in sdpa_calls) <= (8 + window - 1 if window else max(c + n for c, n in zip(ctx, new))), sdpa_calls
