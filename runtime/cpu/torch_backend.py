@@ -6,8 +6,8 @@ batched masked attention (GQA by grouping query heads, never repeating K/V). Pre
 their sequences' whole context (cached + new) and run one ``scaled_dot_product_attention`` per layer,
 either flat under a block-diagonal causal mask or padded to one batch row per sequence, whichever
 computes fewer scores this step; where a context is longer than PREFILL_Q_CHUNK, flat, each
-sequence's queries that many at a time against only the keys they can see. Every index and mask is built once per step in ``build_metadata``;
-a layer does no Python work per request.
+sequence's queries that many at a time against only the keys they can see. Every index and mask is
+built once per step in ``build_metadata``; a layer does no Python work per request.
 
 Sliding-window layers (``window``: each query attends to its sequence's last ``window`` positions,
 itself included, as transformers masks them) pass their window to the decode kernel, and use the
@@ -29,7 +29,7 @@ from servelm.runtime.cpu import paged_attention as _cpu_kernel  # builds on firs
 
 log = logging.getLogger(__name__)
 
-# Query rows per attention call on one long prompt: each chunk meets only the keys it can see.
+# Query rows per attention call on a long context: each band meets only the keys it can see.
 PREFILL_Q_CHUNK = 256
 
 DecodeKernel = Callable[
