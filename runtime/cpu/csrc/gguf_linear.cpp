@@ -25,6 +25,8 @@
 #include <c10/util/Half.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "compiled_isa.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -1730,37 +1732,6 @@ std::vector<at::Tensor> gguf_decode_stack(const at::Tensor& x_in, const std::vec
     residual = r;
   }
   return {x, *residual};
-}
-
-// Instruction-set extensions this build was compiled for, named as in /proc/cpuinfo, so the
-// loader can refuse a binary the running CPU cannot execute.
-std::vector<std::string> compiled_isa() {
-  std::vector<std::string> isa;
-#ifdef __AVX__
-  isa.emplace_back("avx");
-#endif
-#ifdef __AVX2__
-  isa.emplace_back("avx2");
-#endif
-#ifdef __FMA__
-  isa.emplace_back("fma");
-#endif
-#ifdef __F16C__
-  isa.emplace_back("f16c");
-#endif
-#ifdef __AVX512F__
-  isa.emplace_back("avx512f");
-#endif
-#ifdef __AVX512BW__
-  isa.emplace_back("avx512bw");
-#endif
-#ifdef __AVX512VL__
-  isa.emplace_back("avx512vl");
-#endif
-#ifdef __AVX512VNNI__
-  isa.emplace_back("avx512_vnni");
-#endif
-  return isa;
 }
 
 }  // namespace

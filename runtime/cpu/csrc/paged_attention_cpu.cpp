@@ -24,6 +24,8 @@
 #include <c10/util/Half.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "compiled_isa.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -838,46 +840,6 @@ at::Tensor rope_write_decode(const at::Tensor& qkv_in, const at::Tensor& cos_in,
                v_cache.data_ptr<c10::BFloat16>());
   }
   return run(q, k_cache, v_cache, block_tables, seq_lens, scale, c10::nullopt, /*allow_simd=*/true, window);
-}
-
-// Instruction-set extensions this build was compiled for, named as in /proc/cpuinfo, so the
-// loader can refuse a binary the running CPU cannot execute.
-std::vector<std::string> compiled_isa() {
-  std::vector<std::string> isa;
-#ifdef __SSE4_2__
-  isa.emplace_back("sse4_2");
-#endif
-#ifdef __AVX__
-  isa.emplace_back("avx");
-#endif
-#ifdef __AVX2__
-  isa.emplace_back("avx2");
-#endif
-#ifdef __FMA__
-  isa.emplace_back("fma");
-#endif
-#ifdef __F16C__
-  isa.emplace_back("f16c");
-#endif
-#ifdef __BMI2__
-  isa.emplace_back("bmi2");
-#endif
-#ifdef __AVX512F__
-  isa.emplace_back("avx512f");
-#endif
-#ifdef __AVX512DQ__
-  isa.emplace_back("avx512dq");
-#endif
-#ifdef __AVX512BW__
-  isa.emplace_back("avx512bw");
-#endif
-#ifdef __AVX512VL__
-  isa.emplace_back("avx512vl");
-#endif
-#ifdef __AVX512CD__
-  isa.emplace_back("avx512cd");
-#endif
-  return isa;
 }
 
 }  // namespace
