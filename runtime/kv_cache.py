@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from servelm.runtime import platform
+
 
 class KVPool:
     """Fixed-size blocks of K/V for every layer: ``[num_blocks, block_size, num_kv_heads, head_dim]`` each.
@@ -11,7 +13,7 @@ class KVPool:
     One allocation backs all layers; ``k_cache[l]`` and ``v_cache[l]`` are views into it. The pool is
     zero-filled on purpose: attention reads whole blocks (a partly filled last block, padded block-table
     entries) and masks the extra positions, and masked garbage would still poison the result if it
-    were NaN (0 * NaN = NaN).
+    were NaN (0 * NaN = NaN). On the CPU its pages become resident as blocks are first written.
     """
 
     def __init__(
@@ -33,8 +35,8 @@ class KVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        self._storage = torch.zeros(
-            (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=self.device
+        self._storage = platform.zeroed_pool(
+            (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim), dtype, self.device
         )
         self.k_cache: list[torch.Tensor] = list(self._storage[0].unbind(0))
         self.v_cache: list[torch.Tensor] = list(self._storage[1].unbind(0))

@@ -209,6 +209,15 @@ def capture_decode_graphs(runner: Any, num_blocks: int) -> Any:
     return cuda_setup.capture_decode_graphs(runner, num_blocks)
 
 
+def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled tensor for the KV pool: on the CPU its pages become resident as they are written."""
+    if device.type == "cpu":
+        from servelm.runtime.cpu.memory import lazily_zeroed
+
+        return lazily_zeroed(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 def release_cached_memory(device: torch.device) -> None:
     """Hand the allocator's cached blocks back to the device (after a scratch step, before the pool is made)."""
     if is_cuda(device):
