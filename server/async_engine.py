@@ -34,6 +34,7 @@ from servelm.server.engine_thread import (
     EngineStoppedError,
     EngineThread,
 )
+from servelm.server.heap import HeapTrimmer
 from servelm.server.request_group import RequestGroup
 
 log = logging.getLogger(__name__)
@@ -72,13 +73,14 @@ class AsyncEngine:
         max_waiting_requests: int | None = None,
         observer: Observer | None = None,
         tokenizer_threads: int = 1,
+        heap: HeapTrimmer | None = None,
     ) -> None:
         self.engine = engine
         self.max_waiting_requests = (
             max_waiting_requests if max_waiting_requests is not None else engine.config.max_waiting_requests
         )
         self.observer: Observer = observer or NullObserver()
-        self._engine_thread = EngineThread(engine)
+        self._engine_thread = EngineThread(engine, heap)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._groups: set[RequestGroup] = set()  # event-loop thread only
         self._idle = asyncio.Event()

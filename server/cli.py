@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import logging
 import math
@@ -273,15 +272,6 @@ def _make_uvicorn_server(app: Any, args: argparse.Namespace, on_exit: Callable[[
     return _Server(config)
 
 
-def _return_freed_heap() -> None:
-    """Give the heap that loading freed back to the system: glibc keeps it otherwise, and for Gemma 3
-    270M the garbage of copying the tokenizer alone (~280 MiB) stayed resident for the server's life."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
-
-
 def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -293,6 +283,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from servelm.server.app import ObserverProxy, build_app, create_prometheus_observer
     from servelm.server.async_engine import AsyncEngine
     from servelm.server.engine_thread import run_in_transient_thread
+    from servelm.server.heap import return_free_heap
 
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         log.error("cannot start: --enable-auto-tool-choice needs --tool-call-parser (the format the model writes calls in)")
@@ -328,7 +319,8 @@ def run_serve(args: argparse.Namespace) -> int:
     app.state.serving.reasoning_parser = REASONING_PARSERS[args.reasoning_parser] if args.reasoning_parser else None
     app.state.serving.tool_parser = TOOL_PARSERS[args.tool_call_parser] if args.tool_call_parser else None
     app.state.serving.auto_tool_choice = args.enable_auto_tool_choice
-    _return_freed_heap()
+    # Loading's garbage (for Gemma 3 270M the tokenizer's, ~280 MiB) stays resident otherwise.
+    return_free_heap()
     server = _make_uvicorn_server(app, args, lambda: async_engine.begin_drain(args.drain_timeout))
     # uvicorn re-raises the signal that stopped it once it has shut down, with the handlers it found
     # installed; make those no-ops so a graceful SIGTERM/SIGINT ends with exit status 0.

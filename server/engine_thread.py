@@ -20,6 +20,7 @@ from typing import Any, Callable, Protocol, TypeVar
 from servelm.scheduler.config import EngineConfig
 from servelm.scheduler.outputs import RequestOutput
 from servelm.scheduler.sampling_params import SamplingParams
+from servelm.server.heap import HeapTrimmer
 from servelm.server.request_group import RequestGroup
 
 log = logging.getLogger(__name__)
@@ -139,8 +140,9 @@ class EngineThread:
     """The engine, its thread and its inbox; everything but ``submit``, ``abort``, ``stop`` and the
     read-only state runs in the engine thread."""
 
-    def __init__(self, engine: EngineLike) -> None:
+    def __init__(self, engine: EngineLike, heap: HeapTrimmer | None = None) -> None:
         self.engine = engine
+        self.heap = heap or HeapTrimmer()
         self._lock = threading.Lock()  # guards the inbox, _pending_adds, _stop and dead
         self._inbox: list[Add | Abort | Call] = []
         self._pending_adds = 0  # requests in the inbox not yet handed to the engine
@@ -226,7 +228,9 @@ class EngineThread:
                     outputs = engine.step()
                     self._dispatch(outputs)
                     self._publish()
+                    self.heap.stepped()
                 else:
+                    self.heap.idle()
                     self._wake.wait()
         except BaseException as exc:  # noqa: BLE001 - any escape kills serving; report it everywhere
             if self.dead is None:
