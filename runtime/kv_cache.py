@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from servelm.runtime import platform
@@ -40,6 +42,31 @@ class KVPool:
         )
         self.k_cache: list[torch.Tensor] = list(self._storage[0].unbind(0))
         self.v_cache: list[torch.Tensor] = list(self._storage[1].unbind(0))
+        self._forget = platform.page_forgetter(self.device)
+
+    @property
+    def releases_pages(self) -> bool:
+        """Whether ``release`` hands memory back (a CPU pool) or does nothing."""
+        return self._forget is not None
+
+    def release(self, blocks: Sequence[int], layers: Sequence[int]) -> None:
+        """Hand back the memory of ``blocks`` in ``layers`` (K and V): blocks that every sliding window
+        has left. They read 0 afterwards and are resident again once written; a page shared with a
+        block not released is kept. One call per run of consecutive blocks, layer and side."""
+        if self._forget is None or not blocks:
+            return
+        ids = sorted(set(blocks))
+        runs, first = [], ids[0]
+        for prev, b in zip(ids, ids[1:] + [None]):
+            if b != prev + 1:
+                runs.append((first, prev + 1))
+                first = b
+        block_bytes = self.block_size * self.num_kv_heads * self.head_dim * self._storage.element_size()
+        for side in (self.k_cache, self.v_cache):
+            for layer in layers:
+                base = side[layer].data_ptr()
+                for lo, hi in runs:
+                    self._forget(base + lo * block_bytes, (hi - lo) * block_bytes)
 
     @property
     def bytes_per_token(self) -> int:

@@ -218,6 +218,16 @@ def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
+def page_forgetter(device: torch.device) -> Callable[[int, int], None] | None:
+    """What hands a ``zeroed_pool``'s pages back to the system by address range (None: its memory
+    cannot be handed back piecewise, as a CUDA allocation cannot)."""
+    if device.type == "cpu":
+        from servelm.runtime.cpu.memory import forget
+
+        return forget
+    return None
+
+
 def release_cached_memory(device: torch.device) -> None:
     """Hand the allocator's cached blocks back to the device (after a scratch step, before the pool is made)."""
     if is_cuda(device):

@@ -66,3 +66,53 @@ def test_a_cpu_pool_is_resident_only_where_written() -> None:
     shared = resident_mib("RssShmem") - shared_before
     assert shared < 2, f"the pool is private memory, not {shared:.0f} MiB of shared memory"
     assert pool.k_cache[0][255].sum().item() == 16 * 4 * 256 and pool.v_cache[3][7].sum().item() == 2 * 16 * 4 * 256
+
+
+def resident_bytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s whole pages that are resident (``mincore``), exact where RSS deltas are noisy."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    start = t.data_ptr() // page * page
+    end = -(-(t.data_ptr() + t.numel() * t.element_size()) // page) * page
+    vec = (ctypes.c_ubyte * ((end - start) // page))()
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(end - start), vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec) * page
+
+
+def test_released_blocks_of_some_layers_read_zero_and_leave_memory() -> None:
+    """Sliding-window layers hand back the blocks every window has left: those layers' pages of those
+    blocks are no longer resident and read 0 (never NaN), while every other layer and block keeps its
+    values."""
+    pool = KVPool(num_layers=3, num_blocks=64, block_size=16, num_kv_heads=1, head_dim=256, dtype=torch.float16, device="cpu")
+    assert pool.k_cache[0][0].nbytes == 8192  # two pages a block and layer, as Gemma 3 270M's
+    for i, (k, v) in enumerate(zip(pool.k_cache, pool.v_cache)):
+        k.fill_(i + 1.0)
+        v.fill_(-(i + 1.0))
+    before = [resident_bytes(t) for t in pool.k_cache + pool.v_cache]
+    assert before == [64 * 8192] * 6
+    released = [5, 3, 4, 40, 63]  # unsorted, runs of one and of three blocks
+    pool.release(released, layers=(0, 2))
+    after = [resident_bytes(t) for t in pool.k_cache + pool.v_cache]
+    assert after == [59 * 8192, 64 * 8192, 59 * 8192] * 2, after
+    kept = [b for b in range(64) if b not in released]
+    for layer in (0, 2):
+        for side in (pool.k_cache, pool.v_cache):
+            assert not side[layer][released].any()
+            assert side[layer][kept].abs().eq(layer + 1.0).all()
+    assert pool.k_cache[1].eq(2.0).all() and pool.v_cache[1].eq(-2.0).all()
+    # A released block written again (handed to another sequence) holds what is written.
+    pool.k_cache[0][4].fill_(9.0)
+    assert pool.k_cache[0][4].eq(9.0).all() and not pool.k_cache[0][3].any()
+
+
+def test_a_release_never_touches_a_page_it_shares_with_a_kept_block() -> None:
+    """Blocks smaller than a page: only whole pages inside a run of released blocks are handed back."""
+    pool = KVPool(num_layers=1, num_blocks=64, block_size=4, num_kv_heads=1, head_dim=64, dtype=torch.float32, device="cpu")
+    assert pool.k_cache[0][0].nbytes == 1024  # four blocks a page
+    pool.k_cache[0].fill_(1.0)
+    pool.release([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], layers=(0,))  # page 0 holds kept block 0, page 2 kept block 11
+    assert resident_bytes(pool.k_cache[0]) == 64 * 1024 - 4096  # page 1 (blocks 4-7) only
+    assert pool.k_cache[0][[0, 1, 2, 3, 8, 9, 10, 11]].eq(1.0).all() and not pool.k_cache[0][4:8].any()
