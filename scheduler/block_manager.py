@@ -12,6 +12,9 @@ recomputed sequence adopts the longest chain of registered blocks matching its t
 last user left keep their hash and wait in an LRU "evictable" list: they still count as free, and
 are handed out again (dropping their hash) only after every never-cached free block is used.
 
+With a sliding ``window`` (on a pool that can hand memory back) it also tracks the blocks every
+window has left (``window_blocks``): prefix hits and forks are cut back to where their window is whole.
+
 With ``kv_events`` the manager also records what enters and leaves the prefix cache (``kv_events``
 module: vLLM's BlockStored / BlockRemoved / AllBlocksCleared) for the engine to publish each step.
 """
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 from servelm.scheduler.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, external_hash
+from servelm.scheduler.window_blocks import WindowedBlocks
 
 
 class BlockSequence(Protocol):
@@ -37,6 +41,7 @@ class BlockSequence(Protocol):
     block_table: list[int]
     block_hashes: list[bytes]
     hash_seed: bytes | None  # the first block's parent digest (None: the base model without salt)
+    num_prompt_tokens: int
 
 
 @dataclass
@@ -82,7 +87,9 @@ def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
 class BlockManager:
     """A free list of fixed-size KV blocks with ref counts and a hash-chained prefix cache."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, kv_events: bool = False) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, kv_events: bool = False, window: int | None = None
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
         self.num_blocks = num_blocks
@@ -101,6 +108,7 @@ class BlockManager:
         self.prefix_cache_hits = 0
         # KV-cache events since the last ``take_events`` (None: not recorded, so nothing is paid).
         self._events: list[KVCacheEvent] | None = [] if kv_events else None
+        self.windows = WindowedBlocks(num_blocks, block_size, window, enable_prefix_caching) if window else None
 
     # -- sizes ---------------------------------------------------------------------------------------
     @property
@@ -150,6 +158,8 @@ class BlockManager:
             if b is None:
                 break
             blocks.append(b)
+        if self.windows is not None:
+            del blocks[self.windows.whole_prefix(blocks) :]
         return PrefixMatch(blocks, len(seq.token_ids), self.block_size)
 
     def cache_full_blocks(self, seq: BlockSequence) -> None:
@@ -252,6 +262,8 @@ class BlockManager:
             if self.ref_counts[b] == 0:
                 del self._evictable[b]
             self.ref_counts[b] += 1
+            if self.windows is not None:
+                self.windows.hold(b)
         if cached:
             seq.block_table.extend(cached)
             seq.num_computed_tokens += len(cached) * self.block_size
@@ -260,6 +272,8 @@ class BlockManager:
         for _ in range(need):
             b = self._pop_free()
             self.ref_counts[b] = 1
+            if self.windows is not None:
+                self.windows.fresh(b)
             seq.block_table.append(b)
         if prefix is not None:
             self.record_prefix_query(prefix.num_query_tokens, prefix.num_cached_tokens)
@@ -268,14 +282,21 @@ class BlockManager:
     def fork(self, src_block_table: Sequence[int], num_tokens: int) -> list[int]:
         """Share the full blocks of ``src_block_table`` covering ``num_tokens`` tokens (ref counts + 1)."""
         shared = list(src_block_table[: num_tokens // self.block_size])
+        if self.windows is not None:
+            del shared[self.windows.whole_prefix(shared) :]
         for b in shared:
             if self.ref_counts[b] <= 0:
                 raise ValueError(f"cannot fork block {b}: it is not in use")
+        for b in shared:
             self.ref_counts[b] += 1
+            if self.windows is not None:
+                self.windows.hold(b)
         return shared
 
     def free(self, seq: BlockSequence) -> None:
         """Release every block of ``seq`` (its table is emptied; ``num_computed_tokens`` is left alone)."""
+        if self.windows is not None:
+            self.windows.drop(seq)
         # Tail blocks first, so that the LRU evicts a chain's most specific blocks before its parents.
         for b in reversed(seq.block_table):
             rc = self.ref_counts[b] - 1
@@ -289,6 +310,16 @@ class BlockManager:
                     self._free.append(b)
         seq.block_table.clear()
         self._num_registered.pop(seq.seq_id, None)
+
+    def release_passed(self, seq: BlockSequence) -> None:
+        """Note the blocks ``seq``'s window has left (before its next step); ``take_released`` lists those
+        no sequence's window reaches any more."""
+        if self.windows is not None:
+            self.windows.advance(seq)
+
+    def take_released(self) -> list[int]:
+        """Blocks whose windowed layers' K/V may be handed back, since the last call."""
+        return self.windows.take() if self.windows is not None else []
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks in use keep their content, they just stop being shared)."""
@@ -316,3 +347,5 @@ class BlockManager:
         for h, b in self._cached.items():
             assert self._block_hash[b] == h, f"hash map and block {b} disagree"
         assert self.num_free_blocks + self.num_used_blocks == self.num_blocks
+        if self.windows is not None:
+            self.windows.check(self.ref_counts)

@@ -22,6 +22,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # None => 512 on CPU, 8192 on CUDA
     enable_prefix_caching: bool = True
+    swa_full: bool = False  # keep sliding-window layers' K/V of every position (by default CPU pools hand back what windows left)
     scheduling_policy: str = "fcfs"  # "fcfs" (continuous batching) | "priority" (the same, by request priority) | "static"
     max_waiting_requests: int = 1024
     enforce_eager: bool = False  # CUDA: no CUDA graphs

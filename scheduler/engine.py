@@ -206,8 +206,7 @@ class Engine:
         """One iteration; returns the news of every request that changed (grouped by request id).
 
         Synchronous: this step's tokens. Scheduling ahead: the previous step's, read while this
-        step's forward runs.
-        """
+        step's forward runs."""
         t0 = time.perf_counter()
         # Drafts follow the tokens sampled last step: not while they are still in flight.
         self.scheduler.proposer = None if self.async_scheduling else self.proposer
@@ -215,6 +214,8 @@ class Engine:
         sched = self.scheduler.schedule()
         self.drafts_verified += sched.num_draft_tokens
         cost = self._step_cost(sched.items)  # before the counts below move on
+        if released := self.block_manager.take_released():  # before the forward, which may write them again
+            self.runner.kv_pool.release(released, self.model_config.window_layers)  # type: ignore[union-attr]
         launched = self.runner.launch(sched.items) if sched.items else None
 
         changed: dict[str, ChoiceGroup] = self._pending_groups

@@ -157,6 +157,11 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
 
+        # 0. Blocks the running requests' sliding windows have left (the engine hands them back).
+        if self.bm.windows is not None:
+            for req in self.running:
+                self.bm.release_passed(req)
+
         # 1. Running requests, in admission order.
         speculate = self.proposer is not None and len(self.running) <= self.proposer.config.max_running
         i = 0

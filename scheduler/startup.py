@@ -170,7 +170,15 @@ def start_up(config: EngineConfig, runner: RunnerLike | None = None) -> StartUp:
             raise ValueError(
                 f"the runner's KV pool has {runner.kv_pool.num_blocks} blocks, the KV budget asks for {num_blocks}"
             )
-    block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching, kv_events=bool(kv_events and kv_events.active))
+    if unpooled is not None:
+        unpooled.allocate_kv_pool(num_blocks)
+        runner = unpooled
+    elif runner is None:
+        runner = new_runner(model_dir, mc, device, dtype, block_size, num_blocks, max_batched, max_model_len, config)
+    block_manager = BlockManager(
+        num_blocks, block_size, config.enable_prefix_caching, kv_events=bool(kv_events and kv_events.active),
+        window=released_window(mc, runner, config),
+    )  # fmt: skip
     proposer = NgramProposer(speculative) if speculative is not None else None
     if proposer is not None:
         log.info("speculative decoding: %s", proposer.config)
@@ -182,11 +190,6 @@ def start_up(config: EngineConfig, runner: RunnerLike | None = None) -> StartUp:
         proposer=proposer,
         max_loras=config.max_loras if enable_lora else None,
     )
-    if unpooled is not None:
-        unpooled.allocate_kv_pool(num_blocks)
-        runner = unpooled
-    elif runner is None:
-        runner = new_runner(model_dir, mc, device, dtype, block_size, num_blocks, max_batched, max_model_len, config)
 
     # Default: on where the forward runs in the background (CUDA), off elsewhere.
     ahead = defaults.async_scheduling if config.async_scheduling is None else config.async_scheduling
@@ -216,6 +219,15 @@ def start_up(config: EngineConfig, runner: RunnerLike | None = None) -> StartUp:
         scheduler=scheduler,
         kv_events=make_publisher(kv_events),  # last: its sockets open once nothing else can fail
     )
+
+
+def released_window(mc: ModelConfig, runner: RunnerLike, config: EngineConfig) -> int | None:
+    """The sliding window whose left-behind blocks the pool hands back: where the model has windowed
+    layers and the pool's memory can be handed back piecewise (one process's CPU pool)."""
+    pool = runner.kv_pool
+    if config.swa_full or not mc.window_layers or pool is None or not pool.releases_pages or config.tensor_parallel_size > 1:
+        return None
+    return mc.sliding_window
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

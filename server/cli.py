@@ -170,6 +170,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--max-num-seqs", type=_positive_int, default=d.max_num_seqs, help="most sequences in one engine step (default: %(default)s)")
     g.add_argument("--max-num-batched-tokens", type=_positive_int, default=None, help="token budget of one engine step; longer prompts are chunked (default: 512 on CPU, 8192 on CUDA)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching, help="reuse KV blocks of identical prompt prefixes (default: on)")
+    g.add_argument("--swa-full", action="store_true", help="keep every position of a model's sliding-window layers, as llama.cpp's --swa-full: a prefix shared by later requests then hits wherever it ends, for more memory. By default (CPU) the blocks every window has left give their windowed layers' memory back, and a hit is cut back to where the window before it is whole: the end of a prompt seen before, or of a whole earlier sequence")
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority", "static"], default=d.scheduling_policy, help="fcfs: continuous batching, first come first served; priority: the same, requests admitted by their 'priority' (lower first, then arrival) and the lowest-priority one preempted first; static: run each admitted batch to completion, for comparison only (default: %(default)s)")
     g.add_argument("--max-waiting-requests", type=_positive_int, default=d.max_waiting_requests, help="queue bound in sequences: beyond it requests get 503 with Retry-After (default: %(default)s)")
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: do not capture CUDA graphs")
@@ -219,6 +220,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching,
+        swa_full=args.swa_full,
         scheduling_policy=args.scheduling_policy,
         max_waiting_requests=args.max_waiting_requests,
         enforce_eager=args.enforce_eager,

@@ -18,6 +18,7 @@ class Seq:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     hash_seed: bytes | None = None
+    num_prompt_tokens: int = 0
 
 
 def compute(bm: BlockManager, seq: Seq, n: int, prefix: PrefixMatch | None = None) -> bool:

@@ -51,3 +51,62 @@ def test_greedy_equals_transformers_past_the_window(model: tuple[Path, list[Gree
     assert [r.outputs[0].token_ids for r in again] == [r.outputs[0].token_ids for r in results]
     assert engine.block_manager.prefix_cache_hits > 0
     assert engine.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("case", ["plain", "chunked", "preempted"])
+def test_blocks_every_window_left_are_handed_back_and_tokens_stay_exact(
+    model: tuple[Path, list[GreedyReference]], case: str
+) -> None:
+    """Blocks of 4 tokens: a sequence leaves a block of its windowed layers every 4 tokens past the
+    window. Released blocks are overwritten here with large values instead of zeros (pages of a tiny
+    model's blocks are shared by several), so a kernel reading one, or a prefix hit or recomputation
+    starting from one, changes the tokens."""
+    path, refs = model
+    cfg = {"kv_cache_memory": 2 * MiB, "max_model_len": 256, "block_size": 4, **CASES[case]}
+    engine = Engine(EngineConfig(model=str(path), **cfg))
+    pool, layers = engine.runner.kv_pool, engine.model_config.window_layers
+    assert pool.releases_pages and engine.block_manager.windows is not None
+    released: list[int] = []
+
+    def poison(blocks: list[int], window_layers: tuple[int, ...]) -> None:
+        assert tuple(window_layers) == layers
+        released.extend(blocks)
+        for layer in layers:
+            pool.k_cache[layer][blocks] = 1e3
+            pool.v_cache[layer][blocks] = -1e3
+
+    pool.release = poison  # type: ignore[method-assign]
+    results = engine.generate(PROMPTS, GREEDY)
+    for p, res in enumerate(results):
+        assert_matches_reference(res.outputs[0].token_ids, refs[p], f"{case} prompt {p}")
+    assert len(released) >= 8, released
+    if case == "preempted":
+        assert engine.scheduler.num_preemptions_total > 0
+    # The same prompts again: hits cut back where a window reached a released block.
+    hits = engine.block_manager.prefix_cache_hits
+    again = engine.generate(PROMPTS, GREEDY)
+    assert [r.outputs[0].token_ids for r in again] == [r.outputs[0].token_ids for r in results]
+    assert engine.block_manager.prefix_cache_hits > hits
+    # A next turn (prompt, answer, more): its hit reaches the answer's last full block (its 35 computed
+    # tokens: 8 blocks), whose window is whole; in 20 blocks, later prompts evicted most of it.
+    turn = [PROMPTS[1] + list(results[1].outputs[0].token_ids) + [3, 14, 15]]  # 39 tokens
+    ref = hf_greedy_references(path, turn, MAX_NEW)[0]
+    hits = engine.block_manager.prefix_cache_hits
+    assert_matches_reference(engine.generate(turn, GREEDY)[0].outputs[0].token_ids, ref, f"{case} next turn")
+    assert engine.block_manager.prefix_cache_hits - hits == (8 if case == "preempted" else 32)
+    engine.block_manager.check_invariants()
+    assert engine.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("swa_full", [False, True])
+def test_swa_full_keeps_every_position(model: tuple[Path, list[GreedyReference]], swa_full: bool) -> None:
+    """``--swa-full``: nothing is handed back, and a prefix shared by a later prompt hits where it ends.
+    By default that prefix's window was handed back once prompt 0 went on past it: no hit."""
+    path, refs = model
+    engine = Engine(EngineConfig(model=str(path), kv_cache_memory=2 * MiB, max_model_len=256, block_size=4, swa_full=swa_full))
+    assert (engine.block_manager.windows is None) == swa_full
+    first = engine.generate([PROMPTS[0]], GREEDY)[0].outputs[0].token_ids
+    assert_matches_reference(first, refs[0], f"swa_full={swa_full} prompt 0")
+    again = engine.generate([PROMPTS[2]], GREEDY)[0].outputs[0].token_ids  # shares 18 tokens with prompt 0
+    assert_matches_reference(again, refs[2], f"swa_full={swa_full} prompt 2")
+    assert engine.block_manager.prefix_cache_hits == (16 if swa_full else 0)

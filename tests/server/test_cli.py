@@ -40,7 +40,7 @@ def test_serve_args_build_one_engine_config() -> None:
         [
             "serve", "--model", "/m", "--served-model-name", "m1", "--max-model-len", "1024", "--max-num-seqs", "8",
             "--max-num-batched-tokens", "256", "--kv-cache-memory", "512MiB", "--gpu-memory-utilization", "0.5",
-            "--block-size", "32", "--dtype", "bfloat16", "--device", "cpu", "--no-enable-prefix-caching",
+            "--block-size", "32", "--dtype", "bfloat16", "--device", "cpu", "--no-enable-prefix-caching", "--swa-full",
             "--scheduling-policy", "static", "--max-waiting-requests", "7", "--enforce-eager", "--async-scheduling",
             "--num-threads", "2", "--api-key", "k", "--port", "0",
         ]
@@ -58,6 +58,7 @@ def test_serve_args_build_one_engine_config() -> None:
         max_num_seqs=8,
         max_num_batched_tokens=256,
         enable_prefix_caching=False,
+        swa_full=True,
         scheduling_policy="static",
         max_waiting_requests=7,
         enforce_eager=True,
