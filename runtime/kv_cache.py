@@ -55,12 +55,12 @@ class KVPool:
         block not released is kept. One call per run of consecutive blocks, layer and side."""
         if self._forget is None or not blocks:
             return
-        ids = sorted(set(blocks))
-        runs, first = [], ids[0]
-        for prev, b in zip(ids, ids[1:] + [None]):
-            if b != prev + 1:
-                runs.append((first, prev + 1))
-                first = b
+        runs: list[tuple[int, int]] = []  # [lo, hi) of consecutive block ids
+        for b in sorted(set(blocks)):
+            if runs and runs[-1][1] == b:
+                runs[-1] = (runs[-1][0], b + 1)
+            else:
+                runs.append((b, b + 1))
         block_bytes = self.block_size * self.num_kv_heads * self.head_dim * self._storage.element_size()
         for side in (self.k_cache, self.v_cache):
             for layer in layers:
