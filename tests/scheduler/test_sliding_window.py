@@ -110,3 +110,19 @@ def test_swa_full_keeps_every_position(model: tuple[Path, list[GreedyReference]]
     again = engine.generate([PROMPTS[2]], GREEDY)[0].outputs[0].token_ids  # shares 18 tokens with prompt 0
     assert_matches_reference(again, refs[2], f"swa_full={swa_full} prompt 2")
     assert engine.block_manager.prefix_cache_hits == (16 if swa_full else 0)
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 2])
+def test_n_choices_share_the_prompt_past_the_window(model: tuple[Path, list[GreedyReference]], max_num_seqs: int) -> None:
+    """n = 2: the second choice forks the first one's prompt blocks (or, admitted after it finished,
+    hits them in the prefix cache); the prompt's last window is kept whole for it, so it shares every
+    full prompt block and still writes transformers' tokens."""
+    path, refs = model
+    engine = Engine(EngineConfig(model=str(path), kv_cache_memory=2 * MiB, max_model_len=256, block_size=4, max_num_seqs=max_num_seqs))
+    two = SamplingParams(n=2, max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    (result,) = engine.generate([PROMPTS[0]], two)
+    for choice in result.outputs:
+        assert_matches_reference(choice.token_ids, refs[0], f"max_num_seqs={max_num_seqs} choice {choice.index}")
+    assert engine.block_manager.windows is not None and engine.block_manager.num_used_blocks == 0
+    if max_num_seqs == 1:  # the first choice went 24 tokens past its 29-token prompt before the second began
+        assert engine.block_manager.prefix_cache_hits == 28
