@@ -10,10 +10,9 @@ sequence's queries that many at a time against only the keys they can see. Every
 built once per step in ``build_metadata``; a layer does no Python work per request.
 
 Sliding-window layers (``window``: each query attends to its sequence's last ``window`` positions,
-itself included, as transformers masks them) pass their window to the decode kernel, and use the
-step's masks narrowed to the window, built on the first such layer of a step and kept for the others.
-A step whose sequences all fit in the window is computed as without one.
-"""
+itself included, as transformers masks them) pass their window to the decode kernel, use the step's
+masks narrowed to it (built once a step), and in bands gather only the keys each band's window reaches.
+A step whose sequences all fit in the window is computed as without one."""
 
 from __future__ import annotations
 
@@ -350,10 +349,13 @@ class TorchAttentionBackend(AttentionBackend):
             vb = v_flat.index_select(0, meta.prefill_slots).view(n, k_max, -1, head_dim).transpose(1, 2).to(q.dtype)
             out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=True)
             return out.transpose(1, 2).reshape(n * q_max, num_heads, head_dim).index_select(0, meta.prefill_out_index)
+        banded = max(meta.seq_lens_list[meta.num_decodes :]) > PREFILL_Q_CHUNK
         if meta.prefill_slots is not None:
+            if banded and window:  # each band gathers only the keys its window reaches, not the whole context
+                return self._prefill_in_bands(q, k_flat, v_flat, mask, meta, scale, window, meta.prefill_slots)
             k = k_flat.index_select(0, meta.prefill_slots).to(q.dtype)
             v = v_flat.index_select(0, meta.prefill_slots).to(q.dtype)
-        if max(meta.seq_lens_list[meta.num_decodes :]) > PREFILL_Q_CHUNK:
+        if banded:
             return self._prefill_in_bands(q, k, v, mask, meta, scale, window)
         # SDPA wants [batch, heads, tokens, head_dim]; the whole prefill is one "batch" row.
         out = F.scaled_dot_product_attention(
@@ -368,11 +370,12 @@ class TorchAttentionBackend(AttentionBackend):
         return out[0].transpose(0, 1)
 
     @staticmethod
-    def _prefill_in_bands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                          meta: TorchAttentionMetadata, scale: float, window: int) -> torch.Tensor:
+    def _prefill_in_bands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, meta: TorchAttentionMetadata,
+                          scale: float, window: int, slots: torch.Tensor | None = None) -> torch.Tensor:
         """The flat layout's prefills, each PREFILL_Q_CHUNK queries at a time against the keys those can
         see: from the first query's window (or position 0) to the last query. Under one mask over all
-        keys SDPA computes every score, masked or not: the whole square for a windowed layer."""
+        keys SDPA computes every score, masked or not: the whole square for a windowed layer. With
+        ``slots``, ``k`` and ``v`` are the pool's flat rows and each band gathers its own keys."""
         assert meta.prefill_positions is not None
         q_pos, k_pos = meta.prefill_positions
         outs, q0, k0 = [], 0, 0
@@ -384,7 +387,8 @@ class TorchAttentionBackend(AttentionBackend):
                 r1 = min(q0 + ql, r0 + PREFILL_Q_CHUNK)
                 lo, hi = k0 + (max(0, ctx + r0 - q0 - window + 1) if window else 0), k0 + ctx + r1 - q0
                 band = mask[r0:r1, lo:hi] if mask is not None else k_pos[:, lo:hi] <= q_pos[r0:r1]
-                qkv = (t.transpose(0, 1).unsqueeze(0) for t in (q[r0:r1], k[lo:hi], v[lo:hi]))
+                kb, vb = (k[lo:hi], v[lo:hi]) if slots is None else (t.index_select(0, slots[lo:hi]).to(q.dtype) for t in (k, v))
+                qkv = (t.transpose(0, 1).unsqueeze(0) for t in (q[r0:r1], kb, vb))
                 out = F.scaled_dot_product_attention(*qkv, attn_mask=band, scale=scale, enable_gqa=True)
                 outs.append(out[0].transpose(0, 1))
             q0, k0 = q0 + ql, k0 + sl

@@ -188,6 +188,33 @@ def test_one_long_prefill_attends_in_bands_of_queries(sdpa_calls: list[tuple[int
         assert cols <= (rows + window - 1 if window else last), sdpa_calls
 
 
+def test_a_windowed_band_gathers_only_its_windows_keys(sdpa_calls: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long context's windowed layer copies out of the pool only the keys each band's window reaches
+    (their pages, once every window has left them, may be handed back), not the whole context."""
+    torch.manual_seed(4)
+    ctx, new, window = 60, 20, 12
+    k_cache, v_cache = torch.randn(16, BS, KVH, D), torch.randn(16, BS, KVH, D)
+    table = list(range(-(-(ctx + new) // BS)))
+    keys = k_cache.view(-1, KVH, D)[: ctx + new].clone()
+    vals = v_cache.view(-1, KVH, D)[: ctx + new].clone()
+    gathered: list[int] = []
+    index_select = torch.Tensor.index_select
+
+    def recording(t: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+        if t.shape[-2:] == (KVH, D):  # K/V rows
+            gathered.append(index.numel())
+        return index_select(t, dim, index)
+
+    monkeypatch.setattr(torch.Tensor, "index_select", recording)
+    backend = TorchAttentionBackend(BS, use_kernel=False)
+    meta = backend.build_metadata(make_meta([ctx], [new], [table]))
+    q = torch.randn(new, H, D)
+    out = backend.forward(q, keys[ctx:], vals[ctx:], k_cache, v_cache, meta, 0.25, window=window)
+    torch.testing.assert_close(out, reference(q, [keys], [vals], [ctx], [new], 0.25, window=window), atol=1e-5, rtol=1e-5)
+    assert gathered and max(gathered) <= 8 + window - 1, gathered  # bands of 8 queries: 19 keys each at most
+    assert sum(gathered) < 2 * (ctx + new), gathered
+
+
 @pytest.mark.parametrize("window", [0, 12], ids=["causal", "window"])
 def test_long_prefills_side_by_side_attend_in_bands(sdpa_calls: list[tuple[int, int]], window: int) -> None:
     """Several prefills in one step, any of them longer than a band: the flat layout, each sequence's
