@@ -106,6 +106,7 @@ class WindowedBlocks:
         return pending
 
     def check(self, ref_counts: Sequence[int]) -> None:
+        """Raise AssertionError where the counts disagree with the blocks' ref counts (tests)."""
         for b, (n, gone) in enumerate(zip(self._reached, self.released)):
             assert 0 <= n <= max(ref_counts[b], 0), f"block {b}: reached by {n} of {ref_counts[b]} holders"
             assert not (gone and n), f"released block {b} is still reached"
