@@ -51,6 +51,7 @@ class PrefixMatch:
     blocks: list[int] = field(default_factory=list)
     num_query_tokens: int = 0
     block_size: int = 0
+    num_matched_blocks: int = 0  # before a sliding window's cut-back (``window_blocks``)
 
     @property
     def num_cached_tokens(self) -> int:
@@ -158,9 +159,10 @@ class BlockManager:
             if b is None:
                 break
             blocks.append(b)
+        matched = len(blocks)
         if self.windows is not None:
             del blocks[self.windows.whole_prefix(blocks) :]
-        return PrefixMatch(blocks, len(seq.token_ids), self.block_size)
+        return PrefixMatch(blocks, len(seq.token_ids), self.block_size, matched)
 
     def cache_full_blocks(self, seq: BlockSequence) -> None:
         """Register the blocks ``seq`` has filled with computed tokens (prompt and generated alike)."""
@@ -176,15 +178,30 @@ class BlockManager:
         for i in range(start, num_full):
             b, h = table[i], hashes[i]
             # A block already hashed (adopted from the cache or forked) stays as is; a duplicate of a
-            # block another sequence registered first stays private and is simply not shared.
-            if self._block_hash[b] is None and h not in self._cached:
-                self._block_hash[b] = h
-                self._cached[h] = b
-                if new is not None:
-                    new.append(i)
+            # block another sequence registered first stays private and is simply not shared, unless
+            # that one's window layers were released: the whole copy takes its place.
+            if self._block_hash[b] is not None:
+                continue
+            old = self._cached.get(h)
+            if old is not None and self.windows is not None and self.windows.released[old]:
+                self._unregister(old)
+            elif old is not None:
+                continue
+            self._block_hash[b] = h
+            self._cached[h] = b
+            if new is not None and old is None:  # (a replaced block's hash was announced already)
+                new.append(i)
         self._num_registered[seq.seq_id] = num_full
         if new:
             self._record_stored(seq, new)
+
+    def _unregister(self, b: int) -> None:
+        """Take block ``b`` out of the prefix cache (a free one joins the never-cached free blocks)."""
+        del self._cached[self._block_hash[b]]  # type: ignore[arg-type]
+        self._block_hash[b] = None
+        if b in self._evictable:
+            del self._evictable[b]
+            self._free.append(b)
 
     def _record_stored(self, seq: BlockSequence, new: list[int]) -> None:
         """One BlockStored per contiguous run of newly cached blocks (a private duplicate splits a run)."""
@@ -277,6 +294,8 @@ class BlockManager:
             seq.block_table.append(b)
         if prefix is not None:
             self.record_prefix_query(prefix.num_query_tokens, prefix.num_cached_tokens)
+            if self.windows is not None:
+                self.windows.note_shared(seq, prefix.num_matched_blocks)
         return True
 
     def fork(self, src_block_table: Sequence[int], num_tokens: int) -> list[int]:

@@ -8,9 +8,11 @@ window's cells for such layers; the full-attention layers keep it, and so does t
 
 A released block is not whole, so a prefix hit or a fork that would start a sequence where its window
 reaches a released block is cut back to where the window before it is whole (vLLM's hybrid KV
-manager applies the same rule to its sliding-window groups). So that a prompt sent again still hits
-in full, as llama-server's context checkpoints keep the state at each prompt's end, the blocks of the
-window before a prompt's last full block are kept, never released.
+manager applies the same rule to its sliding-window groups). Some windows are kept, never released:
+the one before a prompt's last full block, so that the prompt sent again still hits in full (as
+llama-server's context checkpoints keep the state at each prompt's end); and the one before where a
+sequence's prompt matched the prefix cache, so that a prefix seen shared once (a system prompt) hits
+in full from then on, after the one recomputation its cut-back may have cost.
 
 Every holder of a block has it at the same index of its table (the hash chain or a fork puts it
 there), so "left" is a comparison of index and length. Pure bookkeeping: the engine hands the ids
@@ -41,6 +43,7 @@ class WindowedBlocks:
         self._reached = [0] * num_blocks  # holders whose window still reaches the block (0 once released)
         self._kept = [False] * num_blocks
         self._left: dict[int, int] = {}  # seq_id -> how many leading blocks of its table it has left
+        self._shared: dict[int, int] = {}  # seq_id -> blocks of its prompt the prefix cache matched
         self._pending: list[int] = []
 
     def first_needed(self, num_tokens: int) -> int:
@@ -70,9 +73,16 @@ class WindowedBlocks:
         if not self.released[block]:
             self._reached[block] += 1
 
+    def note_shared(self, seq: WindowedSequence, num_matched_blocks: int) -> None:
+        """``seq``'s prompt matched ``num_matched_blocks`` cached blocks (before any cut-back): keep the
+        window before that boundary once ``seq`` leaves it."""
+        if num_matched_blocks:
+            self._shared[seq.seq_id] = num_matched_blocks
+
     def drop(self, seq: WindowedSequence) -> None:
         """``seq`` frees its blocks: it stops reaching those it had not left (nothing is released: a
         finished sequence's last window stays whole for the prefix cache)."""
+        self._shared.pop(seq.seq_id, None)
         for b in seq.block_table[self._left.pop(seq.seq_id, 0) :]:
             if not self.released[b]:
                 self._reached[b] -= 1
@@ -84,15 +94,15 @@ class WindowedBlocks:
         end = min(len(table), self.first_needed(seq.num_computed_tokens))
         if end <= start:
             return
-        keep_lo = keep_hi = 0
-        if self.keep_prompt_windows:  # the blocks a repeat of the prompt would start from
-            keep_hi = max(0, seq.num_prompt_tokens - 1) // self.block_size
-            keep_lo = self.first_needed(keep_hi * self.block_size)
+        kept: list[range] = []
+        if self.keep_prompt_windows:  # the windows a repeat of the prompt, or of its shared prefix, starts from
+            for boundary in (max(0, seq.num_prompt_tokens - 1) // self.block_size, self._shared.get(seq.seq_id, 0)):
+                kept.append(range(self.first_needed(boundary * self.block_size), boundary))
         for i in range(start, end):
             b = table[i]
             if self.released[b]:
                 continue
-            if keep_lo <= i < keep_hi:
+            if any(i in r for r in kept):
                 self._kept[b] = True
             self._reached[b] -= 1
             if self._reached[b] == 0 and not self._kept[b]:

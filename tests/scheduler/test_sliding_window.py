@@ -79,7 +79,7 @@ def test_blocks_every_window_left_are_handed_back_and_tokens_stay_exact(
     results = engine.generate(PROMPTS, GREEDY)
     for p, res in enumerate(results):
         assert_matches_reference(res.outputs[0].token_ids, refs[p], f"{case} prompt {p}")
-    assert len(released) >= 8, released
+    assert len(released) >= 6, released
     if case == "preempted":
         assert engine.scheduler.num_preemptions_total > 0
     # The same prompts again: hits cut back where a window reached a released block.
@@ -101,7 +101,8 @@ def test_blocks_every_window_left_are_handed_back_and_tokens_stay_exact(
 @pytest.mark.parametrize("swa_full", [False, True])
 def test_swa_full_keeps_every_position(model: tuple[Path, list[GreedyReference]], swa_full: bool) -> None:
     """``--swa-full``: nothing is handed back, and a prefix shared by a later prompt hits where it ends.
-    By default that prefix's window was handed back once prompt 0 went on past it: no hit."""
+    By default that prefix's window was handed back once prompt 0 went on past it: no hit the first
+    time it is shared, a full one from then on."""
     path, refs = model
     engine = Engine(EngineConfig(model=str(path), kv_cache_memory=2 * MiB, max_model_len=256, block_size=4, swa_full=swa_full))
     assert (engine.block_manager.windows is None) == swa_full
@@ -110,6 +111,11 @@ def test_swa_full_keeps_every_position(model: tuple[Path, list[GreedyReference]]
     again = engine.generate([PROMPTS[2]], GREEDY)[0].outputs[0].token_ids  # shares 18 tokens with prompt 0
     assert_matches_reference(again, refs[2], f"swa_full={swa_full} prompt 2")
     assert engine.block_manager.prefix_cache_hits == (16 if swa_full else 0)
+    # A third prompt with that prefix: prompt 2 kept the window before where it matched, so it hits.
+    third = PROMPTS[0][:18] + [7, 70, 700]
+    out = engine.generate([third], GREEDY)[0].outputs[0].token_ids
+    assert_matches_reference(out, hf_greedy_references(path, [third], MAX_NEW)[0], f"swa_full={swa_full} third")
+    assert engine.block_manager.prefix_cache_hits == (32 if swa_full else 16)
 
 
 @pytest.mark.parametrize("max_num_seqs", [1, 2])

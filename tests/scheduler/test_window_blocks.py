@@ -61,17 +61,40 @@ def test_a_shared_block_is_released_when_its_last_holder_leaves_it() -> None:
     bm = BlockManager(32, BS, window=W)
     a = prompt(0, [1, 2, 3, 4, 5])
     assert compute(bm, a, 5)
-    decode(bm, a, 7)  # 12 computed (generated tokens are cached too); block 0 is kept for a's prompt
-    b = prompt(1, a.token_ids[:12] + list(range(20, 28)))  # a's 12 tokens, then 8 of its own
-    hit = bm.lookup(b)
-    assert hit.blocks == a.block_table[:3]
-    assert compute(bm, b, 20 - 12, hit)
-    bm.release_passed(b)  # b left blocks 0-2 (block 2 is in b's prompt's last window, kept)
-    assert released(bm, b) == [] and bm.take_released() == []  # block 1 is still in a's window
-    decode(bm, a, 7)  # a at 19 computed leaves block 1 too
-    assert released(bm, a) == [1] and bm.take_released() == [a.block_table[1]]
+    decode(bm, a, 15)  # 20 computed: blocks 1-2 released, block 0 kept for a's prompt
+    child = Seq(1, list(a.token_ids), num_prompt_tokens=1)  # (a short "prompt": nothing kept for it)
+    child.block_table = bm.fork(a.block_table, 20)
+    child.num_computed_tokens = 20
+    assert child.block_table == a.block_table[:5]  # the window before 20 (blocks 3-4) is whole
+    decode(bm, a, 4)  # a at 24 leaves block 3; the child, at 20, still reaches it
+    assert released(bm, a) == [1, 2] and bm.take_released() == a.block_table[1:3]
+    decode(bm, child, 4)
+    assert released(bm, child) == [1, 2, 3] and bm.take_released() == [a.block_table[3]]
     bm.free(a)
-    bm.free(b)
+    bm.free(child)
+    bm.check_invariants()
+
+
+def test_a_prefix_seen_shared_once_hits_in_full_from_then_on() -> None:
+    """A system prompt of 12 tokens: b comes after a went a window past it, so b recomputes it; b keeps
+    the window before the boundary its prompt matched, and its whole blocks replace a's released ones
+    in the prefix cache, so c hits the whole system prompt."""
+    bm = BlockManager(32, BS, window=W)
+    system = list(range(100, 112))
+    a = prompt(0, system + [1, 2, 3, 4, 5])
+    assert compute(bm, a, 17)
+    decode(bm, a, 23)  # 40 computed: only a's prompt's last window (blocks 2-3) is whole
+    b = prompt(1, system + [6, 7, 8, 9, 10])
+    hit = bm.lookup(b)
+    assert hit.num_matched_blocks == 3 and hit.blocks == []
+    assert compute(bm, b, 17, hit)
+    decode(bm, b, 23)
+    c = prompt(2, system + [11, 12, 13, 14, 15])
+    hit = bm.lookup(c)
+    assert hit.num_cached_tokens == 12 and hit.blocks[1] == b.block_table[1]
+    assert compute(bm, c, 5, hit)
+    for s in (a, b, c):
+        bm.free(s)
     bm.check_invariants()
 
 
@@ -125,14 +148,26 @@ class WindowedBlockManagerMachine(BlockManagerMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.bm = BlockManager(num_blocks=12, block_size=3, window=5)
+        self.bm = bm = BlockManager(num_blocks=12, block_size=3, window=5)
+        lookup = bm.lookup
+
+        def lookup_in_a_step(seq: Seq) -> PrefixMatch:
+            self._step_begins()
+            return lookup(seq)
+
+        bm.lookup = lookup_in_a_step  # type: ignore[method-assign]
+
+    def _step_begins(self) -> None:
+        """What the scheduler does first in a step, before any lookup or allocation."""
+        for live in self.live.values():
+            self.bm.release_passed(live)
+        self.bm.take_released()
 
     def _compute(self, s: Seq, n: int, m: PrefixMatch | None = None) -> bool:
         if not s.num_prompt_tokens:
             s.num_prompt_tokens = len(s.token_ids)
-        for live in self.live.values():  # what each step begins with
-            self.bm.release_passed(live)
-        self.bm.take_released()
+        if m is None:  # (with a match, its lookup began the step)
+            self._step_begins()
         return super()._compute(s, n, m)
 
     def _first_read(self, num_tokens: int) -> int:
