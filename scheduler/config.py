@@ -36,6 +36,7 @@ class EngineConfig:
     speculative_config: str | None = None
     # KV-cache events for KV-aware routers, vLLM's JSON: '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}'
     kv_events_config: str | None = None
+    host: str = "127.0.0.1"  # where HTTP listens: KV events bind there when their endpoint is not given
     # LoRA adapters (PEFT folders) served by name beside the base model
     enable_lora: bool = False
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) loaded at start-up (implies enable_lora)

@@ -86,18 +86,47 @@ def encode_batch(ts: float, events: list[KVCacheEvent], data_parallel_rank: int 
     return msgpack.packb([ts, [event_to_wire(e) for e in events], data_parallel_rank])
 
 
+DEFAULT_PORT = 5557
+_WILDCARDS = ("*", "0.0.0.0", "::", "[::]")
+
+
+def endpoint_host(endpoint: str) -> str | None:
+    """The host of a ``tcp://HOST:PORT`` endpoint (brackets stripped); None for ipc:// and inproc://."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    host = endpoint[len("tcp://") :].rpartition(":")[0]
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def is_wildcard(endpoint: str) -> bool:
+    host = endpoint_host(endpoint)
+    return host is not None and (host in _WILDCARDS or "*" in host)
+
+
+def is_local(endpoint: str) -> bool:
+    """Reached from this machine only: loopback TCP, or ipc:// / inproc://."""
+    host = endpoint_host(endpoint)
+    return host is None or host == "localhost" or host == "::1" or host.startswith("127.")
+
+
 @dataclass
 class KVEventsConfig:
-    """vLLM's ``--kv-events-config`` JSON, same keys and defaults."""
+    """vLLM's ``--kv-events-config`` JSON, same keys, plus ``bind``; the endpoint's default differs.
+
+    Events carry every prompt's token ids, so without an ``endpoint`` the publisher binds where HTTP
+    listens (``host``, port 5557): a loopback server stays loopback. vLLM's default, ``tcp://*:5557``,
+    binds every interface; here a wildcard is used only where the operator writes it.
+    """
 
     enable_kv_cache_events: bool = False
     publisher: str | None = None  # "zmq" | "null"; None: zmq when enabled
-    endpoint: str = "tcp://*:5557"  # bound when it has a wildcard, else connected (as vLLM)
+    endpoint: str | None = None  # None: tcp://HOST:5557, bound
     replay_endpoint: str | None = None
     buffer_steps: int = 10_000  # batches kept for replay
     hwm: int = 100_000
     max_queue_size: int = 100_000  # batches waiting for the publisher thread; more are dropped
     topic: str = ""
+    bind: bool | None = None  # servelm's: None is vLLM's rule (bind a wildcard, ipc:// or inproc://; connect to others)
 
     def __post_init__(self) -> None:
         if self.publisher is None:
@@ -106,21 +135,36 @@ class KVEventsConfig:
             raise ValueError(f"kv_events_config: unknown publisher {self.publisher!r} (zmq or null)")
         if not isinstance(self.enable_kv_cache_events, bool):
             raise ValueError("kv_events_config: enable_kv_cache_events must be true or false")
-        for name in ("endpoint", "topic") + (("replay_endpoint",) if self.replay_endpoint is not None else ()):
-            if not isinstance(getattr(self, name), str):
+        if self.bind is not None and not isinstance(self.bind, bool):
+            raise ValueError("kv_events_config: bind must be true, false or null")
+        for name in ("endpoint", "replay_endpoint"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ValueError(f"kv_events_config: {name} must be a string")
+        if not isinstance(self.topic, str):
+            raise ValueError("kv_events_config: topic must be a string")
         for name in ("buffer_steps", "hwm", "max_queue_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"kv_events_config: {name} must be a positive integer")
+        if self.endpoint is not None and self.bind is False and is_wildcard(self.endpoint):
+            raise ValueError(f"kv_events_config: bind is false but {self.endpoint} is a wildcard, which can only be bound")
 
     @property
     def active(self) -> bool:
         return self.enable_kv_cache_events and self.publisher == "zmq"
 
+    @property
+    def binds(self) -> bool:
+        """Whether the PUB socket binds ``endpoint`` (else it connects to it, e.g. to a broker)."""
+        if self.bind is not None:
+            return self.bind
+        assert self.endpoint is not None
+        return is_wildcard(self.endpoint) or self.endpoint.startswith(("ipc://", "inproc://"))
+
     @classmethod
-    def parse(cls, text: str) -> KVEventsConfig:
-        """From the CLI's JSON; unknown keys are refused by name rather than ignored."""
+    def parse(cls, text: str, host: str = "127.0.0.1") -> KVEventsConfig:
+        """From the CLI's JSON, the endpoint defaulting to ``host`` (HTTP's); unknown keys are refused
+        by name rather than ignored."""
         try:
             raw = json.loads(text)
         except json.JSONDecodeError as e:
@@ -131,7 +175,28 @@ class KVEventsConfig:
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"kv_events_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        return cls(**raw)
+        cfg = cls(**raw)
+        if cfg.endpoint is None:
+            cfg.endpoint = f"tcp://[{host}]:{DEFAULT_PORT}" if ":" in host else f"tcp://{host}:{DEFAULT_PORT}"
+            if cfg.bind is None:
+                cfg.bind = True
+        return cfg
+
+
+def log_exposure(name: str, endpoint: str, bound: bool) -> None:
+    """Say where events go; warn when another machine can read them (they carry prompts' token ids)."""
+    if is_local(endpoint):
+        log.info("KV events: %s %s %s", name, "bound on" if bound else "connected to", endpoint)
+    elif is_wildcard(endpoint):
+        log.warning(
+            "KV events: %s %s listens on all interfaces: any host that reaches it reads every prompt's token ids "
+            "(no authentication); name a loopback or private address unless that is intended", name, endpoint,
+        )  # fmt: skip
+    else:
+        log.warning(
+            "KV events: %s %s %s is not loopback: whoever reads it gets every prompt's token ids",
+            name, "bound on" if bound else "connected to", endpoint,
+        )  # fmt: skip
 
 
 class ZmqEventPublisher:
@@ -178,6 +243,7 @@ class ZmqEventPublisher:
         import zmq
 
         cfg = self.config
+        assert cfg.endpoint is not None  # (parse sets it)
         ctx = zmq.Context()
         pub = replay = None
         where = cfg.endpoint
@@ -185,15 +251,17 @@ class ZmqEventPublisher:
             pub = ctx.socket(zmq.PUB)
             pub.setsockopt(zmq.SNDHWM, cfg.hwm)
             pub.setsockopt(zmq.LINGER, 0)
-            if any(s in cfg.endpoint for s in ("*", "::")) or cfg.endpoint.startswith(("ipc://", "inproc://")):
+            if cfg.binds:
                 pub.bind(cfg.endpoint)
             else:
                 pub.connect(cfg.endpoint)
+            log_exposure("publisher", cfg.endpoint, cfg.binds)
             if cfg.replay_endpoint:
                 where = cfg.replay_endpoint
                 replay = ctx.socket(zmq.ROUTER)
                 replay.setsockopt(zmq.LINGER, 0)
                 replay.bind(cfg.replay_endpoint)
+                log_exposure("replay socket", cfg.replay_endpoint, True)
         except Exception as e:
             self._error = ValueError(f"kv_events_config: cannot open {where}: {e}")
             for s in (pub, replay):

@@ -107,7 +107,7 @@ def start_up(config: EngineConfig, runner: RunnerLike | None = None) -> StartUp:
         torch.set_num_threads(config.num_threads)
     # Refused before the weights are loaded.
     speculative = SpeculativeConfig.parse(config.speculative_config) if config.speculative_config else None
-    kv_events = KVEventsConfig.parse(config.kv_events_config) if config.kv_events_config else None
+    kv_events = KVEventsConfig.parse(config.kv_events_config, host=config.host) if config.kv_events_config else None
     if kv_events is not None and kv_events.active and not config.enable_prefix_caching:
         log.warning("KV events describe the prefix cache, which is off: only AllBlocksCleared can be published")
     enable_lora = config.enable_lora or bool(config.lora_modules)

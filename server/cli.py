@@ -181,7 +181,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=d.tensor_parallel_size, help="split the model Megatron-style over N ranks: this process is rank 0 (scheduler, sampling), N-1 worker processes are spawned, joined over torch.distributed (gloo on CPU); --kv-cache-memory is then each rank's pool, --num-threads each rank's threads, the cores / N when not given. Refused by name: LoRA, --quantization, GGUF files, CUDA (unproven), shapes not divisible by N. See docs/tensor-parallel.md (default: %(default)s)")
     g.add_argument("--seed", type=int, default=d.seed, help="sampling seed for requests without one (default: %(default)s)")
     g.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON", help='speculative decoding by n-gram lookup, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2, "max_running": 1}\' (greedy and unseeded sampled requests without penalties; drafts only while at most max_running requests run; off while scheduling ahead) (default: off)')
-    g.add_argument("--kv-events-config", type=_kv_events_config, default=None, metavar="JSON", help='publish KV-cache events (blocks entering and leaving the prefix cache) for KV-aware routers such as vllm-router --policy kv_aware, as vLLM\'s: \'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "", "buffer_steps": 10000, "hwm": 100000, "max_queue_size": 100000}\' (ZMQ PUB of msgpack batches) (default: off)')
+    g.add_argument("--kv-events-config", type=_kv_events_config, default=None, metavar="JSON", help='publish KV-cache events (blocks entering and leaving the prefix cache) for KV-aware routers such as vllm-router --policy kv_aware, as vLLM\'s: \'{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5558", "topic": "", "buffer_steps": 10000, "hwm": 100000, "max_queue_size": 100000}\' (ZMQ PUB of msgpack batches; they carry prompts\' token ids: without an endpoint it binds --host, port 5557; a wildcard or other non-loopback endpoint is logged with a warning; see docs/scale-out.md) (default: off)')
 
     g = p.add_argument_group("LoRA adapters")
     g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT folders) beside the base model, chosen per request by the 'model' field")
@@ -232,6 +232,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         speculative_config=args.speculative_config,
         kv_events_config=args.kv_events_config,
+        host=args.host,
         enable_lora=args.enable_lora or bool(args.lora_modules),
         lora_modules=tuple(args.lora_modules),
         max_loras=args.max_loras,

@@ -31,8 +31,8 @@ def endpoints() -> Iterator[tuple[ZmqEventPublisher, Any, str]]:
     """A publisher on loopback with a replay socket, and a SUB socket that already receives from it."""
     port, replay_port = free_port(), free_port()
     cfg = KVEventsConfig.parse(
-        f'{{"enable_kv_cache_events": true, "endpoint": "tcp://*:{port}", '
-        f'"replay_endpoint": "tcp://*:{replay_port}", "topic": "kv"}}'
+        f'{{"enable_kv_cache_events": true, "bind": true, "endpoint": "tcp://127.0.0.1:{port}", '
+        f'"replay_endpoint": "tcp://127.0.0.1:{replay_port}", "topic": "kv"}}'
     )
     pub = make_publisher(cfg)
     assert isinstance(pub, ZmqEventPublisher)
@@ -175,7 +175,7 @@ def test_disabled_records_nothing() -> None:
 
 def test_config_is_vllms_json() -> None:
     cfg = KVEventsConfig.parse('{"enable_kv_cache_events": true}')
-    assert (cfg.publisher, cfg.endpoint, cfg.replay_endpoint, cfg.topic) == ("zmq", "tcp://*:5557", None, "")
+    assert (cfg.publisher, cfg.endpoint, cfg.replay_endpoint, cfg.topic) == ("zmq", "tcp://127.0.0.1:5557", None, "")
     assert (cfg.buffer_steps, cfg.hwm, cfg.max_queue_size) == (10_000, 100_000, 100_000)
     for bad, needle in [
         ('{"enable_kv_cache_events": true, "endpont": "x"}', "endpont"),
@@ -196,7 +196,7 @@ def test_config_is_vllms_json() -> None:
         s.listen()
         busy = f"tcp://127.0.0.1:{port}"
         with pytest.raises(ValueError, match=busy):
-            make_publisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{free_port()}", replay_endpoint=busy))
+            make_publisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://127.0.0.1:{free_port()}", bind=True, replay_endpoint=busy))
 
 
 def test_events_replayed_into_an_index_match_the_cache() -> None:
@@ -249,7 +249,7 @@ def test_engine_publishes_one_batch_per_step(tiny_llama_dir: Any) -> None:
     port = free_port()
     cfg = EngineConfig(
         model=str(tiny_llama_dir), kv_cache_memory=2 * 2**20, max_model_len=256, block_size=16,
-        kv_events_config=f'{{"enable_kv_cache_events": true, "endpoint": "tcp://*:{port}"}}',
+        kv_events_config=f'{{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:{port}", "bind": true}}',
     )  # fmt: skip
     engine = Engine(cfg)
     ctx = zmq.Context()
@@ -287,3 +287,66 @@ def test_engine_publishes_one_batch_per_step(tiny_llama_dir: Any) -> None:
 def receive_any(sub: Any) -> tuple[int, list[dict[str, Any]]]:
     _, seq, payload = sub.recv_multipart()
     return int.from_bytes(seq, "big"), msgpack.unpackb(payload)[1]
+
+
+def listening_addresses(port: int) -> set[str]:
+    """Local addresses of the sockets listening on TCP ``port`` (from /proc/net/tcp{,6}: no traffic sent)."""
+    found: set[str] = set()
+    for name, width in (("tcp", 8), ("tcp6", 32)):
+        path = f"/proc/net/{name}"
+        try:
+            lines = open(path).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            addr, hex_port = local.split(":")
+            if state != "0A" or int(hex_port, 16) != port:  # 0A: LISTEN
+                continue
+            raw = bytes.fromhex(addr)
+            # /proc prints each 32-bit word in host (little-endian) order
+            words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            found.add(socket.inet_ntop(socket.AF_INET if width == 8 else socket.AF_INET6, words))
+    return found
+
+
+def test_events_bind_the_http_host_by_default() -> None:
+    """Without an endpoint the publisher binds where HTTP listens: loopback stays loopback (KV events
+    carry every prompt's token ids; vLLM's default, tcp://*:5557, hands them to the whole network)."""
+    cfg = KVEventsConfig.parse('{"enable_kv_cache_events": true}', host="127.0.0.1")
+    assert (cfg.endpoint, cfg.bind) == ("tcp://127.0.0.1:5557", True)
+    assert KVEventsConfig.parse('{"enable_kv_cache_events": true}', host="::1").endpoint == "tcp://[::1]:5557"
+    port = free_port()
+    pub = make_publisher(KVEventsConfig.parse(f'{{"enable_kv_cache_events": true, "bind": true, "endpoint": "tcp://127.0.0.1:{port}"}}'))
+    try:
+        assert listening_addresses(port) == {"127.0.0.1"}
+    finally:
+        pub.shutdown()  # type: ignore[union-attr]
+
+
+def test_a_non_loopback_endpoint_is_logged_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    port, replay = free_port(), free_port()
+    cfg = KVEventsConfig.parse(
+        f'{{"enable_kv_cache_events": true, "endpoint": "tcp://*:{port}", "replay_endpoint": "tcp://*:{replay}"}}', host="127.0.0.1"
+    )
+    with caplog.at_level("INFO", logger="servelm.scheduler.kv_events"):
+        pub = make_publisher(cfg)
+        pub.shutdown()  # type: ignore[union-attr]
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(f"tcp://*:{port}" in m and "all interfaces" in m for m in warned), warned
+    assert any(f"tcp://*:{replay}" in m for m in warned), warned
+    assert listening_addresses(port) == set()  # closed again
+    caplog.clear()
+    with caplog.at_level("INFO", logger="servelm.scheduler.kv_events"):
+        pub = make_publisher(KVEventsConfig.parse('{"enable_kv_cache_events": true}', host="127.0.0.1"))
+        pub.shutdown()  # type: ignore[union-attr]
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert any("tcp://127.0.0.1:5557" in r.getMessage() for r in caplog.records)
+
+
+def test_a_wildcard_is_refused_unless_named() -> None:
+    """A wildcard endpoint is taken only as written by the operator; bind=false on one is a contradiction."""
+    with pytest.raises(ValueError, match="bind"):
+        KVEventsConfig.parse('{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "bind": false}')
+    with pytest.raises(ValueError, match="bind"):
+        KVEventsConfig.parse('{"enable_kv_cache_events": true, "bind": "yes"}')

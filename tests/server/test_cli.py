@@ -84,6 +84,10 @@ def test_serve_args_build_one_engine_config() -> None:
             build_parser().parse_args(["serve", "--speculative-config", bad])
     events = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}'
     assert engine_config_from_args(build_parser().parse_args(["serve", "--kv-events-config", events])).kv_events_config == events
+    # Events bind where HTTP listens unless the endpoint says otherwise.
+    for argv, host in ((["serve"], "127.0.0.1"), (["serve", "--host", "::1"], "::1")):
+        cfg = engine_config_from_args(build_parser().parse_args([*argv, "--kv-events-config", '{"enable_kv_cache_events": true}']))
+        assert cfg.host == host
     for bad in ("{", '{"enable_kv_cache_events": true, "end_point": "tcp://*:1"}', '{"publisher": "kafka"}'):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", "--kv-events-config", bad])
