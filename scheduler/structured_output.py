@@ -97,9 +97,11 @@ def grammar_text(spec: StructuredOutput) -> str:
     if spec.kind == "regex":
         return m.grammar_from_regex(spec.value)
     if spec.kind == "choice":
-        # Lark string literals take JSON's escapes, so each choice is matched literally.
+        # Lark string literals take JSON's escapes, so each choice is matched literally. The choices are
+        # one terminal (one lexeme, a DFA): as alternatives of a rule, the parser's rows grow with their
+        # number and llguidance stops at 2,000 items a row, in the middle of a request.
         choices = json.loads(spec.value)
-        return m.grammar_from_lark("start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices))
+        return m.grammar_from_lark("start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices))
     if spec.kind == "grammar":
         from llguidance.gbnf_to_lark import any_to_lark
 

@@ -282,3 +282,25 @@ def test_specs_are_bounded_in_length_and_the_cache_in_characters(eng: Engine, mo
     compiled = [c.compile(s) for s in specs]
     assert len(c._cache) == 3 and c._cache_chars == 3 * 31  # the oldest two went
     assert c.compile(specs[-1]) is compiled[-1] and c.compile(specs[0]) is not compiled[0]
+
+
+def test_thousands_of_choices_are_followed_to_the_end(eng: Engine, prompts: list[list[int]]) -> None:
+    """A choice list past llguidance's 2,000 items a parser row (one alternative each, as a rule) ended
+    its requests with an error after their first token; as one lexeme it has no such limit. Choices
+    that are prefixes of others (``"7"``, ``"70"``, ``"700"``) must each stay reachable."""
+    many = [f"item {i}" for i in range(2500)] + ["7", "70", "700"]
+    so = StructuredOutput("choice", json.dumps(many), "structured_outputs.choice")
+    params = SamplingParams(max_tokens=20, temperature=1.0, seed=11, n=8, structured_output=so)
+    for result in eng.generate(prompts[:2], params):
+        for choice in result.outputs:
+            assert choice.finish_reason == "stop", choice
+            assert choice.text in many, choice.text
+    # Each of the prefixes, walked token by token, ends the structure exactly where it ends.
+    compiled = eng.grammar_compiler.compile(StructuredOutput("choice", json.dumps(many), "structured_outputs.choice"))
+    for text in ("7", "70", "700", "item 2499"):
+        m = compiled.matcher()
+        ids = eng.tokenizer.encode(text, add_special_tokens=False)
+        done = [m.accept(t) for t in ids]
+        assert not any(done[:-1]), (text, done)
+        assert done[-1] == (text != "7" and text != "70"), (text, done)  # ("7" and "70" may go on)
+    assert eng.block_manager.num_used_blocks == 0
