@@ -8,12 +8,14 @@
 #    file:// indexes and find-links folders are bind-mounted read-only into the build at the same paths);
 # 3. runs it with --network none and waits for /health (the image's HEALTHCHECK command): it must start
 #    from the baked-in model with no way out;
-# 4. runs it with -p on a loopback port, waits for /health, asks the default model for a chat completion, reads /metrics, checks the server
+# 4. runs it with -p on a free loopback port (podman picks it), waits for /health, asks the default model for a chat completion, reads /metrics, checks the server
 #    runs as the non-root user, and that `podman stop` (SIGTERM) drains and exits 0;
 # 5. prints the image size, the build time and the time to healthy, and removes what it created
 #    (the base image, the built image and the layer cache stay, so a second run is fast).
+# Every container it starts is labelled with its pid and removed on any exit, a signal included; a
+# later run removes those of a run that was killed outright.
 #
-# Environment: IMAGE (tag, localhost/servelm:cpu), BASE_IMAGE, PORT (18000), HEALTH_TIMEOUT (600 s),
+# Environment: IMAGE (tag, localhost/servelm:cpu), BASE_IMAGE, PORT (default: a free one), HEALTH_TIMEOUT (600 s),
 # TORCH_INDEX_URL (default: the host's index), KEEP_IMAGE=0 to remove the built image as well.
 set -euo pipefail
 
@@ -22,7 +24,7 @@ REPO=$(cd "$HERE/../.." && pwd)
 export CONTAINERS_CONF=${CONTAINERS_CONF:-$HERE/containers.conf}
 BASE_IMAGE=${BASE_IMAGE:-localhost/servelm-base:bookworm}
 IMAGE=${IMAGE:-localhost/servelm:cpu}
-PORT=${PORT:-18000}
+PORT=${PORT:-}
 HEALTH_TIMEOUT=${HEALTH_TIMEOUT:-600}
 NAME=servelm-image-check-$$
 LIMITS=(--runtime runc --ulimit nofile=1024:1024 --ulimit nproc=1024:1024)
@@ -31,12 +33,25 @@ PY=${PYTHON:-python3}
 say() { printf 'image-check: %s\n' "$*"; }
 fail() { say "FAIL: $*"; exit 1; }
 
+LABEL=servelm-image-check
 cleanup() {
     local c
     for c in "$NAME" "$NAME-offline"; do podman rm -f --ignore -t 0 "$c" >/dev/null 2>&1 || true; done
     if [[ ${KEEP_IMAGE:-1} == 0 ]]; then podman rmi -f "$IMAGE" >/dev/null 2>&1 || true; fi
 }
 trap cleanup EXIT
+# A signal ends the script through exit, so the EXIT trap removes the containers.
+trap 'exit 129' HUP
+trap 'exit 130' INT
+trap 'exit 143' TERM
+# Containers of an earlier run that was killed (its pid gone) are removed.
+while read -r c pid; do
+    [[ -n $c ]] || continue
+    if [[ -z $pid ]] || ! kill -0 "$pid" 2>/dev/null; then
+        say "removing $c, left by an earlier run (pid ${pid:-?})"
+        podman rm -f --ignore -t 0 "$c" >/dev/null 2>&1 || true
+    fi
+done < <(podman ps -a --filter "label=$LABEL" --format "{{.Names}} {{index .Labels \"$LABEL\"}}" 2>/dev/null || true)
 
 BASE_IMAGE=$BASE_IMAGE "$HERE/build_base.sh"
 
@@ -122,7 +137,7 @@ wait_healthy() {  # $1: container, $2: probe command...; sets healthy_s, counted
 }
 # No systemd here for podman's health timers: the probe runs the image's HEALTHCHECK by hand.
 T0=$(date +%s.%N)
-podman run -d --name "$NAME-offline" "${LIMITS[@]}" --network none --no-healthcheck "$IMAGE" >/dev/null
+podman run -d --name "$NAME-offline" --label "$LABEL=$$" "${LIMITS[@]}" --network none --no-healthcheck "$IMAGE" >/dev/null
 wait_healthy "$NAME-offline" podman exec "$NAME-offline" python -c \
     "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)"
 offline_healthy_s=$healthy_s
@@ -133,8 +148,13 @@ say "--network none: healthy after ${offline_healthy_s} s, no way out (the model
 podman rm -f -t 10 "$NAME-offline" >/dev/null
 
 # ----------------------------------------------------------------------------- 2: on a loopback port
+# A fixed port may be taken (podman then exits 126): by default podman picks a free one, read back.
 T0=$(date +%s.%N)
-podman run -d --name "$NAME" "${LIMITS[@]}" --no-healthcheck -p "127.0.0.1:$PORT:8000" "$IMAGE" >/dev/null
+podman run -d --name "$NAME" --label "$LABEL=$$" "${LIMITS[@]}" --no-healthcheck -p "127.0.0.1:$PORT:8000" "$IMAGE" >/dev/null \
+    || fail "podman run -p 127.0.0.1:$PORT:8000 failed${PORT:+ (is port $PORT taken? leave PORT unset for a free one)}"
+published=$(podman port "$NAME" 8000/tcp | head -n 1)
+PORT=${published##*:}
+[[ $PORT =~ ^[0-9]+$ ]] || fail "no published port for $NAME: '$published'"
 URL=http://127.0.0.1:$PORT
 wait_healthy "$NAME" curl -fsS -m 2 "$URL/health"
 say "-p 127.0.0.1:$PORT:8000: healthy after ${healthy_s} s"
