@@ -25,6 +25,7 @@ class EngineConfig:
     swa_full: bool = False  # keep sliding-window layers' K/V of every position (by default CPU pools hand back what windows left)
     scheduling_policy: str = "fcfs"  # "fcfs" (continuous batching) | "priority" (the same, by request priority) | "static"
     max_waiting_requests: int = 1024
+    max_request_share: float = 0.5  # of the slots and KV blocks one request's sequences may hold while others wait (1: no bound)
     enforce_eager: bool = False  # CUDA: no CUDA graphs
     async_scheduling: bool | None = None  # schedule step k+1 before step k's tokens reach the host; None => on CUDA only
     quantization: str | None = None  # "int8" | "int4": weight-only quantized projections and head (CPU, float32)

@@ -144,6 +144,8 @@ class Engine:
         lora_name: str | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        lora_adapter: LoRAAdapter | None = None,
+        group: str | None = None,
     ) -> None:
         """Queue a request (its ``params.n`` choices), computed with the LoRA adapter ``lora_name`` if
         given, sharing prefix-cache blocks only with requests of the same ``cache_salt`` if given, at
@@ -178,6 +180,7 @@ class Engine:
                 lora_id=lora_id,
                 cache_salt=cache_salt,
                 priority=priority,
+                group=group,
             )
             skip = params.skip_special_tokens
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, skip, decoder=self._text_decoders[skip])

@@ -81,9 +81,12 @@ class Request:
         lora_id: int = 0,
         cache_salt: str | None = None,
         priority: int = 0,
+        group: str | None = None,
     ) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
+        # The client request this sequence serves (its choices, its other prompts): the unit of fair share.
+        self.group = group if group is not None else request_id
         self.index = index
         self.params = params
         self.prompt_token_ids = list(prompt_token_ids)

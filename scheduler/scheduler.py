@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from servelm.metrics.observer import StepStats
 from servelm.runtime.batch import PENDING_TOKEN, BatchItem
 from servelm.scheduler.block_manager import BlockManager, PrefixMatch
+from servelm.scheduler.fair_share import DEFAULT_MAX_REQUEST_SHARE, FairShare, GroupUsage
 from servelm.scheduler.request import Request, RequestStatus
 from servelm.scheduler.speculative import NgramProposer
 
@@ -76,6 +77,9 @@ class Scheduler:
     ``max_loras``: most distinct LoRA adapters among running requests (None: no limit). A waiting
     request of another adapter keeps its place in the queue until one finishes; requests behind it
     (the base model's, or a running adapter's) are admitted meanwhile.
+
+    ``max_request_share``: while other requests wait, one client request's sequences (``Request.group``)
+    hold at most this share of the slots and KV blocks (``FairShare``; 1 turns it off; not with ``static``).
     """
 
     def __init__(
@@ -87,6 +91,7 @@ class Scheduler:
         policy: str = "fcfs",
         proposer: NgramProposer | None = None,
         max_loras: int | None = None,
+        max_request_share: float = DEFAULT_MAX_REQUEST_SHARE,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r} ({', '.join(POLICIES)})")
@@ -98,6 +103,7 @@ class Scheduler:
         self.policy = policy
         self.proposer = proposer  # speculative decoding: drafts for eligible decodes
         self.max_loras = max_loras
+        self.fair = FairShare(max_request_share, max_num_seqs, block_manager.num_blocks)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
         # static policy: the admitted batch's members that are not running yet.
@@ -162,11 +168,18 @@ class Scheduler:
             for req in self.running:
                 self.bm.release_passed(req)
 
-        # 1. Running requests, in admission order.
+        # 0b. A waiting request that does not fit takes the place of sequences over their request's share.
+        fair = self.fair.enabled and self.policy != "static"
+        if fair and self.waiting:
+            self._reclaim(out)
+
+        # 1. Running requests, in admission order (groups over their share last: the first to give way).
         speculate = self.proposer is not None and len(self.running) <= self.proposer.config.max_running
+        order = self.fair.order(self.running) if fair else list(self.running)
+        short = False  # a running request had to preempt: memory is short
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        while i < len(order) and budget > 0:
+            req = order[i]
             num_new = min(len(req.token_ids) - req.num_computed_tokens, budget)
             if num_new <= 0:  # nothing to compute: its last token is being sampled (engine scheduling ahead)
                 i += 1
@@ -184,7 +197,8 @@ class Scheduler:
                 i += 1
                 continue
             while not self.bm.allocate_slots(req, num_new):
-                victim = self.running[-1]
+                victim = order.pop()
+                short = True
                 if victim is req and i == 0:
                     # Alone (everyone else was preempted or there is no one): it can never fit.
                     self._fail_too_large(req, out)
@@ -197,10 +211,10 @@ class Scheduler:
                 budget -= num_new + len(draft)
                 i += 1
                 continue
-            # ``req`` left ``running`` (preempted or failed): the next one slid into index i.
+            # ``req`` left ``order`` (preempted or failed): the next one slid into index i.
 
         # 2. Admit waiting requests (not in a step that had to preempt: memory is short).
-        if not out.preempted:
+        if not short:
             if self.policy == "static":
                 if not self.running and not self._batch:
                     while self.waiting and len(self._batch) < self.max_num_seqs:
@@ -215,12 +229,22 @@ class Scheduler:
         # n>1 siblings waiting for choice 0's prompt, and requests of an adapter over max_loras: they keep their places
         held: list[Request] = []
         loras = {r.lora_id for r in self.running if r.lora_id} if self.max_loras is not None else None
+        # Fair share: a request at its share waits while another request waits behind it.
+        usage: dict[str, GroupUsage] | None = None
+        waiting_groups: set[str] = set()
+        if self.fair.enabled and self.policy != "static":
+            waiting_groups = {r.group for r in queue}
+            if len(waiting_groups) > 1:
+                usage = self.fair.usage(self.running)
         while queue and budget > 0 and len(self.running) < self.max_num_seqs:
             req = queue.popleft()
             if loras is not None and req.lora_id and req.lora_id not in loras:
                 if len(loras) >= self.max_loras:  # type: ignore[operator]
                     held.append(req)
                     continue
+            if usage is not None and self.fair.full(usage.get(req.group)):
+                held.append(req)
+                continue
             parent = req.parent
             fork_from: Request | None = None
             if parent is not None and not parent.is_finished:
@@ -256,6 +280,8 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             if loras is not None and req.lora_id:
                 loras.add(req.lora_id)
+            if usage is not None:
+                usage.setdefault(req.group, GroupUsage()).add(req)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
                 req.num_cached_tokens = num_cached
@@ -268,6 +294,24 @@ class Scheduler:
         for r in reversed(held):
             queue.appendleft(r)
         return budget
+
+    def _reclaim(self, out: SchedulerOutput) -> None:
+        """Preempt sequences of groups over their share until the first waiting request of a group
+        under its share fits (a free slot, and free blocks for its next chunk), or none is over."""
+        usage = self.fair.usage(self.running)
+        if not any(self.fair.over(u) for u in usage.values()):
+            return
+        waiter = next((r for r in self.waiting if not self.fair.full(usage.get(r.group))), None)
+        if waiter is None:
+            return
+        chunk = min(len(waiter.token_ids) - waiter.num_computed_tokens, self.max_num_batched_tokens)
+        need = self.bm.blocks_needed(waiter.num_computed_tokens + chunk) - len(waiter.block_table)
+        while len(self.running) >= self.max_num_seqs or self.bm.num_free_blocks < need:
+            victim = self.fair.victim(usage, spare=waiter.group)
+            if victim is None:
+                return
+            self._preempt(victim, out)
+            usage = self.fair.usage(self.running)
 
     def _schedule(self, req: Request, num_new: int, out: SchedulerOutput, draft: list[int] | None = None) -> None:
         start = req.num_computed_tokens

@@ -189,6 +189,7 @@ def start_up(config: EngineConfig, runner: RunnerLike | None = None) -> StartUp:
         policy=config.scheduling_policy,
         proposer=proposer,
         max_loras=config.max_loras if enable_lora else None,
+        max_request_share=config.max_request_share,
     )
 
     # Default: on where the forward runs in the background (CUDA), off elsewhere.

@@ -203,6 +203,8 @@ class AsyncEngine:
         fut: asyncio.Future[None] = self._loop.create_future()
         given = (("lora_name", lora_name), ("cache_salt", cache_salt), ("priority", priority))
         options = {k: v for k, v in given if v is not None}
+        if len(requests) > 1:  # one client request's prompts share its fair share of the engine
+            options["group"] = requests[0][0]
         cmd = Add(group, list(requests), arrival_time if arrival_time is not None else time.monotonic(), fut, options)
         num_seqs = sum(p.n for _, _, p in cmd.requests)
         if not self._engine_thread.submit(cmd, num_seqs, self.max_waiting_requests):

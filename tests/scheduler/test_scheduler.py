@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 
@@ -29,11 +30,13 @@ class Harness:
         max_num_batched_tokens: int = 32,
         policy: str = "fcfs",
         prefix_caching: bool = True,
+        **scheduler_options: Any,
     ) -> None:
         self.bm = BlockManager(num_blocks, block_size, prefix_caching)
         self.sched = Scheduler(
-            self.bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, policy=policy
-        )
+            self.bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, policy=policy,
+            **scheduler_options,
+        )  # fmt: skip
         self.ids = itertools.count()
         self.outputs: list[SchedulerOutput] = []
         self.finished: list[Request] = []

@@ -102,8 +102,10 @@ class FakeEngine:
         lora_name: str | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        group: str | None = None,
     ) -> None:
-        """``Engine.add_request``'s signature; the scripted model has no adapters, prefix cache or priorities."""
+        """``Engine.add_request``'s signature; the scripted model has no adapters, prefix cache, priorities
+        or fair share."""
         params.validate(vocab_size=self.model_config.vocab_size)
         if not prompt_token_ids:
             raise InvalidParameterError("prompt", "the prompt is empty")
