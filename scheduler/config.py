@@ -42,4 +42,5 @@ class EngineConfig:
     enable_lora: bool = False
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) loaded at start-up (implies enable_lora)
     max_loras: int = 4  # most distinct adapters among running requests
+    max_cpu_loras: int | None = None  # most adapters kept loaded (least recently used unloaded first); None => max_loras
     max_lora_rank: int = 64  # adapters of a higher rank are refused

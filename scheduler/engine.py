@@ -90,7 +90,7 @@ class Engine:
         self.drafts_verified = 0  # speculative decoding, cumulative: drafts computed ...
         self.num_accepted_drafts = 0  # ... and kept
 
-        self.loras = LoRARegistry(self.runner, enabled=self.enable_lora, max_rank=config.max_lora_rank, base_name=self.served_model_name)
+        self.loras = LoRARegistry(self.runner, config, enabled=self.enable_lora, base_name=self.served_model_name)
         for name, path in config.lora_modules:
             self.loras.add(name, path)
 
@@ -147,22 +147,21 @@ class Engine:
         lora_adapter: LoRAAdapter | None = None,
         group: str | None = None,
     ) -> None:
-        """Queue a request (its ``params.n`` choices), computed with the LoRA adapter ``lora_name`` if
-        given, sharing prefix-cache blocks only with requests of the same ``cache_salt`` if given, at
-        ``priority`` (lower first; the ``priority`` scheduling policy only); raises
-        ``InvalidParameterError`` when it cannot be served (``LoRANotFoundError`` for an adapter that
-        is not served)."""
+        """Queue a request (its ``params.n`` choices) with the LoRA adapter ``lora_name`` (``lora_adapter``: its
+        weights, read by the caller after a ``LoRANotLoadedError``), sharing prefix-cache blocks only within its
+        ``cache_salt``, at ``priority`` (the ``priority`` policy only), in the fair share of ``group`` (default:
+        its own); raises ``InvalidParameterError`` when it cannot be served (``LoRANotFoundError``: no such
+        adapter; ``LoRALimitError``: no room)."""
         if request_id in self._groups:
             raise InvalidParameterError("request_id", f"request id {request_id!r} is already in use")
         if priority and self.scheduler.policy != "priority":
-            raise InvalidParameterError(
-                "priority", f"'priority' is only taken with --scheduling-policy priority (this server: {self.scheduler.policy})"
-            )
-        lora_id = self.loras.id_of(lora_name) if lora_name is not None else 0
+            msg = f"'priority' is only taken with --scheduling-policy priority (this server: {self.scheduler.policy})"
+            raise InvalidParameterError("priority", msg)
         max_tokens = check_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
         so = params.structured_output
         if so is not None and so.compiled is None:
             self.grammar_compiler.compile(so)
+        lora_id = self.loras.acquire(lora_name, params.n, lora_adapter) if lora_name is not None else 0  # last: it may load the adapter
         arrival = time.monotonic() if arrival_time is None else arrival_time
         choices: list[Request] = []
         for i in range(params.n):
@@ -187,8 +186,6 @@ class Engine:
             req.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
             choices.append(req)
         self._groups[request_id] = ChoiceGroup(request_id, list(prompt_token_ids), choices)
-        if lora_name is not None:
-            self.loras.acquire(lora_name, len(choices))
         for req in choices:
             self.scheduler.add(req)
 

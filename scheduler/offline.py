@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
+from servelm.scheduler.lora_registry import LoRALimitError, LoRANotLoadedError
 from servelm.scheduler.outputs import ChoiceGroup, GeneratedChoice, GenerationResult
 from servelm.scheduler.sampling_params import SamplingParams
 
@@ -36,7 +37,7 @@ def generate(
             # Text is tokenized as the tokenizer does by default (BOS where the model expects one).
             ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             rid = engine.new_offline_id()
-            engine.add_request(rid, ids, p, lora_name=lora_name)
+            _add(engine, rid, ids, p, lora_name)
             groups.append(engine.choice_group(rid))
     except Exception:
         for g in groups:
@@ -47,6 +48,22 @@ def generate(
     for g in groups:  # drop their pending abort/error news: the caller gets the results below
         engine.forget(g.request_id)
     return [_result(g) for g in groups]
+
+
+def _add(engine: Engine, rid: str, ids: list[int], params: SamplingParams, lora_name: str | None) -> None:
+    """``add_request``, reading an adapter unloaded to make room (offline, nothing else waits on this
+    thread) and stepping until a loaded adapter is free when every one is in use."""
+    adapter = None
+    while True:
+        try:
+            engine.add_request(rid, ids, params, lora_name=lora_name, lora_adapter=adapter)
+            return
+        except LoRANotLoadedError as e:
+            adapter = engine.read_lora_adapter(e.path)
+        except LoRALimitError:
+            if not engine.has_unfinished_requests():
+                raise
+            engine.step()
 
 
 def _result(group: ChoiceGroup) -> GenerationResult:

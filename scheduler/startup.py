@@ -113,6 +113,8 @@ def start_up(config: EngineConfig, runner: RunnerLike | None = None) -> StartUp:
     enable_lora = config.enable_lora or bool(config.lora_modules)
     if enable_lora and (config.max_loras < 1 or config.max_lora_rank < 1):
         raise ValueError("max_loras and max_lora_rank must be at least 1")
+    if enable_lora and config.max_cpu_loras is not None and config.max_cpu_loras < config.max_loras:
+        raise ValueError(f"max_cpu_loras ({config.max_cpu_loras}) must be at least max_loras ({config.max_loras})")
     tp = config.tensor_parallel_size
     if tp != 1:
         check_tensor_parallel_serving(config, mc, model_dir, device, enable_lora, injected=runner is not None)

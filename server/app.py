@@ -284,7 +284,9 @@ def build_app(
             id=ctx.served_model_name, created=ctx.created, root=ctx.model_path, max_model_len=ctx.max_model_len
         )
 
-    generation_errors = error_responses(400, 401, 404, 413, 500, 503)
+    # 429: every loaded LoRA adapter in use (--max-cpu-loras), which only a LoRA server returns.
+    lora_429 = (429,) if getattr(async_engine.engine, "enable_lora", False) else ()
+    generation_errors = error_responses(400, 401, 404, 413, *lora_429, 500, 503)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=generation_errors)
     async def completions(body: CompletionRequest, raw: Request) -> Response:
@@ -298,7 +300,7 @@ def build_app(
     async def responses(body: ResponsesRequest, raw: Request) -> Response:
         return await create_response(ctx, store, body, raw)
 
-    @app.post("/v1/messages", response_model=MessageObject, responses=error_responses(400, 401, 404, 413, 500, 503, 529, anthropic=True))
+    @app.post("/v1/messages", response_model=MessageObject, responses=error_responses(400, 401, 404, 413, *lora_429, 500, 503, 529, anthropic=True))
     async def messages(body: MessagesRequest, raw: Request) -> Response:
         return await create_message(ctx, body, raw)
 
@@ -331,7 +333,7 @@ def build_app(
 
     if allow_runtime_lora_updating:
 
-        @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=error_responses(400, 401, 413, 503))
+        @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=error_responses(400, 401, 413, 429, 503))
         async def load_lora_route(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
             return await load_lora_adapter(ctx, body)
 

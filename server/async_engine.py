@@ -188,10 +188,12 @@ class AsyncEngine:
         lora_name: str | None = None,
         cache_salt: str | None = None,
         priority: int | None = None,
+        lora_adapter: Any | None = None,
     ) -> RequestGroup:
         """Hand requests to the engine as one group (computed with the LoRA adapter ``lora_name``, their
         prefix-cache blocks salted with ``cache_salt``, at ``priority``, when given); returns once the
-        engine accepted them all.
+        engine accepted them all. ``lora_adapter``: ``lora_name``'s weights read again, for an adapter
+        the engine unloaded to make room (``LoRANotLoadedError``).
 
         Raises what ``Engine.add_request`` raises (``InvalidParameterError`` for a bad request; the
         earlier requests of the group are then aborted), ``QueueFullError``, ``EngineStoppedError``
@@ -201,7 +203,7 @@ class AsyncEngine:
         assert self._loop is not None
         group = RequestGroup(self)
         fut: asyncio.Future[None] = self._loop.create_future()
-        given = (("lora_name", lora_name), ("cache_salt", cache_salt), ("priority", priority))
+        given = (("lora_name", lora_name), ("cache_salt", cache_salt), ("priority", priority), ("lora_adapter", lora_adapter))
         options = {k: v for k, v in given if v is not None}
         if len(requests) > 1:  # one client request's prompts share its fair share of the engine
             options["group"] = requests[0][0]

@@ -84,6 +84,8 @@ class EngineLike(Protocol):
         lora_name: str | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        lora_adapter: Any | None = None,
+        group: str | None = None,
     ) -> None: ...
 
     def abort(self, request_id: str) -> None: ...
@@ -118,7 +120,7 @@ class Add:
     requests: list[tuple[str, list[int], SamplingParams]]
     arrival_time: float
     future: asyncio.Future[None]
-    options: dict[str, Any]  # Engine.add_request's keywords (lora_name, cache_salt, priority) given for the group
+    options: dict[str, Any]  # Engine.add_request's keywords (lora_name, cache_salt, priority, lora_adapter) given for the group
 
 
 @dataclass

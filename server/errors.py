@@ -105,6 +105,7 @@ _ERROR_DESCRIPTIONS = {
     401: "Missing or wrong API key (with --api-key only)",
     404: "No such model (or, for /v1/responses/{id}, no such stored response)",
     413: "The request body is larger than --max-request-bytes",
+    429: "Every loaded LoRA adapter is in use by unfinished requests (--max-cpu-loras; see Retry-After)",
     500: "Internal error",
     503: "Overloaded (queue full; see Retry-After), shutting down, or the engine has stopped",
     529: "Overloaded: the queue is full (see Retry-After); /v1/messages only, where other routes answer 503",
@@ -196,6 +197,13 @@ def queue_full(limit: int) -> APIError:
         type="server_error",
         code="queue_full",
         headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
+
+
+def lora_limit_reached(message: str, param: str) -> APIError:
+    """Every loaded LoRA adapter is in use (``--max-cpu-loras``): a 429, as it passes when requests finish."""
+    return APIError(
+        429, message, type="rate_limit_error", param=param, code="lora_limit_reached", headers={"Retry-After": str(RETRY_AFTER_S)}
     )
 
 

@@ -5,18 +5,28 @@ engine errors -> HTTP errors, and running a request until it finishes or its cli
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, TypeVar
+from typing import Any, Awaitable, Callable, TypeVar
 
 from fastapi import Request
 
+from servelm.scheduler.lora_registry import LoRALimitError, LoRANotLoadedError
 from servelm.scheduler.sampling_params import InvalidParameterError, LoRANotFoundError, SamplingParams
 from servelm.scheduler.structured_output import GrammarCompiler, StructuredOutput
 from servelm.server.async_engine import AsyncEngine, EngineDeadError, EngineStoppedError, QueueFullError
-from servelm.server.errors import APIError, bad_request, internal_error, model_not_found, queue_full, unavailable
+from servelm.server.errors import (
+    APIError,
+    bad_request,
+    internal_error,
+    lora_limit_reached,
+    model_not_found,
+    queue_full,
+    unavailable,
+)
 from servelm.server.logprobs import TokenStrings
 from servelm.server.protocol import GenerationRequest
 from servelm.server.reasoning import ReasoningParser
@@ -44,6 +54,9 @@ class ServingContext:
     # LoRA adapters served by name (name -> path); kept in step with the engine's by the handlers
     # that load and unload them
     loras: dict[str, str] = field(default_factory=dict)
+    # One adapter folder read at a time (loads, and adapters unloaded by --max-cpu-loras read again):
+    # each read holds a whole adapter's weights until the engine takes them.
+    lora_reads: asyncio.Lock = field(default_factory=asyncio.Lock)
     fields: FieldNotices = field(default_factory=FieldNotices)  # the ignored field names logged so far
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser: thinking split from the answer
     tool_parser: type[ToolParser] | None = None  # --tool-call-parser: calls in the model's own format
@@ -228,6 +241,10 @@ def engine_error(exc: BaseException, param_map: dict[str, str] | None = None) ->
         return exc
     if isinstance(exc, LoRANotFoundError):  # unloaded between the check and the engine
         return model_not_found(exc.name)
+    if isinstance(exc, LoRALimitError):
+        return lora_limit_reached(f"Cannot serve this LoRA adapter now: {exc}.", param="model")
+    if isinstance(exc, LoRANotLoadedError):  # its name kept being loaded again from other folders
+        return unavailable(f"The LoRA adapter '{exc.name}' changed while it was read again; retry.", code="lora_adapter_changed")
     if isinstance(exc, InvalidParameterError):
         param = (param_map or {}).get(exc.param, exc.param)
         return bad_request(str(exc), param=param)
@@ -273,10 +290,41 @@ async def add_requests(
 ) -> RequestGroup:
     if cache_salt is not None and not cache_salt:
         raise bad_request("'cache_salt' must be a non-empty string if given.", param="cache_salt")
+    add = functools.partial(ctx.async_engine.add, requests, arrival_time, lora_name=lora_name, cache_salt=cache_salt, priority=priority)
     try:
-        return await ctx.async_engine.add(requests, arrival_time, lora_name=lora_name, cache_salt=cache_salt, priority=priority)
+        try:
+            return await add()
+        except LoRANotLoadedError:  # unloaded to make room (--max-cpu-loras): read it again
+            return await _add_reading_adapter(ctx, add)
     except Exception as exc:  # noqa: BLE001 - mapped to the right HTTP error
         raise engine_error(exc, param_map) from None
+
+
+async def _add_reading_adapter(ctx: ServingContext, add: Callable[..., Awaitable[RequestGroup]]) -> RequestGroup:
+    """``add`` with the request's adapter read again from its folder, off the engine thread; a request
+    that waited for another's read of the same adapter finds it loaded. Tried again if the name was
+    loaded meanwhile from another folder (the engine takes only its current folder's weights)."""
+    async with ctx.lora_reads:
+        adapter = None
+        for _ in range(2):
+            try:
+                return await add(lora_adapter=adapter)
+            except LoRANotLoadedError as e:
+                adapter = await _read_again(ctx, e)
+        return await add(lora_adapter=adapter)
+
+
+async def _read_again(ctx: ServingContext, e: LoRANotLoadedError) -> Any:
+    engine: Any = ctx.async_engine.engine
+    try:
+        return await asyncio.to_thread(engine.read_lora_adapter, e.path)
+    except ValueError as err:  # runtime.lora.LoRAError: the folder is gone or no longer an adapter
+        raise bad_request(
+            f"The LoRA adapter '{e.name}' was unloaded from memory to make room (--max-cpu-loras) and cannot be "
+            f"read again: {err}",
+            param="model",
+            code="invalid_lora_adapter",
+        ) from None
 
 
 async def _wait_for_disconnect(request: Request) -> None:

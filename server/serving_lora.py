@@ -4,7 +4,9 @@ A request's ``model`` names the base model or one of the adapters (``ServingCont
 Adapters come from ``--lora-modules`` at start-up and, with ``--allow-runtime-lora-updating``, from
 these endpoints: the folder is read and checked in a worker thread (the engine keeps stepping), then
 handed to the engine thread between two steps. Unloading stops new requests at once; requests already
-queued with the adapter finish with it.
+queued with the adapter finish with it. Beyond ``--max-cpu-loras`` loaded adapters the engine unloads
+the least recently used one no request uses; its name stays served and a request naming it has it
+read again (``serving_common.add_requests``); with every loaded adapter in use, a 429.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from typing import Any
 from fastapi.responses import PlainTextResponse
 from pydantic import ConfigDict, Field
 
-from servelm.server.errors import APIError, bad_request
+from servelm.scheduler.lora_registry import LoRALimitError
+from servelm.server.errors import APIError, bad_request, lora_limit_reached
 from servelm.server.limits import MAX_LORA_NAME_CHARS, MAX_PATH_CHARS, RequestBody
 from servelm.server.protocol import ModelCard
 from servelm.server.serving_common import ServingContext, engine_error
@@ -48,11 +51,14 @@ async def load_lora_adapter(ctx: ServingContext, req: LoadLoRAAdapterRequest) ->
         raise bad_request(f"The lora adapter '{name}' has already been loaded.", param="lora_name", code="lora_adapter_exists")
     engine: Any = ctx.async_engine.engine
     try:
-        # Files and checks off the event loop and off the engine thread: a big adapter takes seconds.
-        adapter = await asyncio.to_thread(engine.read_lora_adapter, req.lora_path)
-        await ctx.async_engine.call(lambda e: e.add_lora(name, adapter))
+        async with ctx.lora_reads:  # one read at a time: each holds a whole adapter until the engine takes it
+            # Files and checks off the event loop and off the engine thread: a big adapter takes seconds.
+            adapter = await asyncio.to_thread(engine.read_lora_adapter, req.lora_path)
+            await ctx.async_engine.call(lambda e: e.add_lora(name, adapter))
     except ValueError as e:  # runtime.lora.LoRAError: the folder, or the name, is not servable
         raise bad_request(f"Cannot load LoRA adapter '{name}': {e}", param="lora_path", code="invalid_lora_adapter") from None
+    except LoRALimitError as e:
+        raise lora_limit_reached(f"Cannot load LoRA adapter '{name}': {e}.", param="lora_name") from None
     except APIError:
         raise
     except Exception as e:  # noqa: BLE001 - engine gone, shutting down...: the right status

@@ -100,7 +100,7 @@ def test_max_loras_bounds_the_adapters_of_a_step(
 ) -> None:
     """With max_loras=1, no step mixes two adapters (the base model runs beside either); a request of
     the other adapter waits, but does not block the base-model requests queued behind it."""
-    engine = lora_engine(tiny_llama_dir, adapters, max_loras=1)
+    engine = lora_engine(tiny_llama_dir, adapters, max_loras=1, max_cpu_loras=2)  # both stay loaded
     seen: list[set[int]] = []
     execute = engine.runner.launch
 
@@ -180,7 +180,7 @@ def test_step_stats_name_running_and_waiting_adapters(tiny_llama_dir: Path, adap
         def on_request_rejected(self) -> None:
             pass
 
-    config = EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=2 * MiB, max_model_len=256, max_loras=1,
+    config = EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=2 * MiB, max_model_len=256, max_loras=1, max_cpu_loras=2,
                           lora_modules=(("a", str(adapters["a"])), ("b", str(adapters["b"]))))  # fmt: skip
     engine = Engine(config, observer=Obs())
     engine.generate([PROMPTS[0], PROMPTS[1]], SamplingParams(max_tokens=3, temperature=0.0), lora_names=["a", "b"])
