@@ -93,7 +93,7 @@ class PlaceholderAware:
         if not candidates:
             raise UnsupportedModelError(f"{source}: no special token to stand in for its placeholder tokens")
         tok._sentinel = candidates[-1]
-        tok._pattern = re.compile(_trie_regex([tok._sentinel[0], *placeholders]))
+        tok._pattern = re.compile(trie_regex([tok._sentinel[0], *placeholders]))
 
     def encode(self, text: Any, *args: Any, **kwargs: Any) -> list[int]:
         if not isinstance(text, str) or not self._spells_placeholder(text):
@@ -116,7 +116,7 @@ class PlaceholderAware:
         return super()._decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs)  # type: ignore[misc]
 
 
-def _trie_regex(words: list[str]) -> str:
+def trie_regex(words: list[str]) -> str:
     """A regex matching any of ``words``, longest first (as the tokenizers library matches added
     tokens), shaped as a trie so that thousands of words sharing a prefix cost one branch each step."""
     trie: dict[str, Any] = {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from servelm.server.chat_special_tokens import SpecialTokenGuard
 from servelm.server.errors import bad_request, unsupported
 from servelm.server.protocol_chat import CHAT_ROLES, ChatMessage, ChatTool
 from servelm.server.tools import calls_as_content, describe_tools, template_knows_tools, tools_for_template
@@ -143,6 +144,7 @@ def render_chat_prompt(
     named_tool: str | None = None,
     describe: bool = False,
     template_kwargs: dict[str, Any] | None = None,
+    special_token_guard: SpecialTokenGuard | None = None,
 ) -> list[int]:
     """Apply the chat template and tokenize the result.
 
@@ -150,7 +152,9 @@ def render_chat_prompt(
     without adding special tokens again (unless ``add_special_tokens``, for /tokenize). ``tools`` go to
     a template that reads them, unless ``describe``, else into the system message
     (``server.tools.describe_tools``: ``describe`` words them for "auto"). ``template_kwargs``: the
-    request's ``chat_template_kwargs``, checked by ``template_kwargs``.
+    request's ``chat_template_kwargs``, checked by ``template_kwargs``. ``special_token_guard``: the
+    special tokens the messages, tools and ``template_kwargs`` spell are encoded as text (None: read as
+    tokens, --no-split-special-tokens-in-content).
     """
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("This model has no chat template; use /v1/completions instead.", param="messages")
@@ -162,8 +166,14 @@ def render_chat_prompt(
         messages = calls_as_content(messages)
         if tools:
             messages = describe_tools(messages, tools, named_tool, auto=describe)
+    guard = special_token_guard
+    marked = guard.mark([messages, kwargs]) if guard is not None else None
+    if marked is not None:
+        messages, kwargs = marked
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs)
     except Exception as e:  # jinja2's TemplateError, or a template that raises on what it does not expect
         raise bad_request(f"The model's chat template cannot render these messages: {e}", param="messages") from None
+    if guard is not None and marked is not None:
+        return guard.encode(text, add_special_tokens)
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))

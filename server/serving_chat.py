@@ -99,7 +99,9 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, arrival: f
     parser = ctx.reasoning_parser
 
     def render() -> tuple[list[int], ReasoningMode | None]:
-        ids = render_chat_prompt(ctx.tokenizer, messages, **render_kwargs(tools), template_kwargs=kwargs)
+        ids = render_chat_prompt(
+            ctx.tokenizer, messages, **render_kwargs(tools), template_kwargs=kwargs, special_token_guard=ctx.special_token_guard
+        )
         if parser is None:
             return ids, None
         return ids, ReasoningMode(parser, parser.phase(ids, ctx.tokenizer), include=req.include_reasoning is not False)

@@ -18,6 +18,7 @@ from servelm.scheduler.lora_registry import LoRALimitError, LoRANotLoadedError
 from servelm.scheduler.sampling_params import InvalidParameterError, LoRANotFoundError, SamplingParams
 from servelm.scheduler.structured_output import GrammarCompiler, StructuredOutput
 from servelm.server.async_engine import AsyncEngine, EngineDeadError, EngineStoppedError, QueueFullError
+from servelm.server.chat_special_tokens import SpecialTokenGuard
 from servelm.server.errors import (
     APIError,
     bad_request,
@@ -61,12 +62,20 @@ class ServingContext:
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser: thinking split from the answer
     tool_parser: type[ToolParser] | None = None  # --tool-call-parser: calls in the model's own format
     auto_tool_choice: bool = False  # --enable-auto-tool-choice: "auto" lets the model choose them
+    # --split-special-tokens-in-content: special tokens the client's chat text spells are encoded as text
+    split_special_tokens_in_content: bool = True
 
     def __post_init__(self) -> None:
         self.token_strings = TokenStrings(self.tokenizer)
         self.max_prompt_chars = prompt_char_limit(self.tokenizer, self.max_model_len)
         # Structured outputs are compiled here, in the tokenizer thread (it owns ``tokenizer``).
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self._special_token_guard = SpecialTokenGuard(self.tokenizer)
+
+    @property
+    def special_token_guard(self) -> SpecialTokenGuard | None:
+        """What chat rendering keeps the client's text from spelling special tokens with (None: it may)."""
+        return self._special_token_guard if self.split_special_tokens_in_content else None
 
     async def add_structured_output(
         self, req: GenerationRequest, params: SamplingParams, spec: StructuredOutput | None = None

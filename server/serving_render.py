@@ -42,7 +42,9 @@ async def render_chat(ctx: ServingContext, req: ChatCompletionRequest) -> dict[s
     text = chat_text_chars(req.messages, req.tools, kwargs)
     ctx.check_prompt_chars(text, "messages", "the messages and tools have", "Please shorten the messages.")
     ids = await ctx.async_engine.run_blocking(
-        lambda: render_chat_prompt(ctx.tokenizer, messages, **render_kwargs(tools), template_kwargs=kwargs)
+        lambda: render_chat_prompt(
+            ctx.tokenizer, messages, **render_kwargs(tools), template_kwargs=kwargs, special_token_guard=ctx.special_token_guard
+        )
     )
     return {"token_ids": ids}
 

@@ -47,6 +47,7 @@ async def tokenize(ctx: ServingContext, req: TokenizeRequest) -> TokenizeRespons
                 add_generation_prompt=req.add_generation_prompt,
                 add_special_tokens=bool(req.add_special_tokens),
                 **render_kwargs(tools),
+                special_token_guard=ctx.special_token_guard,
             )
         )
     strs = await run(ctx.tokenizer.convert_ids_to_tokens, ids) if req.return_token_strs else None
