@@ -15,6 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from servelm.metrics.observer import Observer, RequestStats, StepStats
 from servelm.server.async_engine import AsyncEngine
 from servelm.server.errors import (
+    RETRY_AFTER_S,
     APIError,
     document_validation_as_400,
     error_response,
@@ -201,7 +202,9 @@ class GateMiddleware:
             reason = ae.dead_reason or "not running"
             return unavailable(f"The engine is not running ({reason}).", code="engine_dead")
         if not ae.is_accepting:
-            return unavailable("The server is shutting down and accepts no new requests.", code="shutting_down")
+            err = unavailable("The server is shutting down and accepts no new requests.", code="shutting_down")
+            err.headers = {"Retry-After": str(RETRY_AFTER_S)}  # (another replica takes the retry)
+            return err
         return None
 
 

@@ -155,6 +155,11 @@ class AsyncEngine:
         for group in list(self._groups):
             group.fail(exc)
 
+    async def drained(self, timeout_s: float) -> None:
+        """Return once the drain (``begin_drain``'s, else one started now with ``timeout_s``) has ended:
+        the running requests finished or were cut at the deadline."""
+        await asyncio.shield(self._start_drain(timeout_s))
+
     async def shutdown(self, timeout_s: float = 30.0) -> None:
         """Drain (or finish the drain ``begin_drain`` started) within ``timeout_s``, then stop the engine thread."""
         await self._start_drain(timeout_s)

@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
-import re
 import signal
 import sys
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from servelm.scheduler.config import EngineConfig
+from servelm.server.cli_types import (
+    fraction,
+    kv_events_config,
+    lora_module,
+    parse_size,
+    positive_float,
+    positive_int,
+    speculative_config,
+)
 from servelm.server.reasoning.parsers import PARSERS as REASONING_PARSERS
 from servelm.server.tool_parsers import PARSERS as TOOL_PARSERS
 
@@ -31,114 +38,9 @@ DEFAULT_MAX_CONNECTIONS = 2048
 # Time to a complete request head: generous for a slow link (a head is a few hundred bytes), short
 # enough that stalled connections do not pile up.
 DEFAULT_HEADER_TIMEOUT_S = 20.0
-
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "m": 10**6,
-    "mb": 10**6,
-    "g": 10**9,
-    "gb": 10**9,
-    "t": 10**12,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-
-
-def parse_size(text: str) -> int:
-    """``"2GiB"``, ``"512MiB"``, ``"1.5GB"``, ``"1048576"`` -> bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _SIZE_UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 2GiB, 512MiB, 1.5GB, 1073741824)")
-    value = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
-    return v
-
-
-def _parsed_by(parse: Callable[[str], object]) -> Callable[[str], str]:
-    """An argparse type that checks a JSON flag with its config class's parser and keeps the text."""
-
-    def check(text: str) -> str:
-        try:
-            parse(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-        return text
-
-    return check
-
-
-def _speculative_config(text: str) -> str:
-    from servelm.scheduler.speculative import SpeculativeConfig
-
-    return _parsed_by(SpeculativeConfig.parse)(text)
-
-
-def _kv_events_config(text: str) -> str:
-    from servelm.scheduler.kv_events import KVEventsConfig
-
-    return _parsed_by(KVEventsConfig.parse)(text)
-
-
-def parse_lora_module(text: str) -> tuple[str, str]:
-    """``name=path`` or vLLM's JSON form ``{"name": ..., "path": ...}`` -> (name, path)."""
-    text = text.strip()
-    if text.startswith("{"):
-        try:
-            obj: Any = json.loads(text)
-        except ValueError as e:
-            raise ValueError(f"not JSON: {e}") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(obj.get("path"), str):
-            raise ValueError('the JSON form needs string "name" and "path"')
-        name, path = obj["name"], obj["path"]
-    else:
-        name, sep, path = text.partition("=")
-        if not sep:
-            raise ValueError(f"expected name=path, got {text!r}")
-    if not name or not path:
-        raise ValueError(f"empty name or path in {text!r}")
-    return name, path
-
-
-def _lora_module(text: str) -> tuple[str, str]:
-    try:
-        return parse_lora_module(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
-    return v
-
-
-def _fraction(text: str) -> float:
-    v = float(text)
-    if not 0.0 < v <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1]: {text!r}")
-    return v
-
+# Time from a complete head to a complete body: a 32 MiB body needs ~4.5 Mbit/s; a client that drips
+# one holds its connection no longer.
+DEFAULT_BODY_TIMEOUT_S = 60.0
 
 # ---------------------------------------------------------------------------------------- serve
 
@@ -157,37 +59,40 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model folder)")
     g.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None, help="split the thinking a reasoning model writes before its answer (<think>...</think>) into chat's reasoning_content, a Responses reasoning item and Messages thinking blocks, as vLLM's flag: qwen3 (Qwen3, SmolLM3, QwQ), deepseek_r1 (DeepSeek-R1 and its distills, which think first even without <think>); constrained outputs then constrain the answer after the thinking. See docs/reasoning.md (default: off, the text is all answer)")
     g.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None, help="read tool calls in the model's own format, as vLLM's flag: hermes (Qwen2.5, Qwen3: <tool_call>{...}</tool_call>), llama3_json (Llama 3.x JSON, after <|python_tag|> or alone), mistral ([TOOL_CALLS]), granite (<|tool_call|>[...]); the tools then go to the chat template, required and named calls are held to the family's format by the grammar, and calls stream as their arguments arrive. See docs/tools.md (default: off, one JSON-array convention for every model)")
+    g.add_argument("--split-special-tokens-in-content", action=argparse.BooleanOptionalAction, default=True, help="encode the special tokens a client's chat text spells (<|im_start|> typed in a message, a system or tool text, tool schemas, call arguments) as plain text on /v1/chat/completions, /v1/responses, /v1/messages and /tokenize, so only the chat template's own markers are control tokens and a client cannot forge a turn; --no-split-special-tokens-in-content reads them as tokens, as vLLM does. /v1/completions prompts are raw text either way: their special tokens are tokens. See docs/errors.md (default: on)")
     g.add_argument("--enable-auto-tool-choice", action="store_true", help="with --tool-call-parser: tool_choice auto lets the model write a text answer or calls in its own format (the grammar takes over at its start marker); without it auto is refused, as in vLLM")
     g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"], help="weight and KV dtype (default: auto = float32 on CPU, bfloat16 on CUDA)")
     g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "float32", "bfloat16", "float16"], help="KV cache dtype (default: auto = --dtype). On CPU, bfloat16 or float16 under float32 weights halve the KV pool's bytes per token, as llama.cpp's f16 cache does; attention still computes in float32, but greedy tokens are then no longer exactly transformers' float32 ones. On CUDA it must equal --dtype")
     g.add_argument("--device", default=d.device, help="auto, cpu or cuda[:N] (default: auto = cuda when available)")
-    g.add_argument("--max-model-len", type=_positive_int, default=None, help="longest prompt + completion in tokens (default: min(model's max positions, 8192))")
+    g.add_argument("--max-model-len", type=positive_int, default=None, help="longest prompt + completion in tokens (default: min(model's max positions, 8192))")
 
     g = p.add_argument_group("memory and batching")
     g.add_argument("--kv-cache-memory", type=parse_size, default=None, help="KV pool size, e.g. 2GiB, 512MiB or bytes (default: 2 GiB on CPU)")
-    g.add_argument("--gpu-memory-utilization", type=_fraction, default=d.gpu_memory_utilization, help="CUDA: fraction of device memory for weights + KV pool (default: %(default)s)")
-    g.add_argument("--block-size", type=_positive_int, default=None, help="tokens per KV block (default: 16 on CPU; what the attention backend needs on CUDA)")
-    g.add_argument("--max-num-seqs", type=_positive_int, default=d.max_num_seqs, help="most sequences in one engine step (default: %(default)s)")
-    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=None, help="token budget of one engine step; longer prompts are chunked (default: 512 on CPU, 8192 on CUDA)")
+    g.add_argument("--gpu-memory-utilization", type=fraction, default=d.gpu_memory_utilization, help="CUDA: fraction of device memory for weights + KV pool (default: %(default)s)")
+    g.add_argument("--block-size", type=positive_int, default=None, help="tokens per KV block (default: 16 on CPU; what the attention backend needs on CUDA)")
+    g.add_argument("--max-num-seqs", type=positive_int, default=d.max_num_seqs, help="most sequences in one engine step (default: %(default)s)")
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=None, help="token budget of one engine step; longer prompts are chunked (default: 512 on CPU, 8192 on CUDA)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching, help="reuse KV blocks of identical prompt prefixes (default: on)")
     g.add_argument("--swa-full", action="store_true", help="keep every position of a model's sliding-window layers, as llama.cpp's --swa-full: a prefix shared by later requests then hits wherever it ends, for more memory. By default (CPU) the blocks every window has left give their windowed layers' memory back, and a hit is cut back to where the window before it is whole: the end of a prompt seen before, of a whole earlier sequence, or of a prefix an earlier prompt shared (so a shared prefix is recomputed once at most)")
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority", "static"], default=d.scheduling_policy, help="fcfs: continuous batching, first come first served; priority: the same, requests admitted by their 'priority' (lower first, then arrival) and the lowest-priority one preempted first; static: run each admitted batch to completion, for comparison only (default: %(default)s)")
-    g.add_argument("--max-waiting-requests", type=_positive_int, default=d.max_waiting_requests, help="queue bound in sequences: beyond it requests get 503 with Retry-After (default: %(default)s)")
+    g.add_argument("--max-waiting-requests", type=positive_int, default=d.max_waiting_requests, help="queue bound in sequences: beyond it requests get 503 with Retry-After (default: %(default)s)")
+    g.add_argument("--max-request-share", type=fraction, default=d.max_request_share, help="while other requests wait, one request's sequences (its n choices, its prompts) hold at most this share of --max-num-seqs and of the KV blocks: its further sequences wait, and its latest give way to a waiting request (preempted by recompute); its first sequence is never held back; 1 turns the bound off (default: %(default)s)")
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: do not capture CUDA graphs")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None, help="schedule the next step while the device computes this one; its host work (outputs, detokenization) then overlaps the device (default: on for CUDA, off for CPU, where nothing runs in the background)")
     g.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help="weight-only quantization (CPU, float32 activations). int8: projections and vocabulary head in int8, one float32 scale per output row: a quarter of the weight bytes a decode step reads; tokens differ from the float32 model's. int4: projections in 4 bits, groups of 32 with an fp16 scale and minimum (llama.cpp's Q4_1), head in int8 groups of 32 (Q8_0): a sixth of the bytes; exact for the default model, which ships in those formats. auto: int4 where that is exact for the checkpoint's weights (checked at load: the default model, or a model dequantized from such a GGUF file), else none; for a GGUF file on CPU float32, the weights as stored in the file (as they are by default too). none: no quantization; a GGUF file is then dequantized into --dtype (default: none, and a GGUF file as stored; `make serve` passes auto)")
     g.add_argument("--gguf-activations", choices=["float32", "int8"], default=d.gguf_activations, help="what a GGUF file's quantized projections multiply (CPU, weights as stored). float32: the activations as they are, so logits equal transformers' float32 ones within summation noise. int8: activations rounded to int8 per block of 32 (256 for K-quants) and integer dot products, llama.cpp's arithmetic: faster decode, tokens may differ from the float32 model's (default: %(default)s)")
-    g.add_argument("--num-threads", type=_positive_int, default=None, help="CPU: torch intra-op threads (default: torch's choice)")
-    g.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=d.tensor_parallel_size, help="split the model Megatron-style over N ranks: this process is rank 0 (scheduler, sampling), N-1 worker processes are spawned, joined over torch.distributed (gloo on CPU); --kv-cache-memory is then each rank's pool, --num-threads each rank's threads, the cores / N when not given. Refused by name: LoRA, --quantization, GGUF files, CUDA (unproven), shapes not divisible by N. See docs/tensor-parallel.md (default: %(default)s)")
+    g.add_argument("--num-threads", type=positive_int, default=None, help="CPU: torch intra-op threads (default: torch's choice)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=d.tensor_parallel_size, help="split the model Megatron-style over N ranks: this process is rank 0 (scheduler, sampling), N-1 worker processes are spawned, joined over torch.distributed (gloo on CPU); --kv-cache-memory is then each rank's pool, --num-threads each rank's threads, the cores / N when not given. Refused by name: LoRA, --quantization, GGUF files, CUDA (unproven), shapes not divisible by N. See docs/tensor-parallel.md (default: %(default)s)")
     g.add_argument("--seed", type=int, default=d.seed, help="sampling seed for requests without one (default: %(default)s)")
-    g.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON", help='speculative decoding by n-gram lookup, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2, "max_running": 1}\' (greedy and unseeded sampled requests without penalties; drafts only while at most max_running requests run; off while scheduling ahead) (default: off)')
-    g.add_argument("--kv-events-config", type=_kv_events_config, default=None, metavar="JSON", help='publish KV-cache events (blocks entering and leaving the prefix cache) for KV-aware routers such as vllm-router --policy kv_aware, as vLLM\'s: \'{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5558", "topic": "", "buffer_steps": 10000, "hwm": 100000, "max_queue_size": 100000}\' (ZMQ PUB of msgpack batches; they carry prompts\' token ids: without an endpoint it binds --host, port 5557; a wildcard or other non-loopback endpoint is logged with a warning; see docs/scale-out.md) (default: off)')
+    g.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON", help='speculative decoding by n-gram lookup, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2, "max_running": 1}\' (greedy and unseeded sampled requests without penalties; drafts only while at most max_running requests run; off while scheduling ahead) (default: off)')
+    g.add_argument("--kv-events-config", type=kv_events_config, default=None, metavar="JSON", help='publish KV-cache events (blocks entering and leaving the prefix cache) for KV-aware routers such as vllm-router --policy kv_aware, as vLLM\'s: \'{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5558", "topic": "", "buffer_steps": 10000, "hwm": 100000, "max_queue_size": 100000}\' (ZMQ PUB of msgpack batches; they carry prompts\' token ids: without an endpoint it binds --host, port 5557; a wildcard or other non-loopback endpoint is logged with a warning; see docs/scale-out.md) (default: off)')
 
     g = p.add_argument_group("LoRA adapters")
     g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT folders) beside the base model, chosen per request by the 'model' field")
-    g.add_argument("--lora-modules", nargs="+", action="extend", type=_lora_module, default=[], metavar="NAME=PATH", help="adapters served from start-up, as name=path or vLLM's JSON '{\"name\": ..., \"path\": ...}' (implies --enable-lora)")
-    g.add_argument("--max-loras", type=_positive_int, default=d.max_loras, help="most distinct adapters among running requests; requests of another adapter wait (default: %(default)s)")
-    g.add_argument("--max-lora-rank", type=_positive_int, default=d.max_lora_rank, help="adapters of a higher rank are refused (default: %(default)s)")
+    g.add_argument("--lora-modules", nargs="+", action="extend", type=lora_module, default=[], metavar="NAME=PATH", help="adapters served from start-up, as name=path or vLLM's JSON '{\"name\": ..., \"path\": ...}' (implies --enable-lora)")
+    g.add_argument("--max-loras", type=positive_int, default=d.max_loras, help="most distinct adapters among running requests; requests of another adapter wait (default: %(default)s)")
+    g.add_argument("--max-cpu-loras", type=positive_int, default=None, help="most adapters kept loaded in memory, at least --max-loras: beyond it the least recently used adapter no unfinished request uses is unloaded, its name still served and its folder read again when a request names it; when every loaded adapter is in use, a load or a request for an unloaded one gets 429 (default: --max-loras)")
+    g.add_argument("--max-lora-rank", type=positive_int, default=d.max_lora_rank, help="adapters of a higher rank are refused (default: %(default)s)")
     g.add_argument("--allow-runtime-lora-updating", action=argparse.BooleanOptionalAction, default=os.environ.get("SERVELM_ALLOW_RUNTIME_LORA_UPDATING", "") not in ("", "0", "false", "False"), help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which read folders of the server's file system: for trusted clients only (default: $SERVELM_ALLOW_RUNTIME_LORA_UPDATING; off)")
 
     g = p.add_argument_group("HTTP")
@@ -196,8 +101,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--api-key", default=os.environ.get("SERVELM_API_KEY"), help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (default: $SERVELM_API_KEY; unset = open)")
     g.add_argument("--max-request-bytes", type=parse_size, default=None, help="largest /v1, /tokenize or /detokenize request body, e.g. 32MiB or bytes; a larger one gets 413 before it is parsed (default: 32MiB)")
     g.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get to finish on SIGTERM/SIGINT; those still running then end with a 'server shutting down' error (an error event and [DONE] on streams, response.failed on Responses streams, 503 otherwise) (default: %(default)s)")
-    g.add_argument("--header-timeout", type=_positive_float, default=DEFAULT_HEADER_TIMEOUT_S, help="seconds a connection gets to send a complete request head, from its opening or its previous response; then it is closed (half-sent headers hold no connection for ever) (default: %(default)s)")
-    g.add_argument("--max-connections", type=_positive_int, default=DEFAULT_MAX_CONNECTIONS, help="most HTTP connections (idle keep-alive ones included) and in-flight requests served at once; a request on one more connection gets uvicorn's plain-text 503 and the connection is closed (default: %(default)s)")
+    g.add_argument("--header-timeout", type=positive_float, default=DEFAULT_HEADER_TIMEOUT_S, help="seconds a connection gets to send a complete request head, from its opening or its previous response; then it is closed (half-sent headers hold no connection for ever) (default: %(default)s)")
+    g.add_argument("--body-timeout", type=positive_float, default=DEFAULT_BODY_TIMEOUT_S, help="seconds a request gets to send its whole body once its head is complete; then it gets a 408 (if no response has started) and the connection is closed (dripped bodies hold no connection for ever) (default: %(default)s)")
+    g.add_argument("--max-connections", type=positive_int, default=DEFAULT_MAX_CONNECTIONS, help="most HTTP connections (idle keep-alive ones included) and in-flight requests served at once; a request on one more connection gets uvicorn's plain-text 503 and the connection is closed, except body-less GET/HEAD /health, /live and /metrics, answered and then closed (default: %(default)s)")
     g.add_argument("--playground", action=argparse.BooleanOptionalAction, default=True, help="serve the chat page at / and /playground (it calls /v1/* with the key typed into it); --no-playground leaves / a JSON 404 (default: on)")
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True, help="log one line per HTTP request (default: on)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity (default: %(default)s)")
@@ -223,6 +129,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         swa_full=args.swa_full,
         scheduling_policy=args.scheduling_policy,
         max_waiting_requests=args.max_waiting_requests,
+        max_request_share=args.max_request_share,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         quantization=args.quantization,
@@ -236,22 +143,45 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_lora=args.enable_lora or bool(args.lora_modules),
         lora_modules=tuple(args.lora_modules),
         max_loras=args.max_loras,
+        max_cpu_loras=args.max_cpu_loras,
         max_lora_rank=args.max_lora_rank,
     )
 
 
 def _make_uvicorn_server(app: Any, args: argparse.Namespace, on_exit: Callable[[], None]) -> Any:
+    import asyncio
+
     import uvicorn
 
-    from servelm.server.http_protocol import head_timeout_protocol
+    from servelm.server.http_protocol import guarded_protocol
 
     class _Server(uvicorn.Server):
         """uvicorn's server, starting the engine bridge's drain (refuse new requests, deadline for the
-        running ones) as soon as a signal lands."""
+        running ones) as soon as a signal lands, and listening until the drain ends."""
+
+        # Awaited on shutdown before uvicorn closes its listener (``run_serve`` sets the bridge's).
+        drained: Callable[[], Awaitable[None]] | None = None
 
         def handle_exit(self, sig: int, frame: Any) -> None:
             on_exit()
             super().handle_exit(sig, frame)
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            # uvicorn closes its listener first; keeping it open while ``drained`` runs lets requests
+            # that arrive during the drain get its 503 (with Retry-After) rather than a refused connection.
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            if self.drained is not None and not self.force_exit:
+                drain, ticks = asyncio.ensure_future(self.drained()), 0
+                while not drain.done() and not self.force_exit:
+                    await asyncio.wait({drain}, timeout=0.1)
+                    ticks += 1
+                    await self.on_tick(ticks)  # (keeps the Date header current, as uvicorn's main loop did)
+            # uvicorn's last resort stays the deadline plus the flush, counted from the signal.
+            graceful = self.config.timeout_graceful_shutdown
+            if graceful is not None:
+                self.config.timeout_graceful_shutdown = max(SHUTDOWN_FLUSH_S, graceful - (loop.time() - started))
+            await super().shutdown(sockets)
 
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets)
@@ -267,7 +197,7 @@ def _make_uvicorn_server(app: Any, args: argparse.Namespace, on_exit: Callable[[
         log_level=args.log_level,
         access_log=args.access_log,
         timeout_graceful_shutdown=math.ceil(max(0.0, args.drain_timeout) + SHUTDOWN_FLUSH_S),
-        http=head_timeout_protocol(args.header_timeout),
+        http=guarded_protocol(args.header_timeout, args.body_timeout),
         # uvicorn refuses a request when the connections, its own included, reach the limit.
         limit_concurrency=args.max_connections + 1,
         lifespan="on",
@@ -322,9 +252,11 @@ def run_serve(args: argparse.Namespace) -> int:
     app.state.serving.reasoning_parser = REASONING_PARSERS[args.reasoning_parser] if args.reasoning_parser else None
     app.state.serving.tool_parser = TOOL_PARSERS[args.tool_call_parser] if args.tool_call_parser else None
     app.state.serving.auto_tool_choice = args.enable_auto_tool_choice
+    app.state.serving.split_special_tokens_in_content = args.split_special_tokens_in_content
     # Loading's garbage (for Gemma 3 270M the tokenizer's, ~280 MiB) stays resident otherwise.
     return_free_heap()
     server = _make_uvicorn_server(app, args, lambda: async_engine.begin_drain(args.drain_timeout))
+    server.drained = lambda: async_engine.drained(args.drain_timeout)
     # uvicorn re-raises the signal that stopped it once it has shut down, with the handlers it found
     # installed; make those no-ops so a graceful SIGTERM/SIGINT ends with exit status 0.
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -190,6 +190,14 @@ def payload_too_large(limit: int) -> APIError:
     )
 
 
+def request_timeout(seconds: float) -> APIError:
+    return APIError(
+        408,
+        f"The request body did not arrive within {seconds:g} s of its head (see --body-timeout).",
+        code="request_timeout",
+    )
+
+
 def queue_full(limit: int) -> APIError:
     return APIError(
         503,

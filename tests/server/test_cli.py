@@ -101,6 +101,8 @@ def test_lora_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = engine_config_from_args(args)
     assert cfg.lora_modules == (("sql", "/a/sql"), ("poet", "/a/poet"), ("x", "/p=q"))
     assert cfg.enable_lora and (cfg.max_loras, cfg.max_lora_rank) == (2, 32)  # --lora-modules implies --enable-lora
+    assert cfg.max_cpu_loras is None  # the engine takes --max-loras
+    assert engine_config_from_args(build_parser().parse_args(["serve", "--max-cpu-loras", "8"])).max_cpu_loras == 8
     assert args.allow_runtime_lora_updating is False
     assert engine_config_from_args(build_parser().parse_args(["serve", "--enable-lora"])).enable_lora
     for bad in (["--lora-modules", "noequals"], ["--lora-modules", "=/p"], ["--lora-modules", '{"name": 1}'], ["--max-loras", "0"]):

@@ -118,3 +118,38 @@ def test_drain_deadline_ends_every_request_with_an_error_and_exits_0() -> None:
     for name, call in long_calls.items():
         assert DRAIN_S - 0.2 <= call.ended - signalled <= DRAIN_S + 3.0, (name, call.ended - signalled)
     assert "timeout graceful shutdown exceeded" not in srv.log, srv.log
+
+
+@pytest.mark.slow
+def test_requests_arriving_during_the_drain_get_503_until_the_running_ones_end() -> None:
+    """The listener stays open while requests run: new ones, on new and on kept-alive connections,
+    get the documented 503 (OpenAI's shape, ``Retry-After``), readiness fails and liveness holds."""
+    drain_s = 4.0
+    args = ("--kv-cache-memory", "128MiB", "--max-model-len", "1024", "--no-access-log", "--drain-timeout", str(drain_s))
+    with ServeProcess(*args) as srv:
+        v1 = f"{srv.url}/v1"
+        with httpx.Client(timeout=30) as kept:
+            assert kept.get(f"{srv.url}/health").status_code == 200  # a keep-alive connection from before
+            long = Call(f"{v1}/completions", {"prompt": "Count: one, two,", "max_tokens": LONG_TOKENS, "stream": True, **LONG})
+            long.start()
+            assert long.first_bytes.wait(60)
+            signalled = time.monotonic()
+            srv.terminate()
+            time.sleep(0.5)
+            body = {"prompt": "Hello", "max_tokens": 2}
+            for r in (kept.post(f"{v1}/completions", json=body), httpx.post(f"{v1}/completions", json=body, timeout=30)):
+                assert r.status_code == 503, r.text
+                assert r.json()["error"]["code"] == "shutting_down" and set(r.json()["error"]) == {"message", "type", "param", "code"}
+                assert int(r.headers["retry-after"]) >= 1
+            health = httpx.get(f"{srv.url}/health", timeout=30)
+            assert health.status_code == 503 and health.json()["error"]["code"] == "shutting_down"
+            live = httpx.get(f"{srv.url}/live", timeout=30)
+            assert live.status_code == 200 and live.json() == {"status": "draining"}
+            assert time.monotonic() - signalled < drain_s - 1.0  # all of it while the long request ran
+            long.join(60)
+            assert not long.is_alive()
+        assert srv.wait(timeout=30) == 0, srv.log
+    assert long.error is None, f"{long.error!r}\n{srv.log}"
+    events = _sse_data(long.raw)
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "shutting_down", events[-3:]
+    assert drain_s - 0.2 <= long.ended - signalled <= drain_s + 3.0
