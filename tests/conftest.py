@@ -18,7 +18,7 @@ import torch
 
 from servelm.runtime.batch import SamplingOptions
 from servelm.runtime.config import ModelConfig
-from servelm.runtime.model_fetch import ensure_gemma3_gguf
+from servelm.runtime.model_fetch import ensure_gemma3_gguf, ensure_qwen05_gguf
 from servelm.runtime.model_files import ensure_default_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -136,6 +136,12 @@ def default_model_dir() -> Path:
 def gemma3_gguf() -> Path:
     """Gemma 3 270M (base) as its Q4_K_M GGUF file, stored as shipped (`make test`'s set-up prepares it)."""
     return ensure_gemma3_gguf()
+
+
+@pytest.fixture(scope="session")
+def qwen05_gguf() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct as its Q4_K_M GGUF file, stored as shipped (`make model` prepares it)."""
+    return ensure_qwen05_gguf()
 
 
 @pytest.fixture(scope="session")
