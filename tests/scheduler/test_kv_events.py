@@ -14,6 +14,7 @@ import pytest
 import zmq
 
 from block_seq import Seq, compute
+from listening import listening_addresses
 from servelm.scheduler.block_manager import BlockManager
 from servelm.scheduler.kv_events import END_SEQ, KVEventsConfig, ZmqEventPublisher, external_hash, make_publisher
 
@@ -287,27 +288,6 @@ def test_engine_publishes_one_batch_per_step(tiny_llama_dir: Any) -> None:
 def receive_any(sub: Any) -> tuple[int, list[dict[str, Any]]]:
     _, seq, payload = sub.recv_multipart()
     return int.from_bytes(seq, "big"), msgpack.unpackb(payload)[1]
-
-
-def listening_addresses(port: int) -> set[str]:
-    """Local addresses of the sockets listening on TCP ``port`` (from /proc/net/tcp{,6}: no traffic sent)."""
-    found: set[str] = set()
-    for name, width in (("tcp", 8), ("tcp6", 32)):
-        path = f"/proc/net/{name}"
-        try:
-            lines = open(path).read().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            local, state = line.split()[1], line.split()[3]
-            addr, hex_port = local.split(":")
-            if state != "0A" or int(hex_port, 16) != port:  # 0A: LISTEN
-                continue
-            raw = bytes.fromhex(addr)
-            # /proc prints each 32-bit word in host (little-endian) order
-            words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-            found.add(socket.inet_ntop(socket.AF_INET if width == 8 else socket.AF_INET6, words))
-    return found
 
 
 def test_events_bind_the_http_host_by_default() -> None:

@@ -15,6 +15,7 @@ import time
 
 import httpx
 import pytest
+from listening import listening_addresses
 from proc_harness import ServeProcess
 
 HEAD_TIMEOUT_S = 2.0
@@ -27,23 +28,6 @@ def _metric(url: str, name: str) -> float:
     m = re.search(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.M)
     assert m, f"{name} not in /metrics"
     return float(m.group(1))
-
-
-def _listening_addresses(port: int) -> set[str]:
-    """Local addresses listening on TCP ``port`` (read from /proc: nothing is sent)."""
-    found: set[str] = set()
-    for name, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
-        try:
-            rows = open(f"/proc/net/{name}").read().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            local, state = row.split()[1], row.split()[3]
-            addr, hex_port = local.split(":")
-            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
-                raw = bytes.fromhex(addr)  # each 32-bit word in host (little-endian) order
-                found.add(socket.inet_ntop(family, b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))))
-    return found
 
 
 def _ask_capital(v1: str) -> str:
@@ -144,7 +128,7 @@ def test_every_fault_request_in_turn_leaves_the_server_whole() -> None:
         assert time.monotonic() - t0 < BODY_TIMEOUT_S + 5.0
 
         # Fault 9 (issue 40): the KV events (every prompt's token ids) are published on loopback only.
-        assert _listening_addresses(5557) == {"127.0.0.1"}, srv.log[-2000:]
+        assert listening_addresses(5557) == {"127.0.0.1"}, srv.log[-2000:]
 
         # And the server is whole: alive, answering as before, holding no KV block, no engine death.
         assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 200
