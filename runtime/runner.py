@@ -47,6 +47,16 @@ log = logging.getLogger(__name__)
 SCORE_ROWS = 128
 
 
+def serves_as_stored(model_dir: str | Path, quantization: str | None, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a folder's GGUF file keeps its quantized weights as stored: unless another form is asked
+    for, or the device or dtype has no kernels for them (CPU float32 only), as llama.cpp serves it."""
+    return (
+        gguf_source(model_dir) is not None
+        and quantization in (None, AUTO)
+        and platform.quantization_supported(device)
+        and dtype == torch.float32
+    )
+
 class ModelRunner:
     """Owns the model, the KV pool and the attention backend; ``execute`` runs one step."""
 
@@ -105,14 +115,7 @@ class ModelRunner:
         backend_bs = getattr(self.backend, "block_size", block_size)
         if backend_bs != block_size:
             raise ValueError(f"attention backend expects block_size {backend_bs}, the pool uses {block_size}")
-        # A GGUF file keeps its quantized weights as stored unless another form is asked for (or the
-        # device or dtype has no kernels for them: CPU float32 only), as llama.cpp serves it.
-        self.weights_as_stored = (
-            gguf_source(model_dir) is not None
-            and quantization in (None, AUTO)
-            and platform.quantization_supported(self.device)
-            and dtype == torch.float32
-        )
+        self.weights_as_stored = serves_as_stored(model_dir, quantization, self.device, dtype)
         if self.weights_as_stored:
             quantization = None
         if gguf_activations not in GGUF_ACTIVATIONS:

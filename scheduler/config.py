@@ -13,7 +13,7 @@ class EngineConfig:
     served_model_name: str | None = None
     tokenizer: str | None = None  # defaults to the model folder
     dtype: str = "auto"  # auto => float32 on CPU, bfloat16 on CUDA
-    kv_cache_dtype: str = "auto"  # auto => dtype; bfloat16/float16 halve a float32 model's KV pool (CPU)
+    kv_cache_dtype: str = "auto"  # auto => dtype, float16 with int8 GGUF activations; bfloat16/float16 halve a float32 model's KV pool (CPU)
     device: str = "auto"  # auto => cuda when available, else cpu
     block_size: int | None = None  # None => 16 on CPU, what the attention backend needs on CUDA
     kv_cache_memory: int | None = None  # bytes for the KV pool (CPU); None => 2 GiB on CPU
@@ -29,7 +29,7 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: no CUDA graphs
     async_scheduling: bool | None = None  # schedule step k+1 before step k's tokens reach the host; None => on CUDA only
     quantization: str | None = None  # "int8" | "int4": weight-only quantized projections and head (CPU, float32)
-    gguf_activations: str = "float32"  # "int8": a GGUF file's projections round x to int8 per block (llama.cpp's arithmetic)
+    gguf_activations: str = "auto"  # auto => "int8" for a GGUF file served as stored (llama.cpp's arithmetic), else "float32" (exact)
     num_threads: int | None = None  # CPU: torch intra-op threads (None => torch's default)
     tensor_parallel_size: int = 1  # ranks the model is split over (rank 0 in this process, workers spawned)
     seed: int = 0  # for requests without a seed

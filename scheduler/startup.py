@@ -18,7 +18,7 @@ from servelm.runtime.config import ModelConfig
 from servelm.runtime.gguf.folder import stored_weight_bytes
 from servelm.runtime.model_files import resolve_model_path
 from servelm.runtime.platform import default_dtype, device_defaults, kv_dtype_supported, release_cached_memory, resolve_device
-from servelm.runtime.runner import ModelRunner
+from servelm.runtime.runner import ModelRunner, serves_as_stored
 from servelm.runtime.tokenizer import load_tokenizer
 from servelm.scheduler.block_manager import BlockManager
 from servelm.scheduler.kv_events import KVEventsConfig, ZmqEventPublisher, make_publisher
@@ -102,7 +102,10 @@ def start_up(config: EngineConfig, runner: RunnerLike | None = None) -> StartUp:
     mc = ModelConfig.from_dir(model_dir)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype, device)
+    # A GGUF file served as stored runs llama.cpp's arithmetic unless asked otherwise: int8 activations, float16 KV.
+    activations = resolve_gguf_activations(config.gguf_activations, serves_as_stored(model_dir, config.quantization, device, dtype))
+    kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype, device, like_llama_cpp=activations == "int8")
+    config = dataclasses.replace(config, gguf_activations=activations, kv_cache_dtype=DTYPE_NAMES.get(kv_dtype, config.kv_cache_dtype))
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     # Refused before the weights are loaded.
@@ -243,9 +246,21 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; expected auto, float32, bfloat16 or float16") from None
 
 
-def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The KV cache's dtype: ``auto`` is the model's; a 16-bit cache under float32 weights on CPU."""
-    kv_dtype = dtype if name == "auto" else resolve_dtype(name, device)
+def resolve_gguf_activations(name: str, as_stored: bool) -> str:
+    """``auto``: ``int8`` (llama.cpp's arithmetic, the fast one) for a GGUF file served as stored, else
+    ``float32`` (the exact one, which ``--gguf-activations float32`` keeps for a GGUF file)."""
+    if name != "auto":
+        return name
+    return "int8" if as_stored else "float32"
+
+
+def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device, like_llama_cpp: bool = False) -> torch.dtype:
+    """The KV cache's dtype: ``auto`` is the model's, or float16 where the model runs llama.cpp's
+    arithmetic (its default cache); a 16-bit cache under float32 weights on CPU."""
+    if name == "auto":
+        kv_dtype = torch.float16 if like_llama_cpp else dtype
+    else:
+        kv_dtype = resolve_dtype(name, device)
     if not kv_dtype_supported(device, dtype, kv_dtype):
         raise ValueError(
             f"--kv-cache-dtype {name} with --dtype {DTYPE_NAMES.get(dtype, dtype)} on {device}: a cache "

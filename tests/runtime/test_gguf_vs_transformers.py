@@ -286,6 +286,35 @@ def test_int8_activations_equal_transformers_with_rounded_inputs(case_id: str, s
     assert to_rounded <= 0.75 * to_float, f"{case_id}: {to_rounded:.2e} of max from the rounded reference, {to_float:.2e} from float32"
 
 
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        ({}, ("int8", torch.float16)),  # the default: llama.cpp's arithmetic and cache
+        ({"gguf_activations": "float32"}, ("float32", torch.float32)),  # exact mode, float32 cache
+        ({"kv_cache_dtype": "float32"}, ("int8", torch.float32)),
+        ({"gguf_activations": "float32", "kv_cache_dtype": "bfloat16"}, ("float32", torch.bfloat16)),
+        ({"quantization": "none"}, ("float32", torch.float32)),  # dequantized: no stored weights to round for
+    ],
+)
+def test_a_gguf_file_runs_llama_cpps_arithmetic_unless_asked_otherwise(flags: dict[str, Any], expected: tuple[str, torch.dtype], served, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from servelm.scheduler.config import EngineConfig
+    from servelm.scheduler.engine import Engine
+
+    s = served(next(iter(CASES)))
+    monkeypatch.setenv("SERVELM_CACHE", str(tmp_path))  # (the file's prepared folder goes there)
+    engine = Engine(EngineConfig(model=str(s.path), kv_cache_memory=2 * 2**20, max_model_len=128, **flags))
+    assert (engine.runner.gguf_activations, engine.runner.kv_dtype) == expected  # type: ignore[attr-defined]
+    assert (engine.config.gguf_activations, engine.config.kv_cache_dtype) == (expected[0], str(expected[1]).removeprefix("torch."))
+
+
+def test_a_plain_folder_is_exact_by_default(tiny_llama_dir: Path) -> None:
+    from servelm.scheduler.config import EngineConfig
+    from servelm.scheduler.engine import Engine
+
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=2 * 2**20, max_model_len=128))
+    assert (engine.runner.gguf_activations, engine.runner.kv_dtype) == ("float32", torch.float32)  # type: ignore[attr-defined]
+
+
 def test_int8_activations_need_a_gguf_file_as_stored(served, build_runner) -> None:  # type: ignore[no-untyped-def]
     s = served(next(iter(CASES)))
     with pytest.raises(ValueError, match="gguf-activations int8 applies to a GGUF file served as stored"):

@@ -80,6 +80,7 @@ def run_case(gguf_path: Path, prompts: list[tuple[str, int]], *, kv_blocks: int,
     engine = Engine(
         EngineConfig(
             model=str(gguf_path),
+            gguf_activations="float32",  # exact mode (the default is llama.cpp's int8 arithmetic)
             max_num_batched_tokens=48,  # every long prompt is prefilled in chunks
             enable_prefix_caching=True,
             max_model_len=max_model_len,
