@@ -23,11 +23,21 @@ class GroupUsage:
     """What one group's running sequences hold: the sequences (admission order) and their distinct blocks."""
 
     seqs: list[Request] = field(default_factory=list)
-    blocks: set[int] = field(default_factory=set)
+    _blocks: set[int] | None = None  # built on first need: a lone sequence's count is its table's length
 
     def add(self, req: Request) -> None:
         self.seqs.append(req)
-        self.blocks.update(req.block_table)  # (choices share their prompt's blocks: counted once)
+        if self._blocks is not None:
+            self._blocks.update(req.block_table)
+
+    @property
+    def num_blocks(self) -> int:
+        """Distinct blocks held (choices share their prompt's blocks: counted once)."""
+        if len(self.seqs) == 1:
+            return len(self.seqs[0].block_table)
+        if self._blocks is None:
+            self._blocks = {b for r in self.seqs for b in r.block_table}
+        return len(self._blocks)
 
 
 class FairShare:
@@ -43,6 +53,11 @@ class FairShare:
         self.max_blocks = max(1, int(share * num_blocks))
 
     @staticmethod
+    def anyone_shares(running: list[Request]) -> bool:
+        """Whether some group runs two sequences (else none is over its share: a lone one never is)."""
+        return len({r.group for r in running}) < len(running)
+
+    @staticmethod
     def usage(running: Iterable[Request]) -> dict[str, GroupUsage]:
         groups: dict[str, GroupUsage] = {}
         for req in running:
@@ -55,16 +70,16 @@ class FairShare:
     def over(self, u: GroupUsage) -> bool:
         """Holds more than its share (a lone sequence never does)."""
         n = len(u.seqs)
-        return n > self.max_seqs or (n > 1 and len(u.blocks) > self.max_blocks)
+        return n > self.max_seqs or (n > 1 and u.num_blocks > self.max_blocks)
 
     def full(self, u: GroupUsage | None) -> bool:
         """One more sequence of this group would take it past its share."""
-        return u is not None and bool(u.seqs) and (len(u.seqs) >= self.max_seqs or len(u.blocks) >= self.max_blocks)
+        return u is not None and bool(u.seqs) and (len(u.seqs) >= self.max_seqs or u.num_blocks >= self.max_blocks)
 
     def order(self, running: list[Request]) -> list[Request]:
         """``running`` (a copy) with the sequences of groups over their share moved last, in their order:
         they get blocks after everyone else and are the first preempted when memory is short."""
-        if len({r.group for r in running}) == len(running):  # one sequence a group: nobody is over
+        if not self.anyone_shares(running):
             return list(running)
         usage = self.usage(running)
         over = {g for g, u in usage.items() if self.over(u)}
@@ -77,7 +92,7 @@ class FairShare:
         worst, most = None, 0.0
         for g, u in usage.items():
             if g != spare and self.over(u):
-                excess = max(len(u.seqs) / self.max_seqs, len(u.blocks) / self.max_blocks)
+                excess = max(len(u.seqs) / self.max_seqs, u.num_blocks / self.max_blocks)
                 if excess > most:
                     worst, most = u, excess
         return worst.seqs[-1] if worst is not None else None

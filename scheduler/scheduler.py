@@ -231,11 +231,8 @@ class Scheduler:
         loras = {r.lora_id for r in self.running if r.lora_id} if self.max_loras is not None else None
         # Fair share: a request at its share waits while another request waits behind it.
         usage: dict[str, GroupUsage] | None = None
-        waiting_groups: set[str] = set()
-        if self.fair.enabled and self.policy != "static":
-            waiting_groups = {r.group for r in queue}
-            if len(waiting_groups) > 1:
-                usage = self.fair.usage(self.running)
+        if self.fair.enabled and self.policy != "static" and len(queue) > 1 and len({r.group for r in queue}) > 1:
+            usage = self.fair.usage(self.running)
         while queue and budget > 0 and len(self.running) < self.max_num_seqs:
             req = queue.popleft()
             if loras is not None and req.lora_id and req.lora_id not in loras:
@@ -298,6 +295,8 @@ class Scheduler:
     def _reclaim(self, out: SchedulerOutput) -> None:
         """Preempt sequences of groups over their share until the first waiting request of a group
         under its share fits (a free slot, and free blocks for its next chunk), or none is over."""
+        if not self.fair.anyone_shares(self.running):
+            return
         usage = self.fair.usage(self.running)
         if not any(self.fair.over(u) for u in usage.values()):
             return
