@@ -67,3 +67,36 @@ def shared_fake_server(server_tokenizer: Any) -> Iterator[tuple[ServerThread, Fa
     yield _make(server_tokenizer, started)
     for srv in started:
         srv.stop()
+
+
+@pytest.fixture
+def serve_app(monkeypatch: pytest.MonkeyPatch, server_tokenizer: Any) -> Callable[..., Any]:
+    """``serve_app(*argv)``: run ``servelm serve --port 0 ARGV`` with the engine, metrics and uvicorn
+    faked, and return the app it built (what the flags reached)."""
+    import servelm.scheduler.engine
+    import servelm.server.app
+    import servelm.server.cli as cli
+
+    apps: list[Any] = []
+
+    class NoServer:
+        started = True
+
+        def run(self) -> None:
+            pass
+
+    def no_server(app: Any, args: Any, on_stop: Any) -> NoServer:
+        apps.append(app)
+        return NoServer()
+
+    monkeypatch.setattr(servelm.scheduler.engine, "Engine", lambda config, observer=None: FakeEngine(server_tokenizer))
+    monkeypatch.setattr(servelm.server.app, "create_prometheus_observer", lambda engine: None)
+    monkeypatch.setattr(cli, "_make_uvicorn_server", no_server)
+    monkeypatch.setattr(cli.signal, "signal", lambda *a: None)  # keep the test session's handlers
+
+    def run(*argv: str) -> Any:
+        args = cli.build_parser().parse_args(["serve", "--port", "0", *argv])
+        assert args.func(args) == 0
+        return apps[-1]
+
+    return run

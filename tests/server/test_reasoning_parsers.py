@@ -158,30 +158,7 @@ def test_tool_auto_grammar_nests_after_the_thinking(tok: Any, compiler: GrammarC
     assert _accepts(compiled, enc("<think>A call.</think>[oops"))[0] is False
 
 
-def test_serve_hands_the_parser_to_the_app(monkeypatch: pytest.MonkeyPatch, server_tokenizer: Any) -> None:
+def test_serve_hands_the_parser_to_the_app(serve_app: Any) -> None:
     """``servelm serve --reasoning-parser`` reaches the serving context (the engine and uvicorn faked)."""
-    import servelm.scheduler.engine
-    import servelm.server.app
-    import servelm.server.cli as cli
-    from srv_harness import FakeEngine
-
-    apps: list[Any] = []
-
-    class NoServer:
-        started = True
-
-        def run(self) -> None:
-            pass
-
-    def no_server(app: Any, args: Any, on_stop: Any) -> NoServer:
-        apps.append(app)
-        return NoServer()
-
-    monkeypatch.setattr(servelm.scheduler.engine, "Engine", lambda config, observer=None: FakeEngine(server_tokenizer))
-    monkeypatch.setattr(servelm.server.app, "create_prometheus_observer", lambda engine: None)
-    monkeypatch.setattr(cli, "_make_uvicorn_server", no_server)
-    monkeypatch.setattr(cli.signal, "signal", lambda *a: None)  # keep the test session's handlers
     for argv, expected in ((["--reasoning-parser", "qwen3"], QWEN3), ([], None)):
-        args = cli.build_parser().parse_args(["serve", "--port", "0", *argv])
-        assert args.func(args) == 0
-        assert apps[-1].state.serving.reasoning_parser is expected
+        assert serve_app(*argv).state.serving.reasoning_parser is expected

@@ -128,31 +128,8 @@ def test_the_flag_off_reads_typed_tokens_as_today(fake_server: Any) -> None:
     assert specials(eng.prompts[-1]) == [1, 2]
 
 
-def test_serve_flag_reaches_the_app(monkeypatch: pytest.MonkeyPatch, server_tokenizer: Any) -> None:
+def test_serve_flag_reaches_the_app(serve_app: Any) -> None:
     """``servelm serve --no-split-special-tokens-in-content`` reaches the serving context (engine and
     uvicorn faked); the default splits."""
-    import servelm.scheduler.engine
-    import servelm.server.app
-    import servelm.server.cli as cli
-    from srv_harness import FakeEngine
-
-    apps: list[Any] = []
-
-    class NoServer:
-        started = True
-
-        def run(self) -> None:
-            pass
-
-    def no_server(app: Any, args: Any, on_stop: Any, **kw: Any) -> NoServer:
-        apps.append(app)
-        return NoServer()
-
-    monkeypatch.setattr(servelm.scheduler.engine, "Engine", lambda config, observer=None: FakeEngine(server_tokenizer))
-    monkeypatch.setattr(servelm.server.app, "create_prometheus_observer", lambda engine: None)
-    monkeypatch.setattr(cli, "_make_uvicorn_server", no_server)
-    monkeypatch.setattr(cli.signal, "signal", lambda *a: None)  # keep the test session's handlers
     for argv, expected in ((["--no-split-special-tokens-in-content"], False), ([], True), (["--split-special-tokens-in-content"], True)):
-        args = cli.build_parser().parse_args(["serve", "--port", "0", *argv])
-        assert args.func(args) == 0
-        assert apps[-1].state.serving.split_special_tokens_in_content is expected
+        assert serve_app(*argv).state.serving.split_special_tokens_in_content is expected
