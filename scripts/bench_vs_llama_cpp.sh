@@ -17,7 +17,8 @@
 # "float32 int8 int4": float32, then --quantization int8, then --quantization int4; also "gguf" and
 # "gguf-int8": the Q4_1 file itself as stored, with float32 or int8 activations and, as llama-server's
 # -c 32768 holds, a float16 pool of 32,768 tokens ($SMOLLM2_GGUF_ARGS overrides that)), then llama-server. On
-# gemma3, servelm runs once per $GEMMA_VARIANTS (default "float32 int8": --gguf-activations), each with
+# gemma3, servelm runs once per $GEMMA_VARIANTS (default "default float32": no flag, which serves int8
+# activations, then --gguf-activations float32; any other word is passed to that flag), each with
 # a float16 KV pool of 32,768 tokens as llama-server's -c 32768 holds ($GEMMA_ARGS overrides that). On
 # qwen15 and qwen05, servelm runs once per $QWEN_VARIANTS (default "default exact"): default, no flag but
 # the pool (int8 activations and a float16 cache of 32,768 tokens: what a user gets); exact,
@@ -40,7 +41,7 @@ PEERS="$CACHE/peers"
 OUT_DIR="${OUT_DIR:-/tmp/servelm-vs-llama-cpp}"
 THREADS="${THREADS:-2}"
 VARIANTS="${VARIANTS:-float32 int8 int4}"
-GEMMA_VARIANTS="${GEMMA_VARIANTS:-float32 int8}"
+GEMMA_VARIANTS="${GEMMA_VARIANTS:-default float32}"
 GEMMA_ARGS="${GEMMA_ARGS:---kv-cache-dtype float16 --kv-cache-memory 576MiB}"
 # The SmolLM2 file served as stored gets llama-server's KV too: float16, 32,768 tokens (30 layers x 3 KV heads x 64).
 SMOLLM2_GGUF_ARGS="${SMOLLM2_GGUF_ARGS:---kv-cache-dtype float16 --kv-cache-memory 720MiB}"
@@ -189,7 +190,10 @@ for round in $(seq "$ROUNDS"); do
             if wants servelm; then
                 for variant in $GEMMA_VARIANTS; do
                     # shellcheck disable=SC2086  # GEMMA_ARGS is a list of flags
-                    servelm "gemma3-servelm-$variant" --model "$gemma3_gguf" --gguf-activations "$variant" $GEMMA_ARGS
+                    case "$variant" in
+                        default) servelm gemma3-servelm-default --model "$gemma3_gguf" $GEMMA_ARGS ;;
+                        *) servelm "gemma3-servelm-$variant" --model "$gemma3_gguf" --gguf-activations "$variant" $GEMMA_ARGS ;;
+                    esac
                 done
             fi
             if wants llama; then llama_server gemma3-llama-server "$gemma3_gguf"; fi
