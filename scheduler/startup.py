@@ -17,7 +17,7 @@ from servelm.runtime.capacity import Capacity, plan_capacity
 from servelm.runtime.config import ModelConfig
 from servelm.runtime.gguf.folder import stored_weight_bytes
 from servelm.runtime.model_files import resolve_model_path
-from servelm.runtime.platform import default_dtype, device_defaults, kv_dtype_supported, release_cached_memory, resolve_device
+from servelm.runtime.platform import platform_of, resolve_device
 from servelm.runtime.runner import ModelRunner, serves_as_stored
 from servelm.runtime.tokenizer import load_tokenizer
 from servelm.scheduler.block_manager import BlockManager
@@ -122,7 +122,7 @@ def start_up(config: EngineConfig, runner: RunnerLike | None = None) -> StartUp:
     if tp != 1:
         check_tensor_parallel_serving(config, mc, model_dir, device, enable_lora, injected=runner is not None)
 
-    defaults = device_defaults(device, dtype, mc.head_dim)
+    defaults = platform_of(device).defaults(dtype, mc.head_dim)
     max_model_len = resolve_max_model_len(mc, config.max_model_len, sliding_window_supported=defaults.sliding_window)
     max_batched = config.max_num_batched_tokens or defaults.max_num_batched_tokens
     block_size = config.block_size if config.block_size is not None else defaults.block_size
@@ -140,7 +140,7 @@ def start_up(config: EngineConfig, runner: RunnerLike | None = None) -> StartUp:
             )
         else:
             unpooled.warm_up()
-            release_cached_memory(device)
+            platform_of(device).release_cached_memory()
     if kv_memory is None:
         kv_memory = defaults.kv_cache_memory
     if kv_memory is None:  # an injected runner, where the pool is sized from memory
@@ -239,7 +239,7 @@ def released_window(mc: ModelConfig, runner: RunnerLike, config: EngineConfig) -
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """A dtype name, or ``auto``: the device's default."""
     if name == "auto":
-        return default_dtype(device)
+        return platform_of(device).default_dtype
     try:
         return DTYPES[name.lower()]
     except KeyError:
@@ -261,7 +261,7 @@ def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device, like_l
         kv_dtype = torch.float16 if like_llama_cpp else dtype
     else:
         kv_dtype = resolve_dtype(name, device)
-    if not kv_dtype_supported(device, dtype, kv_dtype):
+    if not platform_of(device).kv_dtype_supported(dtype, kv_dtype):
         raise ValueError(
             f"--kv-cache-dtype {name} with --dtype {DTYPE_NAMES.get(dtype, dtype)} on {device}: a cache "
             "unlike the weights is served on CPU under float32 weights only (use --kv-cache-dtype auto)"

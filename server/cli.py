@@ -211,7 +211,7 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     from servelm.runtime.capacity import CapacityError
     from servelm.runtime.config import UnsupportedModelError
-    from servelm.runtime.platform import gil_switch_interval
+    from servelm.runtime.platform import platform_of
     from servelm.scheduler.engine import Engine
     from servelm.server.app import ObserverProxy, build_app, create_prometheus_observer
     from servelm.server.async_engine import AsyncEngine
@@ -235,7 +235,7 @@ def run_serve(args: argparse.Namespace) -> int:
         log.error("cannot start: %s", e)
         return 1
     proxy.target = observer
-    interval = gil_switch_interval(engine.device)
+    interval = platform_of(engine.device).gil_switch_interval
     if interval is not None:
         sys.setswitchinterval(interval)
     log.info("model %s (%s); capacity: %s", engine.served_model_name, engine.config.model or "default", engine.capacity.describe())

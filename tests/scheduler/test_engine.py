@@ -9,7 +9,7 @@ import pytest
 
 from servelm.metrics.observer import RequestStats, StepStats
 from servelm.runtime.batch import BatchItem, RunnerOutput, TokenLogprobs
-from servelm.runtime.platform import CPU_DEFAULT_BLOCK_SIZE
+from servelm.runtime.cpu.platform import CPU_DEFAULT_BLOCK_SIZE
 from servelm.scheduler.config import EngineConfig
 from servelm.scheduler.engine import Engine
 from servelm.scheduler.outputs import RequestOutput
