@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from servelm.runtime.batch import BatchItem, RunnerOutput
-from servelm.runtime.capacity import Capacity, plan_capacity
+from servelm.runtime.capacity import Capacity, kv_bytes_per_token, plan_capacity
 from servelm.runtime.config import ModelConfig
 from servelm.runtime.gguf.folder import stored_weight_bytes
 from servelm.runtime.model_files import resolve_model_path
@@ -147,6 +147,11 @@ def start_up(config: EngineConfig, runner: RunnerLike | None = None) -> StartUp:
         if runner is None or runner.kv_pool is None:
             raise ValueError(f"an injected runner on {device} needs kv_cache_memory or a kv_pool")
         kv_memory = runner.kv_pool.nbytes
+    if config.max_model_len is None and not defaults.sizes_kv_from_memory:
+        # The pool's size is known before any weights: serve the model's whole context when it fits (a
+        # 16k-token prompt to a 32k model is not a 400 by default), as vLLM does on a GPU.
+        pool_tokens = kv_memory // (kv_bytes_per_token(mc, kv_dtype) // tp * block_size) * block_size
+        max_model_len = resolve_max_model_len(mc, None, defaults.sliding_window, pool_tokens)
     # Under tensor parallelism the budget is each rank's, as vLLM's memory settings are per GPU.
     capacity = plan_capacity(mc, dtype, kv_memory, block_size, max_model_len, stored_weight_bytes(model_dir), kv_dtype, tp)
     log.info("KV capacity: %s", capacity.describe())
@@ -288,10 +293,15 @@ def eos_ids(model_dir: Path, model_config: ModelConfig, tokenizer: Any) -> tuple
     return tuple(dict.fromkeys(ids))
 
 
-def resolve_max_model_len(mc: ModelConfig, requested: int | None, sliding_window_supported: bool = True) -> int:
-    """The context length served: the request, else the model's (capped), within its positions; and,
+def resolve_max_model_len(
+    mc: ModelConfig, requested: int | None, sliding_window_supported: bool = True, pool_tokens: int | None = None
+) -> int:
+    """The context length served: the request; else the model's positions as far as the KV pool holds
+    them (``pool_tokens``, where the pool's size is known first), at least DEFAULT_MAX_MODEL_LEN_CAP
+    (a pool that holds less is then refused by ``plan_capacity``), or with no pool size that cap; and,
     where the attention backend has no sliding windows (CUDA), within the model's window."""
-    max_model_len = requested or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
+    default = DEFAULT_MAX_MODEL_LEN_CAP if pool_tokens is None else max(DEFAULT_MAX_MODEL_LEN_CAP, pool_tokens)
+    max_model_len = requested or min(mc.max_position_embeddings, default)
     if max_model_len > mc.max_position_embeddings:
         raise ValueError(
             f"max_model_len={max_model_len} exceeds the model's {mc.max_position_embeddings} positions"
