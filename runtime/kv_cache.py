@@ -6,7 +6,7 @@ from typing import Sequence
 
 import torch
 
-from servelm.runtime import platform
+from servelm.runtime.platform import platform_of
 
 
 class KVPool:
@@ -37,12 +37,12 @@ class KVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        self._storage = platform.zeroed_pool(
+        self._storage = platform_of(self.device).zeroed_pool(
             (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim), dtype, self.device
         )
         self.k_cache: list[torch.Tensor] = list(self._storage[0].unbind(0))
         self.v_cache: list[torch.Tensor] = list(self._storage[1].unbind(0))
-        self._forget = platform.page_forgetter(self.device)
+        self._forget = platform_of(self.device).page_forgetter()
 
     @property
     def releases_pages(self) -> bool:

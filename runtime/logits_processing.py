@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 
 from servelm.runtime.batch import LogitBias, SequenceView
-from servelm.runtime.platform import host_to_device, token_bitmask_kernel
+from servelm.runtime.platform import platform_of
 
 
 def process_logits(logits: torch.Tensor, seqs: Sequence[SequenceView]) -> None:
@@ -28,6 +28,7 @@ def process_logits(logits: torch.Tensor, seqs: Sequence[SequenceView]) -> None:
     n_rows, vocab = logits.shape
     flat = logits.view(-1)
     device = logits.device
+    platform = platform_of(device)
     params = [s.params for s in seqs]
 
     biases: list[tuple[int, LogitBias]] = []
@@ -55,10 +56,10 @@ def process_logits(logits: torch.Tensor, seqs: Sequence[SequenceView]) -> None:
         bitmask = torch.empty(len(masked), (vocab + 31) // 32, dtype=torch.int32)
         for j, i in enumerate(masked):
             seqs[i].grammar.fill_bitmask(bitmask, j)  # type: ignore[union-attr]
-        apply_token_bitmask(logits, host_to_device(masked, device), host_to_device(bitmask, device))
+        apply_token_bitmask(logits, platform.host_to_device(masked, device), platform.host_to_device(bitmask, device))
     if biases:
         pos, val = _bias_positions(biases, vocab)
-        flat.index_add_(0, host_to_device(pos, device), host_to_device(val, device).to(logits.dtype))
+        flat.index_add_(0, platform.host_to_device(pos, device), platform.host_to_device(val, device).to(logits.dtype))
     if suppress:
         # min_tokens yields where it would forbid every token left (a structured output that must
         # end now): a row of -inf has no distribution to draw from.
@@ -70,16 +71,16 @@ def process_logits(logits: torch.Tensor, seqs: Sequence[SequenceView]) -> None:
             for t in stops
         ]
         if at:
-            flat.index_fill_(0, host_to_device(at, device), float("-inf"))
+            flat.index_fill_(0, platform.host_to_device(at, device), float("-inf"))
     if rep_rows:
         # CTRL / HF definition over prompt + output: shrink towards zero by r (grow if r < 1).
         pos, row_of = _flat_token_positions(seqs, rep_rows, vocab, output_only=False)
         if pos.numel():
-            pos, row_of = host_to_device(pos, device), host_to_device(row_of, device)
+            pos, row_of = platform.host_to_device(pos, device), platform.host_to_device(row_of, device)
             info = torch.finfo(logits.dtype)
             # An r below the dtype's range (the range is (0, 10]: 5e-324 is 0 in float32) counts as
             # its smallest normal number: r = 0 would turn a masked -inf into NaN, which argmax picks.
-            r = host_to_device([p.repetition_penalty for p in params], device, logits.dtype)[row_of].clamp_(min=info.tiny)
+            r = platform.host_to_device([p.repetition_penalty for p in params], device, logits.dtype)[row_of].clamp_(min=info.tiny)
             vals = flat[pos]
             # Duplicate positions all write the same value. A tiny r would push a positive logit to
             # inf, and the softmax to NaN: stay at the largest finite value. A token a structured
@@ -92,7 +93,7 @@ def process_logits(logits: torch.Tensor, seqs: Sequence[SequenceView]) -> None:
         if pos.numel():
             # Count each position's occurrences without ``unique``, whose output size the host
             # would have to wait for: sort, number the runs, count per run (at most n runs).
-            pos = torch.sort(host_to_device(pos, device)).values
+            pos = torch.sort(platform.host_to_device(pos, device)).values
             first = torch.ones_like(pos, dtype=torch.bool)
             first[1:] = pos[1:] != pos[:-1]
             run = torch.cumsum(first, 0) - 1
@@ -100,8 +101,8 @@ def process_logits(logits: torch.Tensor, seqs: Sequence[SequenceView]) -> None:
                 0, run, torch.ones(pos.numel(), dtype=logits.dtype, device=device)
             )
             row_of = pos // vocab
-            freq = host_to_device([p.frequency_penalty for p in params], device, logits.dtype)
-            pres = host_to_device([p.presence_penalty for p in params], device, logits.dtype)
+            freq = platform.host_to_device([p.frequency_penalty for p in params], device, logits.dtype)
+            pres = platform.host_to_device([p.presence_penalty for p in params], device, logits.dtype)
             # Each position once (at the first of its run); the rest of a run adds exactly 0.
             delta = torch.where(first, counts[run] * freq[row_of] + pres[row_of], 0.0)
             flat.index_add_(0, pos, -delta)
@@ -113,7 +114,7 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
     ``bitmask`` [len(rows), ceil(V / 32)] int32, on the logits' device (one bit per token: 6 KB a row
     for 49,152 tokens, where a boolean mask would be 48 KB to copy to a GPU).
     """
-    kernel = token_bitmask_kernel(logits.device) if logits.dtype == torch.float32 else None
+    kernel = platform_of(logits.device).token_bitmask_kernel() if logits.dtype == torch.float32 else None
     if kernel is not None:
         kernel(logits, rows, bitmask)
         return

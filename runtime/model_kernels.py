@@ -1,9 +1,12 @@
-"""What a device put into a loaded model, as a plain value the runner keeps and reports."""
+"""What a device put into a loaded model, as plain values the runner keeps and reports, and the
+few-row kernels' interface, which the model calls and a device fills."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
+
+import torch
 
 
 @dataclass
@@ -16,3 +19,23 @@ class ModelKernels:
     few_rows: Any = None  # CUDA: the fused few-row projections (``FewRowKernels``)
     few_rows_mode: str = "off"  # CUDA: "on", "auto" (graphs A/B them per size) or "off"
     few_rows_limit: int = 0  # most rows the fused few-row projections take
+
+
+@dataclass
+class FewRowKernels:
+    """Projections of a few rows with the op before each fused in (``runtime.cuda.triton_gemv`` on CUDA).
+
+    A forward of at most ``max_rows`` tokens uses them; ``max_rows`` is read at every forward, so the
+    CUDA-graph runner can capture each batch size with them (``max_rows >= size``) or without (0).
+    """
+
+    # (x, weight, bias) -> F.linear(x, weight, bias)
+    linear: Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+    # (x, residual | None, norm weight, eps, weight, bias) -> (linear(norm(x + residual)), x + residual)
+    rms_norm_linear: Callable[..., "tuple[torch.Tensor, torch.Tensor]"]
+    # (gate_up [T, 2I], weight, bias) -> linear(silu(gate) * up)
+    silu_mul_linear: Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+    max_rows: int = 0
+
+    def applies(self, rows: int) -> bool:
+        return 0 < rows <= self.max_rows

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from servelm.runtime import platform
+from servelm.runtime.platform import platform_of
 from servelm.runtime.quantization import AUTO, GROUP, NONE, QUANTIZATIONS, QuantizedKernel
 
 log = logging.getLogger(__name__)
@@ -23,7 +23,7 @@ def check_quantization(quantization: str | None, device: torch.device, dtype: to
         return  # auto decides at load time, and says no where int4 cannot run
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; supported: {', '.join(QUANTIZATIONS)}")
-    if not platform.quantization_supported(device):
+    if not platform_of(device).quantization:
         raise ValueError(f"--quantization {quantization} is implemented for the CPU path only (device {device})")
     if dtype != torch.float32:
         raise ValueError(f"--quantization {quantization} takes float32 activations: use --dtype float32 (got {dtype})")
@@ -52,7 +52,7 @@ def quantize_model(
             )
         model.quantize(quantization, kernels)
         return quantization
-    if not platform.quantization_supported(device) or dtype != torch.float32:
+    if not platform_of(device).quantization or dtype != torch.float32:
         log.info("--quantization auto: no quantization (it is for CPU float32; here %s %s)", device, dtype)
         return None
     if not kernels or any(k % GROUP for k in widths):

@@ -18,14 +18,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from servelm.runtime import lora, platform
+from servelm.runtime import lora
 from servelm.runtime.attention.base import AttentionBackend, AttentionMetadata
 from servelm.runtime.batch import BatchItem, RunnerOutput, SequenceView
 from servelm.runtime.capacity import kv_bytes_per_token
 from servelm.runtime.config import ModelConfig, UnsupportedModelError
 from servelm.runtime.kv_cache import KVPool
-from servelm.runtime.models.layers import FewRowKernels
-from servelm.runtime.platform import host_to_device
+from servelm.runtime.lora_updates import LoRAContext
+from servelm.runtime.model_kernels import FewRowKernels
+from servelm.runtime.platform import platform_of
 from servelm.runtime.gguf.folder import gguf_source
 from servelm.runtime.gguf import layer as stored_layer
 from servelm.runtime.gguf.projection import GGUF_ACTIVATIONS, use_int8_activations
@@ -53,7 +54,7 @@ def serves_as_stored(model_dir: str | Path, quantization: str | None, device: to
     return (
         gguf_source(model_dir) is not None
         and quantization in (None, AUTO)
-        and platform.quantization_supported(device)
+        and platform_of(device).quantization
         and dtype == torch.float32
     )
 
@@ -96,7 +97,8 @@ class ModelRunner:
         with activations rounded to int8 per block, as llama.cpp does (faster; no longer the float32 sum).
         """
         check_quantization(quantization, torch.device(device), dtype)
-        if not platform.serves_gemma(torch.device(device)) and model_config.gemma_norms:
+        self.platform = platform_of(device)
+        if not self.platform.serves_gemma and model_config.gemma_norms:
             raise UnsupportedModelError(f"{model_config.architecture} is served on CPU only (its sliding windows and norms have no CUDA path yet)")
         widths = projection_widths(model_config)
         check_group_widths(widths, quantization)
@@ -108,9 +110,10 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         if backend is None:
-            backend = platform.select_attention_backend(
-                self.device, block_size=block_size, dtype=dtype, head_dim=model_config.head_dim
+            backend = self.platform.attention_backend(
+                block_size=block_size, dtype=dtype, head_dim=model_config.head_dim, use_cpu_kernel=True
             )
+            log.info("attention backend: %s on %s (block size %d)", backend.name, self.device, block_size)
         self.backend = backend
         backend_bs = getattr(self.backend, "block_size", block_size)
         if backend_bs != block_size:
@@ -129,14 +132,14 @@ class ModelRunner:
             use_int8_activations(self.model.stored_methods())
         if self.weights_as_stored:
             stored_layer.attach(self.model)
-        kernels = platform.quantized_kernels(self.device) if quantization not in (None, NONE) else {}
+        kernels = self.platform.quantized_kernels() if quantization not in (None, NONE) else {}
         quantization = quantize_model(self.model, quantization, kernels, self.device, dtype, widths)
         self.quantized_kernels = kernels if quantization else {}
         self.quantization = quantization  # what runs ("auto" resolved): "int8", "int4" or None
         quant_rows = self.quantized_kernels[quantization][1] if quantization and self.quantized_kernels else 0
         # What a decode step reads (MBU, the device check's floor): quantized weights count their own bytes.
         self.weight_bytes = self.model.weight_bytes_read()
-        installed = platform.install_kernels(self.model, self.device, dtype, quant_rows)
+        installed = self.platform.install_kernels(self.model, dtype, quant_rows)
         self.packed_linears = installed.packed_linears
         self.small_m_linear = installed.small_m_linear
         self.fused_ops = installed.fused_ops
@@ -150,13 +153,13 @@ class ModelRunner:
         if num_blocks is not None:
             self.allocate_kv_pool(num_blocks)
         self.sampler = Sampler(seed)
-        self._lora: lora.LoRAContext | None = None  # set when the first adapter is added
+        self.lora_context: LoRAContext | None = None  # set when the first adapter is added
         self.lora_ids: set[int] = set()
         # The last sampling step's tokens (where they were drawn) and its sequences, row by row: what
         # a PENDING_TOKEN in the next step's inputs stands for.
-        self._last_tokens: torch.Tensor | None = None
-        self._last_seqs: list[SequenceView] = []
-        self._last_rows: dict[int, int] | None = None  # seq_id -> row, built on first use
+        self.last_tokens: torch.Tensor | None = None
+        self.last_seqs: list[SequenceView] = []
+        self.last_rows: dict[int, int] | None = None  # seq_id -> row, built on first use
         log.info(
             "model runner ready: %s; backend %s; matmuls %s",
             model_config.architecture,
@@ -189,7 +192,7 @@ class ModelRunner:
         self.kv_pool = self._new_pool(num_blocks)
         self.model.bind_kv_cache(self.kv_pool.k_cache, self.kv_pool.v_cache)
         if not self.enforce_eager:
-            self.graph_runner = platform.capture_decode_graphs(self, num_blocks)
+            self.graph_runner = self.platform.capture_decode_graphs(self, num_blocks)
         log.info("KV pool: %r", self.kv_pool)
 
     @torch.inference_mode()
@@ -234,7 +237,7 @@ class ModelRunner:
 
     def measure_kv_budget(self, gpu_memory_utilization: float, reserve_bytes: int = 0) -> int:
         """CUDA: bytes the KV pool may take, measured around ``warm_up`` (``runtime.cuda.memory``)."""
-        return platform.kv_budget_bytes(
+        return self.platform.kv_budget_bytes(
             self.device,
             gpu_memory_utilization,
             self.warm_up,
@@ -248,9 +251,9 @@ class ModelRunner:
         ``adapter_id`` (> 0). Its tensors are copied to the model's device and dtype."""
         if adapter_id <= 0 or adapter_id in self.lora_ids:
             raise ValueError(f"LoRA adapter id {adapter_id} is not positive or already in use")
-        if self._lora is None:
-            kernel = platform.lora_kernel(self.device)
-            self._lora = lora.attach(self.model, kernel)
+        if self.lora_context is None:
+            kernel = self.platform.lora_kernel()
+            self.lora_context = lora.attach(self.model, kernel)
         lora.add_adapter(self.model, adapter_id, adapter.to(self.device, self.dtype))
         self.lora_ids.add(adapter_id)
 
@@ -299,17 +302,17 @@ class ModelRunner:
             rows = self.sampler.sample_rows(
                 logits, seqs, reload=lambda: self.sampled_logits(inputs, step.hidden, step.logits)
             )
-            self._last_tokens, self._last_seqs, self._last_rows = rows.tokens, seqs, None
+            self.last_tokens, self.last_seqs, self.last_rows = rows.tokens, seqs, None
         else:
-            self._last_tokens, self._last_seqs, self._last_rows = None, [], None
+            self.last_tokens, self.last_seqs, self.last_rows = None, [], None
         ready = None
-        if platform.copies_results_async(self.device) and (rows is not None or scored is not None):
+        if self.platform.copies_results_async and (rows is not None or scored is not None):
             # Into pinned host memory without blocking; ``result`` waits on this event alone.
             if rows is not None:
                 rows = rows.with_tensors([t.to("cpu", non_blocking=True) for t in rows.tensors()])
             if scored is not None:
                 scored = (scored[0], [p.with_tensors([t.to("cpu", non_blocking=True) for t in p.tensors()]) for p in scored[1]])
-            ready = platform.results_ready_event(self.device)
+            ready = self.platform.results_ready_event(self.device)
         return StepOutput(len(step.items), inputs.sample_items, rows, ready, scored)
 
     def score_prompt(self, score: PromptScoring, out: torch.Tensor, is_logits: bool) -> list[LogprobTensors]:
@@ -318,9 +321,9 @@ class ModelRunner:
         parts = []
         for a in range(0, len(score.rows), SCORE_ROWS):
             rows = score.rows[a : a + SCORE_ROWS]
-            h = out.index_select(0, host_to_device(rows, out.device))
+            h = out.index_select(0, self.platform.host_to_device(rows, out.device))
             logits = (h if is_logits else self.model.compute_logits(h)).float()
-            targets = host_to_device(score.targets[a : a + SCORE_ROWS], out.device)
+            targets = self.platform.host_to_device(score.targets[a : a + SCORE_ROWS], out.device)
             parts.append(logprob_tensors(logits.log_softmax(-1), targets, list(range(len(rows))), score.ks[a : a + SCORE_ROWS]))
         return parts
 
@@ -343,7 +346,7 @@ class ModelRunner:
             return self.graph_runner.replay(len(inputs.order))
         if inputs.lora is None:
             return self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        ctx = self._lora
+        ctx = self.lora_context
         assert ctx is not None
         ctx.set(inputs.lora.plan, inputs.lora.row_adapter)
         try:

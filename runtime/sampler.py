@@ -39,7 +39,7 @@ import torch
 
 from servelm.runtime.batch import SamplingSpec, SequenceView, TokenLogprobs
 from servelm.runtime.logits_processing import process_logits
-from servelm.runtime.platform import host_to_device
+from servelm.runtime.platform import platform_of
 from servelm.runtime.sampled_rows import SampledRows, logprob_tensors
 from servelm.runtime.truncation import Truncation, argmax_rows, inverse_cdf, sample_sorted, truncate
 
@@ -71,10 +71,10 @@ def tempered_softmax(x: torch.Tensor, params: Sequence[SamplingSpec]) -> torch.T
     if len(near) == len(params):
         x.sub_(x.amax(-1, keepdim=True))
     elif near:
-        idx = host_to_device(near, x.device)
+        idx = platform_of(x.device).host_to_device(near, x.device)
         rows = x.index_select(0, idx)
         x.index_copy_(0, idx, rows.sub_(rows.amax(-1, keepdim=True)))
-    return x.div_(host_to_device(temps, x.device, x.dtype).unsqueeze(1)).softmax(-1)
+    return x.div_(platform_of(x.device).host_to_device(temps, x.device, x.dtype).unsqueeze(1)).softmax(-1)
 
 
 class Sampler:
@@ -137,7 +137,7 @@ class Sampler:
         ok = [i for i in range(n) if i not in errors]
         if not ok:
             return out
-        idx = host_to_device(ok, logits.device)
+        idx = platform_of(logits.device).host_to_device(ok, logits.device)
         try:
             part = self._sample_batch(logits.index_select(0, idx), [seqs[i] for i in ok], u[ok])
         except Exception as e:  # these rows raise only together: none of them can be trusted
@@ -156,8 +156,9 @@ class Sampler:
         self.process_logits(logits, seqs)
 
         device = logits.device
+        platform = platform_of(device)
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        lp_idx = host_to_device(lp_rows, device) if lp_rows else None
+        lp_idx = platform.host_to_device(lp_rows, device) if lp_rows else None
         logprobs = logits.index_select(0, lp_idx).log_softmax(-1) if lp_idx is not None else None
 
         greedy = [i for i, p in enumerate(params) if p.temperature < GREEDY_TEMPERATURE]
@@ -168,8 +169,8 @@ class Sampler:
         else:
             greedy_set = set(greedy)
             rand = [i for i in range(n_rows) if i not in greedy_set]
-            g_idx = host_to_device(greedy, device)
-            r_idx = host_to_device(rand, device)
+            g_idx = platform.host_to_device(greedy, device)
+            r_idx = platform.host_to_device(rand, device)
             tokens = torch.empty(n_rows, dtype=torch.int64, device=device)
             tokens[g_idx] = argmax_rows(logits.index_select(0, g_idx))
             tokens[r_idx] = self._sample_rows(logits.index_select(0, r_idx), [seqs[i] for i in rand], u[rand])
@@ -191,6 +192,7 @@ class Sampler:
         ``x`` is modified."""
         n, vocab = x.shape
         device = x.device
+        platform = platform_of(device)
         params = [s.params for s in seqs]
         probs = tempered_softmax(x, params)
 
@@ -203,16 +205,16 @@ class Sampler:
         if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
             cut = truncate(
                 probs,
-                host_to_device(top_k, device),
-                host_to_device(top_p, device, probs.dtype),
+                platform.host_to_device(top_k, device),
+                platform.host_to_device(top_p, device, probs.dtype),
             )
         floor = cut.floor
         if any(m > 0.0 for m in min_p):
             # The most likely token survives top-k/top-p, and ratios survive renormalisation, so
             # min-p compares with the untruncated max.
-            floor = torch.maximum(floor, host_to_device(min_p, device, probs.dtype) * probs.amax(-1))
+            floor = torch.maximum(floor, platform.host_to_device(min_p, device, probs.dtype) * probs.amax(-1))
 
-        u = host_to_device(u, device)
+        u = platform.host_to_device(u, device)
         if not cut.heads:
             if bool((floor > 0).any()):
                 probs.masked_fill_(probs < floor.unsqueeze(1), 0.0)

@@ -15,7 +15,7 @@ import torch
 
 from servelm.runtime.attention.base import AttentionMetadata
 from servelm.runtime.batch import BatchItem, PromptLogprobs, RunnerOutput, TokenLogprobs
-from servelm.runtime.platform import host_to_device
+from servelm.runtime.platform import platform_of
 from servelm.runtime.sampled_rows import LogprobTensors, SampledRows
 
 
@@ -171,5 +171,5 @@ def to_device(segments: Sequence[list[int]], dtype: torch.dtype, device: torch.d
         bounds.append((len(flat), len(flat) + len(seg)))
         flat += seg
     buf = torch.from_numpy(np.array(flat, dtype=_NUMPY_DTYPES[dtype]))
-    buf = host_to_device(buf, device)
+    buf = platform_of(device).host_to_device(buf, device)
     return [buf[a:b] for a, b in bounds]

@@ -6,17 +6,48 @@ captured graph replays, the same staged into the graph's input buffers."""
 from __future__ import annotations
 
 from itertools import accumulate
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from servelm.runtime import lora
+from servelm.runtime.lora_updates import KERNEL_MAX_ROWS
 from servelm.runtime.attention.base import AttentionMetadata
 from servelm.runtime.batch import PENDING_TOKEN, BatchItem, SequenceView
 from servelm.runtime.step import LoRAStep, PromptScoring, StepInputs, extend_slots, is_decode, to_device
 
 if TYPE_CHECKING:
-    from servelm.runtime.runner import ModelRunner
+    from servelm.runtime.attention.base import AttentionBackend
+    from servelm.runtime.config import ModelConfig
+    from servelm.runtime.lora_updates import LoRAContext
+
+
+class CapturedSteps(Protocol):
+    """The decode graphs as a step is staged into them (``cuda.graphs.CudaGraphRunner``)."""
+
+    inputs: Any  # cuda.graph_inputs.GraphInputs: the buffers a step is staged into
+
+    def can_run(self, num_decodes: int, num_tokens: int, block_table_width: int) -> bool: ...
+
+    def padded(self, num_decodes: int) -> int: ...
+
+
+class ModelRunner(Protocol):
+    """What a step is built from (``runtime.runner.ModelRunner``): its limits, its device and kernels,
+    and what its previous step left (the tokens a pending row takes, the LoRA context)."""
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    model_config: ModelConfig
+    block_size: int
+    device: torch.device
+    dtype: torch.dtype
+    backend: AttentionBackend
+    graph_runner: CapturedSteps | None
+    lora_context: LoRAContext | None
+    lora_ids: set[int]
+    last_tokens: torch.Tensor | None
+    last_seqs: list[SequenceView]
+    last_rows: dict[int, int] | None
 
 
 def build_step(runner: ModelRunner, items: list[BatchItem]) -> StepInputs:
@@ -133,7 +164,7 @@ def build_step(runner: ModelRunner, items: list[BatchItem]) -> StepInputs:
         if used < width:
             flat_tables += [0] * (width - used)
 
-    lora_plan = _lora_step(runner, items, order, num_tokens) if runner._lora is not None else None
+    lora_plan = _lora_step(runner, items, order, num_tokens) if runner.lora_context is not None else None
     # A decode-only step that fits the captured shapes replays a graph: staged straight into its
     # input buffers (its metadata was built at capture, so the backend's per-step derivation is
     # skipped). The graphs hold no LoRA updates.
@@ -156,8 +187,8 @@ def build_step(runner: ModelRunner, items: list[BatchItem]) -> StepInputs:
         (input_ids, positions, slots, sample_rows, pending_at, pending_from), torch.int64, dev
     )
     if pending_at:
-        assert runner._last_tokens is not None
-        ids_t.index_copy_(0, pending_at_t, runner._last_tokens.index_select(0, pending_from_t))
+        assert runner.last_tokens is not None
+        ids_t.index_copy_(0, pending_at_t, runner.last_tokens.index_select(0, pending_from_t))
     query_start_t, seq_lens_t, context_lens_t, tables_t = to_device(
         (list(accumulate(query_lens, initial=0)), seq_lens, context_lens, flat_tables), torch.int32, dev
     )
@@ -204,8 +235,8 @@ def _lora_step(runner: ModelRunner, items: list[BatchItem], order: list[int], nu
     if not rows:
         return None
     ids = list(rows)
-    assert runner._lora is not None
-    if runner._lora.kernel is not None and runner.dtype == torch.float32 and num_rows <= lora.KERNEL_MAX_ROWS:
+    assert runner.lora_context is not None
+    if runner.lora_context.kernel is not None and runner.dtype == torch.float32 and num_rows <= KERNEL_MAX_ROWS:
         index = [-1] * num_rows
         for k, adapter_id in enumerate(ids):
             for r in rows[adapter_id]:
@@ -218,9 +249,9 @@ def _lora_step(runner: ModelRunner, items: list[BatchItem], order: list[int], nu
 
 def _pending_row(runner: ModelRunner, seq: SequenceView) -> int:
     """The row of the last sampling step that drew ``seq``'s pending token."""
-    if runner._last_rows is None:
-        runner._last_rows = {s.seq_id: r for r, s in enumerate(runner._last_seqs)}
-    row = runner._last_rows.get(seq.seq_id)
+    if runner.last_rows is None:
+        runner.last_rows = {s.seq_id: r for r, s in enumerate(runner.last_seqs)}
+    row = runner.last_rows.get(seq.seq_id)
     if row is None:
         raise ValueError(f"seq {seq.seq_id}: a pending token that the last step did not sample")
     return row
@@ -248,7 +279,7 @@ def _stage_graph_step(
     buf = g.inputs
     buf.stage(
         input_ids, positions, slots, seq_lens, flat_tables, width, g.padded(n),
-        pending_at, pending_from, runner._last_tokens if pending_at else None,
+        pending_at, pending_from, runner.last_tokens if pending_at else None,
     )  # fmt: skip
     if len(sample_rows) == n:  # every decode samples: rows 0..n-1
         sample_rows_t = buf.rows[:n]

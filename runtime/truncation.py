@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from servelm.runtime.platform import has_scalar_argmax
+from servelm.runtime.platform import platform_of
 
 # Truncation never sorts a whole row (torch's CPU sort of 49,152 floats: ~1.7 ms per row here).
 # Top-k with k up to DIRECT_TOP_K ranks a head of k tokens (``_head``), and top-p first looks for
@@ -44,7 +44,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     the first block holding the row max, then the first maximum inside that block.
     """
     n, v = x.shape
-    if not has_scalar_argmax(x.device):
+    if not platform_of(x.device).scalar_argmax:
         return x.argmax(-1)  # (on a GPU argmax is one fast kernel)
     if x.dtype in _NUMPY_FLOATS and x.numel() <= _NUMPY_ARGMAX_MAX:
         # numpy's argmax also takes the first maximum, and the first NaN, as torch's does

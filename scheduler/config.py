@@ -18,7 +18,7 @@ class EngineConfig:
     block_size: int | None = None  # None => 16 on CPU, what the attention backend needs on CUDA
     kv_cache_memory: int | None = None  # bytes for the KV pool (CPU); None => 2 GiB on CPU
     gpu_memory_utilization: float = 0.9
-    max_model_len: int | None = None  # None => min(model's max positions, 8192)
+    max_model_len: int | None = None  # None => the model's max positions as far as the KV pool holds them (CPU), else min(them, 8192)
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # None => 512 on CPU, 8192 on CUDA
     enable_prefix_caching: bool = True

@@ -31,7 +31,8 @@ from servelm.scheduler.outputs import ChoiceGroup, GenerationResult, RequestOutp
 from servelm.scheduler.request import Request, RequestStatus
 from servelm.scheduler.sampling_params import InvalidParameterError, SamplingParams, check_request
 from servelm.scheduler.startup import RunnerLike, StepResult, start_up
-from servelm.scheduler.stop import StopChecker, accept_token
+from servelm.scheduler.stop import accept_token
+from servelm.scheduler.stop_strings import StopChecker
 from servelm.scheduler.structured_output import GrammarCompiler
 
 log = logging.getLogger(__name__)
@@ -375,15 +376,14 @@ class Engine:
             self._groups.pop(group.request_id, None)
         return out
 
-    # -- offline -------------------------------------------------------------------------------------
     def generate(
         self,
         prompts: Sequence[str] | Sequence[Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams],
         lora_names: str | Sequence[str | None] | None = None,
     ) -> list[GenerationResult]:
-        """Run prompts (texts or token ids) to completion, each with its LoRA adapter (one name for
-        all, or one per prompt; None: the base model); results in prompt order."""
+        """Run prompts (texts or token ids) to completion, each with its LoRA adapter (one name for all,
+        or one per prompt; None: the base model); results in prompt order (``scheduler.offline``)."""
         return offline.generate(self, prompts, params, lora_names)
 
     def new_offline_id(self) -> str:

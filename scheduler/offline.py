@@ -2,14 +2,37 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Protocol, Sequence
 
+from servelm.runtime.lora import LoRAAdapter
 from servelm.scheduler.lora_registry import LoRALimitError, LoRANotLoadedError
 from servelm.scheduler.outputs import ChoiceGroup, GeneratedChoice, GenerationResult
 from servelm.scheduler.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from servelm.scheduler.engine import Engine
+
+class Engine(Protocol):
+    """What ``generate`` drives (``scheduler.engine.Engine``)."""
+
+    tokenizer: Any
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+        lora_name: str | None = None, lora_adapter: LoRAAdapter | None = None,
+    ) -> None: ...  # fmt: skip
+
+    def read_lora_adapter(self, path: str) -> LoRAAdapter: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def step(self) -> Any: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def new_offline_id(self) -> str: ...
+
+    def choice_group(self, request_id: str) -> ChoiceGroup: ...
+
+    def forget(self, request_id: str) -> None: ...
 
 
 def generate(

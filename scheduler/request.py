@@ -15,7 +15,7 @@ from servelm.scheduler.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # runtime-free imports only for type checkers
     from servelm.scheduler.detokenizer import IncrementalDetokenizer
-    from servelm.scheduler.stop import StopChecker
+    from servelm.scheduler.stop_strings import StopChecker
     from servelm.scheduler.structured_output import GrammarMatcher
 
 _SEED_MASK = (1 << 64) - 1

@@ -6,17 +6,11 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Sequence
 
+from servelm.scheduler.errors import InvalidParameterError
+
 if TYPE_CHECKING:
     from servelm.runtime.batch import LogitBias
     from servelm.scheduler.structured_output import StructuredOutput
-
-
-class InvalidParameterError(ValueError):
-    """A request parameter is out of range; ``param`` names it (OpenAI's error ``param``)."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 class LoRANotFoundError(InvalidParameterError):

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from servelm.runtime.batch import BatchItem, RunnerOutput
-from servelm.runtime.capacity import Capacity, plan_capacity
+from servelm.runtime.capacity import Capacity, kv_bytes_per_token, plan_capacity
 from servelm.runtime.config import ModelConfig
 from servelm.runtime.gguf.folder import stored_weight_bytes
 from servelm.runtime.model_files import resolve_model_path
-from servelm.runtime.platform import default_dtype, device_defaults, kv_dtype_supported, release_cached_memory, resolve_device
+from servelm.runtime.platform import platform_of, resolve_device
 from servelm.runtime.runner import ModelRunner, serves_as_stored
 from servelm.runtime.tokenizer import load_tokenizer
 from servelm.scheduler.block_manager import BlockManager
@@ -122,7 +122,7 @@ def start_up(config: EngineConfig, runner: RunnerLike | None = None) -> StartUp:
     if tp != 1:
         check_tensor_parallel_serving(config, mc, model_dir, device, enable_lora, injected=runner is not None)
 
-    defaults = device_defaults(device, dtype, mc.head_dim)
+    defaults = platform_of(device).defaults(dtype, mc.head_dim)
     max_model_len = resolve_max_model_len(mc, config.max_model_len, sliding_window_supported=defaults.sliding_window)
     max_batched = config.max_num_batched_tokens or defaults.max_num_batched_tokens
     block_size = config.block_size if config.block_size is not None else defaults.block_size
@@ -140,13 +140,18 @@ def start_up(config: EngineConfig, runner: RunnerLike | None = None) -> StartUp:
             )
         else:
             unpooled.warm_up()
-            release_cached_memory(device)
+            platform_of(device).release_cached_memory()
     if kv_memory is None:
         kv_memory = defaults.kv_cache_memory
     if kv_memory is None:  # an injected runner, where the pool is sized from memory
         if runner is None or runner.kv_pool is None:
             raise ValueError(f"an injected runner on {device} needs kv_cache_memory or a kv_pool")
         kv_memory = runner.kv_pool.nbytes
+    if config.max_model_len is None and not defaults.sizes_kv_from_memory:
+        # The pool's size is known before any weights: serve the model's whole context when it fits (a
+        # 16k-token prompt to a 32k model is not a 400 by default), as vLLM does on a GPU.
+        pool_tokens = kv_memory // (kv_bytes_per_token(mc, kv_dtype) // tp * block_size) * block_size
+        max_model_len = resolve_max_model_len(mc, None, defaults.sliding_window, pool_tokens)
     # Under tensor parallelism the budget is each rank's, as vLLM's memory settings are per GPU.
     capacity = plan_capacity(mc, dtype, kv_memory, block_size, max_model_len, stored_weight_bytes(model_dir), kv_dtype, tp)
     log.info("KV capacity: %s", capacity.describe())
@@ -239,7 +244,7 @@ def released_window(mc: ModelConfig, runner: RunnerLike, config: EngineConfig) -
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """A dtype name, or ``auto``: the device's default."""
     if name == "auto":
-        return default_dtype(device)
+        return platform_of(device).default_dtype
     try:
         return DTYPES[name.lower()]
     except KeyError:
@@ -261,7 +266,7 @@ def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device, like_l
         kv_dtype = torch.float16 if like_llama_cpp else dtype
     else:
         kv_dtype = resolve_dtype(name, device)
-    if not kv_dtype_supported(device, dtype, kv_dtype):
+    if not platform_of(device).kv_dtype_supported(dtype, kv_dtype):
         raise ValueError(
             f"--kv-cache-dtype {name} with --dtype {DTYPE_NAMES.get(dtype, dtype)} on {device}: a cache "
             "unlike the weights is served on CPU under float32 weights only (use --kv-cache-dtype auto)"
@@ -288,10 +293,15 @@ def eos_ids(model_dir: Path, model_config: ModelConfig, tokenizer: Any) -> tuple
     return tuple(dict.fromkeys(ids))
 
 
-def resolve_max_model_len(mc: ModelConfig, requested: int | None, sliding_window_supported: bool = True) -> int:
-    """The context length served: the request, else the model's (capped), within its positions; and,
+def resolve_max_model_len(
+    mc: ModelConfig, requested: int | None, sliding_window_supported: bool = True, pool_tokens: int | None = None
+) -> int:
+    """The context length served: the request; else the model's positions as far as the KV pool holds
+    them (``pool_tokens``, where the pool's size is known first), at least DEFAULT_MAX_MODEL_LEN_CAP
+    (a pool that holds less is then refused by ``plan_capacity``), or with no pool size that cap; and,
     where the attention backend has no sliding windows (CUDA), within the model's window."""
-    max_model_len = requested or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
+    default = DEFAULT_MAX_MODEL_LEN_CAP if pool_tokens is None else max(DEFAULT_MAX_MODEL_LEN_CAP, pool_tokens)
+    max_model_len = requested or min(mc.max_position_embeddings, default)
     if max_model_len > mc.max_position_embeddings:
         raise ValueError(
             f"max_model_len={max_model_len} exceeds the model's {mc.max_position_embeddings} positions"

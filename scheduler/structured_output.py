@@ -27,7 +27,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Literal, Sequence
 
-from servelm.scheduler.sampling_params import InvalidParameterError
+from servelm.scheduler.errors import InvalidParameterError
 from servelm.runtime.tokenizer import tokenizer_json
 
 if TYPE_CHECKING:  # the server builds specs and compiles them without importing torch

@@ -44,7 +44,7 @@ REPO = checkout.use_checkout()
 
 import torch  # noqa: E402
 
-from servelm.runtime.platform import default_dtype, is_cuda  # noqa: E402
+from servelm.runtime.platform import platform_of  # noqa: E402
 
 from device_checks.common import (  # noqa: E402  (scripts/ is on sys.path: this file's folder)
     GiB,
@@ -56,6 +56,7 @@ from device_checks.common import (  # noqa: E402  (scripts/ is on sys.path: this
     build_hf_model,
     engine_config,
     free_memory,
+    is_cuda,
     random_prompts,
     save_model_folder,
 )
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda", torch.cuda.current_device())
     if not is_cuda(device) and args.tiny:
         torch.set_num_threads(1)  # a tiny model gains nothing from threads, and they thrash on a busy machine
-    dtype_name = args.dtype or str(default_dtype(device)).removeprefix("torch.")
+    dtype_name = args.dtype or str(platform_of(device).default_dtype).removeprefix("torch.")
     dtype = getattr(torch, dtype_name)
     shape = TINY if args.tiny else LLAMA3_8B
     plan = Plan.dry() if args.dry_run else Plan()

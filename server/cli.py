@@ -64,7 +64,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"], help="weight and KV dtype (default: auto = float32 on CPU, bfloat16 on CUDA)")
     g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "float32", "bfloat16", "float16"], help="KV cache dtype (default: auto = --dtype, or float16 where a GGUF file runs with int8 activations, as llama.cpp's default cache). On CPU, bfloat16 or float16 under float32 weights halve the KV pool's bytes per token, as llama.cpp's f16 cache does; attention still computes in float32, but greedy tokens are then no longer exactly transformers' float32 ones. On CUDA it must equal --dtype")
     g.add_argument("--device", default=d.device, help="auto, cpu or cuda[:N] (default: auto = cuda when available)")
-    g.add_argument("--max-model-len", type=positive_int, default=None, help="longest prompt + completion in tokens (default: min(model's max positions, 8192))")
+    g.add_argument("--max-model-len", type=positive_int, default=None, help="longest prompt + completion in tokens (default: the model's max positions where the KV pool holds them, else what it holds, at least min(them, 8192); on CUDA min(them, 8192))")
 
     g = p.add_argument_group("memory and batching")
     g.add_argument("--kv-cache-memory", type=parse_size, default=None, help="KV pool size, e.g. 2GiB, 512MiB or bytes (default: 2 GiB on CPU)")
@@ -211,7 +211,7 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     from servelm.runtime.capacity import CapacityError
     from servelm.runtime.config import UnsupportedModelError
-    from servelm.runtime.platform import gil_switch_interval
+    from servelm.runtime.platform import platform_of
     from servelm.scheduler.engine import Engine
     from servelm.server.app import ObserverProxy, build_app, create_prometheus_observer
     from servelm.server.async_engine import AsyncEngine
@@ -235,7 +235,7 @@ def run_serve(args: argparse.Namespace) -> int:
         log.error("cannot start: %s", e)
         return 1
     proxy.target = observer
-    interval = gil_switch_interval(engine.device)
+    interval = platform_of(engine.device).gil_switch_interval
     if interval is not None:
         sys.setswitchinterval(interval)
     log.info("model %s (%s); capacity: %s", engine.served_model_name, engine.config.model or "default", engine.capacity.describe())

@@ -36,9 +36,9 @@ def run_in_transient_thread(fn: Callable[[], T], name: str = "servelm-startup") 
     of worker threads for every thread that ever ran a parallel region, for that thread's life. With
     the main thread's team alive beside the engine thread's, libgomp manages more threads than there
     are cores and throttles its barrier spinning to almost nothing: every one of a decode step's
-    ~200 parallel regions then sleeps and wakes its worker through a futex. Measured on 2 cores with
-    the default model at batch 1: 24.5 ms per step with the engine thread's team alone, 31-36 ms with
-    a second team alive. A thread that exits takes its team with it.
+    ~200 parallel regions then sleeps and wakes its worker through a futex: a decode step of the
+    default model took ~1.3-1.5x as long with a second team alive (docs/benchmarks.md). A thread that
+    exits takes its team with it.
     """
     box: dict[str, Any] = {}
 

@@ -37,7 +37,7 @@ ENV = "SERVELM_CPU_LINEAR"  # "auto" (default) | "onednn" | "torch"
 # Small-batch matmul shapes that MKL's sgemm handles badly (measured with scripts/bench_runner.py's
 # setup): the fused gate/up projection is faster as two matmuls at a few rows (up to 25% at 4-8 rows),
 # and the vocabulary projection of a few rows is faster as W @ h^T than as h @ W^T (up to 45% at 4
-# rows). Fixed when the model is built (``platform.small_batch_splits``), so forward() never asks the
+# rows). Fixed when the model is built (``CpuPlatform.small_batch_splits``), so forward() never asks the
 # device. Only used when the weights are not packed for oneDNN (``pack``), faster than either.
 SPLIT_GATE_UP_MAX_ROWS = 16
 TALL_SKINNY_HEAD_MAX_ROWS = 8

@@ -35,7 +35,7 @@ from servelm.runtime.cuda.graph_inputs import GraphInputs, capture_sizes, padded
 from servelm.runtime.cuda.graph_variants import VariantTiming, few_row_tolerance
 
 if TYPE_CHECKING:
-    from servelm.runtime.models.layers import FewRowKernels
+    from servelm.runtime.model_kernels import FewRowKernels
 
 log = logging.getLogger(__name__)
 

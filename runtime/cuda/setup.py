@@ -4,19 +4,32 @@ the decode graphs captured once the KV pool exists, and the KV budget measured f
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from servelm.runtime.cuda import pdl
 from servelm.runtime.cuda.graphs import CudaGraphRunner
-from servelm.runtime.models.layers import FewRowKernels
-from servelm.runtime.model_kernels import ModelKernels
+from servelm.runtime.model_kernels import FewRowKernels, ModelKernels
 
 if TYPE_CHECKING:
     import torch
 
-    from servelm.runtime.runner import ModelRunner
+    from servelm.runtime.attention.base import AttentionBackend
 
 log = logging.getLogger(__name__)
+
+
+class GraphHost(Protocol):
+    """What the decode graphs are captured from (``runtime.runner.ModelRunner``)."""
+
+    model: Any
+    backend: AttentionBackend
+    device: torch.device
+    max_num_seqs: int
+    max_model_len: int
+    block_size: int
+    few_rows: FewRowKernels | None
+    few_rows_limit: int
+    few_rows_mode: str
 
 
 def install_kernels(model: Any) -> ModelKernels:
@@ -47,7 +60,7 @@ def install_kernels(model: Any) -> ModelKernels:
     return kernels
 
 
-def capture_decode_graphs(runner: ModelRunner, num_blocks: int) -> CudaGraphRunner:
+def capture_decode_graphs(runner: GraphHost, num_blocks: int) -> CudaGraphRunner:
     """Capture the runner's decode graphs (after its pool exists: the graphs read its addresses)."""
     no_pdl = pdl.unavailable_reason(runner.device) if runner.few_rows_limit else "no fused few-row projections"
     if no_pdl is not None:

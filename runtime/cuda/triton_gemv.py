@@ -51,9 +51,8 @@ from servelm.runtime.cuda.triton_pdl import wait_then_release
 # Up to this many rows (the next power of two of the row count is a compile-time tile dimension).
 MAX_ROWS = 4
 # Decode graphs try the fused kernels (an A/B at capture, ``runtime.cuda.graphs``) up to this many
-# rows. On an H200 (Llama-3-8B shape, bf16, 2026-12-01) one row beat cuBLAS + the unfused ops
-# (graph 3.97 vs 4.33 ms), but the dot tiles for 2 and 4 rows lost on every projection (x0.32-0.94;
-# graphs 6.9 vs 4.4 ms), so sizes 2 and 4 would only add compiles and A/B time at start-up.
+# rows. On an H200 one row beat cuBLAS + the unfused ops, but the dot tiles for 2 and 4 rows lost on
+# every projection (docs/cuda.md), so sizes 2 and 4 would only add compiles and A/B time at start-up.
 AUTO_MAX_ROWS = 1
 
 # Ops before the projection (the kernel's PROLOGUE).

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from servelm.runtime import platform
+from servelm.runtime.platform import platform_of
 from servelm.runtime.config import ModelConfig
 from servelm.runtime.distributed.comm import Communicator
 from servelm.runtime.distributed.sharding import check_tensor_parallel
@@ -45,7 +45,7 @@ PARENT_POLL_S = 1.0
 
 def backend_for(device: torch.device) -> str:
     """The one place the collectives' backend is chosen: NCCL between CUDA devices, gloo on CPU."""
-    return "nccl" if platform.is_cuda(device) else "gloo"
+    return platform_of(device).distributed_backend
 
 
 def _join(rank: int, world_size: int, init_method: str, backend: str, timeout_s: float) -> Communicator:

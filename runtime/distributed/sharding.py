@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from servelm.runtime import platform
+from servelm.runtime.platform import platform_of
 from servelm.runtime.attention.base import AttentionBackend
 from servelm.runtime.config import ModelConfig, UnsupportedModelError
 from servelm.runtime.distributed.comm import Communicator
@@ -56,10 +56,11 @@ def check_tensor_parallel(
             raise UnsupportedModelError(
                 f"tensor parallel size {world_size}: {cfg.architecture} has {n} {what}, not divisible by {world_size}"
             )
-    if platform.is_cuda(device):
-        # NCCL is chosen for CUDA (``launcher.backend_for``), but no CUDA run has ever checked it.
+    platform = platform_of(device)
+    if not platform.tensor_parallel_proven:
         raise UnsupportedModelError(
-            f"tensor parallelism on CUDA (device {device}, NCCL) is unproven, so it is refused: it has only run on CPU over gloo (--device cpu)"
+            f"tensor parallelism on {platform.name.upper()} (device {device}, {platform.distributed_backend.upper()}) is unproven, "
+            "so it is refused: it has only run on CPU over gloo (--device cpu)"
         )
     if quantization not in (None, NONE):
         raise UnsupportedModelError(f"--quantization {quantization} is not supported with tensor parallelism yet")

@@ -10,7 +10,7 @@ forward, hand their logits slice to the gather, until rank 0 releases the model.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -24,15 +24,24 @@ from servelm.runtime.models.llama import CausalLM
 from servelm.runtime.runner import SCORE_ROWS, ModelRunner
 from servelm.runtime.step import StepInputs
 
-if TYPE_CHECKING:
-    from servelm.runtime.distributed.launcher import TensorParallelGroup
+
+
+class WorkerGroup(Protocol):
+    """Rank 0's worker processes as the runner uses them (``launcher.TensorParallelGroup``)."""
+
+    on_worker_death: Callable[..., None] | None
+    failure: BaseException | None
+
+    def released(self, runner: TensorParallelRunner) -> None: ...
+
+    def shutdown(self) -> None: ...
 
 
 class TensorParallelRunner(ModelRunner):
     """A ``ModelRunner`` over one rank's shard; ``comm`` says which rank (0 drives, samples)."""
 
     def __init__(
-        self, model_dir: Path, model_config: ModelConfig, *, comm: Communicator, group: TensorParallelGroup | None = None, **kwargs: Any
+        self, model_dir: Path, model_config: ModelConfig, *, comm: Communicator, group: WorkerGroup | None = None, **kwargs: Any
     ) -> None:
         check_tensor_parallel(
             model_config, comm.world_size, device=torch.device(kwargs.get("device", "cpu")),

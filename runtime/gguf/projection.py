@@ -26,9 +26,8 @@ from .registry import BLOCK_LAYOUT, Dequantizer, dequantizer
 TILE_BYTES = 2 << 20
 MIN_TILE_ROWS = 16
 # Most rows a step may have for the compiled kernel, which takes them KERNEL_CHUNK rows a call (its
-# few-row path); larger steps amortise a dequantized tile over enough rows that the matmul wins. On the
-# 2-core AVX2 EPYC (2026-12-03, 2 threads) 8-row chunks beat tiles up to ~32 rows on the layers' shapes
-# (Q4_K 2048x2048 M=32: 7.2 vs 12.9 ms; M=64: 14.7 vs 8.3) and far beyond on a vocabulary head.
+# few-row path); larger steps amortise a dequantized tile over enough rows that the matmul wins (the
+# crossover, ~32 rows on the layers' shapes and far beyond on a vocabulary head: docs/gguf.md).
 KERNEL_MAX_ROWS = 32
 KERNEL_CHUNK = 8
 # With int8 activations the kernel's integer tiles outrun the dequantized float tiles at every step

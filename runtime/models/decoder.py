@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from servelm.runtime import platform
+from servelm.runtime.platform import platform_of
 from servelm.runtime.attention.base import AttentionBackend, AttentionMetadata, QKNorm
 from servelm.runtime.config import ModelConfig
+from servelm.runtime.model_kernels import FewRowKernels
 from servelm.runtime.models.layers import (
     CosSin,
-    FewRowKernels,
     Linear,
     RMSNorm,
     RotaryEmbedding,
@@ -25,9 +25,9 @@ from servelm.runtime.models.layers import (
     apply_rope,
 )
 
-if TYPE_CHECKING:  # (lora imports this module: the layers it attaches to)
+if TYPE_CHECKING:
     from servelm.runtime.gguf.layer import StoredStep
-    from servelm.runtime.lora import LoRAContext
+    from servelm.runtime.lora_updates import LoRAContext
 
 
 class Attention(nn.Module):
@@ -125,7 +125,7 @@ class MLP(nn.Module):
             cfg.hidden_size, [("gate", cfg.intermediate_size), ("up", cfg.intermediate_size)], False, dtype, device
         )
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, device)
-        self.split_max_rows = platform.small_batch_splits(device)[0]
+        self.split_max_rows = platform_of(device).small_batch_splits[0]
         self.act_mul: Callable[[torch.Tensor], torch.Tensor] | None = None  # silu(gate) * up in one kernel
         self.gelu = cfg.hidden_act == "gelu_tanh"  # Gemma: GELU (tanh approximation) instead of SiLU
 

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -16,12 +15,13 @@ from torch import nn
 
 from servelm.runtime import quantization
 from servelm.runtime.config import ModelConfig, UnsupportedModelError
+from servelm.runtime.model_kernels import FewRowKernels
 from servelm.runtime.projection import DenseMethod, ProjectionMethod, pack, select_method
 
-if TYPE_CHECKING:  # (lora imports this module: the projections it wraps)
+if TYPE_CHECKING:
     from servelm.runtime.cpu.linear import SmallMLinear
     from servelm.runtime.cpu.ops import RmsNorm
-    from servelm.runtime.lora import LoRAProjection
+    from servelm.runtime.lora_updates import LoRAProjection
 
 
 def empty_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -32,26 +32,6 @@ def empty_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 
 # (x, residual | None, weight, eps) -> (norm(x [+ residual]) * weight, x + residual written into residual | None)
 FusedRmsNorm = Callable[[torch.Tensor, "torch.Tensor | None", torch.Tensor, float], "tuple[torch.Tensor, torch.Tensor | None]"]
-
-
-@dataclass
-class FewRowKernels:
-    """Projections of a few rows with the op before each fused in (``runtime.cuda.triton_gemv`` on CUDA).
-
-    A forward of at most ``max_rows`` tokens uses them; ``max_rows`` is read at every forward, so the
-    CUDA-graph runner can capture each batch size with them (``max_rows >= size``) or without (0).
-    """
-
-    # (x, weight, bias) -> F.linear(x, weight, bias)
-    linear: Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
-    # (x, residual | None, norm weight, eps, weight, bias) -> (linear(norm(x + residual)), x + residual)
-    rms_norm_linear: Callable[..., "tuple[torch.Tensor, torch.Tensor]"]
-    # (gate_up [T, 2I], weight, bias) -> linear(silu(gate) * up)
-    silu_mul_linear: Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
-    max_rows: int = 0
-
-    def applies(self, rows: int) -> bool:
-        return 0 < rows <= self.max_rows
 
 
 class TorchNorm:

@@ -10,10 +10,9 @@ fused where the checkpoint is not (q/k/v into ``qkv_proj``, gate/up into ``gate_
 fills), which is what the weight loader (``runtime.weights``) uses to map checkpoint tensors onto it.
 
 Inside the model, submodules are called through ``.forward``: ``nn.Module.__call__`` (hooks, tracing
-state) costs a couple of microseconds a call, ~300 calls a step. With every call through ``__call__``
-an int8 decode step at batch 1 took 12.4 ms against 11.8 ms without (median of 10 interleaved runs of
-64 tokens on the project's CPU, 2026-12-01: ~5%). The model registers no hooks; the runner still calls
-the top-level module as usual.
+state) costs a couple of microseconds a call, ~300 calls a step: ~5% of a small model's int8 decode
+step (docs/benchmarks.md). The model registers no hooks; the runner still calls the top-level module
+as usual.
 """
 
 from __future__ import annotations
@@ -24,13 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from servelm.runtime import platform, quantization
+from servelm.runtime import quantization
+from servelm.runtime.platform import platform_of
 from servelm.runtime.attention.base import AttentionBackend, AttentionMetadata
 from servelm.runtime.config import ModelConfig
+from servelm.runtime.model_kernels import FewRowKernels
 from servelm.runtime.models.decoder import DecoderLayer, DecoderStack
 from servelm.runtime.projection import ProjectionMethod, pack, select_method
 from servelm.runtime.models.layers import (
-    FewRowKernels,
     FusedRmsNorm,
     Linear,
     RMSNorm,
@@ -73,7 +73,7 @@ class CausalLM(nn.Module):
         # Gemma rounds its embedding multiplier to the weights' dtype first (bfloat16: sqrt(1152) -> 34.0)
         scale = cfg.embedding_multiplier
         self.embed_scale = float(torch.tensor(scale, dtype=torch.float32).to(dtype)) if cfg.embedding_multiplier_in_dtype else scale
-        self.tall_skinny_head_max_rows = platform.small_batch_splits(device)[1]
+        self.tall_skinny_head_max_rows = platform_of(device).small_batch_splits[1]
         self.lm_head_packed: torch.Tensor | None = None
         self.lm_head_small_m: SmallMLinear | None = None
         self.lm_head_small_m_rows = 0

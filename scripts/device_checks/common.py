@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from servelm.runtime.platform import is_cuda
+from servelm.runtime.platform import platform_of
 
 # Packages the GPU machine does not have: the check must not import them.
 # (httpx is not among them: huggingface_hub, which transformers imports, uses it, and the machine has it.)
@@ -159,9 +159,13 @@ class SeqView:
 # ----------------------------------------------------------------------------- helpers
 
 
+def is_cuda(device: torch.device) -> bool:
+    """Whether the check runs on a GPU: what it times, sizes or skips depends on it."""
+    return platform_of(device).name == "cuda"
+
+
 def sync(device: torch.device) -> None:
-    if is_cuda(device):
-        torch.cuda.synchronize(device)
+    platform_of(device).synchronize(device)
 
 
 def timed(fn: Callable[[], Any], device: torch.device, iters: int) -> float:
@@ -179,8 +183,7 @@ def timed(fn: Callable[[], Any], device: torch.device, iters: int) -> float:
 
 def free_memory(device: torch.device) -> None:
     gc.collect()
-    if is_cuda(device):
-        torch.cuda.empty_cache()
+    platform_of(device).release_cached_memory()
 
 
 def random_prompts(n: int, length: int, vocab: int, gen: torch.Generator) -> list[list[int]]:

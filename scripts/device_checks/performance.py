@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 from servelm.runtime.cuda.profiling import gpu_kernel_events
-from servelm.runtime.platform import is_cuda
 
 from device_checks.common import (
     H200_BANDWIDTH,
@@ -22,6 +21,7 @@ from device_checks.common import (
     decode_inputs,
     engine_config,
     greedy_params,
+    is_cuda,
     random_prompts,
     run_requests,
     sync,

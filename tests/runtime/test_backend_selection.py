@@ -32,8 +32,8 @@ def test_cpu_gets_the_torch_backend_and_imports_nothing_cuda_only() -> None:
     got = run_python(
         """
         import json, sys, torch
-        from servelm.runtime.platform import select_attention_backend
-        backend = select_attention_backend(torch.device("cpu"), block_size=16)
+        from servelm.runtime.platform import platform_of
+        backend = platform_of("cpu").attention_backend(block_size=16, dtype=None, head_dim=None, use_cpu_kernel=True)
         print(json.dumps({"backend": type(backend).__name__, "modules": sorted(sys.modules)}))
         """
     )
@@ -50,6 +50,7 @@ def test_cuda_modules_import_without_cuda_packages() -> None:
         flash = bool(importlib.util.find_spec("flash_attn") and importlib.util.find_spec("triton"))
         import torch
         import servelm.runtime.cuda.flash_backend as fb, servelm.runtime.cuda.graphs, servelm.runtime.cuda.memory
+        import servelm.runtime.cuda.platform, servelm.runtime.cuda.setup
         block = fb.default_cuda_block_size(torch.bfloat16, 128)
         print(json.dumps({"modules": sorted(sys.modules), "block": block, "flash": flash}))
         """
@@ -111,7 +112,10 @@ def test_flash_attn_4_alone_or_a_broken_install_falls_back_to_triton(
     functions): not taken for flash-attn 2. An install that is there but does not load (an extension
     built for another torch) is reported and the server still starts, on the Triton fallback."""
     from servelm.runtime.cuda import flash_backend
-    from servelm.runtime.platform import select_attention_backend as select_backend
+    from servelm.runtime.platform import platform_of
+
+    def select_backend(device: str, *, block_size: int, dtype: torch.dtype, head_dim: int) -> object:
+        return platform_of(device).attention_backend(block_size=block_size, dtype=dtype, head_dim=head_dim, use_cpu_kernel=True)
 
     _install_fake(tmp_path / "fa4", {"flash_attn/cute/__init__.py": ""}, monkeypatch)
     assert importlib.util.find_spec("flash_attn") is not None and not flash_backend.flash_attn_importable()
@@ -134,17 +138,17 @@ def test_flash_attn_4_alone_or_a_broken_install_falls_back_to_triton(
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the backend's store kernel needs triton")
 def test_a_loadable_flash_attn_2_is_chosen(fake_flash_attn: None) -> None:
     from servelm.runtime.cuda import flash_backend
-    from servelm.runtime.platform import select_attention_backend as select_backend
+    from servelm.runtime.platform import platform_of
 
-    backend = select_backend("cuda", block_size=256, dtype=torch.bfloat16, head_dim=128)
+    backend = platform_of("cuda").attention_backend(block_size=256, dtype=torch.bfloat16, head_dim=128, use_cpu_kernel=True)
     assert isinstance(backend, flash_backend.FlashAttentionBackend)
 
 
 def test_only_a_gpu_server_shortens_the_gil_switch_interval() -> None:
     """The engine thread feeding a GPU must not wait Python's 5 ms for the HTTP thread after each CUDA
     call; on CPU the default stays (no gain measured there)."""
-    from servelm.runtime.platform import gil_switch_interval
+    from servelm.runtime.platform import platform_of
 
-    assert gil_switch_interval(torch.device("cpu")) is None
-    got = gil_switch_interval(torch.device("cuda", 0))
+    assert platform_of(torch.device("cpu")).gil_switch_interval is None
+    got = platform_of(torch.device("cuda", 0)).gil_switch_interval
     assert got is not None and 0 < got < sys.getswitchinterval()

@@ -139,7 +139,7 @@ def _graph_runner(kernels, few_rows_max: int, ab: bool, captures: list, compare=
 
 
 def test_each_small_size_is_captured_both_ways_and_the_faster_kept() -> None:
-    from servelm.runtime.models.layers import FewRowKernels
+    from servelm.runtime.model_kernels import FewRowKernels
 
     kernels = FewRowKernels(None, None, None, max_rows=0)  # type: ignore[arg-type]
     captures: list = []
@@ -169,7 +169,7 @@ def test_each_small_size_is_captured_both_ways_and_the_faster_kept() -> None:
 
 
 def test_forced_fused_graphs_skip_the_ab_and_a_failing_kernel_falls_back_to_plain() -> None:
-    from servelm.runtime.models.layers import FewRowKernels
+    from servelm.runtime.model_kernels import FewRowKernels
 
     kernels = FewRowKernels(None, None, None, max_rows=4)  # type: ignore[arg-type]
     captures: list = []
@@ -214,7 +214,7 @@ def test_the_pdl_graph_is_kept_only_when_faster_and_bit_identical() -> None:
 
 
 def test_with_pdl_each_fused_size_is_also_captured_launched_with_it() -> None:
-    from servelm.runtime.models.layers import FewRowKernels
+    from servelm.runtime.model_kernels import FewRowKernels
 
     kernels = FewRowKernels(None, None, None, max_rows=0)  # type: ignore[arg-type]
     captures: list = []
@@ -241,7 +241,7 @@ def test_with_pdl_each_fused_size_is_also_captured_launched_with_it() -> None:
 
 
 def test_a_pdl_capture_that_fails_leaves_the_fused_and_plain_a_b() -> None:
-    from servelm.runtime.models.layers import FewRowKernels
+    from servelm.runtime.model_kernels import FewRowKernels
 
     kernels = FewRowKernels(None, None, None, max_rows=0)  # type: ignore[arg-type]
     captures: list = []
@@ -344,7 +344,7 @@ def test_the_a_b_times_each_graph_and_catches_a_pdl_graph_that_reads_ahead(monke
 
 
 def test_the_head_runs_inside_the_graphs_of_the_a_b_sizes_only() -> None:
-    from servelm.runtime.models.layers import FewRowKernels
+    from servelm.runtime.model_kernels import FewRowKernels
 
     kernels = FewRowKernels(None, None, None, max_rows=0)  # type: ignore[arg-type]
 

@@ -108,8 +108,8 @@ def test_mixed_step_each_row_gets_its_own_adapter(
         monkeypatch.setenv("SERVELM_DISABLE_CPU_OPS", "1")
     runner = build_runner(base, num_blocks=64)
     runner.add_lora(99, load_lora_adapter(adapters["qv"], runner.model, max_rank=16))
-    assert (runner._lora.kernel is not None) == (kernel and cpu_ops.load_avx512() is not None)
-    if kernel and runner._lora.kernel is None:
+    assert (runner.lora_context.kernel is not None) == (kernel and cpu_ops.load_avx512() is not None)
+    if kernel and runner.lora_context.kernel is None:
         pytest.skip("no compiled CPU ops here")
     runner.add_lora(1, load_lora_adapter(adapters["all"], runner.model, max_rank=16))
     runner.add_lora(2, load_lora_adapter(adapters["all2"], runner.model, max_rank=16))

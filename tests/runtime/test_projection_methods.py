@@ -9,9 +9,10 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from servelm.runtime import platform
+from servelm.runtime.platform import platform_of
 from servelm.runtime.cpu import linear as cpu_linear
-from servelm.runtime.models.layers import FewRowKernels, Linear
+from servelm.runtime.model_kernels import FewRowKernels
+from servelm.runtime.models.layers import Linear
 from servelm.runtime.projection import DenseMethod, FewRowMethod, QuantizedMethod, select_method
 
 
@@ -58,10 +59,10 @@ def test_cuda_selection_without_a_gpu() -> None:
     """On CUDA the model gets no CPU splits, so the registry gives dense methods wrapped by the fused
     few-row projections when they are installed (and never a quantized format: CPU only)."""
     cuda = torch.device("cuda")
-    assert platform.small_batch_splits(cuda) == (0, 0)
-    assert not platform.quantization_supported(cuda) and platform.quantized_kernels(cuda) == {}
+    assert platform_of(cuda).small_batch_splits == (0, 0)
+    assert not platform_of(cuda).quantization and platform_of(cuda).quantized_kernels() == {}
     kernels = FewRowKernels(lambda x, w, b: x, lambda *a: a, lambda x, w, b: x, max_rows=4)
-    method = select_method(few_rows=kernels, tall_skinny_rows=platform.small_batch_splits(cuda)[1])
+    method = select_method(few_rows=kernels, tall_skinny_rows=platform_of(cuda).small_batch_splits[1])
     assert isinstance(method, FewRowMethod) and isinstance(method.inner, DenseMethod)
     assert method.name == "few-row+dense"
     assert select_method().name == "dense"

@@ -391,7 +391,7 @@ def test_the_real_graph_runner_with_capture_emulated_gives_the_eager_tokens(
     from servelm.runtime.cpu import linear as cpu_linear
     from servelm.runtime.cuda import pdl
     from servelm.runtime.cuda.graphs import CudaGraphRunner
-    from servelm.runtime.models.layers import FewRowKernels
+    from servelm.runtime.model_kernels import FewRowKernels
 
     def norm_linear(x, residual, nw, eps, w, b=None):  # type: ignore[no-untyped-def]
         h = x if residual is None else x + residual

@@ -104,7 +104,7 @@ def test_model_with_few_row_kernels_equals_the_eager_model(tiny_model_dir, build
     tiny_llama_dir = tiny_model_dir("llama_small_vocab")  # the head runs through the interpreter too
     from servelm.runtime.cpu.torch_backend import TorchAttentionBackend
     from servelm.runtime.cpu import linear as cpu_linear
-    from servelm.runtime.models.layers import FewRowKernels
+    from servelm.runtime.model_kernels import FewRowKernels
 
     # Dense weights as on CUDA (oneDNN-packed projections would take the CPU's own path first).
     with monkeypatch.context() as m:
@@ -151,7 +151,7 @@ def test_device_check_compares_few_row_and_plain_projections(tiny_llama_dir, bui
     from pathlib import Path
 
     from servelm.runtime.cpu import linear as cpu_linear
-    from servelm.runtime.models.layers import FewRowKernels
+    from servelm.runtime.model_kernels import FewRowKernels
 
     scripts = str(Path(__file__).resolve().parents[2] / "scripts")
     monkeypatch.syspath_prepend(scripts)

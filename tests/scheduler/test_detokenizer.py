@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from servelm.runtime.model_files import default_model_dir
 from servelm.scheduler.detokenizer import IncrementalDetokenizer
-from servelm.scheduler.stop import StopChecker
+from servelm.scheduler.stop_strings import StopChecker
 
 SAMPLES = [
     "Hello, world! 😀🎉 emoji 👩‍👩‍👧 family",

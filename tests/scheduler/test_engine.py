@@ -9,7 +9,7 @@ import pytest
 
 from servelm.metrics.observer import RequestStats, StepStats
 from servelm.runtime.batch import BatchItem, RunnerOutput, TokenLogprobs
-from servelm.runtime.platform import CPU_DEFAULT_BLOCK_SIZE
+from servelm.runtime.cpu.platform import CPU_DEFAULT_BLOCK_SIZE
 from servelm.scheduler.config import EngineConfig
 from servelm.scheduler.engine import Engine
 from servelm.scheduler.outputs import RequestOutput
@@ -178,6 +178,34 @@ def test_sliding_window_is_served_on_cpu_and_capped_elsewhere(
         res = e.generate([[5] * 60], SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.0))
         assert len(res[0].outputs[0].token_ids) == 20  # past the 64-token window
         assert e.block_manager.num_used_blocks == 0
+
+
+def test_default_context_is_the_models_where_the_pool_holds_it(tiny_model_dir: Any, tmp_path: Path) -> None:
+    """Without --max-model-len a CPU server takes the model's whole context when its KV pool holds it
+    (a 32k model answers a 16k prompt, as vLLM would), else what the pool holds (whole blocks), never
+    less than min(positions, 8192) without saying so: a pool below that is refused as before."""
+    import json
+    import shutil
+
+    import torch
+
+    from servelm.runtime.capacity import CapacityError, kv_bytes_per_token
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model_dir("llama"), model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["max_position_embeddings"] = 32768
+    (model / "config.json").write_text(json.dumps(cfg))
+    e = Engine(EngineConfig(model=str(model)))  # the default 2 GiB pool holds far more than 32768 tokens
+    assert e.max_model_len == 32768
+    per_tok = kv_bytes_per_token(e.model_config, torch.float32)
+    e = Engine(EngineConfig(model=str(model), kv_cache_memory=12_345 * per_tok))
+    assert e.max_model_len == 12_345 // 16 * 16  # what the pool holds, in whole blocks of 16
+    res = e.generate([[5] * 9_000], SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0))
+    assert len(res[0].outputs[0].token_ids) == 2 and e.block_manager.num_used_blocks == 0
+    assert Engine(EngineConfig(model=str(model), kv_cache_memory=12_345 * per_tok, max_model_len=4096)).max_model_len == 4096
+    with pytest.raises(CapacityError, match="max_model_len=8192 does not fit"):
+        Engine(EngineConfig(model=str(model), kv_cache_memory=5_000 * per_tok))
 
 
 # -- validation -------------------------------------------------------------------------------------------

@@ -1264,7 +1264,7 @@ void int8_linear_rows(const LinearArgs& a, const QuantX& xq, const float* xf, co
     }
 #endif
     // Q8_0 keeps the 8-row tiles: its signs cost the AVX2 packed tile two more instructions a dot, and
-    // it measured level with them at 32 rows, behind at 8 and 16 (2026-12-04, docs/gguf.md).
+    // it measured level with them at 32 rows, behind at 8 and 16 (docs/gguf.md).
     if constexpr (Format<Q>::elems == 32) {
       if constexpr (!Bytes32<Q>::kSigned) {
         packed_rows32<Lanes8, Q>(a, *px, n0, n1);
