@@ -18,12 +18,12 @@ import logging
 import os
 import platform
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from servelm.runtime.cpu import linear as cpu_linear
 from servelm.runtime.capacity import DEVICE_PRESETS
+from servelm.runtime.cpu import linear as cpu_linear
 from servelm.runtime.model_files import cache_dir
 
 log = logging.getLogger(__name__)

@@ -245,7 +245,7 @@ class LoRAContext:
     into ``plan`` (-1: none), the rows then all None.
     """
 
-    __slots__ = ("plan", "row_adapter", "kernel")
+    __slots__ = ("kernel", "plan", "row_adapter")
 
     def __init__(self, kernel: LoRAKernel | None = None) -> None:
         self.plan: list[tuple[int, torch.Tensor | None]] = []

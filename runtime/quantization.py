@@ -25,7 +25,7 @@ weights replace the float32 ones here too, so more rows (oneDNN) compute with th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 
@@ -130,7 +130,7 @@ class QuantizedWeight:
 
     scheme: str  # "int8" (per row), "int4" (groups of 32), "int8_groups" (groups of 32)
     tensors: tuple[torch.Tensor, ...]
-    kernel: Optional[QuantizedKernel] = None
+    kernel: QuantizedKernel | None = None
     max_rows: int = 0
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

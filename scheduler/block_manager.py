@@ -25,8 +25,9 @@ import functools
 import hashlib
 import struct
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Protocol
 
 from servelm.scheduler.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, external_hash
 from servelm.scheduler.window_blocks import WindowedBlocks
@@ -72,7 +73,7 @@ def block_hash_seed(lora_id: int = 0, cache_salt: str | None = None) -> bytes:
 BASE_HASH_SEED = block_hash_seed()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _int64s(n: int) -> struct.Struct:
     """A packer of ``n`` token ids compiled once (one block size in practice); array('q', ids) is slower."""
     return struct.Struct(f"<{n}q")

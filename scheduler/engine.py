@@ -16,8 +16,9 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from servelm.metrics.observer import NullObserver, Observer
 from servelm.runtime.batch import PENDING_TOKEN, BatchItem, TokenLogprobs

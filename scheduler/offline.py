@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from servelm.scheduler.lora_registry import LoRALimitError, LoRANotLoadedError
 from servelm.scheduler.outputs import ChoiceGroup, GeneratedChoice, GenerationResult

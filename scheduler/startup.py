@@ -17,12 +17,18 @@ from servelm.runtime.capacity import Capacity, plan_capacity
 from servelm.runtime.config import ModelConfig
 from servelm.runtime.gguf.folder import stored_weight_bytes
 from servelm.runtime.model_files import resolve_model_path
-from servelm.runtime.platform import default_dtype, device_defaults, kv_dtype_supported, release_cached_memory, resolve_device
+from servelm.runtime.platform import (
+    default_dtype,
+    device_defaults,
+    kv_dtype_supported,
+    release_cached_memory,
+    resolve_device,
+)
 from servelm.runtime.runner import ModelRunner, serves_as_stored
 from servelm.runtime.tokenizer import load_tokenizer
 from servelm.scheduler.block_manager import BlockManager
-from servelm.scheduler.kv_events import KVEventsConfig, ZmqEventPublisher, make_publisher
 from servelm.scheduler.config import EngineConfig
+from servelm.scheduler.kv_events import KVEventsConfig, ZmqEventPublisher, make_publisher
 from servelm.scheduler.scheduler import Scheduler
 from servelm.scheduler.speculative import NgramProposer, SpeculativeConfig
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from servelm.runtime.batch import TokenLogprobs
 from servelm.scheduler.request import Request, RequestStatus

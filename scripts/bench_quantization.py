@@ -84,6 +84,7 @@ def prefill_logits(engine: Engine, token_ids: list[int]) -> torch.Tensor:
     """log-softmax of the model's logits at every position of ``token_ids``, in one prefill step on
     the last blocks of the engine's pool (scratch: call when the engine is idle and done with)."""
     from device_checks.common import SeqView
+
     from servelm.runtime.batch import BatchItem
 
     runner = engine.runner

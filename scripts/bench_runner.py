@@ -17,8 +17,8 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,9 +27,9 @@ import checkout  # noqa: E402
 
 checkout.use_checkout()
 
-from servelm.runtime.cpu.torch_backend import TorchAttentionBackend  # noqa: E402
 from servelm.runtime.batch import BatchItem, SamplingOptions  # noqa: E402
 from servelm.runtime.config import ModelConfig  # noqa: E402
+from servelm.runtime.cpu.torch_backend import TorchAttentionBackend  # noqa: E402
 from servelm.runtime.model_files import ensure_default_model  # noqa: E402
 from servelm.runtime.quantization import QUANTIZATIONS  # noqa: E402
 from servelm.runtime.runner import ModelRunner  # noqa: E402

@@ -34,23 +34,21 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import checkout  # noqa: E402  (scripts/ is on sys.path: this file's folder)
 
 REPO = checkout.use_checkout()
 
 import torch  # noqa: E402
-
-from servelm.runtime.platform import default_dtype, is_cuda  # noqa: E402
-
 from device_checks.common import (  # noqa: E402  (scripts/ is on sys.path: this file's folder)
-    GiB,
     LLAMA3_8B,
     SERVER_ONLY,
     TINY,
+    GiB,
     Plan,
     Report,
     build_hf_model,
@@ -77,6 +75,8 @@ from device_checks.performance import (  # noqa: E402
     sweep_gemv,
     tiles_to_add,
 )
+
+from servelm.runtime.platform import default_dtype, is_cuda  # noqa: E402
 
 # ----------------------------------------------------------------------------- main
 

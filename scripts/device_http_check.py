@@ -59,7 +59,6 @@ def build(shape_name: str, device: str, folder: Path) -> None:
 
     checkout.use_checkout()
     import torch
-
     from device_checks.common import LLAMA3_8B, TINY, build_hf_model, save_model_folder
 
     shape, dtype = (TINY, torch.float32) if shape_name == "tiny" else (LLAMA3_8B, torch.bfloat16)

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import hmac
 import logging
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -29,17 +30,14 @@ from servelm.server.errors import (
 from servelm.server.protocol import ModelCard, ModelList
 from servelm.server.protocol_chat import ChatCompletionRequest, ChatCompletionResponse
 from servelm.server.protocol_completions import CompletionRequest, CompletionResponse
-from servelm.server.protocol_tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from servelm.server.protocol_messages import CountTokensRequest, MessageObject, MessagesRequest, TokenCount
 from servelm.server.protocol_responses import DeletedResponse, ResponseObject, ResponsesRequest
+from servelm.server.protocol_tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from servelm.server.response_store import ResponseStore
 from servelm.server.serving_chat import create_chat_completion
-from servelm.server.serving_messages import count_tokens, create_message
-from servelm.server.serving_responses import create_response, stored_response
 from servelm.server.serving_common import ServingContext
 from servelm.server.serving_completions import create_completion
 from servelm.server.serving_fields import RequestHeadersMiddleware
-from servelm.server.serving_playground import install_playground
 from servelm.server.serving_lora import (
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
@@ -47,7 +45,10 @@ from servelm.server.serving_lora import (
     lora_cards,
     unload_lora_adapter,
 )
+from servelm.server.serving_messages import count_tokens, create_message
+from servelm.server.serving_playground import install_playground
 from servelm.server.serving_render import render_chat, render_completion
+from servelm.server.serving_responses import create_response, stored_response
 from servelm.server.serving_tokenize import detokenize, tokenize
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,8 @@ import math
 import os
 import signal
 import sys
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from servelm.scheduler.config import EngineConfig
 from servelm.server.cli_types import (

@@ -14,8 +14,9 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from servelm.scheduler.config import EngineConfig
 from servelm.scheduler.outputs import RequestOutput

@@ -8,7 +8,8 @@ OpenAI would use, so SDKs raise their typed exceptions (``BadRequestError``, ``N
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal, Sequence
+from collections.abc import Sequence
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import time
-from typing import Callable
+from collections.abc import Callable
 
 # While stepping: a trim takes milliseconds, so one every 2 s stays well under 1% of the engine's time.
 TRIM_INTERVAL_S = 2.0

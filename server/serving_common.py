@@ -9,8 +9,9 @@ import functools
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 
@@ -135,7 +136,7 @@ class ServingContext:
             )
 
     @classmethod
-    def from_engine(cls, async_engine: AsyncEngine) -> "ServingContext":
+    def from_engine(cls, async_engine: AsyncEngine) -> ServingContext:
         engine: Any = async_engine.engine
         # The engine's own tokenizer (a Gemma 3 copy is ~80 MiB): encoding and decoding only read the
         # Rust object, which shares reads across threads; nothing sets its truncation or padding

@@ -25,7 +25,7 @@ import logging
 import os
 from pathlib import Path
 from types import ModuleType
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -39,13 +39,13 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
 DISABLE_ENV = "SERVELM_DISABLE_CPU_OPS"
 
 # (x [M, K] float32 contiguous, weight [N, K] float32 contiguous, bias [N] | None) -> [M, N]
-SmallMLinear = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
+SmallMLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 # (x [M, K] float32, weight [N, K] int8, scale [N] float32, bias [N] | None) -> [M, N] float32
-SmallMLinearInt8 = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
+SmallMLinearInt8 = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 # (x [..., H] contiguous, weight [H], eps) -> [..., H]; float32, or bfloat16 as HF rounds it
 RmsNorm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 # (x, residual | None, weight, eps) -> (rms_norm(x + residual), x + residual written into residual | None)
-FusedAddRmsNorm = Callable[[torch.Tensor, Optional[torch.Tensor], torch.Tensor, float], tuple[torch.Tensor, Optional[torch.Tensor]]]
+FusedAddRmsNorm = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor | None]]
 
 
 def _self_check(module: ModuleType) -> str | None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +45,7 @@ def paged_decode_attention_reference(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-    out: Optional[torch.Tensor] = None,
+    out: torch.Tensor | None = None,
     window: int = 0,
 ) -> torch.Tensor:
     """Pure torch: gather each sequence's blocks, then masked attention (SDPA) in float32.
@@ -178,7 +178,7 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-    out: Optional[torch.Tensor] = None,
+    out: torch.Tensor | None = None,
     window: int = 0,
 ) -> torch.Tensor:
     """Decode attention over the paged pool: the compiled kernel where available, else the reference."""

@@ -73,7 +73,7 @@ class GraphInputs:
         return self.i32[1]
 
     @classmethod
-    def allocate(cls, max_bs: int, max_blocks_per_seq: int, device: torch.device) -> "GraphInputs":
+    def allocate(cls, max_bs: int, max_blocks_per_seq: int, device: torch.device) -> GraphInputs:
         i32 = dict(dtype=torch.int32, device=device)
         g = cls(
             i64=torch.zeros(5, max_bs, dtype=torch.long, device=device),

@@ -60,7 +60,7 @@ class CudaGraphRunner:
         max_blocks_per_seq: int,
         block_size: int,
         device: torch.device,
-        few_rows: "FewRowKernels | None" = None,
+        few_rows: FewRowKernels | None = None,
         few_rows_max: int = 0,
         few_rows_ab: bool = True,
         pdl: bool = False,

@@ -114,11 +114,11 @@ class ArrayReader(Reader):
             n, got = item.feed(text)
             self._fed[i] += n
             pieces += got
-            if item.failed or n < len(text) or child.end is not None and not item.done:
+            if item.failed or n < len(text) or (child.end is not None and not item.done):
                 self.failed = True
                 break
         self.named = sum(item.named for item in self._items)
-        self.failed = self.failed or scan.failed or scan.done and not self._items
+        self.failed = self.failed or scan.failed or (scan.done and not self._items)
         self.done = scan.done and not self.failed
         return taken, pieces
 

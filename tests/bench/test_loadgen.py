@@ -7,9 +7,10 @@ import json
 import random
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 from fake_openai_server import FakeState, serve

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from servelm.bench import plan as plan_cmd
 from servelm.runtime.capacity import flops_per_token
 from servelm.runtime.config import ModelConfig
-from servelm.bench import plan as plan_cmd
 
 # Llama-2-7B's config.json as published (the fields that matter).
 LLAMA2_7B = {

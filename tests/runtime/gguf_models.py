@@ -32,8 +32,8 @@ import shutil
 import sys
 import types
 from collections import Counter
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
@@ -175,7 +175,7 @@ def default_gguf_path() -> Path:
     return path
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def default_tokenizer_fields() -> tuple[tuple[str, Any, GGUFValueType, GGUFValueType | None], ...]:
     """Every ``tokenizer.*`` key of the default GGUF file: (key, value, type, array element type)."""
     reader = gguf.GGUFReader(default_gguf_path(), "r")

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from servelm.runtime.cuda import pdl as pdl_state
 from servelm.runtime.cuda.graph_inputs import GraphInputs, capture_sizes, padded_size
 from servelm.runtime.cuda.graph_variants import VariantTiming, choose_variant, few_row_tolerance
 from servelm.runtime.cuda.graphs import CudaGraphRunner
-from servelm.runtime.cuda import pdl as pdl_state
 from servelm.runtime.cuda.memory import MemoryProfile
 
 GiB = 2**30
@@ -302,7 +302,7 @@ class _Event:
     def synchronize(self) -> None:
         pass
 
-    def elapsed_time(self, end: "_Event") -> float:
+    def elapsed_time(self, end: _Event) -> float:
         return end.t - self.t
 
 

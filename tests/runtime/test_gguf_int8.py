@@ -18,7 +18,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
-
 from test_gguf_kernels import module  # noqa: F401  (the compiled module, or a skip where it cannot be built)
 
 from servelm.runtime.cpu.extension import cpu_flags

@@ -7,25 +7,25 @@ from __future__ import annotations
 
 import functools
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import gguf
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-
 from gguf_models import (
-    Case,
     ALL_FORMATS,
     K_FORMATS,
+    Case,
+    conftest_module,
     gguf_tensor_name,
     quantize,
     save_tiny_model_for_gguf,
     tensor_format,
-    conftest_module,
     write_tiny_gguf,
 )
 

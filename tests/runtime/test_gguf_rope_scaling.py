@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from gguf_models import save_tiny_model_for_gguf, write_tiny_gguf
 from test_gguf_vs_transformers import assert_logits_match, run_ours, sequences
 

@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import types
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-
 from gguf_models import Case, save_tiny_model_for_gguf, tensor_format, write_tiny_gguf
 
 from servelm.runtime.models.layers import Linear

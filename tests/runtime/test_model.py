@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 import transformers
 
-from servelm.runtime.cpu.torch_backend import TorchAttentionBackend
 from servelm.runtime.batch import BatchItem
+from servelm.runtime.cpu.torch_backend import TorchAttentionBackend
 from servelm.runtime.runner import ModelRunner
 
 # How a prompt is fed: one prefill, chunks of 5 tokens, or one token per step (decode path).

@@ -19,7 +19,13 @@ from gguf import GGMLQuantizationType
 
 from servelm.runtime import model_fetch
 from servelm.runtime.model_fetch import (
-    GEMMA3, QWEN05, DigestMismatchError, PartedFile, ensure_file, ensure_gemma3_gguf, ensure_qwen05_gguf,
+    GEMMA3,
+    QWEN05,
+    DigestMismatchError,
+    PartedFile,
+    ensure_file,
+    ensure_gemma3_gguf,
+    ensure_qwen05_gguf,
 )  # fmt: skip
 from servelm.runtime.model_files import cache_dir, resolve_model_path
 

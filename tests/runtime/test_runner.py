@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 import transformers
 
-from servelm.runtime.cpu.torch_backend import TorchAttentionBackend
 from servelm.runtime.batch import PENDING_TOKEN, BatchItem
+from servelm.runtime.cpu.torch_backend import TorchAttentionBackend
 from servelm.runtime.runner import ModelRunner
 
 PROMPTS = [
@@ -375,7 +376,7 @@ class _ClockEvent:
     def synchronize(self) -> None:
         pass
 
-    def elapsed_time(self, end: "_ClockEvent") -> float:
+    def elapsed_time(self, end: _ClockEvent) -> float:
         return (end.t - self.t) * 1e3
 
 

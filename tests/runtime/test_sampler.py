@@ -22,7 +22,6 @@ from servelm.runtime.truncation import (
     truncate,
 )
 
-
 Spec = SamplingOptions  # temperature 1.0, everything else off
 
 

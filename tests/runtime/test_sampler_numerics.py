@@ -10,11 +10,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_sampler import BitMask, Seq
 
 from servelm.runtime.batch import SamplingOptions
 from servelm.runtime.sampler import GREEDY_TEMPERATURE, Sampler, tempered_softmax
 from servelm.runtime.truncation import _radix_floor, truncate
-from test_sampler import BitMask, Seq
 
 Spec = SamplingOptions
 FLOAT32_MAX = torch.finfo(torch.float32).max

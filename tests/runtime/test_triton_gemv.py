@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import importlib
 
-from triton_interp import flash_backend, gemv, ops, prefill_then_decode, torch_rms_norm  # first: sets the interpreter
-
 import pytest
 import torch
+from triton_interp import flash_backend, gemv, ops, prefill_then_decode, torch_rms_norm  # first: sets the interpreter
 
 
 def _tol(dtype: torch.dtype) -> dict[str, float]:
@@ -102,8 +101,8 @@ def test_model_with_few_row_kernels_equals_the_eager_model(tiny_model_dir, build
     """The CUDA-path model (Triton backend, fused ops) with the few-row projections on decode steps of
     1-4 rows and off for longer steps (prefill), against the plain torch path."""
     tiny_llama_dir = tiny_model_dir("llama_small_vocab")  # the head runs through the interpreter too
-    from servelm.runtime.cpu.torch_backend import TorchAttentionBackend
     from servelm.runtime.cpu import linear as cpu_linear
+    from servelm.runtime.cpu.torch_backend import TorchAttentionBackend
     from servelm.runtime.models.layers import FewRowKernels
 
     # Dense weights as on CUDA (oneDNN-packed projections would take the CPU's own path first).
@@ -343,7 +342,7 @@ def test_the_batch1_rerun_offers_the_tiles_then_restores_the_list(tiny_llama_dir
     plan.max_model_len = 256  # the tiny model's positions
     report = Report()
     perf.batch1_with_tiles([added], tiny_llama_dir, plan, "float32", 2000, torch.device("cpu"), report)
-    assert seen == [before + [added]] and gemv.ELEMENTWISE_TILES == before
+    assert seen == [before + [added]] and before == gemv.ELEMENTWISE_TILES
     (row,) = report.throughput
     assert row["name"] == "batch 1 (synchronous) with the sweep's tiles added: ms per output token" and row["value"] > 0
     report = Report()

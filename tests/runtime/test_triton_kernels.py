@@ -6,13 +6,11 @@ import math
 import sys
 import types
 
-from triton_interp import flash_backend, ops, prefill_then_decode, td, tk, torch_rms_norm  # first: sets the interpreter
-
 import pytest
 import torch
+from triton_interp import flash_backend, ops, prefill_then_decode, td, tk, torch_rms_norm  # first: sets the interpreter
 
 from servelm.runtime.attention.base import AttentionMetadata
-
 
 # ----------------------------------------------------------------------------- references
 

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from servelm.runtime.cpu.torch_backend import TorchAttentionBackend
 from servelm.runtime.config import ModelConfig, UnsupportedModelError
+from servelm.runtime.cpu.torch_backend import TorchAttentionBackend
 from servelm.runtime.weights import INDEX_FILE, WeightLoadError, checkpoint_files, load_model
 
 

@@ -12,9 +12,9 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
-
 from block_seq import Seq, compute
 from listening import listening_addresses
+
 from servelm.scheduler.block_manager import BlockManager
 from servelm.scheduler.kv_events import END_SEQ, KVEventsConfig, ZmqEventPublisher, external_hash, make_publisher
 

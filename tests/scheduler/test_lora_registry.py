@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from lora_files import save_lora_adapter
+
 from servelm.runtime.lora import LoRAError
 from servelm.runtime.models.layers import Linear
 from servelm.scheduler.config import EngineConfig

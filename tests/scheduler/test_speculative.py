@@ -7,12 +7,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sched_reference import assert_matches_reference, hf_greedy_references
 
 from servelm.scheduler.config import EngineConfig
 from servelm.scheduler.engine import Engine
 from servelm.scheduler.sampling_params import SamplingParams
 from servelm.scheduler.speculative import NgramIndex, SpeculativeConfig
-from sched_reference import assert_matches_reference, hf_greedy_references
 
 MiB = 2**20
 # Up to 4 drafts from suffixes of 1-4 tokens, whatever the batch: the tiny random model repeats

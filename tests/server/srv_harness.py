@@ -214,7 +214,7 @@ class ServerThread:
         self.thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
         self.port = 0
 
-    def start(self, timeout: float = 30.0) -> "ServerThread":
+    def start(self, timeout: float = 30.0) -> ServerThread:
         self.thread.start()
         deadline = time.monotonic() + timeout
         while not self.server.started:
@@ -232,7 +232,7 @@ class ServerThread:
         self.server.should_exit = True
         self.thread.join(timeout)
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:

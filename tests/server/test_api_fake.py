@@ -14,7 +14,6 @@ from typing import Any
 
 import httpx
 import pytest
-
 from srv_harness import assert_error, parse_sse
 
 # One client for the module: keep-alive connections, no per-call client set-up.

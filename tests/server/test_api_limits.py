@@ -11,11 +11,11 @@ from typing import Any
 
 import httpx
 import pytest
+from srv_harness import assert_error
 
 from servelm.scheduler.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from servelm.scheduler.structured_output import MAX_SPEC_CHARS
 from servelm.server.limits import MAX_CONTENT_PARTS, MAX_JSON_DEPTH, MAX_JSON_ITEMS, MAX_MESSAGES, MAX_TOOL_CALLS
-from srv_harness import assert_error
 
 http = httpx.Client(timeout=30)
 

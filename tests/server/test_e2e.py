@@ -11,18 +11,19 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import openai
 import pytest
+from srv_harness import ServerThread, parse_sse
 
 from servelm.scheduler.config import EngineConfig
 from servelm.scheduler.sampling_params import SamplingParams
 from servelm.server.app import ObserverProxy, build_app, create_prometheus_observer
 from servelm.server.async_engine import AsyncEngine
-from srv_harness import ServerThread, parse_sse
 
 pytestmark = pytest.mark.slow
 

@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from srv_harness import FakeEngine
 
 from servelm.scheduler.sampling_params import SamplingParams
 from servelm.server.async_engine import AsyncEngine
 from servelm.server.heap import HeapTrimmer, return_free_heap
-from srv_harness import FakeEngine
 
 
 class Clock:

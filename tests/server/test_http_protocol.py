@@ -35,7 +35,7 @@ def _closed_by_server(s: socket.socket, within_s: float) -> bool:
         return s.recv(1024) == b""
     except ConnectionResetError:
         return True
-    except socket.timeout:
+    except TimeoutError:
         return False
 
 

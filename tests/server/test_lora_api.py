@@ -6,20 +6,21 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import openai
 import pytest
-
 from lora_files import save_lora_adapter
+from srv_harness import ServerThread
+
 from servelm.scheduler.config import EngineConfig
 from servelm.scheduler.sampling_params import SamplingParams
 from servelm.server.app import ObserverProxy, build_app, create_prometheus_observer
 from servelm.server.async_engine import AsyncEngine
-from srv_harness import ServerThread
 
 PROMPT = "The quick brown fox"
 MAX_TOKENS = 12

@@ -8,17 +8,18 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import anthropic
 import httpx
 import pytest
+from srv_harness import ServerThread, typed_sse_events
 
 from servelm.scheduler.config import EngineConfig
 from servelm.server.app import build_app
 from servelm.server.async_engine import AsyncEngine
 from servelm.server.errors import error_response, queue_full, unavailable
-from srv_harness import ServerThread, typed_sse_events
 
 http = httpx.Client(timeout=60)
 WEATHER = {

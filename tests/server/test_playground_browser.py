@@ -11,12 +11,12 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import httpx
 import pytest
-
 from proc_harness import REPO, ServeProcess
 
 pytestmark = pytest.mark.slow

@@ -7,14 +7,14 @@ the thinking comes back as chat's ``reasoning_content``, a Responses ``reasoning
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
-
 from scripted_model import (
     anthropic_client,
     build_scripted_model,
@@ -25,8 +25,9 @@ from scripted_model import (
     scripted_tokenizer,
     sdk_extra,
 )
-from servelm.server.reasoning import PARSERS
 from srv_harness import ServerThread, assert_error, typed_sse_events
+
+from servelm.server.reasoning import PARSERS
 
 THINKING = "Two and two make four."
 ANSWER = '{"answer": "four"}'

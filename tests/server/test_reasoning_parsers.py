@@ -10,10 +10,17 @@ import random
 from typing import Any
 
 import pytest
-
 from scripted_model import scripted_tokenizer
+
 from servelm.scheduler.structured_output import GrammarCompiler, StructuredOutput
-from servelm.server.reasoning import PARSERS, ReasoningMode, ReasoningStream, after_thinking, get_parser, split_reasoning
+from servelm.server.reasoning import (
+    PARSERS,
+    ReasoningMode,
+    ReasoningStream,
+    after_thinking,
+    get_parser,
+    split_reasoning,
+)
 
 QWEN3 = PARSERS["qwen3"]
 R1 = PARSERS["deepseek_r1"]

@@ -12,6 +12,7 @@ import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
+from srv_harness import assert_error, typed_sse_events
 
 from servelm.server.protocol_responses import ResponsesRequest
 from servelm.server.response_store import ResponseStore, StoredResponse
@@ -19,7 +20,6 @@ from servelm.server.responses_events import StreamedOutput
 from servelm.server.responses_input import responses_param, to_chat_request
 from servelm.server.serving_responses import _Response
 from servelm.server.tools import tool_mode
-from srv_harness import assert_error, typed_sse_events
 
 http = httpx.Client(timeout=30)
 WEATHER = {

@@ -18,12 +18,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
 
 import httpx
 import pytest
-
 from proc_harness import ServeProcess
 
 ROUTERS = ("vllm", "sglang")
@@ -237,7 +236,7 @@ def test_an_abort_mid_stream_reaches_the_replica(routers: Routers, replicas: lis
     assert _metric(replicas, "servelm_request_failure_total", 'reason="aborted"') == aborted + 1
 
 
-WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa".split()
+WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima", "mike", "november", "oscar", "papa"]
 
 
 def _shared_prefix_hits(url: str, replicas: list[ServeProcess], tag: str) -> float:

@@ -16,13 +16,13 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
-
 from proc_harness import ServeProcess
 from srv_harness import parse_sse
 
