@@ -143,7 +143,7 @@ def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
                 return load_file(str(path), device="cpu")
             state = torch.load(str(path), map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001 - any unreadable file is the adapter's fault
+        except Exception as e:  # any unreadable file is the adapter's fault
             raise LoRAError(f"cannot read {path}: {type(e).__name__}: {e}") from None
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
             raise LoRAError(f"{path} does not hold a dict of tensors")

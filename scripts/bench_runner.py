@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # checkout.py, also when imported as a module
-import checkout  # noqa: E402
+import checkout
 
 checkout.use_checkout()
 
@@ -149,7 +149,7 @@ class ContiguousBaseline:
         self.calls = 0
         self.length = 0
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):  # noqa: ANN001 - AttentionBackend.forward
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):  # AttentionBackend.forward
         layer = self.calls % self.layers
         self.calls += 1
         b = self.k[layer].shape[0]

@@ -39,7 +39,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import checkout  # noqa: E402  (scripts/ is on sys.path: this file's folder)
+import checkout
 
 REPO = checkout.use_checkout()
 

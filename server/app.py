@@ -121,7 +121,7 @@ def create_prometheus_observer(engine: Any) -> Any | None:
         from servelm.metrics.roofline import device_peaks
 
         peak_flops, peak_bw = device_peaks(str(cfg.device))
-    except Exception as e:  # noqa: BLE001 - utilization gauges are a nicety, serving is not
+    except Exception as e:  # utilization gauges are a nicety, serving is not
         log.warning("could not determine device peaks (%s); utilization gauges will read 0", e)
         peak_flops, peak_bw = float("inf"), float("inf")
     max_loras = cfg.max_loras if getattr(engine, "enable_lora", False) else None

@@ -306,7 +306,7 @@ async def add_requests(
             return await add()
         except LoRANotLoadedError:  # unloaded to make room (--max-cpu-loras): read it again
             return await _add_reading_adapter(ctx, add)
-    except Exception as exc:  # noqa: BLE001 - mapped to the right HTTP error
+    except Exception as exc:  # mapped to the right HTTP error
         raise engine_error(exc, param_map) from None
 
 
@@ -365,7 +365,7 @@ async def until_disconnect(request: Request, work: Awaitable[T], group: RequestG
         return task.result()
     except APIError:
         raise
-    except Exception as exc:  # noqa: BLE001 - engine death, a failed request...: the right status
+    except Exception as exc:  # engine death, a failed request...: the right status
         raise output_error(exc) from None
 
 

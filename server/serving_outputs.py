@@ -123,7 +123,7 @@ async def end_on_error(
             yield event
     except asyncio.CancelledError:
         raise
-    except Exception as exc:  # noqa: BLE001 - reported to the client in-band
+    except Exception as exc:  # reported to the client in-band
         yield last_word(output_error(exc))
     finally:
         group.close()

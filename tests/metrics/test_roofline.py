@@ -96,7 +96,7 @@ def test_cpu_peak_flops_measure_the_engine_matmul_path(monkeypatch) -> None:
     calls: list[tuple[int, ...]] = []
     real = cpu_linear.linear
 
-    def counting(x, packed, bias):  # noqa: ANN001, ANN202
+    def counting(x, packed, bias):
         calls.append(tuple(x.shape))
         return real(x, packed, bias)
 

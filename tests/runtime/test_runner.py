@@ -283,7 +283,7 @@ class _EagerGraphStandIn:
     def padded(self, num_decodes: int) -> int:
         return next(b for b in self.sizes if b >= num_decodes)
 
-    def replay(self, n: int):  # noqa: ANN201
+    def replay(self, n: int):
         from servelm.runtime.attention.base import AttentionMetadata
 
         self.replayed.append(n)

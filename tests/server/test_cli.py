@@ -226,13 +226,13 @@ def test_serve_builds_the_engine_in_a_thread_that_is_gone_before_serving(
 
     seen: dict[str, threading.Thread] = {}
 
-    def fake_engine(config: EngineConfig, observer=None):  # noqa: ANN001, ANN202
+    def fake_engine(config: EngineConfig, observer=None):
         seen["engine"] = threading.current_thread()
         if config.max_model_len == 999:
             raise CapacityError("too big")
         return FakeEngine(server_tokenizer)
 
-    def fake_observer(engine):  # noqa: ANN001, ANN202
+    def fake_observer(engine):
         seen["observer"] = threading.current_thread()
         return None
 

@@ -197,7 +197,7 @@ def _rss_mib(pid: int) -> float:
 
 
 @pytest.mark.slow
-def test_loading_adapter_after_adapter_keeps_memory_bounded(default_model_dir, tmp_path) -> None:  # noqa: ANN001
+def test_loading_adapter_after_adapter_keeps_memory_bounded(default_model_dir, tmp_path) -> None:
     """Issue 40, item 4: 20 loads of one 75 MiB adapter under different names added 1.7 GB. With
     ``--max-cpu-loras 2`` the server holds two; each name still answers (read again when named)."""
     from lora_files import save_lora_adapter

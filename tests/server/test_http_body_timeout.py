@@ -88,7 +88,7 @@ def _one_response(s: socket.socket) -> bytes:
 def test_body_timeout_flag_reaches_the_protocol() -> None:
     from servelm.server.cli import _make_uvicorn_server, build_parser
 
-    def config(*flags: str):  # noqa: ANN202
+    def config(*flags: str):
         return _make_uvicorn_server(None, build_parser().parse_args(["serve", *flags]), lambda: None).config
 
     assert config().http.body_timeout_s == 60.0
