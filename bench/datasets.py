@@ -102,8 +102,8 @@ class RandomPromptMaker:
 
 
 def _lengths(rng: random.Random, mean: int, range_ratio: float, n: int) -> list[int]:
-    lo = max(1, int(round(mean * (1 - range_ratio))))
-    hi = max(lo, int(round(mean * (1 + range_ratio))))
+    lo = max(1, round(mean * (1 - range_ratio)))
+    hi = max(lo, round(mean * (1 + range_ratio)))
     return [rng.randint(lo, hi) for _ in range(n)]
 
 

@@ -137,7 +137,7 @@ def format_comparison(a: dict[str, Any], b: dict[str, Any]) -> str:
 
 def tokens_per_second(run: BenchmarkRun, bin_s: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """Output tokens/s over time: each request's tokens spread evenly over its content chunks."""
-    nbins = max(1, int(math.ceil(run.duration / bin_s)))
+    nbins = max(1, math.ceil(run.duration / bin_s))
     counts = np.zeros(nbins)
     for r in run.results:
         if not r.success or not r.chunk_times:

@@ -72,11 +72,17 @@ def measure_cpu_peaks(budget_s: float = 0.5) -> tuple[float, float]:
     w = torch.randn(n, k)
     if cpu_linear.onednn_linear_available(torch.float32):
         packed = cpu_linear.pack(w)
-        matmul: Callable[[], object] = lambda: cpu_linear.linear(a, packed, None)  # noqa: E731
+
+        def matmul() -> object:
+            return cpu_linear.linear(a, packed, None)
+
     else:
         out = torch.empty(m, n)
         wt = w.t()
-        matmul = lambda: torch.matmul(a, wt, out=out)  # noqa: E731
+
+        def matmul() -> object:
+            return torch.matmul(a, wt, out=out)
+
     flops = _best_rate(matmul, 2.0 * m * k * n, budget_s * 0.45)
 
     numel = 16 * 2**20  # 64 MiB of fp32: far beyond any last-level cache

@@ -25,7 +25,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, fields
-from typing import Any, Union
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class AllBlocksCleared:
     """The prefix cache was reset."""
 
 
-KVCacheEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 # Fields vLLM declares without a default: always on the wire, even when None.
 _REQUIRED = {"BlockStored": 7, "BlockRemoved": 2, "AllBlocksCleared": 0}
 

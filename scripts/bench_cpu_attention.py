@@ -45,7 +45,7 @@ def time_ms(fn: Callable[[], object], iters: int, stat: str = "median", before: 
 
 def gather_sdpa(q, k_cache, v_cache, block_tables, seq_lens, scale):
     """What a torch backend without the kernel does: index_select the blocks, then masked SDPA."""
-    batch, num_heads, head_dim = q.shape
+    batch, _num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     width = block_tables.shape[1]
     idx = block_tables.reshape(-1).long()

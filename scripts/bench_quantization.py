@@ -115,7 +115,7 @@ def main() -> None:
               f"{engines[name][0].runner.weight_bytes / 1e6:.0f} MB")  # fmt: skip
 
     # Speed.
-    for name, (engine, obs) in engines.items():
+    for engine, obs in engines.values():
         decode_ms(engine, obs, 1, 8)  # warm-up
     times: dict[tuple[str, int], list[float]] = {}
     for _ in range(args.rounds):

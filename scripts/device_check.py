@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             tol = 0.25
         else:
             engine, exact = exact, None
-        del ref, hf_low
+        ref = hf_low = None
         runner = engine.runner
         if "graphs" not in args.skip:
             if is_cuda(device):
@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         return finish(report, args, started)
     finally:
-        del hf, engine, exact
+        hf = engine = exact = None  # nothing else holds them: their memory can go
         free_memory(device)
         if not args.keep:
             shutil.rmtree(workdir if args.workdir is None else model_dir, ignore_errors=True)

@@ -82,9 +82,9 @@ def start_server(args: argparse.Namespace, log_path: Path) -> subprocess.Popen:
     else:
         cmd += ["--dtype", "float32", "--kv-cache-memory", str(64 * 2**20), "--num-threads", "1"]
     print("server:", " ".join(cmd[3:]), flush=True)
-    log = open(log_path, "wb")
-    # Its own process group, so the check can end it and any helper it started.
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO), start_new_session=True)
+    # Its own process group, so the check can end it and any helper it started; the child keeps its own copy of the log's fd.
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO), start_new_session=True)
 
 
 def wait_healthy(proc: subprocess.Popen, base: str, timeout_s: float) -> float | None:

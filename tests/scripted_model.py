@@ -25,6 +25,7 @@ Usage::
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -127,7 +128,7 @@ def build_scripted_model(out: Path, scripts: dict[int, list[int]], tok: Any | No
     chain: dict[int, int] = {}  # token -> the token that follows it
     for start, ids in scripts.items():
         seq = [start, *ids]
-        for a, b in zip(seq, seq[1:]):
+        for a, b in itertools.pairwise(seq):
             if a in chain:
                 raise ValueError(f"token {a} ({tok.decode([a])!r}) appears twice in the scripts; use distinct_ids")
             chain[a] = b

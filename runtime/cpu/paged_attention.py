@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from servelm.runtime.cpu.extension import CompiledExtension, cpu_flags as _cpu_flags  # noqa: F401 (tests use it)
+from servelm.runtime.cpu.extension import CompiledExtension
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ the top-level module as usual.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +51,7 @@ class CausalLM(nn.Module):
     """
 
     # checkpoint module name -> (our fused module name, shard)
-    CHECKPOINT_SHARDS: dict[str, tuple[str, str]] = {
+    CHECKPOINT_SHARDS: ClassVar[dict[str, tuple[str, str]]] = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
         "v_proj": ("qkv_proj", "v"),

@@ -167,7 +167,8 @@ def _could_be_name(head: str) -> bool:
         return False
     for k in range(min(len(head), max(map(len, _MISTRAL_MARKS))), -1, -1):
         tail = head[len(head) - k :]
-        if k == 0 or any(mark.startswith(tail) and mark != tail for mark in _MISTRAL_MARKS):
-            if _MISTRAL_NAME.fullmatch(head[: len(head) - k]) or not head[: len(head) - k].strip():
-                return True
+        if (k == 0 or any(mark.startswith(tail) and mark != tail for mark in _MISTRAL_MARKS)) and (
+            _MISTRAL_NAME.fullmatch(head[: len(head) - k]) or not head[: len(head) - k].strip()
+        ):
+            return True
     return False

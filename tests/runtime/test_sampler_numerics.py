@@ -197,7 +197,7 @@ def _batch(draw: st.DrawFn) -> tuple[list[Seq], torch.Tensor, list[set[int] | No
 @given(_batch())
 def test_fuzz_probabilities_stay_finite_and_tokens_allowed(batch: tuple[list[Seq], torch.Tensor, list[set[int] | None]]) -> None:
     seqs, logits, allowed = batch
-    n, vocab = logits.shape
+    _n, vocab = logits.shape
     params = [s.params for s in seqs]
 
     x = _processed(logits, seqs)

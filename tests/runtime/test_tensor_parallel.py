@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -272,7 +272,7 @@ def test_step_message_carries_the_whole_flat_batch(
     class Wire(Communicator):
         """Rank 0's broadcasts recorded, then replayed into the receiver's buffers, in order."""
 
-        sent: list[torch.Tensor] = []
+        sent: ClassVar[list[torch.Tensor]] = []
 
         def broadcast(self, x: torch.Tensor, idle: bool = False) -> torch.Tensor:
             if self.is_driver:
@@ -328,12 +328,12 @@ def test_refusals_name_what_is_unsupported(default_model_dir: Path, tiny_model_d
         check_tensor_parallel(ModelConfig.from_dir(default_model_dir), 2, device=cpu)  # SmolLM2-135M: 9 heads / 3 KV heads
     tiny = tiny_model_dir("llama")
     cfg = ModelConfig.from_dir(tiny)
-    with pytest.raises(UnsupportedModelError, match="4 KV heads|2 KV heads, not divisible by 4|attention heads"):
+    with pytest.raises(UnsupportedModelError, match=r"4 KV heads|2 KV heads, not divisible by 4|attention heads"):
         check_tensor_parallel(cfg, 8, device=cpu)
     for q in ("int8", "int4", "auto"):
         with pytest.raises(UnsupportedModelError, match=f"--quantization {q}"):
             check_tensor_parallel(cfg, 2, device=cpu, quantization=q)
-    with pytest.raises(UnsupportedModelError, match="CUDA .*unproven"):
+    with pytest.raises(UnsupportedModelError, match=r"CUDA .*unproven"):
         check_tensor_parallel(cfg, 2, device=torch.device("cuda"))
     gguf_folder = tmp_path / "as-gguf"
     gguf_folder.mkdir()

@@ -91,7 +91,7 @@ def test_prefetch_is_refused_on_dot_tiles_and_element_wise_tiles_take_one_row() 
 
 def test_few_row_kernels_refuse_more_rows_than_they_tile() -> None:
     x = torch.zeros(gemv.MAX_ROWS + 1, 64)
-    with pytest.raises(ValueError, match="1..4 rows"):
+    with pytest.raises(ValueError, match=r"1\.\.4 rows"):
         gemv.linear(x, torch.zeros(8, 64))
     with pytest.raises(ValueError, match="weight"):
         gemv.linear(x[:2], torch.zeros(8, 65))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import sys
 import types
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -429,11 +431,16 @@ def test_model_with_fused_ops_equals_the_eager_model(tiny_llama_dir, build_runne
     monkeypatch.setattr(td, "decode_splits", lambda num_seqs, num_kv_heads, device: splits)
     fused = build_runner(tiny_llama_dir, backend=flash_backend.TritonPagedBackend(16, fused_rope=True))
     calls = {"rope_store": 0, "rms_norm": 0}
+
+    def counting(name: str, op: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*a: Any) -> Any:
+            calls[name] += 1
+            return op(*a)
+
+        return counted
+
     for name in calls:
-        def counted(*a, _f=getattr(ops, name), _n=name):  # type: ignore[no-untyped-def]
-            calls[_n] += 1
-            return _f(*a)
-        monkeypatch.setattr(ops, name, counted)
+        monkeypatch.setattr(ops, name, counting(name, getattr(ops, name)))
     folded = []
     monkeypatch.setattr(td, "rope_paged_decode", lambda *a, _f=td.rope_paged_decode, **kw: folded.append(1) or _f(*a, **kw))
     fused.model.use_fused_ops(ops.rms_norm, ops.silu_mul)

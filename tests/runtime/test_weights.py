@@ -25,7 +25,7 @@ def checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
     tensors = {}
     for f in checkpoint_files(model_dir):
         with safe_open(str(f), framework="pt") as g:
-            for k in g.keys():
+            for k in g:
                 tensors[k] = g.get_tensor(k)
     return tensors
 
@@ -126,7 +126,7 @@ def test_folder_without_weights_is_refused(tiny_llama_dir: Path, tmp_path: Path)
     d = tmp_path / "empty"
     d.mkdir()
     shutil.copy(tiny_llama_dir / "config.json", d / "config.json")
-    with pytest.raises(UnsupportedModelError, match="no \\*.safetensors"):
+    with pytest.raises(UnsupportedModelError, match=r"no \*\.safetensors"):
         load(d)
 
 

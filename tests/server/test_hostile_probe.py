@@ -12,6 +12,7 @@ import json
 import re
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -192,7 +193,7 @@ def test_an_80_byte_request_of_many_choices_leaves_room_for_others(share: str | 
 
 
 def _rss_mib(pid: int) -> float:
-    status = open(f"/proc/{pid}/status").read()
+    status = Path(f"/proc/{pid}/status").read_text()
     return int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.M).group(1)) / 1024  # type: ignore[union-attr]
 
 

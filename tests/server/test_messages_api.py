@@ -174,7 +174,7 @@ def test_what_cannot_be_served_is_an_anthropic_400_naming_the_field(shared_fake_
 
 
 def test_errors_raise_the_sdk_exception_classes(fake_server: Any) -> None:
-    srv, eng, _ = fake_server(api_key="sk-test")
+    srv, _eng, _ = fake_server(api_key="sk-test")
     ok = client(srv, api_key="sk-test").messages.create(model="fake-model", max_tokens=2, messages=ASK)
     assert ok.usage.output_tokens == 2
     bearer = anthropic.Anthropic(base_url=srv.url, auth_token="sk-test", max_retries=0)  # Authorization: Bearer
@@ -195,9 +195,11 @@ def test_errors_raise_the_sdk_exception_classes(fake_server: Any) -> None:
     evs = typed_sse_events(post(srv, headers=headers, stream=True, messages=[{"role": "user", "content": "FAIL_ME"}]))
     assert evs[0][0] == "message_start" and evs[-1] == ("error", {"type": "error", "error": evs[-1][1]["error"]})
     assert evs[-1][1]["error"]["type"] == "api_error"
-    with pytest.raises(anthropic.APIStatusError):
-        with good.messages.stream(model="fake-model", max_tokens=2, messages=[{"role": "user", "content": "FAIL_ME"}]) as s:
-            s.get_final_message()
+    with (
+        pytest.raises(anthropic.APIStatusError),
+        good.messages.stream(model="fake-model", max_tokens=2, messages=[{"role": "user", "content": "FAIL_ME"}]) as s,
+    ):
+        s.get_final_message()
     # OpenAI's paths keep OpenAI's shape, and take the key either way too.
     r = http.post(srv.url + "/v1/chat/completions", json={"messages": ASK, "model": "nope"}, headers=headers)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"

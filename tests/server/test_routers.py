@@ -58,7 +58,9 @@ def _router_argv(router: str, policy: str, port: int, workers: list[str]) -> lis
     try:
         import sglang_router  # noqa: F401
     except ImportError:
-        raise RouterUnavailable("sglang-router is not installed (no wheel for Linux aarch64; pip install -e '.[test]')")
+        raise RouterUnavailable(
+            "sglang-router is not installed (no wheel for Linux aarch64; pip install -e '.[test]')"
+        ) from None
     return [
         sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
         "--worker-urls", *workers, "--policy", policy, "--prometheus-port", str(_free_port()),
