@@ -191,12 +191,12 @@ def log_exposure(name: str, endpoint: str, bound: bool) -> None:
         log.warning(
             "KV events: %s %s listens on all interfaces: any host that reaches it reads every prompt's token ids "
             "(no authentication); name a loopback or private address unless that is intended", name, endpoint,
-        )  # fmt: skip
+        )
     else:
         log.warning(
             "KV events: %s %s %s is not loopback: whoever reads it gets every prompt's token ids",
             name, "bound on" if bound else "connected to", endpoint,
-        )  # fmt: skip
+        )
 
 
 class ZmqEventPublisher:

@@ -189,7 +189,7 @@ def start_up(config: EngineConfig, runner: RunnerLike | None = None) -> StartUp:
     block_manager = BlockManager(
         num_blocks, block_size, config.enable_prefix_caching, kv_events=bool(kv_events and kv_events.active),
         window=released_window(mc, runner, config),
-    )  # fmt: skip
+    )
     proposer = NgramProposer(speculative) if speculative is not None else None
     if proposer is not None:
         log.info("speculative decoding: %s", proposer.config)

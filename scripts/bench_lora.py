@@ -114,7 +114,7 @@ def main() -> None:
         "half": (lora, lora_times, [None, "a0"]),
     }
     print(f"default model, quantization {lora.runner.quantization or 'none'}, rank {args.rank} on every projection, "
-          f"{torch.get_num_threads()} threads; decode step median (ms) per round")  # fmt: skip
+          f"{torch.get_num_threads()} threads; decode step median (ms) per round")
     for batch in args.batches:
         # A batch smaller than a workload's mix would repeat another workload.
         runs = {w: v for w, v in workloads.items() if len(v[2]) <= batch}

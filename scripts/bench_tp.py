@@ -124,7 +124,7 @@ def main() -> None:
         runner.release()
 
     print(f"{model_dir.name}: {cfg.num_layers} layers, hidden {cfg.hidden_size}; decode, context {args.context}, "
-          f"median of {args.steps} steps")  # fmt: skip
+          f"median of {args.steps} steps")
     for name, by_batch in rows.items():
         for b, r in by_batch.items():
             extra = f"; in {r['collectives']:.0f} collectives {r['collectives_ms']:.2f} ms" if "collectives" in r else ""

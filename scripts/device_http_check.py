@@ -138,7 +138,7 @@ def api_checks(c: httpx.Client, ck: Checks, vocab: int, max_model_len: int) -> N
         and b["usage"] == {**b["usage"], "prompt_tokens": 128, "completion_tokens": 32}
         and all(x is not None and x <= 1e-6 for x in lp),
         f"usage {b['usage']}; first logprobs {lp[:3]}; uncached run's tokens equal: {ta == tb}",
-    )  # fmt: skip
+    )
 
     body = {"model": NAME, "prompt": prompt, "max_tokens": 16, "temperature": 0, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}}  # fmt: skip

@@ -323,7 +323,7 @@ def install_error_handlers(app: FastAPI) -> None:
             allowed = {
                 m for route in request.app.router.routes if route.matches(request.scope)[0] != Match.NONE
                 for m in getattr(route, "methods", None) or ()
-            }  # fmt: skip
+            }
             if allowed:
                 resp.headers["Allow"] = ", ".join(sorted(allowed))
         return resp

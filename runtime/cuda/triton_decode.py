@@ -116,7 +116,7 @@ def _paged_decode_split_kernel(
             tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=q_mask, other=0.0),
             tl.load(q_ptr + q_rows[:, None] + partner[None, :], mask=q_mask, other=0.0),
             c[None, :], sn[None, :], first[None, :],
-        )  # fmt: skip
+        )
         row = q_ptr + seq.to(tl.int64) * stride_qt
         k_at = row + (NUM_HEADS + kv_head) * HEAD_DIM
         k_new = _rotate(tl.load(k_at + d, mask=d_ok, other=0.0), tl.load(k_at + partner, mask=d_ok, other=0.0), c, sn, first)

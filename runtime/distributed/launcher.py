@@ -115,7 +115,7 @@ class TensorParallelGroup:
             ctx.Process(target=_worker_main, args=(r, world_size, init_method, backend, timeout_s, num_threads, os.getpid()),
                         name=f"servelm-tp-rank{r}", daemon=True)
             for r in range(1, world_size)
-        ]  # fmt: skip
+        ]
         for w in self.workers:
             w.start()
         atexit.register(self._kill_workers)  # whatever happens to rank 0's shutdown, no worker outlives it

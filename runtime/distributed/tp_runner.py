@@ -37,7 +37,7 @@ class TensorParallelRunner(ModelRunner):
         check_tensor_parallel(
             model_config, comm.world_size, device=torch.device(kwargs.get("device", "cpu")),
             model_dir=model_dir, quantization=kwargs.get("quantization"),
-        )  # fmt: skip
+        )
         self.comm = comm
         self.group = group  # rank 0's: the processes ``close`` stops
         self._logits_of: StepInputs | None = None  # the step whose gathered logits are kept

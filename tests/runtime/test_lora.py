@@ -31,7 +31,7 @@ def adapters(tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.Tem
         "qv": save_lora_adapter(
             base, tmp / "qv", seed=3, r=8, target_modules=["q_proj", "v_proj", "down_proj"], use_rslora=True,
             rank_pattern={"down_proj": 4}, alpha_pattern={"v_proj": 32},
-        ),  # fmt: skip
+        ),
         "layer1": save_lora_adapter(base, tmp / "layer1", seed=4, layers_to_transform=[1]),
     }
 

@@ -26,7 +26,7 @@ from servelm.runtime.model_fetch import (
     ensure_file,
     ensure_gemma3_gguf,
     ensure_qwen05_gguf,
-)  # fmt: skip
+)
 from servelm.runtime.model_files import cache_dir, resolve_model_path
 
 # The formats each file is documented to hold (Q4_K_M mixes them); anything else is a different file.

@@ -489,7 +489,7 @@ def test_drafts_are_verified_as_one_decode_row_per_position(
 
     spec, other, fresh = seq(1, ids, 39), seq(2, ids[:20], 19), seq(3, ids[:25], 0)
     items = [BatchItem(other, 1, sample=True), BatchItem(spec, 1 + len(draft), sample=True, draft=list(draft)),
-             BatchItem(fresh, 25, sample=True)]  # fmt: skip
+             BatchItem(fresh, 25, sample=True)]
     inputs = runner.prepare(items)
     assert inputs.meta.num_decodes == 1 + 4 and inputs.meta.decode_rows_share_sequences
     assert inputs.sample_items == [0, 1, 1, 1, 1, 2]

@@ -41,7 +41,7 @@ ENGINE_CASES: dict[str, tuple[str, dict[str, Any]]] = {
 RUNNER_KW: dict[str, Any] = dict(
     device=torch.device("cpu"), dtype=torch.float32, block_size=16, num_blocks=64,
     max_num_batched_tokens=256, max_num_seqs=16,
-)  # fmt: skip
+)
 # Float32 sums in another order (two partial matmuls then a sum): relative to the largest logit.
 LOGITS_RTOL = 1e-4
 
@@ -203,7 +203,7 @@ def tp_results(tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.T
         "engine_cases": ENGINE_CASES,
         "timing": {"tiny llama": str(tiny_model_dir("llama")),
                    "medium llama": str(save_medium_llama(tmp_path_factory.mktemp("medium-llama")))},
-    }  # fmt: skip
+    }
     return run_driver(spec)
 
 
@@ -250,7 +250,7 @@ def test_tp2_step_time_overhead(tp_results: dict[str, Any]) -> None:
     for name, t in tp_results["timing"].items():
         collectives = 2 * t["layers"] + 3  # 2 all-reduces a layer, the embedding's, the logits gather, 1 broadcast
         print(f"\n{name} (hidden {t['hidden']}, {t['layers']} layers), decode batch 8: TP=1 {t['tp1_ms']:.2f} ms/step, "
-              f"TP=2 {t['tp2_ms']:.2f} ms/step ({t['tp2_ms'] / t['tp1_ms']:.2f}x; {collectives} collectives a step)")  # fmt: skip
+              f"TP=2 {t['tp2_ms']:.2f} ms/step ({t['tp2_ms'] / t['tp1_ms']:.2f}x; {collectives} collectives a step)")
         assert t["tp1_ms"] > 0 and t["tp2_ms"] > 0
 
 

@@ -474,7 +474,7 @@ def test_rope_paged_decode_equals_rope_store_then_split_decode(dtype: torch.dtyp
     slots = torch.tensor(
         [int(tables[i, (n - 1) // page]) * page + (n - 1) % page if known else -1
          for i, (n, known) in enumerate(zip(seq_lens, slots_known))]
-    )  # fmt: skip
+    )
     qkv = torch.randn(len(seq_lens), (heads + 2 * kvh) * d + 4, generator=gen)[:, : (heads + 2 * kvh) * d].to(dtype)
     freqs = torch.tensor(seq_lens).float()[:, None] - 1  # each new token sits at position seq_len - 1
     freqs = freqs * (1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)))[None, :]

@@ -32,7 +32,7 @@ def make_engine(model: Path, modules: list[tuple[str, Path]], **cfg: Any) -> Eng
     config = EngineConfig(
         model=str(model), kv_cache_memory=2 * MiB, max_model_len=256, enable_lora=True,
         lora_modules=tuple((n, str(p)) for n, p in modules), **cfg,
-    )  # fmt: skip
+    )
     return Engine(config)
 
 

@@ -36,7 +36,7 @@ class Harness:
         self.sched = Scheduler(
             self.bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, policy=policy,
             **scheduler_options,
-        )  # fmt: skip
+        )
         self.ids = itertools.count()
         self.outputs: list[SchedulerOutput] = []
         self.finished: list[Request] = []

@@ -182,7 +182,7 @@ class FakeEngine:
                     req.request_id, req.prompt, outs, finished=finished, error="boom" if req.fail else None,
                     prompt_logprobs=prompt_lps,
                 )
-            )  # fmt: skip
+            )
             if finished:
                 del self._reqs[req.request_id]
         self._update_blocks()

@@ -62,7 +62,7 @@ def test_every_fault_request_in_turn_leaves_the_server_whole() -> None:
             assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text[:300]
             assert time.monotonic() - t0 < 5.0
             r = c.post(f"{v1}/completions", json={"prompt": "hi", "max_tokens": 2, "n": 32,
-                                                  "logit_bias": {str(i): 1 for i in range(49152)}})  # fmt: skip
+                                                  "logit_bias": {str(i): 1 for i in range(49152)}})
             assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text[:300]
             # Fault 5: user input that was a 500.
             for path, body in (
@@ -143,7 +143,7 @@ def test_every_fault_request_in_turn_leaves_the_server_whole() -> None:
 def _first_token_s(v1: str, timeout: float) -> float | None:
     """Seconds to the first streamed token of a short chat request; None if none came within ``timeout``."""
     body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8,
-            "temperature": 0, "stream": True}  # fmt: skip
+            "temperature": 0, "stream": True}
     t0 = time.monotonic()
     try:
         with httpx.stream("POST", f"{v1}/chat/completions", json=body, timeout=httpx.Timeout(timeout)) as r:

@@ -57,7 +57,7 @@ def lora(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     config = EngineConfig(
         model=str(tiny_llama_dir), kv_cache_memory=4 * 2**20, max_model_len=256, max_loras=2, max_cpu_loras=4,
         lora_modules=tuple((k, str(v)) for k, v in adapters.items()),
-    )  # fmt: skip
+    )
     engine = Engine(config, observer=proxy)
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     ids = engine.tokenizer.encode(PROMPT)

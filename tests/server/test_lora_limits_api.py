@@ -77,7 +77,7 @@ def served(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     config = EngineConfig(
         model=str(tiny_llama_dir), kv_cache_memory=4 * 2**20, max_model_len=256, max_loras=1, max_cpu_loras=LIMIT,
         lora_modules=(("m0", str(folders[0])),),
-    )  # fmt: skip
+    )
     engine = Engine(config)
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     ids = engine.tokenizer.encode(PROMPT)

@@ -60,7 +60,7 @@ def test_create_is_the_chat_request_and_reads_as_the_sdk_message(shared_fake_ser
     msg = client(srv).messages.create(
         model="fake-model", max_tokens=5, system="Be brief.", messages=ASK, metadata={"user_id": "u-1"},
         extra_body={"temperature": 0.5, "top_p": 0.9, "top_k": 7},  # SDK 2.x has no sampling keywords
-    )  # fmt: skip
+    )
     prompt, params = eng.prompts[-1], eng.last_params
     messages = [{"role": "system", "content": "Be brief."}, *ASK]
     c = chat(srv, messages=messages, temperature=0.5, top_p=0.9, top_k=7).json()
@@ -268,7 +268,7 @@ def test_greedy_tokens_are_the_chat_requests(live: ServerThread) -> None:
     assert client(live).messages.count_tokens(model="SmolLM2-135M-Instruct", messages=messages).input_tokens == len(ids)
     # A stop sequence ends the answer before it and is named.
     cut = client(live).messages.create(model="SmolLM2-135M-Instruct", max_tokens=24, extra_body=GREEDY, messages=messages,
-                                       stop_sequences=["Paris"])  # fmt: skip
+                                       stop_sequences=["Paris"])
     assert (cut.stop_reason, cut.stop_sequence, cut.content[0].text) == ("stop_sequence", "Paris", "The capital of France is ")
 
 

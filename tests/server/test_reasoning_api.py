@@ -268,6 +268,6 @@ def test_thinking_opened_by_the_prompt(opened: ServerThread) -> None:
     schema = SCHEMA
     fmt = {"type": "json_schema", "json_schema": {"name": "sum", "schema": schema}}
     m = http.post(opened.url + "/v1/chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 40, "temperature": 0,
-                                                            "response_format": fmt}).json()["choices"][0]["message"]  # fmt: skip
+                                                            "response_format": fmt}).json()["choices"][0]["message"]
     assert m["reasoning_content"] == THINKING
     assert json.loads(m["content"]) in SCHEMA_ANSWERS

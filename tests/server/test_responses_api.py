@@ -295,7 +295,7 @@ def test_a_named_function_streams_its_arguments() -> None:
     assert [e["type"] for e in evs] == [
         "response.output_item.added", "response.function_call_arguments.delta", "response.function_call_arguments.delta",
         "response.function_call_arguments.done", "response.output_item.done",
-    ]  # fmt: skip
+    ]
     (item,) = output
     assert item["type"] == "function_call" and item["name"] == "get_weather" and item["status"] == "completed"
     assert json.loads(item["arguments"]) == {"city": "Rome"} == json.loads("".join(e["delta"] for e in evs[1:3]))
@@ -341,7 +341,7 @@ def test_a_client_that_leaves_has_its_response_aborted(fake_server: Any) -> None
     s.sendall(
         b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
-    )  # fmt: skip
+    )
     _wait(lambda: len(eng.added) == 2 and eng.steps > 2)
     s.close()
     _wait(lambda: len(eng.aborted) == 2)
