@@ -69,9 +69,17 @@ class RunnerLike(Protocol):
     device computes: ``launch`` starts the forward, ``sample`` issues the sampling.
     """
 
-    block_size: int
-    kv_pool: KVPool | None  # None until allocated
-    weight_bytes: int | None  # what a step reads of the weights (None: parameters x dtype)
+    # Read-only: the engine reads them, and the runner's own declarations may be narrower.
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def kv_pool(self) -> KVPool | None:  # None until allocated
+        ...
+
+    @property
+    def weight_bytes(self) -> int | None:  # what a step reads of the weights (None: parameters x dtype)
+        ...
 
     def launch(self, items: list[BatchItem]) -> Any: ...
 
