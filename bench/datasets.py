@@ -13,7 +13,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,8 @@ class BenchRequest:
 def load_tokenizer(path: str | Path) -> Tokenizer:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    # transformers types decode as str | list[str] (a list for batched input); one sequence gives a str.
+    return cast(Tokenizer, AutoTokenizer.from_pretrained(str(path)))
 
 
 def count_tokens(tokenizer: Tokenizer, text: str) -> int:

@@ -188,9 +188,9 @@ def plot(runs: list[BenchmarkRun], path: str | Path) -> None:
         )
         if events:
             xs, ys, n = [], [], 0
-            for t, d in events:
+            for at, d in events:
                 n += d
-                xs.append(t)
+                xs.append(at)
                 ys.append(n)
             ax.step(xs, ys, where="post", label=run.base_url)
     ax.set_xlabel("time (s)")

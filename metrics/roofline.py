@@ -44,7 +44,7 @@ _GPU_DATASHEETS: tuple[tuple[str, tuple[float, float]], ...] = (
 )
 
 
-def _best_rate(fn, work: float, budget_s: float, min_reps: int = 3) -> float:
+def _best_rate(fn: Callable[[], object], work: float, budget_s: float, min_reps: int = 3) -> float:
     """Run ``fn`` repeatedly for about ``budget_s`` (at least ``min_reps`` times); best work/second."""
     fn()  # warm-up: first-call allocation and thread-pool start-up are not the steady state
     best = 0.0
@@ -152,7 +152,7 @@ def measure_cuda_peaks(device: int | str | torch.device = "cuda", budget_s: floa
     a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
 
-    def synced(fn):
+    def synced(fn: Callable[[], object]) -> Callable[[], None]:
         def run() -> None:
             fn()
             torch.cuda.synchronize(dev)

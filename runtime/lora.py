@@ -217,7 +217,7 @@ def load_lora_adapter(path: str | Path, model: CausalLM, max_rank: int) -> LoRAA
         largest = max(largest, rank)
         alpha = float(_pattern_value(cfg.get("alpha_pattern") or {}, module, cfg["lora_alpha"]))
         scale = alpha / math.sqrt(rank) if use_rslora else alpha / rank
-        parts.setdefault(ours, []).append((rows, a, b * scale))  # type: ignore[arg-type]
+        parts.setdefault(ours, []).append((rows, a, b * scale))
 
     modules: dict[str, LoRAModule] = {}
     for ours, shards in parts.items():
@@ -234,7 +234,7 @@ def load_lora_adapter(path: str | Path, model: CausalLM, max_rank: int) -> LoRAA
 KERNEL_MAX_ROWS = 32
 
 # (x [T, K], y [T, N] in place, a per adapter, bt per adapter, shards per adapter, row_adapter [T] int32)
-LoRAKernel = Callable[[torch.Tensor, torch.Tensor, list, list, list, torch.Tensor], None]
+LoRAKernel = Callable[[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], torch.Tensor], None]
 
 
 class LoRAContext:
@@ -301,7 +301,7 @@ def attach(model: CausalLM, kernel: LoRAKernel | None = None) -> LoRAContext:
     for module in model.modules():
         if isinstance(module, Linear):
             module.lora = LoRAProjection(ctx)
-            module.forward = module.forward_with_lora  # type: ignore[method-assign]
+            module.forward = module.forward_with_lora
         elif isinstance(module, DecoderLayer):
             module.lora_ctx = ctx
     return ctx

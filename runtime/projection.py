@@ -74,7 +74,7 @@ class PackedMethod:
 
     def apply(self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
         if x.shape[0] <= self.small_m_rows:
-            return self.small_m(x.contiguous(), weight, bias)  # type: ignore[misc]
+            return self.small_m(x.contiguous(), weight, bias)
         return self.linear(x, self.packed, bias)
 
 

@@ -144,10 +144,13 @@ class QuantizedWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.scheme == "int8":
-            return dequantize_rows(*self.tensors, dtype=dtype)
+            q, scale = self.tensors
+            return dequantize_rows(q, scale, dtype=dtype)
         if self.scheme == "int4":
-            return dequantize_int4_groups(*self.tensors, dtype=dtype)
-        return dequantize_int8_groups(*self.tensors, dtype=dtype)
+            packed, scales, mins = self.tensors
+            return dequantize_int4_groups(packed, scales, mins, dtype=dtype)
+        q, scales = self.tensors
+        return dequantize_int8_groups(q, scales, dtype=dtype)
 
 
 _QUANTIZERS: dict[str, Callable[[torch.Tensor], tuple[torch.Tensor, ...]]] = {

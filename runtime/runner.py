@@ -229,7 +229,7 @@ class ModelRunner:
             torch.softmax(self.model.compute_logits(hidden.index_select(0, rows)).float(), dim=-1)
             return scratch.nbytes
         finally:
-            self.model.bind_kv_cache([None] * len(scratch.k_cache), [None] * len(scratch.v_cache))  # type: ignore[list-item]
+            self.model.bind_kv_cache([None] * len(scratch.k_cache), [None] * len(scratch.v_cache))
             del scratch
 
     def measure_kv_budget(self, gpu_memory_utilization: float, reserve_bytes: int = 0) -> int:

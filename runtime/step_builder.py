@@ -227,7 +227,7 @@ def _pending_row(runner: ModelRunner, seq: SequenceView) -> int:
 
 
 def _stage_graph_step(
-    runner,
+    runner: ModelRunner,
     input_ids: list[int],
     positions: list[int],
     slots: list[int],

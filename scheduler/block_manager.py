@@ -246,7 +246,7 @@ class BlockManager:
 
     def _record_removed(self, h: bytes) -> None:
         # Evictions in a row (one allocation's worth) share one BlockRemoved.
-        last = self._events[-1] if self._events else None  # type: ignore[index]
+        last = self._events[-1] if self._events else None
         if isinstance(last, BlockRemoved):
             last.block_hashes.append(external_hash(h))
         else:

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 def generate(
     engine: Engine,
-    prompts: Sequence[str] | Sequence[Sequence[int]],
+    prompts: Sequence[str | Sequence[int]],
     params: SamplingParams | Sequence[SamplingParams],
     lora_names: str | Sequence[str | None] | None = None,
 ) -> list[GenerationResult]:

@@ -94,10 +94,10 @@ class NgramIndex:
         for n in self.sizes:
             if end <= n:
                 continue
-            j = self.maps[n].get(tuple(tokens[end - n :]))
-            # j == end would be the suffix itself; only earlier occurrences (j < end) are indexed.
-            if j is not None:
-                return tokens[j : j + k]
+            at = self.maps[n].get(tuple(tokens[end - n :]))
+            # at == end would be the suffix itself; only earlier occurrences (at < end) are indexed.
+            if at is not None:
+                return tokens[at : at + k]
         return []
 
 

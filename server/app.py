@@ -107,7 +107,7 @@ def create_prometheus_observer(engine: Any) -> Any | None:
     cap = getattr(engine, "capacity", None)
     # What runs: the runner resolves ``--quantization auto`` at load.
     runner = getattr(engine, "runner", None)
-    quantization = runner.quantization if hasattr(runner, "quantization") else getattr(cfg, "quantization", None)
+    quantization = runner.quantization if runner is not None and hasattr(runner, "quantization") else getattr(cfg, "quantization", None)
     info = {
         "model": str(getattr(cfg, "model", None) or engine.served_model_name),
         "dtype": str(cfg.dtype),

@@ -181,7 +181,9 @@ def _make_uvicorn_server(app: Any, args: argparse.Namespace, on_exit: Callable[[
             # uvicorn's last resort stays the deadline plus the flush, counted from the signal.
             graceful = self.config.timeout_graceful_shutdown
             if graceful is not None:
-                self.config.timeout_graceful_shutdown = max(SHUTDOWN_FLUSH_S, graceful - (loop.time() - started))
+                # uvicorn declares it int, and uses it as a timeout: a float is what it needs here.
+                remaining = max(SHUTDOWN_FLUSH_S, graceful - (loop.time() - started))
+                self.config.timeout_graceful_shutdown = remaining  # type: ignore[assignment]
             await super().shutdown(sockets)
 
         async def startup(self, sockets: Any = None) -> None:

@@ -18,7 +18,7 @@ TRIM_INTERVAL_S = 2.0
 
 def _malloc_trim() -> Callable[[int], int] | None:
     try:
-        return ctypes.CDLL("libc.so.6").malloc_trim  # type: ignore[no-any-return]
+        return ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):  # not glibc: its allocator returns memory its own way
         return None
 

@@ -212,7 +212,7 @@ class MessageStream:
             # Cut before the arguments were complete, the block ends as it read and the stop is max_tokens.
             self.called = self.tools.parse(text) is not None
             return [self._stop()]
-        events: list[bytes] = []
+        events = []
         if self.mode == "calls":
             blocks = content_blocks(self.tools, text)
             if blocks[0]["type"] == "tool_use":

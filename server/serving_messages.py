@@ -129,7 +129,7 @@ def chat_messages(req: CountTokensRequest, reasoning: bool = False) -> tuple[lis
     return out, where
 
 
-def _tools(req: CountTokensRequest) -> list[dict[str, Any]] | None:
+def _tools(req: CountTokensRequest) -> list[Any] | None:
     """Chat tools as JSON, validated with the chat request (so a bad name is refused naming the tool)."""
     if req.tools is None:
         return None

@@ -4,7 +4,7 @@ ladder of batch sizes captured (``capture_sizes``) with the padding a step gets 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -74,7 +74,7 @@ class GraphInputs:
 
     @classmethod
     def allocate(cls, max_bs: int, max_blocks_per_seq: int, device: torch.device) -> GraphInputs:
-        i32 = dict(dtype=torch.int32, device=device)
+        i32: dict[str, Any] = dict(dtype=torch.int32, device=device)
         g = cls(
             i64=torch.zeros(5, max_bs, dtype=torch.long, device=device),
             i32=torch.zeros(2, max_bs, **i32),

@@ -35,6 +35,8 @@ from servelm.runtime.cuda.graph_inputs import GraphInputs, capture_sizes, padded
 from servelm.runtime.cuda.graph_variants import VariantTiming, few_row_tolerance
 
 if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
+
     from servelm.runtime.models.layers import FewRowKernels
 
 log = logging.getLogger(__name__)
@@ -85,7 +87,7 @@ class CudaGraphRunner:
         self._outputs: dict[int, torch.Tensor] = {}
         # Kept alive: anything a backend derived in build_metadata is read by the graph at replay.
         self._metas: dict[int, AttentionMetadata] = {}
-        self._pool: object | None = None
+        self._pool: _POOL_HANDLE | None = None
         self.few_rows = few_rows
         self.few_rows_max = few_rows_max if few_rows is not None else 0
         self.few_rows_ab = few_rows_ab

@@ -14,6 +14,7 @@ code imports it, and tests run it under ``TRITON_INTERPRET=1``.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import triton
@@ -235,7 +236,7 @@ def _split_decode(
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     # Decode tokens are rows 0..num_seqs-1 (query_start_loc is 0, 1, 2, ...): q and out are indexed by sequence.
     del query_start_loc
-    f32 = dict(dtype=torch.float32, device=q.device)
+    f32: dict[str, Any] = dict(dtype=torch.float32, device=q.device)
     part_acc = torch.empty(num_seqs, num_heads, num_splits, head_dim_pad, **f32)
     part_m = torch.empty(num_seqs, num_heads, num_splits, **f32)
     part_l = torch.empty(num_seqs, num_heads, num_splits, **f32)

@@ -169,7 +169,7 @@ class TensorParallelGroup:
         sentinels = {w.sentinel: rank for rank, w in enumerate(self.workers, start=1)}
         while sentinels and not self._closing.is_set():
             for s in wait(list(sentinels), timeout=PARENT_POLL_S):
-                rank = sentinels.pop(s)  # type: ignore[index]
+                rank = sentinels.pop(s)  # type: ignore[arg-type]  # wait() hands back the sentinels (ints) it was given
                 if self._closing.is_set():
                     return
                 w = self.workers[rank - 1]

@@ -85,7 +85,7 @@ def reduce_output(linear: Linear, comm: Communicator) -> None:
     def forward(x: torch.Tensor) -> torch.Tensor:
         return comm.all_reduce(Linear.forward(linear, x))
 
-    linear.forward = forward  # type: ignore[method-assign]
+    linear.forward = forward
 
 
 class TensorParallelCausalLM(CausalLM):

@@ -311,6 +311,8 @@ class RotaryEmbedding(nn.Module):
     are 67 MiB).
     """
 
+    inv_freq: torch.Tensor  # a buffer
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.dtype = dtype
