@@ -54,6 +54,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).",
     )
     d = EngineConfig()
+    # One flag a line: the table of serve's flags, which docs/configuration.md is generated from.
+    # fmt: off
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, help="Hugging Face model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--served-model-name", default=None, help="model id clients send and /v1/models lists (default: the model folder name)")
@@ -108,6 +110,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--playground", action=argparse.BooleanOptionalAction, default=True, help="serve the chat page at / and /playground (it calls /v1/* with the key typed into it); --no-playground leaves / a JSON 404 (default: on)")
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True, help="log one line per HTTP request (default: on)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity (default: %(default)s)")
+    # fmt: on
     p.set_defaults(func=run_serve)
     return p
 
