@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import importlib
 
+from triton_interp import flash_backend, gemv, ops, prefill_then_decode, torch_rms_norm  # first: sets the interpreter
+
+# isort: split
 import pytest
 import torch
-from triton_interp import flash_backend, gemv, ops, prefill_then_decode, torch_rms_norm  # first: sets the interpreter
 
 
 def _tol(dtype: torch.dtype) -> dict[str, float]:

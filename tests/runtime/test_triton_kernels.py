@@ -8,9 +8,11 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+from triton_interp import flash_backend, ops, prefill_then_decode, td, tk, torch_rms_norm  # first: sets the interpreter
+
+# isort: split
 import pytest
 import torch
-from triton_interp import flash_backend, ops, prefill_then_decode, td, tk, torch_rms_norm  # first: sets the interpreter
 
 from servelm.runtime.attention.base import AttentionMetadata
 
