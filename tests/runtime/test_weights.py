@@ -25,7 +25,7 @@ def checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
     tensors = {}
     for f in checkpoint_files(model_dir):
         with safe_open(str(f), framework="pt") as g:
-            for k in g:
+            for k in g.keys():  # noqa: SIM118 - safe_open has keys() but is not iterable
                 tensors[k] = g.get_tensor(k)
     return tensors
 
