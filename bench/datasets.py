@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 import logging
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol, cast
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,8 @@ class BenchRequest:
 def load_tokenizer(path: str | Path) -> Tokenizer:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    # transformers types decode as str | list[str] (a list for batched input); one sequence gives a str.
+    return cast(Tokenizer, AutoTokenizer.from_pretrained(str(path)))
 
 
 def count_tokens(tokenizer: Tokenizer, text: str) -> int:
@@ -101,8 +103,8 @@ class RandomPromptMaker:
 
 
 def _lengths(rng: random.Random, mean: int, range_ratio: float, n: int) -> list[int]:
-    lo = max(1, int(round(mean * (1 - range_ratio))))
-    hi = max(lo, int(round(mean * (1 + range_ratio))))
+    lo = max(1, round(mean * (1 - range_ratio)))
+    hi = max(lo, round(mean * (1 + range_ratio)))
     return [rng.randint(lo, hi) for _ in range(n)]
 
 

@@ -119,7 +119,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if preset is None and args.memory is None:
         preset = DEVICE_PRESETS["cpu"]
     device = preset.name if preset else "custom"
-    memory = args.memory if args.memory is not None else preset.memory_bytes
+    memory = args.memory if args.memory is not None else (preset or DEVICE_PRESETS["cpu"]).memory_bytes
     bandwidth = args.bandwidth or (preset.bandwidth_bytes_s if preset else None)
     peak = args.peak_flops or (preset.peak_flops if preset else None)
     dtype_name = args.dtype if args.dtype != "auto" else ("float32" if device == "cpu" else "bfloat16")

@@ -137,7 +137,7 @@ def format_comparison(a: dict[str, Any], b: dict[str, Any]) -> str:
 
 def tokens_per_second(run: BenchmarkRun, bin_s: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """Output tokens/s over time: each request's tokens spread evenly over its content chunks."""
-    nbins = max(1, int(math.ceil(run.duration / bin_s)))
+    nbins = max(1, math.ceil(run.duration / bin_s))
     counts = np.zeros(nbins)
     for r in run.results:
         if not r.success or not r.chunk_times:
@@ -188,9 +188,9 @@ def plot(runs: list[BenchmarkRun], path: str | Path) -> None:
         )
         if events:
             xs, ys, n = [], [], 0
-            for t, d in events:
+            for at, d in events:
                 n += d
-                xs.append(t)
+                xs.append(at)
                 ys.append(n)
             ax.step(xs, ys, where="post", label=run.base_url)
     ax.set_xlabel("time (s)")

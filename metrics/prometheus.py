@@ -19,7 +19,7 @@ import threading
 import time
 from bisect import bisect_left
 from collections import deque
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 from prometheus_client import (

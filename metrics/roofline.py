@@ -18,12 +18,12 @@ import logging
 import os
 import platform
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from servelm.runtime.cpu import linear as cpu_linear
 from servelm.runtime.capacity import DEVICE_PRESETS
+from servelm.runtime.cpu import linear as cpu_linear
 from servelm.runtime.model_files import cache_dir
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ _GPU_DATASHEETS: tuple[tuple[str, tuple[float, float]], ...] = (
 )
 
 
-def _best_rate(fn, work: float, budget_s: float, min_reps: int = 3) -> float:
+def _best_rate(fn: Callable[[], object], work: float, budget_s: float, min_reps: int = 3) -> float:
     """Run ``fn`` repeatedly for about ``budget_s`` (at least ``min_reps`` times); best work/second."""
     fn()  # warm-up: first-call allocation and thread-pool start-up are not the steady state
     best = 0.0
@@ -72,11 +72,17 @@ def measure_cpu_peaks(budget_s: float = 0.5) -> tuple[float, float]:
     w = torch.randn(n, k)
     if cpu_linear.onednn_linear_available(torch.float32):
         packed = cpu_linear.pack(w)
-        matmul: Callable[[], object] = lambda: cpu_linear.linear(a, packed, None)  # noqa: E731
+
+        def matmul() -> object:
+            return cpu_linear.linear(a, packed, None)
+
     else:
         out = torch.empty(m, n)
         wt = w.t()
-        matmul = lambda: torch.matmul(a, wt, out=out)  # noqa: E731
+
+        def matmul() -> object:
+            return torch.matmul(a, wt, out=out)
+
     flops = _best_rate(matmul, 2.0 * m * k * n, budget_s * 0.45)
 
     numel = 16 * 2**20  # 64 MiB of fp32: far beyond any last-level cache
@@ -146,7 +152,7 @@ def measure_cuda_peaks(device: int | str | torch.device = "cuda", budget_s: floa
     a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
 
-    def synced(fn):
+    def synced(fn: Callable[[], object]) -> Callable[[], None]:
         def run() -> None:
             fn()
             torch.cuda.synchronize(dev)

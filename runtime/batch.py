@@ -7,12 +7,12 @@ sampling parameters is described here as protocols; ``scheduler.Request`` and
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
-
 
 # Stands in ``SequenceView.token_ids`` for a token the runner's previous sampling step drew but the
 # host does not know yet (the engine scheduling ahead). Only ever a sequence's last token.
@@ -97,11 +97,20 @@ class SequenceView(Protocol):
     num_prompt_tokens: int
     num_computed_tokens: int  # tokens whose K/V are already in the pool
     block_table: list[int]  # pool block ids, in order
-    params: SamplingSpec
     generator: torch.Generator | None  # set when the request has a seed
-    stop_token_ids_for_min_tokens: Sequence[int]  # suppressed while fewer than min_tokens were generated
-    grammar: TokenMask | None  # structured output: tokens outside the mask get -inf
     lora_id: int  # the LoRA adapter its rows use (``ModelRunner.add_lora``); 0: the base model
+
+    # Read-only here, so that a Request's narrower types (SamplingParams, a tuple, GrammarMatcher) satisfy them.
+    @property
+    def params(self) -> SamplingSpec: ...
+
+    @property
+    def stop_token_ids_for_min_tokens(self) -> Sequence[int]:  # suppressed while fewer than min_tokens were generated
+        ...
+
+    @property
+    def grammar(self) -> TokenMask | None:  # structured output: tokens outside the mask get -inf
+        ...
 
 
 @dataclass

@@ -131,7 +131,7 @@ class ModelConfig:
     local_rope: tuple[float, dict[str, Any] | None] | None = None
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         archs = d.get("architectures") or []
         arch = archs[0] if archs else ""
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -201,7 +201,7 @@ class ModelConfig:
         return cls(**fields)
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "ModelConfig":
+    def from_dir(cls, path: str | Path) -> ModelConfig:
         p = Path(path) / "config.json"
         if not p.is_file():
             raise UnsupportedModelError(f"{path}: expected a Hugging Face model folder with config.json")

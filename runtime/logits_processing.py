@@ -9,8 +9,8 @@ pays nothing.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import chain
-from typing import Sequence
 
 import torch
 
@@ -25,7 +25,7 @@ def process_logits(logits: torch.Tensor, seqs: Sequence[SequenceView]) -> None:
     ``logits`` must be contiguous [R, V]; row i belongs to ``seqs[i]``. Rows that use none of
     these are untouched, and a batch where none does costs only a scan of the parameters.
     """
-    n_rows, vocab = logits.shape
+    _n_rows, vocab = logits.shape
     flat = logits.view(-1)
     device = logits.device
     platform = platform_of(device)

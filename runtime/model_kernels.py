@@ -3,8 +3,9 @@ few-row kernels' interface, which the model calls and a device fills."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -30,11 +31,11 @@ class FewRowKernels:
     """
 
     # (x, weight, bias) -> F.linear(x, weight, bias)
-    linear: Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
     # (x, residual | None, norm weight, eps, weight, bias) -> (linear(norm(x + residual)), x + residual)
-    rms_norm_linear: Callable[..., "tuple[torch.Tensor, torch.Tensor]"]
+    rms_norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     # (gate_up [T, 2I], weight, bias) -> linear(silu(gate) * up)
-    silu_mul_linear: Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+    silu_mul_linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
     max_rows: int = 0
 
     def applies(self, rows: int) -> bool:

@@ -8,8 +8,9 @@ kernels, no graphs, memory that cannot be handed back piecewise); a platform ove
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 

@@ -15,7 +15,8 @@ Each method reads its row limits at every call (tests and the CUDA-graph A/B cha
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -74,7 +75,7 @@ class PackedMethod:
 
     def apply(self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
         if x.shape[0] <= self.small_m_rows:
-            return self.small_m(x.contiguous(), weight, bias)  # type: ignore[misc]
+            return self.small_m(x.contiguous(), weight, bias)
         return self.linear(x, self.packed, bias)
 
 

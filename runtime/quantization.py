@@ -24,11 +24,11 @@ weights replace the float32 ones here too, so more rows (oneDNN) compute with th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
-
 
 QUANTIZATIONS = ("int8", "int4", "auto", "none")
 NONE = "none"  # no quantization; for a GGUF file: dequantized into the dtype instead of kept as stored
@@ -130,7 +130,7 @@ class QuantizedWeight:
 
     scheme: str  # "int8" (per row), "int4" (groups of 32), "int8_groups" (groups of 32)
     tensors: tuple[torch.Tensor, ...]
-    kernel: Optional[QuantizedKernel] = None
+    kernel: QuantizedKernel | None = None
     max_rows: int = 0
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -144,10 +144,13 @@ class QuantizedWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.scheme == "int8":
-            return dequantize_rows(*self.tensors, dtype=dtype)
+            q, scale = self.tensors
+            return dequantize_rows(q, scale, dtype=dtype)
         if self.scheme == "int4":
-            return dequantize_int4_groups(*self.tensors, dtype=dtype)
-        return dequantize_int8_groups(*self.tensors, dtype=dtype)
+            packed, scales, mins = self.tensors
+            return dequantize_int4_groups(packed, scales, mins, dtype=dtype)
+        q, scales = self.tensors
+        return dequantize_int8_groups(q, scales, dtype=dtype)
 
 
 _QUANTIZERS: dict[str, Callable[[torch.Tensor], tuple[torch.Tensor, ...]]] = {

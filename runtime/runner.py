@@ -23,13 +23,13 @@ from servelm.runtime.attention.base import AttentionBackend, AttentionMetadata
 from servelm.runtime.batch import BatchItem, RunnerOutput, SequenceView
 from servelm.runtime.capacity import kv_bytes_per_token
 from servelm.runtime.config import ModelConfig, UnsupportedModelError
+from servelm.runtime.gguf import layer as stored_layer
+from servelm.runtime.gguf.folder import gguf_source
+from servelm.runtime.gguf.projection import GGUF_ACTIVATIONS, use_int8_activations
 from servelm.runtime.kv_cache import KVPool
 from servelm.runtime.lora_updates import LoRAContext
 from servelm.runtime.model_kernels import FewRowKernels
 from servelm.runtime.platform import platform_of
-from servelm.runtime.gguf.folder import gguf_source
-from servelm.runtime.gguf import layer as stored_layer
-from servelm.runtime.gguf.projection import GGUF_ACTIVATIONS, use_int8_activations
 from servelm.runtime.quantization import AUTO, NONE, QUANTIZATION_LABELS, check_group_widths, projection_widths
 from servelm.runtime.quantization_setup import check_quantization, quantize_model
 from servelm.runtime.sampled_rows import LogprobTensors, logprob_tensors
@@ -232,7 +232,7 @@ class ModelRunner:
             torch.softmax(self.model.compute_logits(hidden.index_select(0, rows)).float(), dim=-1)
             return scratch.nbytes
         finally:
-            self.model.bind_kv_cache([None] * len(scratch.k_cache), [None] * len(scratch.v_cache))  # type: ignore[list-item]
+            self.model.bind_kv_cache([None] * len(scratch.k_cache), [None] * len(scratch.v_cache))
             del scratch
 
     def measure_kv_budget(self, gpu_memory_utilization: float, reserve_bytes: int = 0) -> int:

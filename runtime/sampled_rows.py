@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -58,7 +58,9 @@ class SampledRows:
 
     def resolve(self) -> tuple[list[int], list[TokenLogprobs | None]]:
         tokens: list[int] = self.tokens.tolist()
-        lps = self.logprobs.resolve(len(tokens)) if self.logprobs is not None else [None] * len(tokens)
+        lps: list[TokenLogprobs | None] = (
+            self.logprobs.resolve(len(tokens)) if self.logprobs is not None else [None] * len(tokens)
+        )
         return tokens, lps
 
 

@@ -32,8 +32,8 @@ raise (``SampledRows.errors``), so one request's failure is its own.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Callable, Sequence
 
 import torch
 

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from servelm.runtime.lora_updates import KERNEL_MAX_ROWS
 from servelm.runtime.attention.base import AttentionMetadata
 from servelm.runtime.batch import PENDING_TOKEN, BatchItem, SequenceView
+from servelm.runtime.lora_updates import KERNEL_MAX_ROWS
 from servelm.runtime.step import LoRAStep, PromptScoring, StepInputs, extend_slots, is_decode, to_device
 
 if TYPE_CHECKING:
@@ -42,12 +42,14 @@ class ModelRunner(Protocol):
     device: torch.device
     dtype: torch.dtype
     backend: AttentionBackend
-    graph_runner: CapturedSteps | None
     lora_context: LoRAContext | None
     lora_ids: set[int]
     last_tokens: torch.Tensor | None
     last_seqs: list[SequenceView]
     last_rows: dict[int, int] | None
+
+    @property
+    def graph_runner(self) -> CapturedSteps | None: ...
 
 
 def build_step(runner: ModelRunner, items: list[BatchItem]) -> StepInputs:
@@ -258,7 +260,7 @@ def _pending_row(runner: ModelRunner, seq: SequenceView) -> int:
 
 
 def _stage_graph_step(
-    runner,
+    runner: ModelRunner,
     input_ids: list[int],
     positions: list[int],
     slots: list[int],

@@ -183,9 +183,15 @@ def _placeholders(spec: dict[str, Any], path: Path) -> dict[str, int]:
     the tokenizer config or a chat template: their only job is to be matched in input text."""
     vocab = spec.get("model", {}).get("vocab")
     if isinstance(vocab, list):  # Unigram: [piece, score] by id
-        in_vocab = lambda content, i: 0 <= i < len(vocab) and vocab[i][0] == content  # noqa: E731
+
+        def in_vocab(content: str, i: int) -> bool:
+            return 0 <= i < len(vocab) and vocab[i][0] == content
+
     elif isinstance(vocab, dict):
-        in_vocab = lambda content, i: vocab.get(content) == i  # noqa: E731
+
+        def in_vocab(content: str, i: int) -> bool:
+            return vocab.get(content) == i
+
     else:
         return {}
     named = _named_text(path)

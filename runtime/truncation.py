@@ -230,7 +230,7 @@ def _radix_floor(rows: torch.Tensor, target: torch.Tensor, weighted: bool) -> to
     read as a negative bucket, and ``scatter_add_`` raised), every key is clamped into the histogram
     and an empty boundary bucket gives 0 (nothing cut), so a bad row gets a bad floor, never an error.
     """
-    m, v = rows.shape
+    m, _v = rows.shape
     device = rows.device
     nb = (0x3F800000 >> _RADIX_SHIFT) + 1  # the bucket of 1.0 is the highest
     keys = (rows.view(torch.int32) >> _RADIX_SHIFT).clamp_(0, nb - 1)  # [m, V]

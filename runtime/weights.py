@@ -64,7 +64,7 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> int:
     nbytes = 0
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            for ckpt_name in f.keys():
+            for ckpt_name in f.keys():  # noqa: SIM118 - safe_open has keys() but is not iterable
                 target = model.checkpoint_target(ckpt_name)
                 if target is None:
                     continue

@@ -25,8 +25,9 @@ import functools
 import hashlib
 import struct
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Protocol
 
 from servelm.scheduler.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, external_hash
 from servelm.scheduler.window_blocks import WindowedBlocks
@@ -72,7 +73,7 @@ def block_hash_seed(lora_id: int = 0, cache_salt: str | None = None) -> bytes:
 BASE_HASH_SEED = block_hash_seed()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _int64s(n: int) -> struct.Struct:
     """A packer of ``n`` token ids compiled once (one block size in practice); array('q', ids) is slower."""
     return struct.Struct(f"<{n}q")
@@ -245,7 +246,7 @@ class BlockManager:
 
     def _record_removed(self, h: bytes) -> None:
         # Evictions in a row (one allocation's worth) share one BlockRemoved.
-        last = self._events[-1] if self._events else None  # type: ignore[index]
+        last = self._events[-1] if self._events else None
         if isinstance(last, BlockRemoved):
             last.block_hashes.append(external_hash(h))
         else:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Any
 
 _REPLACEMENT = "\ufffd"
 
@@ -30,7 +31,7 @@ def _backend_decode(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list
     ):
         return None
     decode = partial(tokenizer.backend_tokenizer.decode, skip_special_tokens=skip_special_tokens)
-    dropped = getattr(tokenizer, "placeholder_ids", frozenset())
+    dropped: frozenset[int] = getattr(tokenizer, "placeholder_ids", frozenset())
     if skip_special_tokens and dropped:
         return lambda ids: decode([i for i in ids if i not in dropped])
     return decode

@@ -3,12 +3,11 @@
 Single-threaded: the server's ``AsyncEngine`` owns one in a thread, offline users call ``generate``.
 Every latency metric comes from the requests' ``time.monotonic()`` timestamps.
 
-With ``async_scheduling`` the engine schedules one step ahead: it issues step k's forward, then reads
-and processes step k-1's tokens (detokenize, stop checks, outputs) while the device computes, then
-issues step k's sampling. A sequence sampled in step k gets a ``PENDING_TOKEN`` so that step k+1 can
-be scheduled before its value reaches the host (the runner takes it from step k's device output).
-A sequence that turns out to stop at step k's token has run one wasted row in step k+1; one that
-step k finishes by length gets no pending token, so it is not scheduled again.
+With ``async_scheduling`` the engine schedules one step ahead: it issues step k's forward, then reads and processes
+step k-1's tokens (detokenize, stop checks, outputs) while the device computes, then issues step k's sampling. A
+sequence sampled in step k gets a ``PENDING_TOKEN`` so that step k+1 can be scheduled before its value reaches the
+host (the runner takes it from step k's device output). A sequence that turns out to stop at step k's token has run
+one wasted row in step k+1; one that step k finishes by length gets no pending token, so it is not scheduled again.
 """
 
 from __future__ import annotations
@@ -16,8 +15,9 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from servelm.metrics.observer import NullObserver, Observer
 from servelm.runtime.batch import PENDING_TOKEN, BatchItem, TokenLogprobs

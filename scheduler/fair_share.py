@@ -10,8 +10,8 @@ when memory is short. A group's first sequence is never over its share, so every
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from servelm.scheduler.request import Request
 

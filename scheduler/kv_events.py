@@ -25,7 +25,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, fields
-from typing import Any, Union
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class AllBlocksCleared:
     """The prefix cache was reset."""
 
 
-KVCacheEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 # Fields vLLM declares without a default: always on the wire, even when None.
 _REQUIRED = {"BlockStored": 7, "BlockRemoved": 2, "AllBlocksCleared": 0}
 
@@ -191,12 +191,12 @@ def log_exposure(name: str, endpoint: str, bound: bool) -> None:
         log.warning(
             "KV events: %s %s listens on all interfaces: any host that reaches it reads every prompt's token ids "
             "(no authentication); name a loopback or private address unless that is intended", name, endpoint,
-        )  # fmt: skip
+        )
     else:
         log.warning(
             "KV events: %s %s %s is not loopback: whoever reads it gets every prompt's token ids",
             name, "bound on" if bound else "connected to", endpoint,
-        )  # fmt: skip
+        )
 
 
 class ZmqEventPublisher:

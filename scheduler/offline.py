@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from servelm.runtime.lora import LoRAAdapter
 from servelm.scheduler.lora_registry import LoRALimitError, LoRANotLoadedError
@@ -37,7 +38,7 @@ class Engine(Protocol):
 
 def generate(
     engine: Engine,
-    prompts: Sequence[str] | Sequence[Sequence[int]],
+    prompts: Sequence[str | Sequence[int]],
     params: SamplingParams | Sequence[SamplingParams],
     lora_names: str | Sequence[str | None] | None = None,
 ) -> list[GenerationResult]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 

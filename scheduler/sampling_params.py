@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
-from servelm.scheduler.errors import InvalidParameterError
+# Re-exported: the edge names the error beside the parameters it checks.
+from servelm.scheduler.errors import InvalidParameterError as InvalidParameterError
 
 if TYPE_CHECKING:
     from servelm.runtime.batch import LogitBias

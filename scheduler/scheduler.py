@@ -235,10 +235,9 @@ class Scheduler:
             usage = self.fair.usage(self.running)
         while queue and budget > 0 and len(self.running) < self.max_num_seqs:
             req = queue.popleft()
-            if loras is not None and req.lora_id and req.lora_id not in loras:
-                if len(loras) >= self.max_loras:  # type: ignore[operator]
-                    held.append(req)
-                    continue
+            if loras is not None and req.lora_id and req.lora_id not in loras and len(loras) >= self.max_loras:  # type: ignore[operator]
+                held.append(req)
+                continue
             if usage is not None and self.fair.full(usage.get(req.group)):
                 held.append(req)
                 continue

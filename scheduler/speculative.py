@@ -49,7 +49,7 @@ class SpeculativeConfig:
             raise ValueError("speculative config: max_running must be at least 1")
 
     @classmethod
-    def parse(cls, text: str) -> "SpeculativeConfig":
+    def parse(cls, text: str) -> SpeculativeConfig:
         """From vLLM-style JSON: ``{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max":
         4, "prompt_lookup_min": 2, "max_running": 1}`` (only ``method`` "ngram"; ``disable_by_batch_size``,
         vLLM's name, sets ``max_running`` to one less)."""
@@ -94,10 +94,10 @@ class NgramIndex:
         for n in self.sizes:
             if end <= n:
                 continue
-            j = self.maps[n].get(tuple(tokens[end - n :]))
-            # j == end would be the suffix itself; only earlier occurrences (j < end) are indexed.
-            if j is not None:
-                return tokens[j : j + k]
+            at = self.maps[n].get(tuple(tokens[end - n :]))
+            # at == end would be the suffix itself; only earlier occurrences (at < end) are indexed.
+            if at is not None:
+                return tokens[at : at + k]
         return []
 
 

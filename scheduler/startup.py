@@ -21,8 +21,8 @@ from servelm.runtime.platform import platform_of, resolve_device
 from servelm.runtime.runner import ModelRunner, serves_as_stored
 from servelm.runtime.tokenizer import load_tokenizer
 from servelm.scheduler.block_manager import BlockManager
-from servelm.scheduler.kv_events import KVEventsConfig, ZmqEventPublisher, make_publisher
 from servelm.scheduler.config import EngineConfig
+from servelm.scheduler.kv_events import KVEventsConfig, ZmqEventPublisher, make_publisher
 from servelm.scheduler.scheduler import Scheduler
 from servelm.scheduler.speculative import NgramProposer, SpeculativeConfig
 
@@ -63,9 +63,17 @@ class RunnerLike(Protocol):
     device computes: ``launch`` starts the forward, ``sample`` issues the sampling.
     """
 
-    block_size: int
-    kv_pool: KVPool | None  # None until allocated
-    weight_bytes: int | None  # what a step reads of the weights (None: parameters x dtype)
+    # Read-only: the engine reads them, and the runner's own declarations may be narrower.
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def kv_pool(self) -> KVPool | None:  # None until allocated
+        ...
+
+    @property
+    def weight_bytes(self) -> int | None:  # what a step reads of the weights (None: parameters x dtype)
+        ...
 
     def launch(self, items: list[BatchItem]) -> Any: ...
 
@@ -188,7 +196,7 @@ def start_up(config: EngineConfig, runner: RunnerLike | None = None) -> StartUp:
     block_manager = BlockManager(
         num_blocks, block_size, config.enable_prefix_caching, kv_events=bool(kv_events and kv_events.active),
         window=released_window(mc, runner, config),
-    )  # fmt: skip
+    )
     proposer = NgramProposer(speculative) if speculative is not None else None
     if proposer is not None:
         log.info("speculative decoding: %s", proposer.config)

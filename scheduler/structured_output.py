@@ -24,11 +24,12 @@ import json
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
-from servelm.scheduler.errors import InvalidParameterError
 from servelm.runtime.tokenizer import tokenizer_json
+from servelm.scheduler.errors import InvalidParameterError
 
 if TYPE_CHECKING:  # the server builds specs and compiles them without importing torch
     import torch

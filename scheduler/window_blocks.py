@@ -22,7 +22,8 @@ there), so "left" is a comparison of index and length. Pure bookkeeping: the eng
 from __future__ import annotations
 
 import itertools
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 
 class WindowedSequence(Protocol):

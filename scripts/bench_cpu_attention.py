@@ -14,14 +14,14 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # checkout.py, also when imported as a module
-import checkout  # noqa: E402
+import checkout
 
 checkout.use_checkout()
 
@@ -45,7 +45,7 @@ def time_ms(fn: Callable[[], object], iters: int, stat: str = "median", before: 
 
 def gather_sdpa(q, k_cache, v_cache, block_tables, seq_lens, scale):
     """What a torch backend without the kernel does: index_select the blocks, then masked SDPA."""
-    batch, num_heads, head_dim = q.shape
+    batch, _num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     width = block_tables.shape[1]
     idx = block_tables.reshape(-1).long()

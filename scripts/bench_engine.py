@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # checkout.py, also when imported as a module
-import checkout  # noqa: E402
+import checkout
 
 checkout.use_checkout()
 

@@ -20,7 +20,7 @@ import argparse
 import os
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch

@@ -39,19 +39,20 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # checkout.py, also when imported as a module
-import checkout  # noqa: E402
+import checkout
 
 checkout.use_checkout()
 
 from servelm.metrics.observer import NullObserver, Observer  # noqa: E402
-from servelm.runtime.step import StepOutput  # noqa: E402
 from servelm.runtime.model_files import ensure_default_model  # noqa: E402
+from servelm.runtime.step import StepOutput  # noqa: E402
 from servelm.scheduler.config import EngineConfig  # noqa: E402
 from servelm.scheduler.engine import Engine  # noqa: E402
 from servelm.scheduler.sampling_params import SamplingParams  # noqa: E402

@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from servelm.runtime.cpu import linear as cpu_linear
 from servelm.runtime import quantization as qz
+from servelm.runtime.cpu import linear as cpu_linear
 from servelm.runtime.quantization import quantize_rows
 
 LAYERS = 30

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # checkout.py, also when imported as a module
-import checkout  # noqa: E402
+import checkout
 
 checkout.use_checkout()
 
@@ -114,7 +114,7 @@ def main() -> None:
         "half": (lora, lora_times, [None, "a0"]),
     }
     print(f"default model, quantization {lora.runner.quantization or 'none'}, rank {args.rank} on every projection, "
-          f"{torch.get_num_threads()} threads; decode step median (ms) per round")  # fmt: skip
+          f"{torch.get_num_threads()} threads; decode step median (ms) per round")
     for batch in args.batches:
         # A batch smaller than a workload's mix would repeat another workload.
         runs = {w: v for w, v in workloads.items() if len(v[2]) <= batch}

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # checkout.py, also when imported as a module
-import checkout  # noqa: E402
+import checkout
 
 checkout.use_checkout()
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # device_checks.common.SeqView
@@ -84,6 +84,7 @@ def prefill_logits(engine: Engine, token_ids: list[int]) -> torch.Tensor:
     """log-softmax of the model's logits at every position of ``token_ids``, in one prefill step on
     the last blocks of the engine's pool (scratch: call when the engine is idle and done with)."""
     from device_checks.common import SeqView
+
     from servelm.runtime.batch import BatchItem
 
     runner = engine.runner
@@ -111,10 +112,10 @@ def main() -> None:
         t = time.perf_counter()
         engines[name] = (Engine(EngineConfig(quantization=q, max_model_len=1024, kv_cache_memory=512 << 20), obs), obs)
         print(f"{name}: loaded in {time.perf_counter() - t:.1f} s; weights read per decode step "
-              f"{engines[name][0].runner.weight_bytes / 1e6:.0f} MB")  # fmt: skip
+              f"{engines[name][0].runner.weight_bytes / 1e6:.0f} MB")
 
     # Speed.
-    for name, (engine, obs) in engines.items():
+    for engine, obs in engines.values():
         decode_ms(engine, obs, 1, 8)  # warm-up
     times: dict[tuple[str, int], list[float]] = {}
     for _ in range(args.rounds):
@@ -142,7 +143,7 @@ def main() -> None:
     n = sum(len(ans) for ans in answers["float32"])
     nll_f = -sum(lf.gather(1, target[:, None]).sum().item() for lf, target in reference)
     print(f"\naccuracy over {len(PROMPTS)} chat prompts, {n} answer tokens of the float32 model (teacher-forced); "
-          f"float32's perplexity of them {torch.tensor(nll_f / n).exp():.3f}:")  # fmt: skip
+          f"float32's perplexity of them {torch.tensor(nll_f / n).exp():.3f}:")
     for name in args.schemes:
         engine, _ = engines[name]
         agree = kl = nll_q = 0.0
@@ -161,7 +162,7 @@ def main() -> None:
         print(f"  {name}: top token is float32's at {agree / n:.1%} of positions; mean KL(float32 || {name}) "
               f"{kl / n:.2e} nats; perplexity {torch.tensor(nll_q / n).exp():.3f}; greedy answers token-identical "
               f"for the first {statistics.median(shared):.0f} tokens (median; {identical}/{len(PROMPTS)} identical "
-              f"throughout): {shared}")  # fmt: skip
+              f"throughout): {shared}")
         print(f"    first answer: {engine.tokenizer.decode(answers[name][0])!r}")
     print(f"  float32's first answer: {f32.tokenizer.decode(answers['float32'][0])!r}")
 

@@ -17,19 +17,19 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # checkout.py, also when imported as a module
-import checkout  # noqa: E402
+import checkout
 
 checkout.use_checkout()
 
-from servelm.runtime.cpu.torch_backend import TorchAttentionBackend  # noqa: E402
 from servelm.runtime.batch import BatchItem, SamplingOptions  # noqa: E402
 from servelm.runtime.config import ModelConfig  # noqa: E402
+from servelm.runtime.cpu.torch_backend import TorchAttentionBackend  # noqa: E402
 from servelm.runtime.model_files import ensure_default_model  # noqa: E402
 from servelm.runtime.quantization import QUANTIZATIONS  # noqa: E402
 from servelm.runtime.runner import ModelRunner  # noqa: E402
@@ -149,7 +149,7 @@ class ContiguousBaseline:
         self.calls = 0
         self.length = 0
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):  # noqa: ANN001 - AttentionBackend.forward
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):  # AttentionBackend.forward
         layer = self.calls % self.layers
         self.calls += 1
         b = self.k[layer].shape[0]

@@ -24,14 +24,14 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_runner import Blocks, make_seqs, run_chunked  # noqa: E402  (puts the checkout on sys.path)
+from bench_runner import Blocks, make_seqs, run_chunked  # puts the checkout on sys.path
 
-from servelm.runtime.batch import BatchItem  # noqa: E402
-from servelm.runtime.config import ModelConfig  # noqa: E402
-from servelm.runtime.distributed.comm import Communicator  # noqa: E402
-from servelm.runtime.distributed.launcher import TensorParallelGroup  # noqa: E402
-from servelm.runtime.model_files import ensure_default_model  # noqa: E402
-from servelm.runtime.runner import ModelRunner  # noqa: E402
+from servelm.runtime.batch import BatchItem
+from servelm.runtime.config import ModelConfig
+from servelm.runtime.distributed.comm import Communicator
+from servelm.runtime.distributed.launcher import TensorParallelGroup
+from servelm.runtime.model_files import ensure_default_model
+from servelm.runtime.runner import ModelRunner
 
 NUM_BLOCKS = 1024
 
@@ -124,7 +124,7 @@ def main() -> None:
         runner.release()
 
     print(f"{model_dir.name}: {cfg.num_layers} layers, hidden {cfg.hidden_size}; decode, context {args.context}, "
-          f"median of {args.steps} steps")  # fmt: skip
+          f"median of {args.steps} steps")
     for name, by_batch in rows.items():
         for b, r in by_batch.items():
             extra = f"; in {r['collectives']:.0f} collectives {r['collectives_ms']:.2f} ms" if "collectives" in r else ""

@@ -34,23 +34,21 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-import checkout  # noqa: E402  (scripts/ is on sys.path: this file's folder)
+import checkout
 
 REPO = checkout.use_checkout()
 
 import torch  # noqa: E402
-
-from servelm.runtime.platform import platform_of  # noqa: E402
-
 from device_checks.common import (  # noqa: E402  (scripts/ is on sys.path: this file's folder)
-    GiB,
     LLAMA3_8B,
     SERVER_ONLY,
     TINY,
+    GiB,
     Plan,
     Report,
     build_hf_model,
@@ -78,6 +76,8 @@ from device_checks.performance import (  # noqa: E402
     sweep_gemv,
     tiles_to_add,
 )
+
+from servelm.runtime.platform import platform_of  # noqa: E402
 
 # ----------------------------------------------------------------------------- main
 
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             tol = 0.25
         else:
             engine, exact = exact, None
-        del ref, hf_low
+        ref = hf_low = None
         runner = engine.runner
         if "graphs" not in args.skip:
             if is_cuda(device):
@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         return finish(report, args, started)
     finally:
-        del hf, engine, exact
+        hf = engine = exact = None  # nothing else holds them: their memory can go
         free_memory(device)
         if not args.keep:
             shutil.rmtree(workdir if args.workdir is None else model_dir, ignore_errors=True)

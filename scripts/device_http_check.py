@@ -59,7 +59,6 @@ def build(shape_name: str, device: str, folder: Path) -> None:
 
     checkout.use_checkout()
     import torch
-
     from device_checks.common import LLAMA3_8B, TINY, build_hf_model, save_model_folder
 
     shape, dtype = (TINY, torch.float32) if shape_name == "tiny" else (LLAMA3_8B, torch.bfloat16)
@@ -83,9 +82,9 @@ def start_server(args: argparse.Namespace, log_path: Path) -> subprocess.Popen:
     else:
         cmd += ["--dtype", "float32", "--kv-cache-memory", str(64 * 2**20), "--num-threads", "1"]
     print("server:", " ".join(cmd[3:]), flush=True)
-    log = open(log_path, "wb")
-    # Its own process group, so the check can end it and any helper it started.
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO), start_new_session=True)
+    # Its own process group, so the check can end it and any helper it started; the child keeps its own copy of the log's fd.
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO), start_new_session=True)
 
 
 def wait_healthy(proc: subprocess.Popen, base: str, timeout_s: float) -> float | None:
@@ -139,7 +138,7 @@ def api_checks(c: httpx.Client, ck: Checks, vocab: int, max_model_len: int) -> N
         and b["usage"] == {**b["usage"], "prompt_tokens": 128, "completion_tokens": 32}
         and all(x is not None and x <= 1e-6 for x in lp),
         f"usage {b['usage']}; first logprobs {lp[:3]}; uncached run's tokens equal: {ta == tb}",
-    )  # fmt: skip
+    )
 
     body = {"model": NAME, "prompt": prompt, "max_tokens": 16, "temperature": 0, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}}  # fmt: skip

@@ -11,7 +11,6 @@ import argparse
 import os
 import re
 import sys
-from pathlib import Path
 
 from checkout import use_checkout
 

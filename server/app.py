@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import hmac
 import logging
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -29,17 +30,14 @@ from servelm.server.errors import (
 from servelm.server.protocol import ModelCard, ModelList
 from servelm.server.protocol_chat import ChatCompletionRequest, ChatCompletionResponse
 from servelm.server.protocol_completions import CompletionRequest, CompletionResponse
-from servelm.server.protocol_tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from servelm.server.protocol_messages import CountTokensRequest, MessageObject, MessagesRequest, TokenCount
 from servelm.server.protocol_responses import DeletedResponse, ResponseObject, ResponsesRequest
+from servelm.server.protocol_tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from servelm.server.response_store import ResponseStore
 from servelm.server.serving_chat import create_chat_completion
-from servelm.server.serving_messages import count_tokens, create_message
-from servelm.server.serving_responses import create_response, stored_response
 from servelm.server.serving_common import ServingContext
 from servelm.server.serving_completions import create_completion
 from servelm.server.serving_fields import RequestHeadersMiddleware
-from servelm.server.serving_playground import install_playground
 from servelm.server.serving_lora import (
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
@@ -47,7 +45,10 @@ from servelm.server.serving_lora import (
     lora_cards,
     unload_lora_adapter,
 )
+from servelm.server.serving_messages import count_tokens, create_message
+from servelm.server.serving_playground import install_playground
 from servelm.server.serving_render import render_chat, render_completion
+from servelm.server.serving_responses import create_response, stored_response
 from servelm.server.serving_tokenize import detokenize, tokenize
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ def create_prometheus_observer(engine: Any) -> Any | None:
     cap = getattr(engine, "capacity", None)
     # What runs: the runner resolves ``--quantization auto`` at load.
     runner = getattr(engine, "runner", None)
-    quantization = runner.quantization if hasattr(runner, "quantization") else getattr(cfg, "quantization", None)
+    quantization = runner.quantization if runner is not None and hasattr(runner, "quantization") else getattr(cfg, "quantization", None)
     info = {
         "model": str(getattr(cfg, "model", None) or engine.served_model_name),
         "dtype": str(cfg.dtype),
@@ -120,7 +121,7 @@ def create_prometheus_observer(engine: Any) -> Any | None:
         from servelm.metrics.roofline import device_peaks
 
         peak_flops, peak_bw = device_peaks(str(cfg.device))
-    except Exception as e:  # noqa: BLE001 - utilization gauges are a nicety, serving is not
+    except Exception as e:  # utilization gauges are a nicety, serving is not
         log.warning("could not determine device peaks (%s); utilization gauges will read 0", e)
         peak_flops, peak_bw = float("inf"), float("inf")
     max_loras = cfg.max_loras if getattr(engine, "enable_lora", False) else None

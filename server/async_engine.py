@@ -19,8 +19,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
+from typing import Any, TypeVar
 
 from servelm.metrics.observer import NullObserver, Observer
 from servelm.scheduler.outputs import RequestOutput

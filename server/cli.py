@@ -8,7 +8,8 @@ import math
 import os
 import signal
 import sys
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from servelm.scheduler.config import EngineConfig
 from servelm.server.cli_types import (
@@ -53,6 +54,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).",
     )
     d = EngineConfig()
+    # One flag a line: the table of serve's flags, which docs/configuration.md is generated from.
+    # fmt: off
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, help="Hugging Face model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--served-model-name", default=None, help="model id clients send and /v1/models lists (default: the model folder name)")
@@ -107,6 +110,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--playground", action=argparse.BooleanOptionalAction, default=True, help="serve the chat page at / and /playground (it calls /v1/* with the key typed into it); --no-playground leaves / a JSON 404 (default: on)")
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True, help="log one line per HTTP request (default: on)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity (default: %(default)s)")
+    # fmt: on
     p.set_defaults(func=run_serve)
     return p
 
@@ -180,7 +184,9 @@ def _make_uvicorn_server(app: Any, args: argparse.Namespace, on_exit: Callable[[
             # uvicorn's last resort stays the deadline plus the flush, counted from the signal.
             graceful = self.config.timeout_graceful_shutdown
             if graceful is not None:
-                self.config.timeout_graceful_shutdown = max(SHUTDOWN_FLUSH_S, graceful - (loop.time() - started))
+                # uvicorn declares it int, and uses it as a timeout: a float is what it needs here.
+                remaining = max(SHUTDOWN_FLUSH_S, graceful - (loop.time() - started))
+                self.config.timeout_graceful_shutdown = remaining  # type: ignore[assignment]
             await super().shutdown(sockets)
 
         async def startup(self, sockets: Any = None) -> None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 _SIZE_UNITS = {
     "": 1,

@@ -14,8 +14,9 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from servelm.scheduler.config import EngineConfig
 from servelm.scheduler.outputs import RequestOutput
@@ -45,7 +46,7 @@ def run_in_transient_thread(fn: Callable[[], T], name: str = "servelm-startup") 
     def run() -> None:
         try:
             box["result"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+        except BaseException as exc:  # re-raised in the caller's thread
             box["error"] = exc
 
     thread = threading.Thread(target=run, name=name, daemon=True)  # Ctrl-C during start-up ends the process
@@ -234,7 +235,7 @@ class EngineThread:
                 else:
                     self.heap.idle()
                     self._wake.wait()
-        except BaseException as exc:  # noqa: BLE001 - any escape kills serving; report it everywhere
+        except BaseException as exc:  # any escape kills serving; report it everywhere
             if self.dead is None:
                 log.exception("the engine thread died")
             else:
@@ -251,7 +252,7 @@ class EngineThread:
             return
         try:
             close()
-        except Exception:  # noqa: BLE001 - stopping anyway
+        except Exception:  # stopping anyway
             log.exception("closing the runner failed")
 
     def _drain_inbox(self) -> bool:
@@ -325,7 +326,7 @@ class EngineThread:
         for rid in list(self._routes):
             try:
                 self.engine.abort(rid)
-            except Exception:  # noqa: BLE001 - shutting down anyway
+            except Exception:  # shutting down anyway
                 log.exception("abort of %s failed during shutdown", rid)
         self._fail_everything(exc)
 

@@ -8,7 +8,8 @@ OpenAI would use, so SDKs raise their typed exceptions (``BadRequestError``, ``N
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal, Sequence
+from collections.abc import Sequence
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -322,7 +323,7 @@ def install_error_handlers(app: FastAPI) -> None:
             allowed = {
                 m for route in request.app.router.routes if route.matches(request.scope)[0] != Match.NONE
                 for m in getattr(route, "methods", None) or ()
-            }  # fmt: skip
+            }
             if allowed:
                 resp.headers["Allow"] = ", ".join(sorted(allowed))
         return resp

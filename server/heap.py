@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import time
-from typing import Callable
+from collections.abc import Callable
 
 # While stepping: a trim takes milliseconds, so one every 2 s stays well under 1% of the engine's time.
 TRIM_INTERVAL_S = 2.0
@@ -18,7 +18,7 @@ TRIM_INTERVAL_S = 2.0
 
 def _malloc_trim() -> Callable[[int], int] | None:
     try:
-        return ctypes.CDLL("libc.so.6").malloc_trim  # type: ignore[no-any-return]
+        return ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):  # not glibc: its allocator returns memory its own way
         return None
 

@@ -56,7 +56,7 @@ class GuardedH11Protocol(H11Protocol):
         self._body_timer: asyncio.TimerHandle | None = None
         self._body_cycle: RequestResponseCycle | None = None  # the request the body timer is for
 
-    @property  # type: ignore[override]
+    @property
     def limit_concurrency(self) -> int | None:
         """The bound uvicorn's ``handle_events`` checks right after parsing a request head (``self.scope``
         is that request's); none for a probe, whose answer then closes the connection if at the bound."""
@@ -157,7 +157,7 @@ class GuardedH11Protocol(H11Protocol):
                                      get_path_with_query_string(scope), scope["http_version"], response.status_code)  # fmt: skip
         cycle.response_started = cycle.response_complete = True
         head = h11.Response(status_code=response.status_code, headers=headers, reason=b"Request Timeout")
-        for event in (head, h11.Data(data=response.body), h11.EndOfMessage()):
+        for event in (head, h11.Data(data=bytes(response.body)), h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))
 
     def _close(self) -> None:

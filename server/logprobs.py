@@ -8,8 +8,9 @@ character (its text is then "\\ufffd", its bytes still exact).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any
 
 from servelm.runtime.batch import TokenLogprobs
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from servelm.server.errors import APIError, anthropic_error
 from servelm.server.reasoning import ReasoningMode, ReasoningStream
@@ -184,7 +185,7 @@ class MessageStream:
         """A family parser's pieces as blocks: text into a text block, each call its own tool_use block."""
         events: list[bytes] = []
         for p in pieces:
-            starts = p.name is not None or p.index is None and (self.open is None or self.open["type"] != "text")
+            starts = p.name is not None or (p.index is None and (self.open is None or self.open["type"] != "text"))
             if starts and self.open is not None:
                 events.append(self._stop())
             if p.index is None:
@@ -211,7 +212,7 @@ class MessageStream:
             # Cut before the arguments were complete, the block ends as it read and the stop is max_tokens.
             self.called = self.tools.parse(text) is not None
             return [self._stop()]
-        events: list[bytes] = []
+        events = []
         if self.mode == "calls":
             blocks = content_blocks(self.tools, text)
             if blocks[0]["type"] == "tool_use":

@@ -24,8 +24,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
-from servelm.scheduler.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, RANGES
+from servelm.scheduler.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    RANGES,
+)
 from servelm.server.limits import RequestBody
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -99,7 +106,7 @@ class SamplingExtensions(ServedRequest):
     no_stop_trim: bool | None = None  # SGLang's name for include_stop_str_in_output (its routers send it)
 
     @model_validator(mode="after")
-    def _no_stop_trim_keeps_the_stop(self) -> "SamplingExtensions":
+    def _no_stop_trim_keeps_the_stop(self) -> SamplingExtensions:
         # One flag downstream: either name asks to keep the matched stop string (or stop token) in the output.
         if self.no_stop_trim:
             self.include_stop_str_in_output = True

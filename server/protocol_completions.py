@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
@@ -11,7 +11,7 @@ from servelm.server.protocol import GenerationRequest, GenerationResponse, Promp
 # Token ids before strings: pydantic's smart union validates every member, and a member that fails
 # collects an error per element; a 2.5M-id prompt took 0.6 s of the event loop with list[str] first,
 # 0.05 s this way round (a list of strings pays ~0.2 us per string instead).
-Prompt = Union[str, list[int], list[str], list[list[int]]]
+Prompt = str | list[int] | list[str] | list[list[int]]
 
 
 class CompletionRequest(GenerationRequest):

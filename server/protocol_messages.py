@@ -33,7 +33,7 @@ class ContentBlock(BaseModel):
     input: Any | None = None
     # tool_result: its content is text or text blocks
     tool_use_id: str | None = None
-    content: str | Annotated[list["ContentBlock"], Field(max_length=MAX_CONTENT_PARTS)] | None = None
+    content: str | Annotated[list[ContentBlock], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     is_error: bool | None = None
     cache_control: Any | None = None
 

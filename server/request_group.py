@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 from servelm.scheduler.outputs import RequestOutput
 
@@ -13,7 +14,7 @@ class GroupOwner(Protocol):
 
     def abort(self, request_ids: Sequence[str]) -> None: ...
 
-    def release(self, group: "RequestGroup") -> None: ...
+    def release(self, group: RequestGroup) -> None: ...
 
 
 class RequestGroup:
@@ -34,7 +35,7 @@ class RequestGroup:
     def _put(self, item: RequestOutput | BaseException) -> None:
         self._queue.put_nowait(item)
 
-    def __aiter__(self) -> "RequestGroup":
+    def __aiter__(self) -> RequestGroup:
         return self
 
     async def __anext__(self) -> RequestOutput:

@@ -27,7 +27,7 @@ from servelm.server.protocol_chat import (
     NamedToolChoice,
     ToolCall,
 )
-from servelm.server.protocol_responses import INCLUDE_LOGPROBS, InputItem, InputPart, ResponsesRequest
+from servelm.server.protocol_responses import INCLUDE_LOGPROBS, InputPart, ResponsesRequest
 
 _ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text")

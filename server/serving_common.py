@@ -9,8 +9,9 @@ import functools
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 
@@ -135,7 +136,7 @@ class ServingContext:
             )
 
     @classmethod
-    def from_engine(cls, async_engine: AsyncEngine) -> "ServingContext":
+    def from_engine(cls, async_engine: AsyncEngine) -> ServingContext:
         engine: Any = async_engine.engine
         # The engine's own tokenizer (a Gemma 3 copy is ~80 MiB): encoding and decoding only read the
         # Rust object, which shares reads across threads; nothing sets its truncation or padding
@@ -305,7 +306,7 @@ async def add_requests(
             return await add()
         except LoRANotLoadedError:  # unloaded to make room (--max-cpu-loras): read it again
             return await _add_reading_adapter(ctx, add)
-    except Exception as exc:  # noqa: BLE001 - mapped to the right HTTP error
+    except Exception as exc:  # mapped to the right HTTP error
         raise engine_error(exc, param_map) from None
 
 
@@ -364,7 +365,7 @@ async def until_disconnect(request: Request, work: Awaitable[T], group: RequestG
         return task.result()
     except APIError:
         raise
-    except Exception as exc:  # noqa: BLE001 - engine death, a failed request...: the right status
+    except Exception as exc:  # engine death, a failed request...: the right status
         raise output_error(exc) from None
 
 

@@ -61,7 +61,7 @@ async def load_lora_adapter(ctx: ServingContext, req: LoadLoRAAdapterRequest) ->
         raise lora_limit_reached(f"Cannot load LoRA adapter '{name}': {e}.", param="lora_name") from None
     except APIError:
         raise
-    except Exception as e:  # noqa: BLE001 - engine gone, shutting down...: the right status
+    except Exception as e:  # engine gone, shutting down...: the right status
         raise engine_error(e) from None
     ctx.loras[name] = adapter.path
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
@@ -74,7 +74,7 @@ async def unload_lora_adapter(ctx: ServingContext, req: UnloadLoRAAdapterRequest
     del ctx.loras[name]  # new requests naming it get 404 from now on
     try:
         await ctx.async_engine.call(lambda e: e.remove_lora(name))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise engine_error(e) from None
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 

@@ -119,7 +119,7 @@ def chat_messages(req: CountTokensRequest, reasoning: bool = False) -> tuple[lis
             out.append(ChatMessage(
                 role=m.role, content="\n".join(texts) if texts or not calls else None, tool_calls=calls or None,
                 reasoning_content="\n".join(thoughts) if thoughts else None,
-            ))  # fmt: skip
+            ))
             where.append(w)
     if req.messages[-1].role == "assistant":
         raise unsupported(
@@ -129,7 +129,7 @@ def chat_messages(req: CountTokensRequest, reasoning: bool = False) -> tuple[lis
     return out, where
 
 
-def _tools(req: CountTokensRequest) -> list[dict[str, Any]] | None:
+def _tools(req: CountTokensRequest) -> list[Any] | None:
     """Chat tools as JSON, validated with the chat request (so a bad name is refused naming the tool)."""
     if req.tools is None:
         return None
@@ -164,7 +164,7 @@ def to_chat_request(req: CountTokensRequest, reasoning: bool = False) -> tuple[C
         fields = dict(
             max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
             stop=req.stop_sequences, stream=req.stream,
-        )  # fmt: skip
+        )
     try:
         chat = ChatCompletionRequest(
             model=req.model,

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 from fastapi.responses import StreamingResponse
 
@@ -122,7 +123,7 @@ async def end_on_error(
             yield event
     except asyncio.CancelledError:
         raise
-    except Exception as exc:  # noqa: BLE001 - reported to the client in-band
+    except Exception as exc:  # reported to the client in-band
         yield last_word(output_error(exc))
     finally:
         group.close()

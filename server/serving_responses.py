@@ -13,7 +13,8 @@ continue one with ``previous_response_id`` and ``GET /v1/responses/{id}`` return
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -22,8 +23,8 @@ from servelm.server.errors import APIError, bad_request
 from servelm.server.logprobs import chat_logprobs_content
 from servelm.server.protocol_chat import ChatCompletionRequest, ChatMessage, FunctionCall, ToolCall
 from servelm.server.protocol_responses import ResponsesRequest
-from servelm.server.response_store import ResponseStore, StoredResponse
 from servelm.server.reasoning import split_reasoning
+from servelm.server.response_store import ResponseStore, StoredResponse
 from servelm.server.responses_events import StreamedOutput, StreamedReasoning, hex_id, output_items, reasoning_item
 from servelm.server.responses_input import refuse_unsupported, responses_param, to_chat_request
 from servelm.server.serving_chat import ChatStart, start_chat

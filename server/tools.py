@@ -149,7 +149,7 @@ def tool_mode(req: ChatCompletionRequest, family: type[ToolParser] | None = None
         raise bad_request(f"Two tools are named '{dup}': tool names must be unique.", param="tools")
     if choice == "none":
         return None
-    if req.response_format is not None and req.response_format.type != "text" or req.structured_outputs is not None:
+    if (req.response_format is not None and req.response_format.type != "text") or req.structured_outputs is not None:
         raise bad_request("Tool calls and 'response_format' / 'structured_outputs' cannot be combined.", param="tool_choice")
     parallel = req.parallel_tool_calls is not False
     if choice in (None, "auto") and family is not None and not auto_enabled:

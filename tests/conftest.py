@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import random
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -75,7 +76,7 @@ TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
              query_pre_attn_scalar=24, max_position_embeddings=512, rope_parameters={
                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                  "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}),
-    ),  # fmt: skip
+    ),
     "qwen2_window": ("Qwen2Config", dict(tie_word_embeddings=True, use_sliding_window=True, sliding_window=16, max_window_layers=1)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(tie_word_embeddings=True)),
@@ -86,7 +87,7 @@ TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
         "GraniteConfig",
         dict(tie_word_embeddings=True, embedding_multiplier=12.0, attention_multiplier=0.015625,
              residual_multiplier=0.22, logits_scaling=8.0),
-    ),  # fmt: skip
+    ),
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 
 def listening_addresses(port: int) -> set[str]:
@@ -10,7 +11,7 @@ def listening_addresses(port: int) -> set[str]:
     found: set[str] = set()
     for name, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
         try:
-            rows = open(f"/proc/net/{name}").read().splitlines()[1:]
+            rows = Path(f"/proc/net/{name}").read_text().splitlines()[1:]
         except OSError:
             continue
         for row in rows:

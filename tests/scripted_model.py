@@ -25,10 +25,12 @@ Usage::
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -126,7 +128,7 @@ def build_scripted_model(out: Path, scripts: dict[int, list[int]], tok: Any | No
     chain: dict[int, int] = {}  # token -> the token that follows it
     for start, ids in scripts.items():
         seq = [start, *ids]
-        for a, b in zip(seq, seq[1:]):
+        for a, b in itertools.pairwise(seq):
             if a in chain:
                 raise ValueError(f"token {a} ({tok.decode([a])!r}) appears twice in the scripts; use distinct_ids")
             chain[a] = b

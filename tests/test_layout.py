@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import ast
 import subprocess
-import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 THIS_FILE = Path(__file__).resolve().relative_to(REPO).as_posix()

@@ -23,7 +23,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(src)],
         check=True, capture_output=True, text=True,
-    )  # fmt: skip
+    )
     (whl,) = out.glob("servelm-*.whl")
     return whl
 
@@ -48,13 +48,13 @@ def test_the_installed_wheel_imports_from_outside_the_checkout(wheel: Path, tmp_
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(target), str(wheel)],
         check=True, capture_output=True, text=True,
-    )  # fmt: skip
+    )
     assert sorted(p.name for p in target.iterdir() if not p.name.endswith(".dist-info") and p.name != "bin") == ["servelm"]
     code = "import servelm.server.app as a, servelm.runtime.runner as r; print(a.__file__); print(r.__file__)"
     # The installed copy, not this checkout (PYTHONPATH comes before the editable install's finder).
     got = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},
         check=True, capture_output=True, text=True,
-    )  # fmt: skip
+    )
     files = got.stdout.split()
     assert files and all(f.startswith(str(target)) for f in files), got.stdout

@@ -14,9 +14,9 @@ import logging
 import os
 import platform
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-from typing import Callable
 
 import torch
 

@@ -20,7 +20,7 @@ but not the small-batch kernel (lower memory).
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -58,9 +58,7 @@ def onednn_linear_available(dtype: torch.dtype) -> bool:
     ops = torch.ops.mkldnn
     if not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
         return False
-    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return False
-    return True
+    return dtype != torch.bfloat16 or bool(ops._is_mkldnn_bf16_supported())
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

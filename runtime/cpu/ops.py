@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -39,13 +39,13 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
 DISABLE_ENV = "SERVELM_DISABLE_CPU_OPS"
 
 # (x [M, K] float32 contiguous, weight [N, K] float32 contiguous, bias [N] | None) -> [M, N]
-SmallMLinear = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
+SmallMLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 # (x [M, K] float32, weight [N, K] int8, scale [N] float32, bias [N] | None) -> [M, N] float32
-SmallMLinearInt8 = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
+SmallMLinearInt8 = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 # (x [..., H] contiguous, weight [H], eps) -> [..., H]; float32, or bfloat16 as HF rounds it
 RmsNorm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 # (x, residual | None, weight, eps) -> (rms_norm(x + residual), x + residual written into residual | None)
-FusedAddRmsNorm = Callable[[torch.Tensor, Optional[torch.Tensor], torch.Tensor, float], tuple[torch.Tensor, Optional[torch.Tensor]]]
+FusedAddRmsNorm = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor | None]]
 
 
 def _self_check(module: ModuleType) -> str | None:
@@ -98,9 +98,9 @@ def _check_avx512(module: ModuleType, gen: torch.Generator) -> str | None:
     a = [torch.randn(8, 40, generator=gen), torch.randn(4, 40, generator=gen)]
     blocks = [[torch.randn(3, 21, generator=gen), torch.randn(5, 16, generator=gen)], [torch.randn(4, 37, generator=gen)]]
     shards = [torch.tensor([[0, 21, 3], [21, 16, 5]]), torch.tensor([[0, 37, 4]])]
-    rows = torch.tensor([1, -1, 0, 1, 0], dtype=torch.int32)
+    row_adapters = torch.tensor([1, -1, 0, 1, 0], dtype=torch.int32)
     want = y.double().clone()
-    for t, s in enumerate(rows.tolist()):
+    for t, s in enumerate(row_adapters.tolist()):
         if s < 0:
             continue
         h = a[s].double() @ x[t].double()
@@ -108,7 +108,7 @@ def _check_avx512(module: ModuleType, gen: torch.Generator) -> str | None:
         for (o0, n, r), bt in zip(shards[s].tolist(), blocks[s]):
             want[t, o0 : o0 + n] += h[k : k + r] @ bt.double()
             k += r
-    module.lora_apply(x, y, a, [torch.cat([b.reshape(-1) for b in bl]) for bl in blocks], shards, rows)
+    module.lora_apply(x, y, a, [torch.cat([b.reshape(-1) for b in bl]) for bl in blocks], shards, row_adapters)
     if not torch.allclose(y.double(), want, atol=1e-4, rtol=1e-5):
         return "lora_apply self-check failed"
     return None

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-from servelm.runtime.cpu.extension import CompiledExtension, cpu_flags as _cpu_flags  # noqa: F401 (tests use it)
+from servelm.runtime.cpu.extension import CompiledExtension
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def paged_decode_attention_reference(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-    out: Optional[torch.Tensor] = None,
+    out: torch.Tensor | None = None,
     window: int = 0,
 ) -> torch.Tensor:
     """Pure torch: gather each sequence's blocks, then masked attention (SDPA) in float32.
@@ -178,7 +178,7 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-    out: Optional[torch.Tensor] = None,
+    out: torch.Tensor | None = None,
     window: int = 0,
 ) -> torch.Tensor:
     """Decode attention over the paged pool: the compiled kernel where available, else the reference."""

@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from servelm.runtime.cpu import linear as cpu_linear, ops as cpu_ops
+from servelm.runtime.cpu import linear as cpu_linear
+from servelm.runtime.cpu import ops as cpu_ops
 from servelm.runtime.model_kernels import ModelKernels
 
 

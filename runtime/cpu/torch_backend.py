@@ -17,8 +17,8 @@ A step whose sequences all fit in the window is computed as without one."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -31,9 +31,8 @@ log = logging.getLogger(__name__)
 # Query rows per attention call on a long context: each band meets only the keys it can see.
 PREFILL_Q_CHUNK = 256
 
-DecodeKernel = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
-]
+# (q, k_cache, v_cache, block_tables, seq_lens, scale, window=) -> out; a Callable cannot spell the keyword
+DecodeKernel = Callable[..., torch.Tensor]
 
 
 @dataclass
@@ -218,9 +217,10 @@ class TorchAttentionBackend(AttentionBackend):
         window: int | None = None,
         qk_norm: QKNorm | None = None,
     ) -> torch.Tensor | None:
-        args = self.fused_decode_args(meta)
+        args, rope_decode = self.fused_decode_args(meta), self.rope_decode
         if (
             args is None
+            or rope_decode is None
             or qkv.dtype != torch.float32  # (the cache may be float32 or 16-bit: it stores k, v rounded)
             or not self.fused_decode_takes(k_cache, qk_norm)
         ):
@@ -228,7 +228,7 @@ class TorchAttentionBackend(AttentionBackend):
         slots, block_tables, seq_lens, _ = args
         cos, sin = cos_sin
         q_w, k_w, eps = qk_norm if qk_norm is not None else (None, None, 0.0)
-        return self.rope_decode(
+        return rope_decode(
             qkv, cos, sin, k_cache, v_cache, slots, block_tables, seq_lens, num_heads, scale,
             _effective(window, meta), q_w, k_w, eps,
         )
@@ -388,8 +388,8 @@ class TorchAttentionBackend(AttentionBackend):
                 lo, hi = k0 + (max(0, ctx + r0 - q0 - window + 1) if window else 0), k0 + ctx + r1 - q0
                 band = mask[r0:r1, lo:hi] if mask is not None else k_pos[:, lo:hi] <= q_pos[r0:r1]
                 kb, vb = (k[lo:hi], v[lo:hi]) if slots is None else (t.index_select(0, slots[lo:hi]).to(q.dtype) for t in (k, v))
-                qkv = (t.transpose(0, 1).unsqueeze(0) for t in (q[r0:r1], kb, vb))
-                out = F.scaled_dot_product_attention(*qkv, attn_mask=band, scale=scale, enable_gqa=True)
+                qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q[r0:r1], kb, vb))
+                out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=band, scale=scale, enable_gqa=True)
                 outs.append(out[0].transpose(0, 1))
             q0, k0 = q0 + ql, k0 + sl
         return torch.cat(outs)

@@ -3,8 +3,9 @@ ladder of batch sizes captured (``capture_sizes``) with the padding a step gets 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -73,8 +74,8 @@ class GraphInputs:
         return self.i32[1]
 
     @classmethod
-    def allocate(cls, max_bs: int, max_blocks_per_seq: int, device: torch.device) -> "GraphInputs":
-        i32 = dict(dtype=torch.int32, device=device)
+    def allocate(cls, max_bs: int, max_blocks_per_seq: int, device: torch.device) -> GraphInputs:
+        i32: dict[str, Any] = dict(dtype=torch.int32, device=device)
         g = cls(
             i64=torch.zeros(5, max_bs, dtype=torch.long, device=device),
             i32=torch.zeros(2, max_bs, **i32),

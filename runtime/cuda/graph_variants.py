@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-
 # Fused and unfused graphs of one size must give hidden states this close (relative L2 norm of the
 # difference) for the fused one to be kept: they differ by the order of float32 sums, then rounding,
 # compounded over the layers. Measured on an H200 with the Llama-3-8B shape (32 layers, random

@@ -25,16 +25,19 @@ import logging
 import math
 import statistics
 import time
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
-from servelm.runtime.cuda import pdl
 from servelm.runtime.attention.base import AttentionBackend, AttentionMetadata
+from servelm.runtime.cuda import pdl
 from servelm.runtime.cuda.graph_inputs import GraphInputs, capture_sizes, padded_size
 from servelm.runtime.cuda.graph_variants import VariantTiming, few_row_tolerance
 
 if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
+
     from servelm.runtime.model_kernels import FewRowKernels
 
 log = logging.getLogger(__name__)
@@ -60,7 +63,7 @@ class CudaGraphRunner:
         max_blocks_per_seq: int,
         block_size: int,
         device: torch.device,
-        few_rows: "FewRowKernels | None" = None,
+        few_rows: FewRowKernels | None = None,
         few_rows_max: int = 0,
         few_rows_ab: bool = True,
         pdl: bool = False,
@@ -85,7 +88,7 @@ class CudaGraphRunner:
         self._outputs: dict[int, torch.Tensor] = {}
         # Kept alive: anything a backend derived in build_metadata is read by the graph at replay.
         self._metas: dict[int, AttentionMetadata] = {}
-        self._pool: object | None = None
+        self._pool: _POOL_HANDLE | None = None
         self.few_rows = few_rows
         self.few_rows_max = few_rows_max if few_rows is not None else 0
         self.few_rows_ab = few_rows_ab

@@ -9,8 +9,8 @@ processes) is read from the driver. The pool gets the rest of the allowed fracti
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -26,7 +26,8 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 

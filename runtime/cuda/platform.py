@@ -3,7 +3,8 @@ memory, results copied back without blocking. CUDA-only packages are imported on
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 

@@ -4,7 +4,8 @@ the decode graphs captured once the KV pool exists, and the KV budget measured f
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from servelm.runtime.cuda import pdl
 from servelm.runtime.cuda.graphs import CudaGraphRunner

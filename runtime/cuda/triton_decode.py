@@ -14,14 +14,22 @@ code imports it, and tests run it under ``TRITON_INTERPRET=1``.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
 from servelm.runtime.cuda import pdl
-from servelm.runtime.cuda.triton_tiles import _LOG2E, _MIN_DOT, _attend_keys, _check_row_contiguous, _fold_keys, _kv_rows
 from servelm.runtime.cuda.triton_pdl import wait_then_release
+from servelm.runtime.cuda.triton_tiles import (
+    _LOG2E,
+    _MIN_DOT,
+    _attend_keys,
+    _check_row_contiguous,
+    _fold_keys,
+    _kv_rows,
+)
 
 
 @triton.jit
@@ -116,7 +124,7 @@ def _paged_decode_split_kernel(
             tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=q_mask, other=0.0),
             tl.load(q_ptr + q_rows[:, None] + partner[None, :], mask=q_mask, other=0.0),
             c[None, :], sn[None, :], first[None, :],
-        )  # fmt: skip
+        )
         row = q_ptr + seq.to(tl.int64) * stride_qt
         k_at = row + (NUM_HEADS + kv_head) * HEAD_DIM
         k_new = _rotate(tl.load(k_at + d, mask=d_ok, other=0.0), tl.load(k_at + partner, mask=d_ok, other=0.0), c, sn, first)
@@ -192,7 +200,7 @@ def _paged_decode_reduce_kernel(
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -235,7 +243,7 @@ def _split_decode(
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     # Decode tokens are rows 0..num_seqs-1 (query_start_loc is 0, 1, 2, ...): q and out are indexed by sequence.
     del query_start_loc
-    f32 = dict(dtype=torch.float32, device=q.device)
+    f32: dict[str, Any] = dict(dtype=torch.float32, device=q.device)
     part_acc = torch.empty(num_seqs, num_heads, num_splits, head_dim_pad, **f32)
     part_m = torch.empty(num_seqs, num_heads, num_splits, **f32)
     part_l = torch.empty(num_seqs, num_heads, num_splits, **f32)

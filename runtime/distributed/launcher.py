@@ -16,20 +16,21 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import wait
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from servelm.runtime.platform import platform_of
 from servelm.runtime.config import ModelConfig
 from servelm.runtime.distributed.comm import Communicator
 from servelm.runtime.distributed.sharding import check_tensor_parallel
 from servelm.runtime.distributed.tp_runner import TensorParallelRunner
+from servelm.runtime.platform import platform_of
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class TensorParallelGroup:
             ctx.Process(target=_worker_main, args=(r, world_size, init_method, backend, timeout_s, num_threads, os.getpid()),
                         name=f"servelm-tp-rank{r}", daemon=True)
             for r in range(1, world_size)
-        ]  # fmt: skip
+        ]
         for w in self.workers:
             w.start()
         atexit.register(self._kill_workers)  # whatever happens to rank 0's shutdown, no worker outlives it
@@ -169,7 +170,7 @@ class TensorParallelGroup:
         sentinels = {w.sentinel: rank for rank, w in enumerate(self.workers, start=1)}
         while sentinels and not self._closing.is_set():
             for s in wait(list(sentinels), timeout=PARENT_POLL_S):
-                rank = sentinels.pop(s)  # type: ignore[index]
+                rank = sentinels.pop(s)  # type: ignore[arg-type]  # wait() hands back the sentinels (ints) it was given
                 if self._closing.is_set():
                     return
                 w = self.workers[rank - 1]

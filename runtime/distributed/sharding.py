@@ -19,13 +19,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from servelm.runtime.platform import platform_of
 from servelm.runtime.attention.base import AttentionBackend
 from servelm.runtime.config import ModelConfig, UnsupportedModelError
 from servelm.runtime.distributed.comm import Communicator
 from servelm.runtime.gguf.folder import gguf_source
 from servelm.runtime.models.layers import Linear
 from servelm.runtime.models.llama import CausalLM
+from servelm.runtime.platform import platform_of
 from servelm.runtime.quantization import NONE
 from servelm.runtime.weights import load_weights
 
@@ -86,7 +86,7 @@ def reduce_output(linear: Linear, comm: Communicator) -> None:
     def forward(x: torch.Tensor) -> torch.Tensor:
         return comm.all_reduce(Linear.forward(linear, x))
 
-    linear.forward = forward  # type: ignore[method-assign]
+    linear.forward = forward
 
 
 class TensorParallelCausalLM(CausalLM):

@@ -9,8 +9,9 @@ forward, hand their logits slice to the gather, until rank 0 releases the model.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -25,12 +26,13 @@ from servelm.runtime.runner import SCORE_ROWS, ModelRunner
 from servelm.runtime.step import StepInputs
 
 
-
 class WorkerGroup(Protocol):
     """Rank 0's worker processes as the runner uses them (``launcher.TensorParallelGroup``)."""
 
     on_worker_death: Callable[..., None] | None
-    failure: BaseException | None
+
+    @property
+    def failure(self) -> BaseException | None: ...
 
     def released(self, runner: TensorParallelRunner) -> None: ...
 
@@ -46,7 +48,7 @@ class TensorParallelRunner(ModelRunner):
         check_tensor_parallel(
             model_config, comm.world_size, device=torch.device(kwargs.get("device", "cpu")),
             model_dir=model_dir, quantization=kwargs.get("quantization"),
-        )  # fmt: skip
+        )
         self.comm = comm
         self.group = group  # rank 0's: the processes ``close`` stops
         self._logits_of: StepInputs | None = None  # the step whose gathered logits are kept

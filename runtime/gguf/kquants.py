@@ -31,10 +31,10 @@ Q6_K_BLOCK_BYTES = 210
 _K_SCALE_SIZE = 12
 
 __all__ = [
-    "QK_K",
     "Q4_K_BLOCK_BYTES",
     "Q5_K_BLOCK_BYTES",
     "Q6_K_BLOCK_BYTES",
+    "QK_K",
     "dequantize_q4_k",
     "dequantize_q5_k",
     "dequantize_q6_k",

@@ -29,7 +29,7 @@ class StoredProjection:
     max_rows: int
 
     @classmethod
-    def of(cls, method: Any) -> "StoredProjection | None":
+    def of(cls, method: Any) -> StoredProjection | None:
         """The kernel's arguments for a stored projection method, or None (no kernel, or not stored)."""
         if isinstance(method, GGUFShardedMethod) and method.fused_kernel is not None:
             kernel = method.fused_kernel
@@ -78,7 +78,7 @@ class StoredStep:
             self.pre, self.norm, self.post = None, layer.post_attention_layernorm.weight, None
 
     @classmethod
-    def attach(cls, layer: Any) -> "StoredStep | None":
+    def attach(cls, layer: Any) -> StoredStep | None:
         """The step for ``layer`` where it applies (every projection stored with the kernel, float32
         norms, no residual multiplier), else None: the layer keeps its own forward."""
         attn, mlp = layer.self_attn, layer.mlp
@@ -135,7 +135,7 @@ class DecodeStack:
         self.bound: list[Any] | None = None  # the C++ layers, once the KV pool is bound (``bind``)
 
     @classmethod
-    def attach(cls, model: Any) -> "DecodeStack | None":
+    def attach(cls, model: Any) -> DecodeStack | None:
         layers = list(model.model.layers)
         steps = [layer.stored_step for layer in layers]
         if not steps or any(s is None for s in steps) or len({id(s.kernel) for s in steps}) != 1:

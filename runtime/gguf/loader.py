@@ -23,8 +23,8 @@ from gguf import GGMLQuantizationType as Q
 from servelm.runtime.config import UnsupportedModelError
 
 from . import names
-from .projection import GGUFEmbedding, GGUFMethod, GGUFShardedMethod
 from .folder import SOURCE_FILE
+from .projection import GGUFEmbedding, GGUFMethod, GGUFShardedMethod
 from .reader import GGUFTensor, read_indexed_tensors
 from .registry import SUPPORTED, dequantize
 

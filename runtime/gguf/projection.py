@@ -104,7 +104,7 @@ class GGUFMethod:
         self.name = f"gguf-{qtype.name}" + ("+kernel" if self.kernel is not None else "")
 
     @classmethod
-    def of(cls, tensor: GGUFTensor, tile_rows: int | None = None) -> "GGUFMethod":
+    def of(cls, tensor: GGUFTensor, tile_rows: int | None = None) -> GGUFMethod:
         """The method serving ``tensor``, a ``[out, in]`` GGUF weight, from its own blocks."""
         return gguf_method(tensor, tile_rows)
 

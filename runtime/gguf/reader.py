@@ -14,6 +14,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from os import PathLike
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,7 +48,7 @@ def read_gguf_tensors(path: str | PathLike[str]) -> dict[str, GGUFTensor]:
     return {t.name: _tensor(t.name, t.tensor_type, t.shape, t.data) for t in reader.tensors}
 
 
-def tensor_index(path: str | PathLike[str] | GGUFReader) -> list[list]:
+def tensor_index(path: str | PathLike[str] | GGUFReader) -> list[list[Any]]:
     """The file's tensor table, JSON-ready: ``[name, format, dims innermost first, byte offset]``."""
     reader = path if isinstance(path, GGUFReader) else GGUFReader(path, "r")
     if reader.byte_order != "I":
@@ -55,7 +56,7 @@ def tensor_index(path: str | PathLike[str] | GGUFReader) -> list[list]:
     return [[t.name, int(t.tensor_type), [int(d) for d in t.shape], int(t.data_offset)] for t in reader.tensors]
 
 
-def read_indexed_tensors(path: str | PathLike[str], index: list[list]) -> dict[str, GGUFTensor]:
+def read_indexed_tensors(path: str | PathLike[str], index: list[list[Any]]) -> dict[str, GGUFTensor]:
     """``read_gguf_tensors`` from a table ``tensor_index`` made: one memory map, no metadata parsing."""
     data = np.memmap(path, dtype=np.uint8, mode="r")
     tensors: dict[str, GGUFTensor] = {}

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Sequence
-from typing import Union
 
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
 
 from . import quants
 from .reader import GGUFTensor
@@ -56,7 +56,7 @@ def dequantizer(qtype: Q) -> Dequantizer:
     raise ValueError(f"GGUF format {name} has no dequantizer (supported: {supported})")
 
 
-def dequantize(tensor: Union[GGUFTensor, RawTensor]) -> torch.Tensor:
+def dequantize(tensor: GGUFTensor | RawTensor) -> torch.Tensor:
     """A tensor's values as float32 of its logical shape, from a ``GGUFTensor`` or ``(raw, qtype, shape)``."""
     if isinstance(tensor, GGUFTensor):
         raw, qtype, shape = tensor.raw, tensor.qtype, tuple(tensor.shape)

@@ -6,13 +6,13 @@ them. Submodules are called through ``.forward`` (see ``runtime.models.llama``).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from servelm.runtime.platform import platform_of
 from servelm.runtime.attention.base import AttentionBackend, AttentionMetadata, QKNorm
 from servelm.runtime.config import ModelConfig
 from servelm.runtime.model_kernels import FewRowKernels
@@ -21,9 +21,10 @@ from servelm.runtime.models.layers import (
     Linear,
     RMSNorm,
     RotaryEmbedding,
-    empty_param,
     apply_rope,
+    empty_param,
 )
+from servelm.runtime.platform import platform_of
 
 if TYPE_CHECKING:
     from servelm.runtime.gguf.layer import StoredStep

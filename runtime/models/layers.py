@@ -7,7 +7,8 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -290,6 +291,8 @@ class RotaryEmbedding(nn.Module):
     product and cos/sin, without tables that grow with the context (Gemma 3 270M's two for 32k positions
     are 67 MiB).
     """
+
+    inv_freq: torch.Tensor  # a buffer
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()

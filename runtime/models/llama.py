@@ -17,25 +17,26 @@ as usual.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from servelm.runtime import quantization
-from servelm.runtime.platform import platform_of
 from servelm.runtime.attention.base import AttentionBackend, AttentionMetadata
 from servelm.runtime.config import ModelConfig
 from servelm.runtime.model_kernels import FewRowKernels
 from servelm.runtime.models.decoder import DecoderLayer, DecoderStack
-from servelm.runtime.projection import ProjectionMethod, pack, select_method
 from servelm.runtime.models.layers import (
     FusedRmsNorm,
     Linear,
     RMSNorm,
     empty_param,
 )
+from servelm.runtime.platform import platform_of
+from servelm.runtime.projection import ProjectionMethod, pack, select_method
 
 if TYPE_CHECKING:
     from servelm.runtime.cpu.linear import SmallMLinear
@@ -51,7 +52,7 @@ class CausalLM(nn.Module):
     """
 
     # checkpoint module name -> (our fused module name, shard)
-    CHECKPOINT_SHARDS: dict[str, tuple[str, str]] = {
+    CHECKPOINT_SHARDS: ClassVar[dict[str, tuple[str, str]]] = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
         "v_proj": ("qkv_proj", "v"),

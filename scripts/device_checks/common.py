@@ -6,9 +6,10 @@ from __future__ import annotations
 import gc
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -72,7 +73,7 @@ class Plan:
     timing_iters: int = 20
 
     @classmethod
-    def dry(cls) -> "Plan":
+    def dry(cls) -> Plan:
         return cls(
             num_prompts=3,
             prompt_len=12,

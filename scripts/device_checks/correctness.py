@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from device_checks.common import (
-    GiB,
     CountingObserver,
+    GiB,
     Plan,
     Report,
     SeqView,
@@ -22,6 +22,7 @@ from device_checks.common import (
     random_prompts,
     timed,
 )
+
 
 def our_prefill_logits(runner: Any, prompts: list[list[int]]) -> torch.Tensor:
     """Our prefill logits for every prompt position (float32, ``[n * len, vocab]``), on scattered blocks."""

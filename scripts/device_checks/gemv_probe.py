@@ -14,7 +14,8 @@ come from HBM. Reported as bytes of weight read per second, with the largest rel
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F

@@ -10,8 +10,6 @@ from typing import Any
 
 import torch
 
-from servelm.runtime.cuda.profiling import gpu_kernel_events
-
 from device_checks.common import (
     H200_BANDWIDTH,
     CountingObserver,
@@ -27,6 +25,7 @@ from device_checks.common import (
     sync,
     timed,
 )
+from servelm.runtime.cuda.profiling import gpu_kernel_events
 
 
 class unfused:
@@ -36,8 +35,8 @@ class unfused:
         self.runner = runner
 
     def __enter__(self) -> None:
-        from servelm.runtime.models.layers import RMSNorm
         from servelm.runtime.models.decoder import MLP
+        from servelm.runtime.models.layers import RMSNorm
 
         self.saved = [(m, "fused", m.fused) for m in self.runner.model.modules() if isinstance(m, RMSNorm)]
         self.saved += [(m, "act_mul", m.act_mul) for m in self.runner.model.modules() if isinstance(m, MLP)]

@@ -49,7 +49,7 @@ def _answer(spec: StructuredOutput) -> str:
 
     try:
         lark = any_to_lark(spec.value)
-    except Exception:  # noqa: BLE001 - not GBNF after all: compiled as given, where its error is named
+    except Exception:  # not GBNF after all: compiled as given, where its error is named
         lark = spec.value
     return "%lark {\n" + lark + "\n}"
 

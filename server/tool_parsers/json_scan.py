@@ -129,7 +129,7 @@ class JsonScanner:
             if ch == ",":
                 self._state = "key_next" if top == "{" else "value"
                 return True
-            if ch == "}" and top == "{" or ch == "]" and top == "[":
+            if (ch == "}" and top == "{") or (ch == "]" and top == "["):
                 return self._close(pos)
             return False
         if s == "value_or_close" and ch == "]":

@@ -114,11 +114,11 @@ class ArrayReader(Reader):
             n, got = item.feed(text)
             self._fed[i] += n
             pieces += got
-            if item.failed or n < len(text) or child.end is not None and not item.done:
+            if item.failed or n < len(text) or (child.end is not None and not item.done):
                 self.failed = True
                 break
         self.named = sum(item.named for item in self._items)
-        self.failed = self.failed or scan.failed or scan.done and not self._items
+        self.failed = self.failed or scan.failed or (scan.done and not self._items)
         self.done = scan.done and not self.failed
         return taken, pieces
 
@@ -167,7 +167,8 @@ def _could_be_name(head: str) -> bool:
         return False
     for k in range(min(len(head), max(map(len, _MISTRAL_MARKS))), -1, -1):
         tail = head[len(head) - k :]
-        if k == 0 or any(mark.startswith(tail) and mark != tail for mark in _MISTRAL_MARKS):
-            if _MISTRAL_NAME.fullmatch(head[: len(head) - k]) or not head[: len(head) - k].strip():
-                return True
+        if (k == 0 or any(mark.startswith(tail) and mark != tail for mark in _MISTRAL_MARKS)) and (
+            _MISTRAL_NAME.fullmatch(head[: len(head) - k]) or not head[: len(head) - k].strip()
+        ):
+            return True
     return False

@@ -12,9 +12,10 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request

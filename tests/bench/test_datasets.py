@@ -45,7 +45,7 @@ def test_fixed_lengths_and_determinism(tokenizer) -> None:
 def test_shared_prefix(tokenizer) -> None:
     reqs = random_requests(tokenizer, 10, input_len=32, output_len=8, prefix_len=48, seed=5)
     assert all(count_tokens(tokenizer, r.prompt) == 80 for r in reqs)
-    prefix = os.path.commonprefix([r.prompt for r in reqs])
+    prefix = os.path.commonprefix([r.prompt for r in reqs])  # noqa: RUF071 - a text's prefix, not a path's
     # Every prompt starts with the same text worth (nearly) the whole prefix.
     assert count_tokens(tokenizer, prefix) >= 46
 

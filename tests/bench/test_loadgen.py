@@ -7,9 +7,10 @@ import json
 import random
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 from fake_openai_server import FakeState, serve
@@ -179,5 +180,5 @@ def test_cli_registration() -> None:
     assert args.func is bench.run and args.num_prompts == 3 and args.request_rate == 2.5
     assert args.base_url == "http://127.0.0.1:8000"
     r = subprocess.run([sys.executable, "-m", "servelm.bench.loadgen", "--help"], cwd=REPO, capture_output=True, text=True,
-                       timeout=120)  # fmt: skip
+                       timeout=120)
     assert r.returncode == 0 and "--compare-base-url" in r.stdout

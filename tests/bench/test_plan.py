@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from servelm.bench import plan as plan_cmd
 from servelm.runtime.capacity import flops_per_token
 from servelm.runtime.config import ModelConfig
-from servelm.bench import plan as plan_cmd
 
 # Llama-2-7B's config.json as published (the fields that matter).
 LLAMA2_7B = {
@@ -86,7 +86,7 @@ def test_custom_memory_and_not_fitting(capsys) -> None:
     rc, out, err = plan(capsys, "--preset-model", "llama-2-70b", "--device", "a100-80g")
     assert rc == 1 and "not even one 4096-token request fits" in err
     rc, out, err = plan(capsys, "--preset-model", "smollm2-135m", "--kv-cache-memory", "2GiB",
-                        "--context-len", "2048", "--json")  # fmt: skip
+                        "--context-len", "2048", "--json")
     p = json.loads(out)
     assert p["device"] == "cpu" and p["dtype"] == "float32" and p["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4
     assert p["num_blocks"] == 2 * 2**30 // (46080 * 16)

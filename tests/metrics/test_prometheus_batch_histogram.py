@@ -52,7 +52,7 @@ def observed(steps_ttft: list[list[float]], steps_itl: list[list[float]]) -> Col
     obs = PrometheusObserver("tiny", {}, 1e12, 1e11, registry=CollectorRegistry())
     for ttft, itl in zip(steps_ttft, steps_itl):
         obs.on_step(StepStats(0.01, len(itl), 0, 0.5, 0, len(itl), time_to_first_tokens=ttft,
-                              inter_token_latencies=itl))  # fmt: skip
+                              inter_token_latencies=itl))
     return obs.registry
 
 
@@ -99,7 +99,7 @@ def test_non_finite_and_negative_values_match_histogram(special: list[float], pa
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.lists(st.one_of(st.floats(0, 100), st.sampled_from(TOKEN_LATENCY_BUCKETS)), max_size=40),
-                max_size=4))  # fmt: skip
+                max_size=4))
 def test_bulk_equals_one_by_one_property(steps: list[list[float]]) -> None:
     assert lines_of(observed([[]] * len(steps), steps), ITL) == reference(ITL, TOKEN_LATENCY_BUCKETS, steps)
 

@@ -48,7 +48,7 @@ def clock() -> FakeClock:
 @pytest.fixture
 def obs(clock: FakeClock) -> PrometheusObserver:
     return PrometheusObserver("tiny", INFO, peak_flops=1e12, peak_bandwidth=1e11, registry=CollectorRegistry(),
-                              window_s=10.0, clock=clock)  # fmt: skip
+                              window_s=10.0, clock=clock)
 
 
 STEPS = [
@@ -158,7 +158,7 @@ def test_gauges_follow_steps_and_return_to_zero_when_idle(obs: PrometheusObserve
 
 def test_utilization_over_the_window(clock: FakeClock) -> None:
     obs = PrometheusObserver("tiny", INFO, peak_flops=1e12, peak_bandwidth=1e11, registry=CollectorRegistry(),
-                             window_s=10.0, clock=clock)  # fmt: skip
+                             window_s=10.0, clock=clock)
     clock.t += 20.0  # the observer has lived longer than the window
     for _ in range(4):  # 4 steps of 1 s: 2e11 FLOPs and 5e9 bytes each
         clock.t += 1.0

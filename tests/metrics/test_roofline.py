@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -74,7 +75,7 @@ def test_cpu_peaks_report_the_median_of_recent_start_ups(monkeypatch, tmp_path) 
         median_cpu_peaks(lambda: (4e11, 5e10))
     assert median_cpu_peaks(lambda: (1e9, 1e9)) == (4e11, 5e10)
     # The format of earlier versions (one best value kept forever) is replaced, not trusted.
-    (tmp_path / "cpu_peaks.json").write_text('{"%s": {"flops": 9e11, "bandwidth": 9e10}}' % _key())
+    (tmp_path / "cpu_peaks.json").write_text(json.dumps({_key(): {"flops": 9e11, "bandwidth": 9e10}}))
     assert median_cpu_peaks(lambda: (2e11, 3e10)) == (2e11, 3e10)
     (tmp_path / "cpu_peaks.json").write_text("not json")  # a damaged record is ignored, then replaced
     assert median_cpu_peaks(lambda: (1e9, 1e9)) == (1e9, 1e9)
@@ -96,7 +97,7 @@ def test_cpu_peak_flops_measure_the_engine_matmul_path(monkeypatch) -> None:
     calls: list[tuple[int, ...]] = []
     real = cpu_linear.linear
 
-    def counting(x, packed, bias):  # noqa: ANN001, ANN202
+    def counting(x, packed, bias):
         calls.append(tuple(x.shape))
         return real(x, packed, bias)
 

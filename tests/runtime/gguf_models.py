@@ -32,10 +32,10 @@ import shutil
 import sys
 import types
 from collections import Counter
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import gguf
 import numpy as np
@@ -49,7 +49,7 @@ GGUF_PY_FORMATS = (Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)  # ggu
 K_FORMATS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)  # packed here
 ALL_FORMATS = (Q.F32, *GGUF_PY_FORMATS, *K_FORMATS)
 
-QType = Union[Q, Mapping[str, Q]]
+QType = Q | Mapping[str, Q]
 
 # HF model_type -> GGUF architecture llama.cpp writes it as.
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
@@ -175,7 +175,7 @@ def default_gguf_path() -> Path:
     return path
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def default_tokenizer_fields() -> tuple[tuple[str, Any, GGUFValueType, GGUFValueType | None], ...]:
     """Every ``tokenizer.*`` key of the default GGUF file: (key, value, type, array element type)."""
     reader = gguf.GGUFReader(default_gguf_path(), "r")

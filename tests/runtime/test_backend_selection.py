@@ -77,7 +77,7 @@ def fake_flash_attn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _install_fake(tmp_path, {
         "flash_attn/__init__.py": "from flash_attn.flash_attn_interface import flash_attn_varlen_func, flash_attn_with_kvcache\n",
         "flash_attn/flash_attn_interface.py": FA2_INTERFACE,
-    }, monkeypatch)  # fmt: skip
+    }, monkeypatch)
 
 
 def test_flash_backend_states_why_it_cannot_serve(fake_flash_attn: None) -> None:
@@ -127,7 +127,7 @@ def test_flash_attn_4_alone_or_a_broken_install_falls_back_to_triton(
     _install_fake(tmp_path / "broken", {
         "flash_attn/__init__.py": "raise ImportError('flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDevice')\n",
         "flash_attn/flash_attn_interface.py": FA2_INTERFACE,
-    }, monkeypatch)  # fmt: skip
+    }, monkeypatch)
     assert flash_backend.flash_attn_importable()
     with caplog.at_level("WARNING"):
         backend = select_backend("cuda", block_size=256, dtype=torch.bfloat16, head_dim=128)

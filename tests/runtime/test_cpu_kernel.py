@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import shutil
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from servelm.runtime.cpu import paged_attention as cpu_kernel
+from servelm.runtime.cpu.extension import cpu_flags
 from servelm.runtime.cpu.paged_attention import paged_decode_attention_reference as reference
 
 POOL_TOKENS = 16000  # a pool of 1000 blocks of 16 (500 of 32)
@@ -117,7 +119,7 @@ def test_kernel_builds_where_a_compiler_exists():
         pytest.skip(f"{cpu_kernel.DISABLE_ENV} is set")
     assert cpu_kernel.load_kernel() is not None, "the kernel failed to build; see the logged warning"
     module = cpu_kernel._loader.get()
-    flags = cpu_kernel._cpu_flags() or set()
+    flags = cpu_flags() or set()
     if "avx512f" in flags:
         assert module.has_avx512, "built without the AVX-512 path on an AVX-512 CPU"
     elif {"avx2", "fma", "f16c"} <= flags:
@@ -357,7 +359,7 @@ def test_releases_the_gil(kernel):
         worker.join()
     finally:
         torch.set_num_threads(before)
-    longest_gap = max(b - a for a, b in zip(stamps, stamps[1:]))
+    longest_gap = max(b - a for a, b in itertools.pairwise(stamps))
     assert duration > 0.02, "case too small to tell"
     assert longest_gap < 0.6 * duration, (longest_gap, duration)
 

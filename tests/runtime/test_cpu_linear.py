@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from servelm.runtime.cpu import linear as cpu_linear
 from servelm.runtime.batch import BatchItem
+from servelm.runtime.cpu import linear as cpu_linear
 from servelm.runtime.models.layers import Linear
 from servelm.runtime.runner import ModelRunner
 

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from servelm.runtime.cpu import ops as cpu_ops
 from servelm.runtime.batch import BatchItem
+from servelm.runtime.cpu import ops as cpu_ops
 from servelm.runtime.cpu.extension import cpu_flags
 from servelm.runtime.models.layers import RMSNorm
 

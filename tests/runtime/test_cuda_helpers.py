@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from servelm.runtime.cuda import pdl as pdl_state
 from servelm.runtime.cuda.graph_inputs import GraphInputs, capture_sizes, padded_size
 from servelm.runtime.cuda.graph_variants import VariantTiming, choose_variant, few_row_tolerance
 from servelm.runtime.cuda.graphs import CudaGraphRunner
-from servelm.runtime.cuda import pdl as pdl_state
 from servelm.runtime.cuda.memory import MemoryProfile
 
 GiB = 2**30
@@ -302,7 +302,7 @@ class _Event:
     def synchronize(self) -> None:
         pass
 
-    def elapsed_time(self, end: "_Event") -> float:
+    def elapsed_time(self, end: _Event) -> float:
         return end.t - self.t
 
 
@@ -319,11 +319,11 @@ class _Graph:
         for r in range(self.g.max_batch_size):
             slot, n = int(b.slot_mapping[r]), int(b.seq_lens[r])
             block = int(b.block_tables[r, 0])
-            read = lambda: self.pool[block * self.g.block_size : block * self.g.block_size + n].sum()  # noqa: E731
-            early = read() if self.racy else None
+            start = block * self.g.block_size
+            early = self.pool[start : start + n].sum() if self.racy else None
             if slot >= 0:
                 self.pool[slot] = float(b.input_ids[r]) * self.scale
-            self.out[r] = early if early is not None else read()
+            self.out[r] = early if early is not None else self.pool[start : start + n].sum()
         _Clock.now += self.ms
 
 

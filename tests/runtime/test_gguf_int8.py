@@ -19,8 +19,6 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
-from test_gguf_kernels import module  # noqa: F401  (the compiled module, or a skip where it cannot be built)
-
 from servelm.runtime.cpu.extension import cpu_flags
 from servelm.runtime.gguf import kernels
 from servelm.runtime.gguf.projection import (
@@ -35,6 +33,15 @@ from servelm.runtime.gguf.registry import BLOCK_LAYOUT
 QUANTIZED = sorted(kernels.KERNEL_TYPES - {Q.F32, Q.F16, Q.BF16})
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
 SUM_ORDER_RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def module():
+    """The compiled GGUF kernels, or a skip where they cannot be built."""
+    m = kernels.load()
+    if m is None:
+        pytest.skip("the GGUF kernel extension cannot be built here (no compiler or self-check failed)")
+    return m
 
 
 def weight(qtype: Q, n: int, k: int, seed: int) -> torch.Tensor:

@@ -20,7 +20,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
-
 from gguf_files import write_gguf
 
 from servelm.runtime.cpu.extension import cpu_flags
@@ -191,7 +190,7 @@ def test_disable_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_kernel_types_are_registry_formats() -> None:
     from servelm.runtime.gguf.registry import SUPPORTED
 
-    assert kernels.KERNEL_TYPES <= set(SUPPORTED)
+    assert set(SUPPORTED) >= kernels.KERNEL_TYPES
     assert kernels.SOURCE.is_file() and kernels.SOURCE.parent == Path(kernels.__file__).resolve().parents[1] / "cpu" / "csrc"
 
 
@@ -248,8 +247,7 @@ def test_linear_parts_errors(module) -> None:
 def test_sharded_method_fuses_parts(module, m: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """GGUFShardedMethod runs steps of up to KERNEL_MAX_ROWS rows as gguf_linear_parts calls of
     KERNEL_CHUNK rows each, larger ones part by part."""
-    from servelm.runtime.gguf.projection import KERNEL_CHUNK, KERNEL_MAX_ROWS
-    from servelm.runtime.gguf.projection import GGUFMethod, GGUFShardedMethod
+    from servelm.runtime.gguf.projection import KERNEL_CHUNK, KERNEL_MAX_ROWS, GGUFMethod, GGUFShardedMethod
 
     k, formats, sizes = 256, (Q.Q4_1, Q.Q8_0, Q.Q6_K), (64, 32, 48)
     rng = np.random.default_rng(m)

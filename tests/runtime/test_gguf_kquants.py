@@ -7,22 +7,21 @@ written from the block layout; random raw blocks and edge cases cover every bit.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import gguf
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
-
 from gguf_files import median_seconds, write_gguf
 
 from servelm.runtime.gguf.kquants import (
-    QK_K,
     Q4_K_BLOCK_BYTES,
     Q5_K_BLOCK_BYTES,
     Q6_K_BLOCK_BYTES,
+    QK_K,
     dequantize_q4_k,
     dequantize_q5_k,
     dequantize_q6_k,

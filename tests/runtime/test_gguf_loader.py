@@ -118,7 +118,7 @@ def test_a_file_that_does_not_fit_the_model_is_refused(build_runner, gguf_folder
     config = json.loads((broken / "config.json").read_text())
     config["num_hidden_layers"] += 1  # the file has one layer fewer than this config
     (broken / "config.json").write_text(json.dumps(config))
-    with pytest.raises(GGUFLoadError, match="missing from the file: model.layers.30"):
+    with pytest.raises(GGUFLoadError, match=r"missing from the file: model\.layers\.30"):
         build_runner(broken, num_blocks=8)
 
 

@@ -7,25 +7,25 @@ from __future__ import annotations
 
 import functools
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import gguf
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-
 from gguf_models import (
-    Case,
     ALL_FORMATS,
     K_FORMATS,
+    Case,
+    conftest_module,
     gguf_tensor_name,
     quantize,
     save_tiny_model_for_gguf,
     tensor_format,
-    conftest_module,
     write_tiny_gguf,
 )
 
@@ -51,7 +51,7 @@ CASES: dict[str, Case] = {
         "llama_untied", "llama", True,
         {"attn_q": Q.Q4_0, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q4_1, "ffn": Q.Q4_K,
          "token_embd": Q.Q8_0, "output": Q.Q6_K},
-    ),  # fmt: skip
+    ),
     "mistral-q5_0-q5_1-f16-bf16": Case(
         "mistral", "llama", False, {"attn": Q.Q5_0, "ffn": Q.Q5_1, "token_embd": Q.F16, "output": Q.BF16}
     ),

@@ -13,17 +13,17 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from servelm.runtime.config import ModelConfig
 from servelm.runtime.gguf.names import (
     hf_config_from_gguf,
     hf_name,
     hf_tensor_names,
-    norm_offset,
     needs_unpermute,
+    norm_offset,
     unpermute,
     unpermute_heads,
     unpermute_rows,
 )
-from servelm.runtime.config import ModelConfig
 from servelm.runtime.gguf.reader import read_gguf_tensors
 from servelm.runtime.gguf.registry import BLOCK_LAYOUT, dequantize
 

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-
 from gguf_files import write_gguf
 
 from servelm.runtime.gguf import quants, registry

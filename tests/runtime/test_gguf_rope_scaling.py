@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from gguf_models import save_tiny_model_for_gguf, write_tiny_gguf
 from test_gguf_vs_transformers import assert_logits_match, run_ours, sequences
 
@@ -31,7 +30,7 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
 
 # Gemma 3's global layer (layer 5 of the tiny model) scaled linearly, its sliding layers not.
 GEMMA3_LINEAR = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
-                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}  # fmt: skip
+                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
 CASES = {"llama3": ("llama", "llama", False, LLAMA3), "gemma3_linear": ("gemma3", "gemma3", True, GEMMA3_LINEAR)}
 
 

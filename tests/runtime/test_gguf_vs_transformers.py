@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import types
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-
 from gguf_models import Case, save_tiny_model_for_gguf, tensor_format, write_tiny_gguf
 
 from servelm.runtime.models.layers import Linear
@@ -38,18 +38,18 @@ CASES: dict[str, Case] = {
         "llama_untied", "llama", True,
         {"attn_q": Q.Q4_K, "attn_k": Q.Q4_0, "attn_v": Q.Q5_1, "attn_output": Q.Q6_K, "ffn_gate": Q.Q5_K,
          "ffn_up": Q.Q4_1, "ffn_down": Q.Q8_0, "token_embd": Q.Q8_0, "output": Q.Q6_K},
-    ),  # fmt: skip
+    ),
     # Mistral, written as llama (transformers reads it back as Mistral by the file's name)
     "mistral": Case(
         "mistral", "llama", False,
         {"attn": Q.Q5_0, "ffn_down": Q.F16, "ffn": Q.Q4_1, "token_embd": Q.BF16, "output": Q.Q8_0},
-    ),  # fmt: skip
+    ),
     # q/k/v biases; a tied head read from a quantized embedding
     "qwen2": Case(
         "qwen2", "qwen2", False,
         {"attn_q": Q.Q8_0, "attn_k": Q.Q4_0, "attn_v": Q.Q5_1, "attn_output": Q.BF16, "ffn": Q.Q5_0,
          "token_embd": Q.Q4_1},
-    ),  # fmt: skip
+    ),
     # q/k norms, head_dim 128; the K-quant mix of a Q4_K_M file
     "qwen3": Case(
         "qwen3", "qwen3", True, {"attn": Q.Q4_K, "ffn_down": Q.Q6_K, "ffn": Q.Q5_K, "token_embd": Q.Q8_0}
@@ -59,7 +59,7 @@ CASES: dict[str, Case] = {
         "gemma3", "gemma3", True,
         {"attn_q": Q.Q6_K, "attn_k": Q.Q6_K, "attn_v": Q.Q8_0, "attn_output": Q.Q4_K, "ffn_gate": Q.Q4_0,
          "ffn_up": Q.Q5_K, "ffn_down": Q.F16, "token_embd": Q.Q6_K},
-    ),  # fmt: skip
+    ),
 }
 FORMATS = {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F16, Q.BF16}
 

@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
+from lora_files import peft_model, save_lora_adapter
 from safetensors.torch import load_file, save_file
 
-from lora_files import peft_model, save_lora_adapter
-from servelm.runtime.cpu import ops as cpu_ops
 from servelm.runtime.batch import BatchItem
+from servelm.runtime.cpu import ops as cpu_ops
 from servelm.runtime.lora import LoRAError, load_lora_adapter
-from servelm.runtime.runner import ModelRunner
 
 IDS = [5, 900, 17, 4000, 33, 2, 77, 1200, 8, 64, 19, 300, 41, 7, 4500, 12, 90, 3, 600, 28, 1000, 55, 6]
 
@@ -31,7 +31,7 @@ def adapters(tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.Tem
         "qv": save_lora_adapter(
             base, tmp / "qv", seed=3, r=8, target_modules=["q_proj", "v_proj", "down_proj"], use_rslora=True,
             rank_pattern={"down_proj": 4}, alpha_pattern={"v_proj": 32},
-        ),  # fmt: skip
+        ),
         "layer1": save_lora_adapter(base, tmp / "layer1", seed=4, layers_to_transform=[1]),
     }
 

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 import transformers
 
-from servelm.runtime.cpu.torch_backend import TorchAttentionBackend
 from servelm.runtime.batch import BatchItem
+from servelm.runtime.cpu.torch_backend import TorchAttentionBackend
 from servelm.runtime.runner import ModelRunner
 
 # How a prompt is fed: one prefill, chunks of 5 tokens, or one token per step (decode path).
@@ -161,7 +162,7 @@ def test_sliding_window_batches_equal_hf(
     got: list[list[torch.Tensor]] = [[] for _ in seqs]
     for step in WINDOW_PLANS[plan]:
         items = [BatchItem(seqs[i], n, sample=False) for i, n in step if n]
-        for (i, n), out in zip([x for x in step if x[1]], rt.step_logits(runner, items)):
+        for (i, _n), out in zip([x for x in step if x[1]], rt.step_logits(runner, items)):
             got[i].append(out)
     while any(s.num_computed_tokens < len(s.token_ids) for s in seqs):
         todo = [s for s in seqs if s.num_computed_tokens < len(s.token_ids)]

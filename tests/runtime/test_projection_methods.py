@@ -3,16 +3,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 
-from servelm.runtime.platform import platform_of
 from servelm.runtime.cpu import linear as cpu_linear
 from servelm.runtime.model_kernels import FewRowKernels
 from servelm.runtime.models.layers import Linear
+from servelm.runtime.platform import platform_of
 from servelm.runtime.projection import DenseMethod, FewRowMethod, QuantizedMethod, select_method
 
 

@@ -11,11 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from servelm.runtime.cpu import linear as cpu_linear, ops as cpu_ops
+from servelm.runtime import quantization as qz
 from servelm.runtime.capacity import StepCostModel
 from servelm.runtime.config import ModelConfig
+from servelm.runtime.cpu import linear as cpu_linear
+from servelm.runtime.cpu import ops as cpu_ops
 from servelm.runtime.models.layers import Linear
-from servelm.runtime import quantization as qz
 from servelm.runtime.quantization import dequantize_rows, quantize_rows
 from servelm.runtime.quantization_setup import check_quantization
 

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 import transformers
 
-from servelm.runtime.cpu.torch_backend import TorchAttentionBackend
 from servelm.runtime.batch import PENDING_TOKEN, BatchItem
+from servelm.runtime.cpu.torch_backend import TorchAttentionBackend
 from servelm.runtime.runner import ModelRunner
 
 PROMPTS = [
@@ -282,7 +283,7 @@ class _EagerGraphStandIn:
     def padded(self, num_decodes: int) -> int:
         return next(b for b in self.sizes if b >= num_decodes)
 
-    def replay(self, n: int):  # noqa: ANN201
+    def replay(self, n: int):
         from servelm.runtime.attention.base import AttentionMetadata
 
         self.replayed.append(n)
@@ -375,7 +376,7 @@ class _ClockEvent:
     def synchronize(self) -> None:
         pass
 
-    def elapsed_time(self, end: "_ClockEvent") -> float:
+    def elapsed_time(self, end: _ClockEvent) -> float:
         return (end.t - self.t) * 1e3
 
 
@@ -488,7 +489,7 @@ def test_drafts_are_verified_as_one_decode_row_per_position(
 
     spec, other, fresh = seq(1, ids, 39), seq(2, ids[:20], 19), seq(3, ids[:25], 0)
     items = [BatchItem(other, 1, sample=True), BatchItem(spec, 1 + len(draft), sample=True, draft=list(draft)),
-             BatchItem(fresh, 25, sample=True)]  # fmt: skip
+             BatchItem(fresh, 25, sample=True)]
     inputs = runner.prepare(items)
     assert inputs.meta.num_decodes == 1 + 4 and inputs.meta.decode_rows_share_sequences
     assert inputs.sample_items == [0, 1, 1, 1, 1, 2]

@@ -22,7 +22,6 @@ from servelm.runtime.truncation import (
     truncate,
 )
 
-
 Spec = SamplingOptions  # temperature 1.0, everything else off
 
 
@@ -361,7 +360,7 @@ def test_repetition_penalty_never_revives_a_forbidden_token(r: float) -> None:
     by schemathesis)."""
     logits = torch.linspace(-5, 5, 50).repeat(1, 1)
     seq = Seq(token_ids=[3, 40, 45], num_prompt_tokens=3, params=Spec(temperature=0.0, repetition_penalty=r),
-              grammar=BitMask({10, 45}))  # fmt: skip
+              grammar=BitMask({10, 45}))
     x = logits.clone()
     Sampler().process_logits(x, [seq])
     assert not torch.isnan(x).any()

@@ -10,11 +10,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_sampler import BitMask, Seq
 
 from servelm.runtime.batch import SamplingOptions
 from servelm.runtime.sampler import GREEDY_TEMPERATURE, Sampler, tempered_softmax
 from servelm.runtime.truncation import _radix_floor, truncate
-from test_sampler import BitMask, Seq
 
 Spec = SamplingOptions
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -81,7 +81,7 @@ def test_ordinary_rows_are_tempered_as_before() -> None:
     """The guard costs ordinary rows nothing and changes none of their bits: softmax(x / T)."""
     x = torch.randn(4, 3000, generator=torch.Generator().manual_seed(1)) * 4
     specs = [Spec(temperature=0.7), Spec(temperature=1.0), Spec(temperature=1.7, repetition_penalty=0.5),
-             Spec(temperature=0.3, repetition_penalty=0.9)]  # fmt: skip
+             Spec(temperature=0.3, repetition_penalty=0.9)]
     temps = torch.tensor([[s.temperature] for s in specs])
     assert torch.equal(tempered_softmax(x.clone(), specs), (x / temps).softmax(-1))
 
@@ -114,7 +114,7 @@ def test_min_tokens_never_forbids_the_whole_vocabulary() -> None:
 def test_radix_floor_is_robust_to_rows_it_should_never_see() -> None:
     """NaN gave bucket -8 and ``scatter_add_`` raised; an all-zero row found an empty bucket."""
     rows = torch.tensor([[float("nan"), 0.5, 0.2, 0.0], [0.0, 0.0, 0.0, 0.0], [float("inf"), -1.0, 0.3, 0.1],
-                         [-0.0, 0.25, 0.25, 0.5]])  # fmt: skip
+                         [-0.0, 0.25, 0.25, 0.5]])
     for weighted, target in ((True, torch.full((4,), 0.9)), (False, torch.full((4,), 2.0))):
         floor = _radix_floor(rows, target, weighted=weighted)
         assert floor.shape == (4,) and floor[3].item() == 0.25
@@ -197,7 +197,7 @@ def _batch(draw: st.DrawFn) -> tuple[list[Seq], torch.Tensor, list[set[int] | No
 @given(_batch())
 def test_fuzz_probabilities_stay_finite_and_tokens_allowed(batch: tuple[list[Seq], torch.Tensor, list[set[int] | None]]) -> None:
     seqs, logits, allowed = batch
-    n, vocab = logits.shape
+    _n, vocab = logits.shape
     params = [s.params for s in seqs]
 
     x = _processed(logits, seqs)

@@ -16,8 +16,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -40,7 +41,7 @@ ENGINE_CASES: dict[str, tuple[str, dict[str, Any]]] = {
 RUNNER_KW: dict[str, Any] = dict(
     device=torch.device("cpu"), dtype=torch.float32, block_size=16, num_blocks=64,
     max_num_batched_tokens=256, max_num_seqs=16,
-)  # fmt: skip
+)
 # Float32 sums in another order (two partial matmuls then a sum): relative to the largest logit.
 LOGITS_RTOL = 1e-4
 
@@ -202,7 +203,7 @@ def tp_results(tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.T
         "engine_cases": ENGINE_CASES,
         "timing": {"tiny llama": str(tiny_model_dir("llama")),
                    "medium llama": str(save_medium_llama(tmp_path_factory.mktemp("medium-llama")))},
-    }  # fmt: skip
+    }
     return run_driver(spec)
 
 
@@ -249,7 +250,7 @@ def test_tp2_step_time_overhead(tp_results: dict[str, Any]) -> None:
     for name, t in tp_results["timing"].items():
         collectives = 2 * t["layers"] + 3  # 2 all-reduces a layer, the embedding's, the logits gather, 1 broadcast
         print(f"\n{name} (hidden {t['hidden']}, {t['layers']} layers), decode batch 8: TP=1 {t['tp1_ms']:.2f} ms/step, "
-              f"TP=2 {t['tp2_ms']:.2f} ms/step ({t['tp2_ms'] / t['tp1_ms']:.2f}x; {collectives} collectives a step)")  # fmt: skip
+              f"TP=2 {t['tp2_ms']:.2f} ms/step ({t['tp2_ms'] / t['tp1_ms']:.2f}x; {collectives} collectives a step)")
         assert t["tp1_ms"] > 0 and t["tp2_ms"] > 0
 
 
@@ -271,7 +272,7 @@ def test_step_message_carries_the_whole_flat_batch(
     class Wire(Communicator):
         """Rank 0's broadcasts recorded, then replayed into the receiver's buffers, in order."""
 
-        sent: list[torch.Tensor] = []
+        sent: ClassVar[list[torch.Tensor]] = []
 
         def broadcast(self, x: torch.Tensor, idle: bool = False) -> torch.Tensor:
             if self.is_driver:
@@ -327,12 +328,12 @@ def test_refusals_name_what_is_unsupported(default_model_dir: Path, tiny_model_d
         check_tensor_parallel(ModelConfig.from_dir(default_model_dir), 2, device=cpu)  # SmolLM2-135M: 9 heads / 3 KV heads
     tiny = tiny_model_dir("llama")
     cfg = ModelConfig.from_dir(tiny)
-    with pytest.raises(UnsupportedModelError, match="4 KV heads|2 KV heads, not divisible by 4|attention heads"):
+    with pytest.raises(UnsupportedModelError, match=r"4 KV heads|2 KV heads, not divisible by 4|attention heads"):
         check_tensor_parallel(cfg, 8, device=cpu)
     for q in ("int8", "int4", "auto"):
         with pytest.raises(UnsupportedModelError, match=f"--quantization {q}"):
             check_tensor_parallel(cfg, 2, device=cpu, quantization=q)
-    with pytest.raises(UnsupportedModelError, match="CUDA .*unproven"):
+    with pytest.raises(UnsupportedModelError, match=r"CUDA .*unproven"):
         check_tensor_parallel(cfg, 2, device=torch.device("cuda"))
     gguf_folder = tmp_path / "as-gguf"
     gguf_folder.mkdir()

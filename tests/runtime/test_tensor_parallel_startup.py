@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -56,7 +57,7 @@ def test_cuda_is_refused_as_unproven(tiny_model_dir: Callable[[str], Path]) -> N
 
     assert (backend_for(torch.device("cuda")), backend_for(torch.device("cpu"))) == ("nccl", "gloo")
     cfg = ModelConfig.from_dir(tiny_model_dir("llama"))
-    with pytest.raises(UnsupportedModelError, match="CUDA .*unproven"):
+    with pytest.raises(UnsupportedModelError, match=r"CUDA .*unproven"):
         check_tensor_parallel(cfg, 2, device=torch.device("cuda"))
 
 

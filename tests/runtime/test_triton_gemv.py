@@ -8,6 +8,7 @@ import importlib
 
 from triton_interp import flash_backend, gemv, ops, prefill_then_decode, torch_rms_norm  # first: sets the interpreter
 
+# isort: split
 import pytest
 import torch
 
@@ -92,7 +93,7 @@ def test_prefetch_is_refused_on_dot_tiles_and_element_wise_tiles_take_one_row() 
 
 def test_few_row_kernels_refuse_more_rows_than_they_tile() -> None:
     x = torch.zeros(gemv.MAX_ROWS + 1, 64)
-    with pytest.raises(ValueError, match="1..4 rows"):
+    with pytest.raises(ValueError, match=r"1\.\.4 rows"):
         gemv.linear(x, torch.zeros(8, 64))
     with pytest.raises(ValueError, match="weight"):
         gemv.linear(x[:2], torch.zeros(8, 65))
@@ -102,8 +103,8 @@ def test_model_with_few_row_kernels_equals_the_eager_model(tiny_model_dir, build
     """The CUDA-path model (Triton backend, fused ops) with the few-row projections on decode steps of
     1-4 rows and off for longer steps (prefill), against the plain torch path."""
     tiny_llama_dir = tiny_model_dir("llama_small_vocab")  # the head runs through the interpreter too
-    from servelm.runtime.cpu.torch_backend import TorchAttentionBackend
     from servelm.runtime.cpu import linear as cpu_linear
+    from servelm.runtime.cpu.torch_backend import TorchAttentionBackend
     from servelm.runtime.model_kernels import FewRowKernels
 
     # Dense weights as on CUDA (oneDNN-packed projections would take the CPU's own path first).
@@ -343,7 +344,7 @@ def test_the_batch1_rerun_offers_the_tiles_then_restores_the_list(tiny_llama_dir
     plan.max_model_len = 256  # the tiny model's positions
     report = Report()
     perf.batch1_with_tiles([added], tiny_llama_dir, plan, "float32", 2000, torch.device("cpu"), report)
-    assert seen == [before + [added]] and gemv.ELEMENTWISE_TILES == before
+    assert seen == [before + [added]] and before == gemv.ELEMENTWISE_TILES
     (row,) = report.throughput
     assert row["name"] == "batch 1 (synchronous) with the sweep's tiles added: ms per output token" and row["value"] > 0
     report = Report()

@@ -5,14 +5,16 @@ from __future__ import annotations
 import math
 import sys
 import types
+from collections.abc import Callable
+from typing import Any
 
 from triton_interp import flash_backend, ops, prefill_then_decode, td, tk, torch_rms_norm  # first: sets the interpreter
 
+# isort: split
 import pytest
 import torch
 
 from servelm.runtime.attention.base import AttentionMetadata
-
 
 # ----------------------------------------------------------------------------- references
 
@@ -431,11 +433,16 @@ def test_model_with_fused_ops_equals_the_eager_model(tiny_llama_dir, build_runne
     monkeypatch.setattr(td, "decode_splits", lambda num_seqs, num_kv_heads, device: splits)
     fused = build_runner(tiny_llama_dir, backend=flash_backend.TritonPagedBackend(16, fused_rope=True))
     calls = {"rope_store": 0, "rms_norm": 0}
+
+    def counting(name: str, op: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*a: Any) -> Any:
+            calls[name] += 1
+            return op(*a)
+
+        return counted
+
     for name in calls:
-        def counted(*a, _f=getattr(ops, name), _n=name):  # type: ignore[no-untyped-def]
-            calls[_n] += 1
-            return _f(*a)
-        monkeypatch.setattr(ops, name, counted)
+        monkeypatch.setattr(ops, name, counting(name, getattr(ops, name)))
     folded = []
     monkeypatch.setattr(td, "rope_paged_decode", lambda *a, _f=td.rope_paged_decode, **kw: folded.append(1) or _f(*a, **kw))
     fused.model.use_fused_ops(ops.rms_norm, ops.silu_mul)
@@ -469,7 +476,7 @@ def test_rope_paged_decode_equals_rope_store_then_split_decode(dtype: torch.dtyp
     slots = torch.tensor(
         [int(tables[i, (n - 1) // page]) * page + (n - 1) % page if known else -1
          for i, (n, known) in enumerate(zip(seq_lens, slots_known))]
-    )  # fmt: skip
+    )
     qkv = torch.randn(len(seq_lens), (heads + 2 * kvh) * d + 4, generator=gen)[:, : (heads + 2 * kvh) * d].to(dtype)
     freqs = torch.tensor(seq_lens).float()[:, None] - 1  # each new token sits at position seq_len - 1
     freqs = freqs * (1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)))[None, :]

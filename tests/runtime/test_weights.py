@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from servelm.runtime.cpu.torch_backend import TorchAttentionBackend
 from servelm.runtime.config import ModelConfig, UnsupportedModelError
+from servelm.runtime.cpu.torch_backend import TorchAttentionBackend
 from servelm.runtime.weights import INDEX_FILE, WeightLoadError, checkpoint_files, load_model
 
 
@@ -24,7 +25,7 @@ def checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
     tensors = {}
     for f in checkpoint_files(model_dir):
         with safe_open(str(f), framework="pt") as g:
-            for k in g.keys():
+            for k in g.keys():  # noqa: SIM118 - safe_open has keys() but is not iterable
                 tensors[k] = g.get_tensor(k)
     return tensors
 
@@ -125,7 +126,7 @@ def test_folder_without_weights_is_refused(tiny_llama_dir: Path, tmp_path: Path)
     d = tmp_path / "empty"
     d.mkdir()
     shutil.copy(tiny_llama_dir / "config.json", d / "config.json")
-    with pytest.raises(UnsupportedModelError, match="no \\*.safetensors"):
+    with pytest.raises(UnsupportedModelError, match=r"no \*\.safetensors"):
         load(d)
 
 

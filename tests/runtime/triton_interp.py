@@ -12,12 +12,12 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
-from triton.runtime import interpreter as _interpreter  # noqa: E402
+from triton.runtime import interpreter as _interpreter
 
 # Triton 3.6's interpreter turns scalar tensors (1-element arrays) into Python ints with int(array),
 # which numpy >= 2.4 refuses ("only 0-dimensional arrays can be converted"); a dynamic loop bound

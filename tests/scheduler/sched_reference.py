@@ -11,9 +11,10 @@ import contextlib
 import gc
 import os
 import types
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 

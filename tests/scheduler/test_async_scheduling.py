@@ -65,7 +65,7 @@ def summary(e: Engine, reqs: list[tuple[list[int], SamplingParams]]) -> tuple[li
             (
                 c.token_ids, c.text, c.finish_reason, c.stop_reason,
                 [(lp.token_id, lp.rank, [t for t, _ in lp.top]) for lp in c.logprobs or []],
-            )  # fmt: skip
+            )
             for c in r.outputs
         ]
         for r in res

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from block_seq import Seq, compute
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from block_seq import Seq, compute
 from servelm.scheduler.block_manager import BlockManager, PrefixMatch, block_hash_seed
 
 

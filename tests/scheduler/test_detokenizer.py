@@ -3,6 +3,7 @@ and a SentencePiece-style (Metaspace "▁" + byte fallback) tokenizer built offl
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -207,7 +208,7 @@ def test_stop_not_honoured_before_min_tokens_is_not_rematched() -> None:
 def test_property_stop_strings_match_a_whole_text_search(text: str, stops: list[str], cuts: list[int]) -> None:
     # However the text is split into deltas, the result equals the earliest match in the whole text.
     bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
-    deltas = [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    deltas = [text[a:b] for a, b in itertools.pairwise(bounds)]
     sent, stop = feed_all(StopChecker(stops), deltas)
     hits = sorted((text.find(s) + len(s), text.find(s), s) for s in stops if s in text)
     if hits:
@@ -233,7 +234,7 @@ def test_property_each_delta_sends_all_but_a_possible_stop_prefix(
     checker = StopChecker(stops, include_stop_str_in_output=include)
     seen = ""
     sent = ""
-    for a, b in zip(bounds, bounds[1:]):
+    for a, b in itertools.pairwise(bounds):
         r = checker.feed(text[a:b])
         sent += r.text
         if r.stop is not None:

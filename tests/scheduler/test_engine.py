@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sched_reference import assert_matches_reference, hf_greedy_references
 
 from servelm.metrics.observer import RequestStats, StepStats
 from servelm.runtime.batch import BatchItem, RunnerOutput, TokenLogprobs
@@ -14,7 +15,6 @@ from servelm.scheduler.config import EngineConfig
 from servelm.scheduler.engine import Engine
 from servelm.scheduler.outputs import RequestOutput
 from servelm.scheduler.sampling_params import InvalidParameterError, PromptTooLongError, SamplingParams
-from sched_reference import assert_matches_reference, hf_greedy_references
 
 MiB = 2**20
 
@@ -413,8 +413,9 @@ def test_step_and_request_metrics(tiny_llama_dir: Path) -> None:
 
 
 def test_flops_and_bytes_follow_the_counts(tiny_llama_dir: Path) -> None:
-    from servelm.runtime.capacity import flops_per_token, kv_bytes_per_token, weight_bytes
     import torch
+
+    from servelm.runtime.capacity import flops_per_token, kv_bytes_per_token, weight_bytes
 
     obs = RecordingObserver()
     e = scripted_engine(tiny_llama_dir, {3: [10, 11]}, obs)

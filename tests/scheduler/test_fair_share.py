@@ -101,7 +101,7 @@ def test_random_many_choice_workload_completes_exactly(policy: str, share: float
     rng = random.Random(11)
     h = Harness(num_blocks=24, max_num_seqs=6, max_num_batched_tokens=16, policy=policy, max_request_share=share)
     reqs: list[Request] = []
-    for i in range(60):
+    for _i in range(60):
         if rng.random() < 0.5 or not reqs:
             prompt = [rng.randrange(5) for _ in range(rng.randint(1, 20))]
             prio = rng.randint(-2, 2) if policy == "priority" else 0

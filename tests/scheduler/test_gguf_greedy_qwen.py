@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
+from sched_reference import TEST_THREADS, assert_matches_reference, hf_greedy_references, torch_threads
 
 from servelm.scheduler.config import EngineConfig
 from servelm.scheduler.engine import Engine
 from servelm.scheduler.sampling_params import SamplingParams
-from sched_reference import TEST_THREADS, assert_matches_reference, hf_greedy_references, torch_threads
 
 pytestmark = pytest.mark.slow
 

@@ -12,9 +12,9 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
-
 from block_seq import Seq, compute
 from listening import listening_addresses
+
 from servelm.scheduler.block_manager import BlockManager
 from servelm.scheduler.kv_events import END_SEQ, KVEventsConfig, ZmqEventPublisher, external_hash, make_publisher
 
@@ -251,7 +251,7 @@ def test_engine_publishes_one_batch_per_step(tiny_llama_dir: Any) -> None:
     cfg = EngineConfig(
         model=str(tiny_llama_dir), kv_cache_memory=2 * 2**20, max_model_len=256, block_size=16,
         kv_events_config=f'{{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:{port}", "bind": true}}',
-    )  # fmt: skip
+    )
     engine = Engine(cfg)
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)

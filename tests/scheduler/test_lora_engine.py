@@ -5,17 +5,17 @@ loading and unloading while requests run."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
-
 from lora_files import save_lora_adapter
+from sched_reference import GreedyReference, assert_matches_reference, hf_greedy_references
+
 from servelm.runtime.cpu import linear as cpu_linear
 from servelm.runtime.lora import LoRAError
 from servelm.scheduler.config import EngineConfig
 from servelm.scheduler.engine import Engine
 from servelm.scheduler.sampling_params import InvalidParameterError, LoRANotFoundError, SamplingParams
-from sched_reference import GreedyReference, assert_matches_reference, hf_greedy_references
 
 MiB = 2**20
 MAX_NEW = 24

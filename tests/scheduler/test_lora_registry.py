@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from lora_files import save_lora_adapter
+
 from servelm.runtime.lora import LoRAError
 from servelm.runtime.models.layers import Linear
 from servelm.scheduler.config import EngineConfig
@@ -32,7 +32,7 @@ def make_engine(model: Path, modules: list[tuple[str, Path]], **cfg: Any) -> Eng
     config = EngineConfig(
         model=str(model), kv_cache_memory=2 * MiB, max_model_len=256, enable_lora=True,
         lora_modules=tuple((n, str(p)) for n, p in modules), **cfg,
-    )  # fmt: skip
+    )
     return Engine(config)
 
 

@@ -10,8 +10,8 @@ import hashlib
 import sys
 
 import pytest
-
 from block_seq import Seq
+
 from servelm.scheduler.block_manager import BlockManager, block_hash_seed, hash_block
 from servelm.scheduler.request import Request
 from servelm.scheduler.sampling_params import SamplingParams

@@ -11,7 +11,7 @@ from servelm.scheduler.engine import Engine
 from servelm.scheduler.sampling_params import SamplingParams
 
 QUESTIONS = ["What is the capital of France?", "Name the largest planet of the solar system.",
-             "What colour is the sky on a clear day?", "How many legs does a spider have?"]  # fmt: skip
+             "What colour is the sky on a clear day?", "How many legs does a spider have?"]
 
 
 def _chat(engine: Engine, text: str) -> list[int]:

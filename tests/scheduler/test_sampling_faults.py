@@ -3,8 +3,9 @@ engine keeps serving and frees every block (tiny model, real runner; synchronous
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import pytest
 import torch

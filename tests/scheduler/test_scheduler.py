@@ -36,7 +36,7 @@ class Harness:
         self.sched = Scheduler(
             self.bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, policy=policy,
             **scheduler_options,
-        )  # fmt: skip
+        )
         self.ids = itertools.count()
         self.outputs: list[SchedulerOutput] = []
         self.finished: list[Request] = []
@@ -214,7 +214,7 @@ def test_request_that_outgrows_the_pool_while_alone_errors() -> None:
 def test_prefix_hits_are_counted_and_skip_computation() -> None:
     h = Harness(block_size=4, max_num_batched_tokens=64)
     system = list(range(100, 117))  # 17 tokens: 4 full blocks
-    (a,) = h.add(system + [1, 2], max_tokens=2)
+    (_a,) = h.add(system + [1, 2], max_tokens=2)
     h.run()
     (b,) = h.add(system + [3], max_tokens=2)
     out = h.step()
@@ -313,7 +313,7 @@ def test_random_workload_under_memory_pressure_completes_exactly(policy: str) ->
     rng = random.Random(7)
     h = Harness(num_blocks=24, block_size=4, max_num_seqs=5, max_num_batched_tokens=16, policy=policy)
     specs = []
-    for i in range(25):
+    for _i in range(25):
         prompt = [rng.randrange(5) for _ in range(rng.randint(1, 30))]
         mt = rng.randint(1, 40)
         prio = rng.randint(-2, 2) if policy == "priority" else 0

@@ -3,15 +3,16 @@ generation masks each step to the window) with chunked prefill, preemption and t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
+from sched_reference import GreedyReference, assert_matches_reference, hf_greedy_references
 
 from servelm.scheduler.config import EngineConfig
 from servelm.scheduler.engine import Engine
 from servelm.scheduler.sampling_params import SamplingParams
-from sched_reference import GreedyReference, assert_matches_reference, hf_greedy_references
 
 MiB = 2**20
 MAX_NEW = 24

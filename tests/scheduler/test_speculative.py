@@ -7,12 +7,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sched_reference import assert_matches_reference, hf_greedy_references
 
 from servelm.scheduler.config import EngineConfig
 from servelm.scheduler.engine import Engine
 from servelm.scheduler.sampling_params import SamplingParams
 from servelm.scheduler.speculative import NgramIndex, SpeculativeConfig
-from sched_reference import assert_matches_reference, hf_greedy_references
 
 MiB = 2**20
 # Up to 4 drafts from suffixes of 1-4 tokens, whatever the batch: the tiny random model repeats
@@ -166,7 +166,7 @@ def test_step_stats_count_drafts(tiny_llama_dir: Path, prompts: list[list[int]])
 
     obs = Steps()
     e = Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=4 * MiB, max_model_len=256, speculative_config=SPEC), observer=obs)
-    (r,) = e.generate([prompts[1]], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    (_r,) = e.generate([prompts[1]], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
     assert sum(s.num_draft_tokens for s in obs.steps) == e.drafts_verified > 0
     assert sum(s.num_accepted_draft_tokens for s in obs.steps) == e.num_accepted_drafts > 0
     assert sum(s.num_generation_tokens for s in obs.steps) == 40

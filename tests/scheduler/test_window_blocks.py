@@ -5,13 +5,12 @@ still whole. Window 8 and blocks of 4: a sequence of n computed tokens has left 
 
 from __future__ import annotations
 
-from hypothesis import settings
-from hypothesis import strategies as st
-from hypothesis.stateful import invariant
-
 from block_seq import Seq, compute
-from servelm.scheduler.block_manager import BlockManager, PrefixMatch
+from hypothesis import settings
+from hypothesis.stateful import invariant
 from test_block_manager import BlockManagerMachine
+
+from servelm.scheduler.block_manager import BlockManager, PrefixMatch
 
 W, BS = 8, 4
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
+from srv_harness import FakeEngine, ServerThread
 
 from servelm.server.app import ObserverProxy, build_app
 from servelm.server.async_engine import AsyncEngine
-from srv_harness import FakeEngine, ServerThread
 
 
 @pytest.fixture(scope="session")

@@ -32,7 +32,7 @@ class ServeProcess:
         self._ready = threading.Event()
         self._reader: threading.Thread | None = None
 
-    def start(self, timeout: float = 300.0) -> "ServeProcess":
+    def start(self, timeout: float = 300.0) -> ServeProcess:
         self.proc = subprocess.Popen(
             self.argv, cwd=REPO, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
         )
@@ -67,7 +67,7 @@ class ServeProcess:
         assert self.proc is not None
         return self.proc.wait(timeout=timeout)
 
-    def __enter__(self) -> "ServeProcess":
+    def __enter__(self) -> ServeProcess:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:

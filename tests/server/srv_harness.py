@@ -182,7 +182,7 @@ class FakeEngine:
                     req.request_id, req.prompt, outs, finished=finished, error="boom" if req.fail else None,
                     prompt_logprobs=prompt_lps,
                 )
-            )  # fmt: skip
+            )
             if finished:
                 del self._reqs[req.request_id]
         self._update_blocks()
@@ -214,7 +214,7 @@ class ServerThread:
         self.thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
         self.port = 0
 
-    def start(self, timeout: float = 30.0) -> "ServerThread":
+    def start(self, timeout: float = 30.0) -> ServerThread:
         self.thread.start()
         deadline = time.monotonic() + timeout
         while not self.server.started:
@@ -232,7 +232,7 @@ class ServerThread:
         self.server.should_exit = True
         self.thread.join(timeout)
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:

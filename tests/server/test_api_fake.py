@@ -14,7 +14,6 @@ from typing import Any
 
 import httpx
 import pytest
-
 from srv_harness import assert_error, parse_sse
 
 # One client for the module: keep-alive connections, no per-call client set-up.
@@ -528,7 +527,7 @@ def test_the_openapi_schema_documents_what_the_server_returns(fake_server: Any) 
     for field, bad in (("top_p", 0), ("n", 129), ("temperature", 2.01), ("logprobs", 21)):
         assert_error(http.post(f"{srv.url}/v1/completions", json={"prompt": "x", field: bad}), 400, param=field)
     r = http.post(f"{srv.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
-                                                           "logprobs": True, "top_logprobs": 21})  # fmt: skip
+                                                           "logprobs": True, "top_logprobs": 21})
     assert_error(r, 400, param="top_logprobs")
     r = http.post(f"{srv.url}/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]})
     assert_error(r, 400, param="messages[0].role")

@@ -11,11 +11,12 @@ from typing import Any
 
 import httpx
 import pytest
+from pydantic import ValidationError
+from srv_harness import assert_error
 
 from servelm.scheduler.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from servelm.scheduler.structured_output import MAX_SPEC_CHARS
 from servelm.server.limits import MAX_CONTENT_PARTS, MAX_JSON_DEPTH, MAX_JSON_ITEMS, MAX_MESSAGES, MAX_TOOL_CALLS
-from srv_harness import assert_error
 
 http = httpx.Client(timeout=30)
 
@@ -62,7 +63,7 @@ def test_a_prompt_text_too_long_for_the_context_is_refused_before_tokenizing(fak
 
 
 def test_request_bodies_over_the_limit_get_413_unparsed(fake_server: Any) -> None:
-    srv, eng, _ = fake_server(max_request_bytes=4096)
+    srv, _eng, _ = fake_server(max_request_bytes=4096)
     big = json.dumps({"prompt": "x" * 5000, "max_tokens": 1}).encode()
     r = http.post(f"{srv.url}/v1/completions", content=big, headers={"content-type": "application/json"})
     err = assert_error(r, 413, param=None, code="request_too_large")
@@ -112,7 +113,7 @@ def test_the_prompt_union_keeps_each_form_and_validates_token_ids_without_trying
     assert parsed("x") == "x"
     assert parsed(["1", "2"]) == ["1", "2"]  # digit strings stay text
     assert parsed([3, 4]) == [3, 4] and parsed([[3], [4, 5]]) == [[3], [4, 5]]
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         parsed(["a", 1])  # mixed lists are no form at all
     assert CompletionRequest.model_fields["prompt"].annotation.__args__[:3] == (str, list[int], list[str])
 

@@ -11,7 +11,6 @@ from typing import Any
 
 import httpx
 import pytest
-
 from srv_harness import assert_error
 
 http_client = httpx.Client(timeout=30)

@@ -7,10 +7,10 @@ import threading
 from typing import Any
 
 import pytest
+from srv_harness import FakeEngine
 
 from servelm.scheduler.sampling_params import InvalidParameterError, SamplingParams
 from servelm.server.async_engine import AsyncEngine, EngineDeadError, EngineStoppedError, QueueFullError
-from srv_harness import FakeEngine
 
 
 async def _until(cond: Any, timeout: float = 5.0) -> None:

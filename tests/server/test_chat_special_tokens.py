@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from scripted_model import scripted_tokenizer
+
 from servelm.server.chat import render_chat_prompt
 from servelm.server.chat_special_tokens import END, START, SpecialTokenGuard
 

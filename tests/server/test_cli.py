@@ -217,21 +217,22 @@ def test_serve_builds_the_engine_in_a_thread_that_is_gone_before_serving(
     """The start-up torch work (engine, CPU peaks) runs in a thread that exits: a thread that ran
     OpenMP keeps its worker team for life, and a second team beside the engine thread's made every
     batch-1 decode step ~30% slower on 2 cores (libgomp stops spinning at its barriers)."""
+    from srv_harness import FakeEngine
+
     import servelm.scheduler.engine
     import servelm.server.app
     import servelm.server.cli as cli
     from servelm.runtime.capacity import CapacityError
-    from srv_harness import FakeEngine
 
     seen: dict[str, threading.Thread] = {}
 
-    def fake_engine(config: EngineConfig, observer=None):  # noqa: ANN001, ANN202
+    def fake_engine(config: EngineConfig, observer=None):
         seen["engine"] = threading.current_thread()
         if config.max_model_len == 999:
             raise CapacityError("too big")
         return FakeEngine(server_tokenizer)
 
-    def fake_observer(engine):  # noqa: ANN001, ANN202
+    def fake_observer(engine):
         seen["observer"] = threading.current_thread()
         return None
 

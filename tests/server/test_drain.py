@@ -42,7 +42,7 @@ class Call(threading.Thread):
                     self.raw += chunk
                     self.first_bytes.set()
             self.ended = time.monotonic()
-        except BaseException as e:  # noqa: BLE001 - the test reports it
+        except BaseException as e:  # the test reports it
             self.error = e
         finally:
             self.first_bytes.set()

@@ -11,18 +11,19 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import openai
 import pytest
+from srv_harness import ServerThread, parse_sse
 
 from servelm.scheduler.config import EngineConfig
 from servelm.scheduler.sampling_params import SamplingParams
 from servelm.server.app import ObserverProxy, build_app, create_prometheus_observer
 from servelm.server.async_engine import AsyncEngine
-from srv_harness import ServerThread, parse_sse
 
 pytestmark = pytest.mark.slow
 
@@ -438,7 +439,7 @@ def test_sdk_responses(live: Live) -> None:
     r = c.responses.create(
         model=live.model, input="Name the capital of France as JSON.", temperature=0, max_output_tokens=40,
         text={"format": {"type": "json_schema", "name": "capital", "schema": schema}},
-    )  # fmt: skip
+    )
     assert set(json.loads(r.output_text)) == {"city"}
 
     ask = "What's the weather like in Paris?"
@@ -450,7 +451,7 @@ def test_sdk_responses(live: Live) -> None:
     chat = c.chat.completions.create(
         model=live.model, messages=[{"role": "user", "content": ask}], tools=[WEATHER_TOOL, TIME_TOOL],
         tool_choice="required", temperature=0, max_tokens=100,
-    )  # fmt: skip
+    )
     assert [(o.name, o.arguments) for o in calls] == [(t.function.name, t.function.arguments) for t in chat.choices[0].message.tool_calls]
 
     named = {"type": "function", "name": "get_weather"}
@@ -575,7 +576,7 @@ def test_servelm_bench_against_live_server(live: Live, tmp_path, capsys) -> None
     rc = bench_main(
         ["--base-url", live.srv.url, "--num-prompts", "6", "--input-len", "24", "--output-len", "8",
          "--range-ratio", "0.5", "--max-concurrency", "3", "--ignore-eos", "--seed", "3",
-         "--disable-tqdm", "--result-json", str(out)]  # fmt: skip
+         "--disable-tqdm", "--result-json", str(out)]
     )
     assert rc == 0
     assert "Output token throughput (tok/s):" in capsys.readouterr().out

@@ -12,12 +12,11 @@ import concurrent.futures
 import random
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import pytest
-
 from proc_harness import ServeProcess
 
 pytestmark = pytest.mark.slow

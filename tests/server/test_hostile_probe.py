@@ -12,6 +12,7 @@ import json
 import re
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -61,7 +62,7 @@ def test_every_fault_request_in_turn_leaves_the_server_whole() -> None:
             assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text[:300]
             assert time.monotonic() - t0 < 5.0
             r = c.post(f"{v1}/completions", json={"prompt": "hi", "max_tokens": 2, "n": 32,
-                                                  "logit_bias": {str(i): 1 for i in range(49152)}})  # fmt: skip
+                                                  "logit_bias": {str(i): 1 for i in range(49152)}})
             assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text[:300]
             # Fault 5: user input that was a 500.
             for path, body in (
@@ -142,7 +143,7 @@ def test_every_fault_request_in_turn_leaves_the_server_whole() -> None:
 def _first_token_s(v1: str, timeout: float) -> float | None:
     """Seconds to the first streamed token of a short chat request; None if none came within ``timeout``."""
     body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8,
-            "temperature": 0, "stream": True}  # fmt: skip
+            "temperature": 0, "stream": True}
     t0 = time.monotonic()
     try:
         with httpx.stream("POST", f"{v1}/chat/completions", json=body, timeout=httpx.Timeout(timeout)) as r:
@@ -192,12 +193,12 @@ def test_an_80_byte_request_of_many_choices_leaves_room_for_others(share: str | 
 
 
 def _rss_mib(pid: int) -> float:
-    status = open(f"/proc/{pid}/status").read()
+    status = Path(f"/proc/{pid}/status").read_text()
     return int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.M).group(1)) / 1024  # type: ignore[union-attr]
 
 
 @pytest.mark.slow
-def test_loading_adapter_after_adapter_keeps_memory_bounded(default_model_dir, tmp_path) -> None:  # noqa: ANN001
+def test_loading_adapter_after_adapter_keeps_memory_bounded(default_model_dir, tmp_path) -> None:
     """Issue 40, item 4: 20 loads of one 75 MiB adapter under different names added 1.7 GB. With
     ``--max-cpu-loras 2`` the server holds two; each name still answers (read again when named)."""
     from lora_files import save_lora_adapter

@@ -88,7 +88,7 @@ def _one_response(s: socket.socket) -> bytes:
 def test_body_timeout_flag_reaches_the_protocol() -> None:
     from servelm.server.cli import _make_uvicorn_server, build_parser
 
-    def config(*flags: str):  # noqa: ANN202
+    def config(*flags: str):
         return _make_uvicorn_server(None, build_parser().parse_args(["serve", *flags]), lambda: None).config
 
     assert config().http.body_timeout_s == 60.0
@@ -171,7 +171,7 @@ def test_dripped_bodies_get_408_and_close_while_probes_answer(tiny_llama_dir: Pa
 def test_probes_beyond_the_cap_cannot_hold_connections(tiny_llama_dir: Path) -> None:
     """The exemption serves small body-less GETs only, and closes their connections, so it holds nothing."""
     args = ("--model", str(tiny_llama_dir), "--kv-cache-memory", "16MiB", "--no-access-log",
-            "--max-connections", "2")  # fmt: skip
+            "--max-connections", "2")
     with ServeProcess(*args) as srv:
         held = [socket.create_connection(("127.0.0.1", srv.port), timeout=10) for _ in range(2)]
         try:
@@ -179,7 +179,7 @@ def test_probes_beyond_the_cap_cannot_hold_connections(tiny_llama_dir: Path) -> 
                 s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n")
             time.sleep(0.3)
             for probe in (b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", b"HEAD /live HTTP/1.1\r\nHost: x\r\n\r\n",
-                          b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"):  # fmt: skip
+                          b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"):
                 with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
                     s.sendall(probe + probe)  # a second, pipelined request is not answered
                     raw = b""
@@ -190,7 +190,7 @@ def test_probes_beyond_the_cap_cannot_hold_connections(tiny_llama_dir: Path) -> 
             # Not exempt beyond the cap: a body, another method, another path.
             for request in (b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\n ",
                             b"POST /health HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n",
-                            b"GET /version HTTP/1.1\r\nHost: x\r\n\r\n"):  # fmt: skip
+                            b"GET /version HTTP/1.1\r\nHost: x\r\n\r\n"):
                 with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
                     s.sendall(request)
                     raw = b""

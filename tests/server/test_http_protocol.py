@@ -35,7 +35,7 @@ def _closed_by_server(s: socket.socket, within_s: float) -> bool:
         return s.recv(1024) == b""
     except ConnectionResetError:
         return True
-    except socket.timeout:
+    except TimeoutError:
         return False
 
 
@@ -46,7 +46,7 @@ def _health(url: str) -> int:
 def test_flags_reach_uvicorns_config() -> None:
     from servelm.server.cli import _make_uvicorn_server, build_parser
 
-    def config(*flags: str):  # noqa: ANN202
+    def config(*flags: str):
         return _make_uvicorn_server(None, build_parser().parse_args(["serve", *flags]), lambda: None).config
 
     default = config()

@@ -9,7 +9,6 @@ from typing import Any
 
 import httpx
 import pytest
-
 from srv_harness import assert_error, parse_sse
 
 http = httpx.Client(timeout=30)

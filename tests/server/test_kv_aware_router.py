@@ -86,7 +86,7 @@ def test_requests_land_on_the_replica_holding_their_prefix(tiny_llama_dir: Path,
     replicas = [
         ServeProcess("--model", str(tiny_llama_dir), "--served-model-name", MODEL, "--kv-cache-memory", "16MiB",
                      "--max-model-len", "512", "--block-size", "16",
-                     "--kv-events-config", f'{{"enable_kv_cache_events": true, "bind": true, "endpoint": "tcp://127.0.0.1:{p}"}}')  # fmt: skip
+                     "--kv-events-config", f'{{"enable_kv_cache_events": true, "bind": true, "endpoint": "tcp://127.0.0.1:{p}"}}')
         for p in event_ports
     ]
     router = None

@@ -6,20 +6,21 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import openai
 import pytest
-
 from lora_files import save_lora_adapter
+from srv_harness import ServerThread
+
 from servelm.scheduler.config import EngineConfig
 from servelm.scheduler.sampling_params import SamplingParams
 from servelm.server.app import ObserverProxy, build_app, create_prometheus_observer
 from servelm.server.async_engine import AsyncEngine
-from srv_harness import ServerThread
 
 PROMPT = "The quick brown fox"
 MAX_TOKENS = 12
@@ -56,7 +57,7 @@ def lora(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     config = EngineConfig(
         model=str(tiny_llama_dir), kv_cache_memory=4 * 2**20, max_model_len=256, max_loras=2, max_cpu_loras=4,
         lora_modules=tuple((k, str(v)) for k, v in adapters.items()),
-    )  # fmt: skip
+    )
     engine = Engine(config, observer=proxy)
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     ids = engine.tokenizer.encode(PROMPT)

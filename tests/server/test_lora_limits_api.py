@@ -9,19 +9,20 @@ import concurrent.futures
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
-
 from lora_files import save_lora_adapter
+from srv_harness import ServerThread
+
 from servelm.scheduler.config import EngineConfig
 from servelm.scheduler.sampling_params import SamplingParams
 from servelm.server.app import build_app
 from servelm.server.async_engine import AsyncEngine
-from srv_harness import ServerThread
 
 PROMPT = "The quick brown fox"
 MAX_TOKENS = 8
@@ -76,7 +77,7 @@ def served(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     config = EngineConfig(
         model=str(tiny_llama_dir), kv_cache_memory=4 * 2**20, max_model_len=256, max_loras=1, max_cpu_loras=LIMIT,
         lora_modules=(("m0", str(folders[0])),),
-    )  # fmt: skip
+    )
     engine = Engine(config)
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     ids = engine.tokenizer.encode(PROMPT)

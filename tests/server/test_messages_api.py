@@ -8,17 +8,18 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import anthropic
 import httpx
 import pytest
+from srv_harness import ServerThread, typed_sse_events
 
 from servelm.scheduler.config import EngineConfig
 from servelm.server.app import build_app
 from servelm.server.async_engine import AsyncEngine
 from servelm.server.errors import error_response, queue_full, unavailable
-from srv_harness import ServerThread, typed_sse_events
 
 http = httpx.Client(timeout=60)
 WEATHER = {
@@ -59,7 +60,7 @@ def test_create_is_the_chat_request_and_reads_as_the_sdk_message(shared_fake_ser
     msg = client(srv).messages.create(
         model="fake-model", max_tokens=5, system="Be brief.", messages=ASK, metadata={"user_id": "u-1"},
         extra_body={"temperature": 0.5, "top_p": 0.9, "top_k": 7},  # SDK 2.x has no sampling keywords
-    )  # fmt: skip
+    )
     prompt, params = eng.prompts[-1], eng.last_params
     messages = [{"role": "system", "content": "Be brief."}, *ASK]
     c = chat(srv, messages=messages, temperature=0.5, top_p=0.9, top_k=7).json()
@@ -173,7 +174,7 @@ def test_what_cannot_be_served_is_an_anthropic_400_naming_the_field(shared_fake_
 
 
 def test_errors_raise_the_sdk_exception_classes(fake_server: Any) -> None:
-    srv, eng, _ = fake_server(api_key="sk-test")
+    srv, _eng, _ = fake_server(api_key="sk-test")
     ok = client(srv, api_key="sk-test").messages.create(model="fake-model", max_tokens=2, messages=ASK)
     assert ok.usage.output_tokens == 2
     bearer = anthropic.Anthropic(base_url=srv.url, auth_token="sk-test", max_retries=0)  # Authorization: Bearer
@@ -194,9 +195,11 @@ def test_errors_raise_the_sdk_exception_classes(fake_server: Any) -> None:
     evs = typed_sse_events(post(srv, headers=headers, stream=True, messages=[{"role": "user", "content": "FAIL_ME"}]))
     assert evs[0][0] == "message_start" and evs[-1] == ("error", {"type": "error", "error": evs[-1][1]["error"]})
     assert evs[-1][1]["error"]["type"] == "api_error"
-    with pytest.raises(anthropic.APIStatusError):
-        with good.messages.stream(model="fake-model", max_tokens=2, messages=[{"role": "user", "content": "FAIL_ME"}]) as s:
-            s.get_final_message()
+    with (
+        pytest.raises(anthropic.APIStatusError),
+        good.messages.stream(model="fake-model", max_tokens=2, messages=[{"role": "user", "content": "FAIL_ME"}]) as s,
+    ):
+        s.get_final_message()
     # OpenAI's paths keep OpenAI's shape, and take the key either way too.
     r = http.post(srv.url + "/v1/chat/completions", json={"messages": ASK, "model": "nope"}, headers=headers)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
@@ -265,7 +268,7 @@ def test_greedy_tokens_are_the_chat_requests(live: ServerThread) -> None:
     assert client(live).messages.count_tokens(model="SmolLM2-135M-Instruct", messages=messages).input_tokens == len(ids)
     # A stop sequence ends the answer before it and is named.
     cut = client(live).messages.create(model="SmolLM2-135M-Instruct", max_tokens=24, extra_body=GREEDY, messages=messages,
-                                       stop_sequences=["Paris"])  # fmt: skip
+                                       stop_sequences=["Paris"])
     assert (cut.stop_reason, cut.stop_sequence, cut.content[0].text) == ("stop_sequence", "Paris", "The capital of France is ")
 
 

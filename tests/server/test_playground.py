@@ -5,19 +5,20 @@ Content-Security-Policy, ``--no-playground``, and the API's auth left as it was.
 from __future__ import annotations
 
 import re
-import tomllib
+from collections.abc import Iterator
 from fnmatch import fnmatch
 from html.parser import HTMLParser
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
+import tomllib
+from srv_harness import FakeEngine, ServerThread
 
 from servelm.server.app import build_app
 from servelm.server.async_engine import AsyncEngine
 from servelm.server.cli import build_parser
-from srv_harness import FakeEngine, ServerThread
 
 REPO = Path(__file__).resolve().parents[2]
 PLAYGROUND = REPO / "server" / "playground"

@@ -11,12 +11,12 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import httpx
 import pytest
-
 from proc_harness import REPO, ServeProcess
 
 pytestmark = pytest.mark.slow
@@ -140,7 +140,7 @@ def test_the_key_unlocks_the_models_and_a_chat_streams_with_its_speed(page: Any,
     ref = httpx.post(
         f"{server.url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=GENERATION_TIMEOUT_MS / 1000,
         json={"messages": [{"role": "user", "content": question}], "max_tokens": 32, "temperature": 0, "top_p": 1},
-    ).json()  # fmt: skip
+    ).json()
     assert (int(m[1]), int(m[2])) == (ref["usage"]["prompt_tokens"], ref["usage"]["completion_tokens"])
     shown = " ".join(answer.locator(".content").inner_text().split())
     assert shown == " ".join(ref["choices"][0]["message"]["content"].split())

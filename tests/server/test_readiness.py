@@ -11,7 +11,6 @@ import time
 from typing import Any
 
 import httpx
-
 from srv_harness import assert_error
 
 http = httpx.Client(timeout=30)

@@ -7,14 +7,14 @@ the thinking comes back as chat's ``reasoning_content``, a Responses ``reasoning
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
-
 from scripted_model import (
     anthropic_client,
     build_scripted_model,
@@ -25,8 +25,9 @@ from scripted_model import (
     scripted_tokenizer,
     sdk_extra,
 )
-from servelm.server.reasoning import PARSERS
 from srv_harness import ServerThread, assert_error, typed_sse_events
+
+from servelm.server.reasoning import PARSERS
 
 THINKING = "Two and two make four."
 ANSWER = '{"answer": "four"}'
@@ -267,6 +268,6 @@ def test_thinking_opened_by_the_prompt(opened: ServerThread) -> None:
     schema = SCHEMA
     fmt = {"type": "json_schema", "json_schema": {"name": "sum", "schema": schema}}
     m = http.post(opened.url + "/v1/chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 40, "temperature": 0,
-                                                            "response_format": fmt}).json()["choices"][0]["message"]  # fmt: skip
+                                                            "response_format": fmt}).json()["choices"][0]["message"]
     assert m["reasoning_content"] == THINKING
     assert json.loads(m["content"]) in SCHEMA_ANSWERS

@@ -7,13 +7,21 @@ from __future__ import annotations
 
 import json
 import random
+from functools import partial
 from typing import Any
 
 import pytest
-
 from scripted_model import scripted_tokenizer
+
 from servelm.scheduler.structured_output import GrammarCompiler, StructuredOutput
-from servelm.server.reasoning import PARSERS, ReasoningMode, ReasoningStream, after_thinking, get_parser, split_reasoning
+from servelm.server.reasoning import (
+    PARSERS,
+    ReasoningMode,
+    ReasoningStream,
+    after_thinking,
+    get_parser,
+    split_reasoning,
+)
 
 QWEN3 = PARSERS["qwen3"]
 R1 = PARSERS["deepseek_r1"]
@@ -105,7 +113,7 @@ def test_the_grammar_frees_the_thinking_and_holds_the_answer(tok: Any, compiler:
     wrapped = after_thinking(spec, ReasoningMode(QWEN3, phase), tok)
     assert wrapped.param == spec.param and wrapped.kind == "grammar"
     compiled = compiler.compile(wrapped)
-    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    enc = partial(tok.encode, add_special_tokens=False)
     opener = "<think>" if phase == "open" else ""
     assert _accepts(compiled, enc(f'{opener}Free {{"not": json}} text\n</think>\n\n{{"a": 4}}')) == (True, True)
     assert _accepts(compiled, enc(f"{opener}Free text</think>Four.")) == (False, False)  # the answer is held
@@ -130,7 +138,7 @@ def test_the_grammar_frees_the_thinking_and_holds_the_answer(tok: Any, compiler:
 )
 def test_every_kind_of_spec_nests_after_the_thinking(tok: Any, compiler: GrammarCompiler, spec: StructuredOutput, answer: str) -> None:
     compiled = compiler.compile(after_thinking(spec, ReasoningMode(QWEN3, "open"), tok))
-    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    enc = partial(tok.encode, add_special_tokens=False)
     assert _accepts(compiled, enc(f"<think>Why not.</think>{answer}")) == (True, True)
     assert _accepts(compiled, enc("<think>Why not.</think>zzz"))[0] is False
 
@@ -152,7 +160,7 @@ def test_tool_auto_grammar_nests_after_the_thinking(tok: Any, compiler: GrammarC
         "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}})  # fmt: skip
     spec = ToolMode([tool], auto=True).structured_output()  # Lark: the calls' array or free text
     compiled = compiler.compile(after_thinking(spec, ReasoningMode(QWEN3, "open"), tok))
-    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    enc = partial(tok.encode, add_special_tokens=False)
     assert _accepts(compiled, enc('<think>A call.</think>\n\n[{"name": "f", "parameters": {"x": 1}}]')) == (True, True)
     assert _accepts(compiled, enc("<think>No call.</think>Hello there"))[0] is True
     assert _accepts(compiled, enc("<think>A call.</think>[oops"))[0] is False

@@ -12,6 +12,7 @@ import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
+from srv_harness import assert_error, typed_sse_events
 
 from servelm.server.protocol_responses import ResponsesRequest
 from servelm.server.response_store import ResponseStore, StoredResponse
@@ -19,7 +20,6 @@ from servelm.server.responses_events import StreamedOutput
 from servelm.server.responses_input import responses_param, to_chat_request
 from servelm.server.serving_responses import _Response
 from servelm.server.tools import tool_mode
-from srv_harness import assert_error, typed_sse_events
 
 http = httpx.Client(timeout=30)
 WEATHER = {
@@ -295,7 +295,7 @@ def test_a_named_function_streams_its_arguments() -> None:
     assert [e["type"] for e in evs] == [
         "response.output_item.added", "response.function_call_arguments.delta", "response.function_call_arguments.delta",
         "response.function_call_arguments.done", "response.output_item.done",
-    ]  # fmt: skip
+    ]
     (item,) = output
     assert item["type"] == "function_call" and item["name"] == "get_weather" and item["status"] == "completed"
     assert json.loads(item["arguments"]) == {"city": "Rome"} == json.loads("".join(e["delta"] for e in evs[1:3]))
@@ -341,7 +341,7 @@ def test_a_client_that_leaves_has_its_response_aborted(fake_server: Any) -> None
     s.sendall(
         b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
-    )  # fmt: skip
+    )
     _wait(lambda: len(eng.added) == 2 and eng.steps > 2)
     s.close()
     _wait(lambda: len(eng.aborted) == 2)

@@ -18,12 +18,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
 
 import httpx
 import pytest
-
 from proc_harness import ServeProcess
 
 ROUTERS = ("vllm", "sglang")
@@ -59,7 +58,9 @@ def _router_argv(router: str, policy: str, port: int, workers: list[str]) -> lis
     try:
         import sglang_router  # noqa: F401
     except ImportError:
-        raise RouterUnavailable("sglang-router is not installed (no wheel for Linux aarch64; pip install -e '.[test]')")
+        raise RouterUnavailable(
+            "sglang-router is not installed (no wheel for Linux aarch64; pip install -e '.[test]')"
+        ) from None
     return [
         sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
         "--worker-urls", *workers, "--policy", policy, "--prometheus-port", str(_free_port()),
@@ -237,7 +238,7 @@ def test_an_abort_mid_stream_reaches_the_replica(routers: Routers, replicas: lis
     assert _metric(replicas, "servelm_request_failure_total", 'reason="aborted"') == aborted + 1
 
 
-WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa".split()
+WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima", "mike", "november", "oscar", "papa"]
 
 
 def _shared_prefix_hits(url: str, replicas: list[ServeProcess], tag: str) -> float:

@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
+from srv_harness import ServerThread, parse_sse
 
 from servelm.scheduler.config import EngineConfig
 from servelm.server.app import build_app
 from servelm.server.async_engine import AsyncEngine
-from srv_harness import ServerThread, parse_sse
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,6 @@ from typing import Any
 
 import httpx
 import pytest
-
 from srv_harness import assert_error
 
 http = httpx.Client(timeout=30)

@@ -6,7 +6,6 @@ import json
 from typing import Any
 
 import httpx
-
 from srv_harness import assert_error
 
 http = httpx.Client(timeout=30)

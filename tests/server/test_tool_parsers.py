@@ -10,7 +10,8 @@ single tokens). Malformed answers come back whole as content, as vLLM returns th
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 

@@ -7,12 +7,12 @@ server (uvicorn, the engine, llguidance) on a Qwen3-shaped tiny model scripted t
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
-
 from scripted_model import (
     anthropic_client,
     build_scripted_model,
@@ -23,9 +23,10 @@ from scripted_model import (
     sdk_extra,
     serve_scripted,
 )
+from srv_harness import ServerThread, assert_error
+
 from servelm.server.reasoning import PARSERS as REASONING
 from servelm.server.tool_parsers import PARSERS
-from srv_harness import ServerThread, assert_error
 
 THINKING = "Weather needs the tool."
 ARGS = {"city": "Paris"}

@@ -9,14 +9,14 @@ tokenizer without them.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
+from test_tool_parsers import Call, granite, granite31, hermes, llama3, llama3_tagged, mistral, mistral_v11
 
 from servelm.scheduler.structured_output import JSON_WHITESPACE
 from servelm.server.tool_parsers import PARSERS, Vocabulary
-
-from test_tool_parsers import Call, granite, granite31, hermes, llama3, llama3_tagged, mistral, mistral_v11
 
 llg = pytest.importorskip("llguidance")
 

@@ -8,11 +8,11 @@ from typing import Any
 
 import httpx
 import pytest
+from srv_harness import assert_error
 
 from servelm.server.protocol_chat import ChatCompletionRequest
 from servelm.server.serving_chat import _StreamedCalls
 from servelm.server.tools import ToolMode, tool_mode
-from srv_harness import assert_error
 
 http = httpx.Client(timeout=30)
 WEATHER = {

@@ -16,13 +16,13 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
-
 from proc_harness import ServeProcess
 from srv_harness import parse_sse
 
@@ -134,7 +134,7 @@ def test_tp2_serves_tp1s_greedy_completions_under_preemption_and_prefix_cache(se
     assert all(texts[1])
     preempted, hits = metric(servers[2].url, "servelm_num_preemptions_total"), metric(servers[2].url, "servelm_prefix_cache_hits_total")
     print(f"\nTP=2: {preempted:.0f} preemptions, {hits:.0f} prefix-cache hit tokens; TP=1: "
-          f"{metric(servers[1].url, 'servelm_num_preemptions_total'):.0f}, {metric(servers[1].url, 'servelm_prefix_cache_hits_total'):.0f}")  # fmt: skip
+          f"{metric(servers[1].url, 'servelm_num_preemptions_total'):.0f}, {metric(servers[1].url, 'servelm_prefix_cache_hits_total'):.0f}")
     assert preempted > 0 and hits > 0
 
 
