@@ -257,8 +257,8 @@ class _ChatCompletion:
 
 class _StreamedCalls:
     """Tool calls as stream deltas. A named function's arguments stream as they come (its first delta
-    carries the call's id and name); an array of calls is sent whole when the choice finishes, once it
-    has parsed (text that does not parse, cut by ``max_tokens``, is sent as content then). Under
+    carries the call's id and name); an array of calls is sent whole when the choice finishes: its
+    whole calls (an array cut by ``max_tokens`` before any is sent as content then). Under
     "auto", a choice whose first text does not start the array is a text answer, streamed as usual.
     With a family's parser (--tool-call-parser), content and calls stream as the parser reads them."""
 
