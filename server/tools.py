@@ -204,8 +204,8 @@ def tools_for_template(tools: list[ChatTool]) -> list[dict[str, Any]]:
     return [t.model_dump(exclude_none=True) for t in tools]
 
 
-def template_knows_tools(tokenizer: Any) -> bool:
-    template = getattr(tokenizer, "chat_template", None) or ""
+def template_knows_tools(template: Any) -> bool:
+    """Whether a chat template (its text) reads ``tools``."""
     return isinstance(template, str) and "tools" in template
 
 
