@@ -47,6 +47,7 @@ from servelm.server.serving_lora import (
 )
 from servelm.server.serving_messages import count_tokens, create_message
 from servelm.server.serving_playground import install_playground
+from servelm.server.serving_props import install_props
 from servelm.server.serving_render import render_chat, render_completion
 from servelm.server.serving_responses import create_response, stored_response
 from servelm.server.serving_tokenize import detokenize, tokenize
@@ -56,8 +57,8 @@ log = logging.getLogger(__name__)
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 # The largest /v1 request body read (413 beyond): 256 prompts of 8k token ids are ~13 MB of JSON.
 DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
-# Outside /v1 but gated like it (they take request bodies and use the tokenizer thread).
-GATED_PATHS = frozenset({"/tokenize", "/detokenize"})
+# Outside /v1 but gated like it (bodies read in the tokenizer thread; /props describes the model as /v1/models).
+GATED_PATHS = frozenset({"/tokenize", "/detokenize", "/props"})
 
 
 def servelm_version() -> str:
@@ -389,6 +390,7 @@ def build_app(
         body, content_type = _render_metrics(metrics_registry, async_engine)
         return Response(body, media_type=None, headers={"Content-Type": content_type})
 
+    install_props(app, ctx)
     if playground:
         install_playground(app)
     return app

@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 from servelm.server.chat_special_tokens import SpecialTokenGuard
+from servelm.server.chat_template import ChatTemplate, render_error
 from servelm.server.errors import bad_request, unsupported
 from servelm.server.protocol_chat import CHAT_ROLES, ChatMessage, ChatTool
 from servelm.server.tools import calls_as_content, describe_tools, template_knows_tools, tools_for_template
@@ -75,6 +76,11 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
     """``chat_template_kwargs`` checked: 400 naming a variable the server sets itself."""
     for name in kwargs or {}:
+        if name == "chat_template":
+            raise bad_request(
+                "'chat_template_kwargs.chat_template' is not read: send a template as the request's 'chat_template'.",
+                param="chat_template_kwargs.chat_template",
+            )
         if name in RESERVED_TEMPLATE_KWARGS:
             raise bad_request(
                 f"'chat_template_kwargs.{name}' is set by the server and cannot be overridden.",
@@ -84,12 +90,15 @@ def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def chat_text_chars(
-    messages: list[ChatMessage], tools: list[ChatTool] | None = None, template_kwargs: dict[str, Any] | None = None
+    messages: list[ChatMessage],
+    tools: list[ChatTool] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+    template: str | None = None,
 ) -> int:
     """The characters the chat template renders from ``messages``, ``tools`` and ``template_kwargs``
-    (their texts, earlier calls, the tools and the extra variables as JSON): what the bound on one
-    request's text counts."""
-    n = 0
+    (their texts, earlier calls, the tools and the extra variables as JSON), and a request's own
+    ``template``: what the bound on one request's text counts."""
+    n = len(template or "")
     for m in messages:
         if isinstance(m.content, str):
             n += len(m.content)
@@ -145,6 +154,7 @@ def render_chat_prompt(
     describe: bool = False,
     template_kwargs: dict[str, Any] | None = None,
     special_token_guard: SpecialTokenGuard | None = None,
+    chat_template: ChatTemplate | None = None,
 ) -> list[int]:
     """Apply the chat template and tokenize the result.
 
@@ -154,12 +164,15 @@ def render_chat_prompt(
     (``server.tools.describe_tools``: ``describe`` words them for "auto"). ``template_kwargs``: the
     request's ``chat_template_kwargs``, checked by ``template_kwargs``. ``special_token_guard``: the
     special tokens the messages, tools and ``template_kwargs`` spell are encoded as text (None: read as
-    tokens, --no-split-special-tokens-in-content).
+    tokens, --no-split-special-tokens-in-content). ``chat_template``: the template to render with
+    (``server.chat_template.pick_chat_template``; None or no text: the tokenizer's own).
     """
-    if not getattr(tokenizer, "chat_template", None):
-        raise bad_request("This model has no chat template; use /v1/completions instead.", param="messages")
+    template = chat_template or ChatTemplate()
+    text_of = template.text if template.text is not None else getattr(tokenizer, "chat_template", None)
+    if not text_of:
+        raise bad_request("This model has no chat template: serve one with --chat-template, or use /v1/completions.", param="messages")
     kwargs: dict[str, Any] = dict(template_kwargs or {})
-    if template_knows_tools(tokenizer) and not describe:
+    if template_knows_tools(text_of) and not describe:
         if tools:
             kwargs["tools"] = tools
     else:
@@ -170,10 +183,12 @@ def render_chat_prompt(
     marked = guard.mark([messages, kwargs]) if guard is not None else None
     if marked is not None:
         messages, kwargs = marked
+    if template.text is not None:
+        kwargs["chat_template"] = template.text
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs)
     except Exception as e:  # jinja2's TemplateError, or a template that raises on what it does not expect
-        raise bad_request(f"The model's chat template cannot render these messages: {e}", param="messages") from None
+        raise render_error(template, e) from None
     if guard is not None and marked is not None:
         return guard.encode(text, add_special_tokens)
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))

@@ -60,6 +60,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--model", default=None, help="Hugging Face model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--served-model-name", default=None, help="model id clients send and /v1/models lists (default: the model folder name)")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model folder)")
+    g.add_argument("--chat-template", default=None, metavar="PATH|TEMPLATE", help="render chat requests (chat, Responses, Messages, /tokenize) with this Jinja chat template instead of the model's own, as vLLM's flag: a file, or the template itself (a value holding {, } or a newline that names no file). Checked before the model loads: it must compile and render a one-message conversation. GET /props shows the template served. See docs/tools.md (default: the model's own)")
+    g.add_argument("--trust-request-chat-template", action="store_true", help="let a chat request's chat_template field replace the served template, as vLLM's flag: the client's Jinja then runs in the server (sandboxed, its work unbounded), so for trusted clients only; without it such a request gets a 400 naming chat_template")
     g.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None, help="split the thinking a reasoning model writes before its answer (<think>...</think>) into chat's reasoning_content, a Responses reasoning item and Messages thinking blocks, as vLLM's flag: qwen3 (Qwen3, SmolLM3, QwQ), deepseek_r1 (DeepSeek-R1 and its distills, which think first even without <think>); constrained outputs then constrain the answer after the thinking. See docs/reasoning.md (default: off, the text is all answer)")
     g.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None, help="read tool calls in the model's own format, as vLLM's flag: hermes (Qwen2.5, Qwen3: <tool_call>{...}</tool_call>), llama3_json (Llama 3.x JSON, after <|python_tag|> or alone), mistral ([TOOL_CALLS]), granite (<|tool_call|>[...]); the tools then go to the chat template, required and named calls are held to the family's format by the grammar, and calls stream as their arguments arrive. See docs/tools.md (default: off, one JSON-array convention for every model)")
     g.add_argument("--split-special-tokens-in-content", action=argparse.BooleanOptionalAction, default=True, help="encode the special tokens a client's chat text spells (<|im_start|> typed in a message, a system or tool text, tool schemas, call arguments) as plain text on /v1/chat/completions, /v1/responses, /v1/messages and /tokenize, so only the chat template's own markers are control tokens and a client cannot forge a turn; --no-split-special-tokens-in-content reads them as tokens, as vLLM does. /v1/completions prompts are raw text either way: their special tokens are tokens. See docs/errors.md (default: on)")
@@ -227,6 +229,16 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         log.error("cannot start: --enable-auto-tool-choice needs --tool-call-parser (the format the model writes calls in)")
         return 1
+    chat_template = None
+    if args.chat_template is not None:
+        from servelm.server.chat_template import check_chat_template, load_chat_template
+
+        try:  # before the model loads: a bad template should not wait for it
+            chat_template = load_chat_template(args.chat_template)
+            check_chat_template(chat_template)
+        except ValueError as e:
+            log.error("cannot start: --chat-template: %s", e)
+            return 1
     config = engine_config_from_args(args)
     proxy = ObserverProxy()
 
@@ -259,6 +271,8 @@ def run_serve(args: argparse.Namespace) -> int:
     app.state.serving.tool_parser = TOOL_PARSERS[args.tool_call_parser] if args.tool_call_parser else None
     app.state.serving.auto_tool_choice = args.enable_auto_tool_choice
     app.state.serving.split_special_tokens_in_content = args.split_special_tokens_in_content
+    app.state.serving.chat_template = chat_template
+    app.state.serving.trust_request_chat_template = args.trust_request_chat_template
     # Loading's garbage (for Gemma 3 270M the tokenizer's, ~280 MiB) stays resident otherwise.
     return_free_heap()
     server = _make_uvicorn_server(app, args, lambda: async_engine.begin_drain(args.drain_timeout))

@@ -120,6 +120,8 @@ class ChatCompletionRequest(GenerationRequest):
     # Extra variables for the chat template (vLLM's), e.g. {"enable_thinking": false} for Qwen3; names the
     # server itself passes (messages, tools, add_generation_prompt...) are refused by name.
     chat_template_kwargs: dict[str, Any] | None = None
+    # A Jinja chat template for this request (vLLM's), served only with --trust-request-chat-template.
+    chat_template: str | None = None
     # SGLang's, sent by both routers at these defaults; continue_final_message is refused by name when true.
     continue_final_message: bool | None = None
     # With --reasoning-parser: false leaves the thinking in the content (SGLang's); ignored without one.

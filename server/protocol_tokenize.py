@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -27,6 +27,10 @@ class TokenizeRequest(RequestBody):
     # messages only: rendered with these tools as /v1/chat/completions would
     tools: list[ChatTool] | None = Field(default=None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # messages only, as on /v1/chat/completions: extra template variables, and a request's own template
+    # (with --trust-request-chat-template)
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
 
 
 class TokenizeResponse(BaseModel):

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from servelm.scheduler.outputs import RequestOutput
 from servelm.scheduler.sampling_params import SamplingParams
 from servelm.server.chat import chat_text_chars, normalize_messages, render_chat_prompt, template_kwargs
+from servelm.server.chat_template import pick_chat_template
 from servelm.server.errors import bad_request, unsupported
 from servelm.server.logprobs import chat_logprobs_content, vllm_prompt_logprobs
 from servelm.server.protocol import sse
@@ -93,16 +94,18 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, arrival: f
     if tools is not None and tools.family is not None and tools.family.keeps_special_tokens(ctx.tokenizer):
         params.skip_special_tokens = False  # the family's markers are special tokens its parser must see
     kwargs = template_kwargs(req.chat_template_kwargs)
+    template = pick_chat_template(ctx, req.chat_template)
     # The template adds to the messages' text, never removes from it.
-    text = chat_text_chars(req.messages, req.tools, kwargs)
+    text = chat_text_chars(req.messages, req.tools, kwargs, req.chat_template)
     ctx.check_prompt_chars(text, "messages", "the messages and tools have", "Please shorten the messages.")
     spec = tools.structured_output(ctx.tokenizer) if tools is not None else structured_output_spec(req)
     parser = ctx.reasoning_parser
 
     def render() -> tuple[list[int], ReasoningMode | None]:
         ids = render_chat_prompt(
-            ctx.tokenizer, messages, **render_kwargs(tools), template_kwargs=kwargs, special_token_guard=ctx.special_token_guard
-        )
+            ctx.tokenizer, messages, **render_kwargs(tools), template_kwargs=kwargs,
+            special_token_guard=ctx.special_token_guard, chat_template=template,
+        )  # fmt: skip
         if parser is None:
             return ids, None
         return ids, ReasoningMode(parser, parser.phase(ids, ctx.tokenizer), include=req.include_reasoning is not False)
@@ -258,8 +261,8 @@ class _ChatCompletion:
 
 class _StreamedCalls:
     """Tool calls as stream deltas. A named function's arguments stream as they come (its first delta
-    carries the call's id and name); an array of calls is sent whole when the choice finishes, once it
-    has parsed (text that does not parse, cut by ``max_tokens``, is sent as content then). Under
+    carries the call's id and name); an array of calls is sent whole when the choice finishes: its
+    whole calls (an array cut by ``max_tokens`` before any is sent as content then). Under
     "auto", a choice whose first text does not start the array is a text answer, streamed as usual.
     With a family's parser (--tool-call-parser), content and calls stream as the parser reads them."""
 

@@ -65,6 +65,8 @@ class ServingContext:
     auto_tool_choice: bool = False  # --enable-auto-tool-choice: "auto" lets the model choose them
     # --split-special-tokens-in-content: special tokens the client's chat text spells are encoded as text
     split_special_tokens_in_content: bool = True
+    chat_template: str | None = None  # --chat-template: rendered instead of the model's own
+    trust_request_chat_template: bool = False  # --trust-request-chat-template: a request may send its own
 
     def __post_init__(self) -> None:
         self.token_strings = TokenStrings(self.tokenizer)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from servelm.server.chat import chat_text_chars, normalize_messages, render_chat_prompt, template_kwargs
+from servelm.server.chat_template import pick_chat_template
 from servelm.server.errors import bad_request
 from servelm.server.protocol_chat import ChatCompletionRequest
 from servelm.server.protocol_completions import CompletionRequest
@@ -39,11 +40,17 @@ async def render_chat(ctx: ServingContext, req: ChatCompletionRequest) -> dict[s
     tools = tool_mode(req, ctx.tool_parser, ctx.auto_tool_choice)  # rendered as the request itself is
     messages = normalize_messages(req.messages)
     kwargs = template_kwargs(req.chat_template_kwargs)
-    text = chat_text_chars(req.messages, req.tools, kwargs)
+    template = pick_chat_template(ctx, req.chat_template)
+    text = chat_text_chars(req.messages, req.tools, kwargs, req.chat_template)
     ctx.check_prompt_chars(text, "messages", "the messages and tools have", "Please shorten the messages.")
     ids = await ctx.async_engine.run_blocking(
         lambda: render_chat_prompt(
-            ctx.tokenizer, messages, **render_kwargs(tools), template_kwargs=kwargs, special_token_guard=ctx.special_token_guard
+            ctx.tokenizer,
+            messages,
+            **render_kwargs(tools),
+            template_kwargs=kwargs,
+            special_token_guard=ctx.special_token_guard,
+            chat_template=template,
         )
     )
     return {"token_ids": ids}

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from servelm.server.chat import chat_text_chars, normalize_messages, render_chat_prompt
+from servelm.server.chat import chat_text_chars, normalize_messages, render_chat_prompt, template_kwargs
+from servelm.server.chat_template import pick_chat_template
 from servelm.server.errors import bad_request
 from servelm.server.protocol_chat import ChatCompletionRequest
 from servelm.server.protocol_tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
@@ -27,8 +28,10 @@ async def tokenize(ctx: ServingContext, req: TokenizeRequest) -> TokenizeRespons
     ctx.resolve_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("Give exactly one of 'prompt' and 'messages'.", param="prompt" if req.prompt is None else "messages")
-    if req.prompt is not None and (req.tools is not None or req.tool_choice is not None):
-        raise bad_request("'tools' and 'tool_choice' go with 'messages'.", param="tools" if req.tools is not None else "tool_choice")
+    if req.prompt is not None:
+        for name in ("tools", "tool_choice", "chat_template", "chat_template_kwargs"):
+            if getattr(req, name) is not None:
+                raise bad_request(f"'{name}' goes with 'messages'.", param=name)
     run = ctx.async_engine.run_blocking
     if req.prompt is not None:
         ctx.check_prompt_chars(len(req.prompt), "prompt")
@@ -38,7 +41,9 @@ async def tokenize(ctx: ServingContext, req: TokenizeRequest) -> TokenizeRespons
         assert req.messages is not None
         tools = tool_mode(ChatCompletionRequest(messages=req.messages, tools=req.tools, tool_choice=req.tool_choice))
         messages = normalize_messages(req.messages)
-        text = chat_text_chars(req.messages, req.tools)
+        kwargs = template_kwargs(req.chat_template_kwargs)
+        template = pick_chat_template(ctx, req.chat_template)
+        text = chat_text_chars(req.messages, req.tools, kwargs, req.chat_template)
         ctx.check_prompt_chars(text, "messages", "the messages and tools have", "Please shorten the messages.")
         ids = await run(
             lambda: render_chat_prompt(
@@ -47,7 +52,9 @@ async def tokenize(ctx: ServingContext, req: TokenizeRequest) -> TokenizeRespons
                 add_generation_prompt=req.add_generation_prompt,
                 add_special_tokens=bool(req.add_special_tokens),
                 **render_kwargs(tools),
+                template_kwargs=kwargs,
                 special_token_guard=ctx.special_token_guard,
+                chat_template=template,
             )
         )
     strs = await run(ctx.tokenizer.convert_ids_to_tokens, ids) if req.return_token_strs else None

@@ -98,7 +98,8 @@ class ToolMode:
 
     def parse(self, text: str) -> list[dict[str, Any]] | None:
         """The OpenAI ``tool_calls`` the constrained text spells, or None where it is not calls (a text
-        answer under "auto") or does not parse (the output was cut by ``max_tokens``)."""
+        answer under "auto") or holds no whole call (``max_tokens`` cut the first). Calls before a cut
+        are returned, the cut one dropped."""
         if self.family is not None:
             return answer_calls(self.family, text)[1]
         if self.auto and not text.startswith("["):
@@ -106,12 +107,15 @@ class ToolMode:
         try:
             value = json.loads(text)
         except ValueError:
-            return None
+            if self.name is not None:
+                return None
+            value = whole_items(text)  # cut by max_tokens: the calls before the cut stand
         if self.name is not None:
             return [_call(self.name, value)]
         if not isinstance(value, list):
             return None
-        return [_call(c["name"], c.get("parameters", {})) for c in value if isinstance(c, dict) and "name" in c]
+        calls = [_call(c["name"], c.get("parameters", {})) for c in value if isinstance(c, dict) and "name" in c]
+        return calls or None
 
 
     def answer(self, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
@@ -121,6 +125,28 @@ class ToolMode:
             return answer_calls(self.family, text)
         calls = self.parse(text)
         return (text, None) if calls is None else (None, calls)
+
+
+def whole_items(text: str) -> list[Any]:
+    """The whole items at the start of a JSON array that was cut short (none when ``text`` does not
+    start one)."""
+    decoder = json.JSONDecoder()
+    items: list[Any] = []
+    at = len(text) - len(text.lstrip())
+    if not text.startswith("[", at):
+        return items
+    at += 1
+    while True:
+        at = len(text) - len(text[at:].lstrip())
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except ValueError:
+            return items
+        items.append(item)
+        at = len(text) - len(text[at:].lstrip())
+        if not text.startswith(",", at):
+            return items
+        at += 1
 
 
 def _parameters(tool: ChatTool) -> dict[str, Any]:
@@ -179,8 +205,8 @@ def tools_for_template(tools: list[ChatTool]) -> list[dict[str, Any]]:
     return [t.model_dump(exclude_none=True) for t in tools]
 
 
-def template_knows_tools(tokenizer: Any) -> bool:
-    template = getattr(tokenizer, "chat_template", None) or ""
+def template_knows_tools(template: Any) -> bool:
+    """Whether a chat template (its text) reads ``tools``."""
     return isinstance(template, str) and "tools" in template
 
 

@@ -6,9 +6,12 @@ the streamed deltas join into exactly the complete answer. What vLLM does, and s
 
 - text before the first call is ``content`` (the whitespace right before a call is dropped, and
   content that is only whitespace is none); text after the first call and between calls is dropped;
-- output that starts a call and then is not one (the start marker and then garbage, a call cut
-  short by ``max_tokens``) is returned whole as content, without calls. Streamed, a call whose name
-  was already sent cannot be taken back: the rest of the text then follows as content.
+- output that starts a call and then is not one (the start marker and then garbage, a first call
+  cut short by ``max_tokens``) is returned whole as content, without calls. Streamed, a call whose
+  name was already sent cannot be taken back: the rest of the text then follows as content;
+- an answer cut by ``max_tokens`` after whole calls keeps them: an agent gets the calls the model
+  finished, and the cut one is dropped (finish_reason "length" says so; streamed, its name and
+  arguments so far were already sent).
 """
 
 from __future__ import annotations
@@ -91,6 +94,7 @@ class ToolParser:
         self._section = ""  # the current section's text, returned as content if it is no call
         self._base = 0  # global index of the current section's first call
         self.calls = 0  # calls named so far
+        self.complete = 0  # calls whose text is whole so far
         self.malformed = False  # some text started a call and was not one
 
     def body(self) -> Reader:
@@ -130,7 +134,7 @@ class ToolParser:
                     calls.append(ParsedCall(c.name, ""))
                 calls[c.index].arguments += c.arguments
         content = "".join(d.content for d in deltas)
-        return ParsedOutput(content or None, calls)
+        return ParsedOutput(content or None, calls[: self.complete])
 
     def feed(self, text: str) -> ParserDelta:
         out = ParserDelta()
@@ -144,12 +148,12 @@ class ToolParser:
         out = ParserDelta()
         if self._mode == "content":
             out.content = self._buf
-        elif self._mode == "body" and not self._body_named():
-            # A call cut short before its name: nothing was sent, so its text is content.
+        elif self._mode == "body" and not self.complete:
+            # The first call cut short: no call; if not even its name was sent, its text is content.
             self.malformed = True
-            out.content = self._section + self._buf
-        elif self._mode == "body":
-            self.malformed = True
+            if not self._body_named():
+                out.content = self._section + self._buf
+        # A later call cut short is dropped, text and all: the whole calls before it stand.
         self._buf = ""
         return out
 
@@ -216,6 +220,7 @@ class ToolParser:
         for p in pieces:
             out.add(self._base + p.index, p.name, p.arguments)
         self.calls = self._base + body.named
+        self.complete = self._base + body.complete
         if body.failed:
             self.malformed = True
             self._mode = "plain"

@@ -34,6 +34,7 @@ class Reader:
     done = False
     failed = False
     named = 0  # calls whose name was sent
+    complete = 0  # calls whose text is whole (the first ones: a cut ends the last)
 
     def feed(self, chunk: str) -> tuple[int, list[Piece]]:
         raise NotImplementedError
@@ -48,6 +49,10 @@ class CallReader(Reader):
         self._index = index
         self._sent = 0  # argument characters sent
         self._has_name = False
+
+    @property
+    def complete(self) -> int:  # type: ignore[override]
+        return int(self.done and not self.failed)
 
     def _arguments(self) -> str:
         scan = self._scan
@@ -118,6 +123,7 @@ class ArrayReader(Reader):
                 self.failed = True
                 break
         self.named = sum(item.named for item in self._items)
+        self.complete = sum(item.complete for item in self._items)
         self.failed = self.failed or scan.failed or (scan.done and not self._items)
         self.done = scan.done and not self.failed
         return taken, pieces
@@ -157,7 +163,8 @@ class MistralReader(Reader):
         """Feed ``text`` to the body; ``already`` of its characters were counted as taken before."""
         assert self._body is not None
         n, pieces = self._body.feed(text)
-        self.done, self.failed, self.named = self._body.done, self._body.failed, self._body.named
+        body = self._body
+        self.done, self.failed, self.named, self.complete = body.done, body.failed, body.named, body.complete
         return max(n - already, 0), pieces
 
 

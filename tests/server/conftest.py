@@ -72,8 +72,9 @@ def shared_fake_server(server_tokenizer: Any) -> Iterator[tuple[ServerThread, Fa
 
 @pytest.fixture
 def serve_app(monkeypatch: pytest.MonkeyPatch, server_tokenizer: Any) -> Callable[..., Any]:
-    """``serve_app(*argv)``: run ``servelm serve --port 0 ARGV`` with the engine, metrics and uvicorn
-    faked, and return the app it built (what the flags reached)."""
+    """``serve_app(*argv, status=0)``: run ``servelm serve --port 0 ARGV`` with the engine, metrics and
+    uvicorn faked, and return the app it built (what the flags reached); None when it is to exit with a
+    non-zero ``status`` (a refused start)."""
     import servelm.scheduler.engine
     import servelm.server.app
     import servelm.server.cli as cli
@@ -95,9 +96,9 @@ def serve_app(monkeypatch: pytest.MonkeyPatch, server_tokenizer: Any) -> Callabl
     monkeypatch.setattr(cli, "_make_uvicorn_server", no_server)
     monkeypatch.setattr(cli.signal, "signal", lambda *a: None)  # keep the test session's handlers
 
-    def run(*argv: str) -> Any:
+    def run(*argv: str, status: int = 0) -> Any:
         args = cli.build_parser().parse_args(["serve", "--port", "0", *argv])
-        assert args.func(args) == 0
-        return apps[-1]
+        assert args.func(args) == status
+        return apps[-1] if status == 0 else None
 
     return run

@@ -186,6 +186,23 @@ def test_a_call_cut_short_is_content(tokenizer: Any, name: str, fmt: Callable[[l
 
 
 @pytest.mark.parametrize("name,fmt", FORMATS, ids=[f.__name__ for _, f in FORMATS])
+@pytest.mark.parametrize("at", ["print", '"run"', "run"], ids=["in-arguments", "in-name", "in-name-string"])
+def test_the_calls_before_a_cut_are_calls(tokenizer: Any, name: str, fmt: Callable[[list[Call]], str], at: str) -> None:
+    # max_tokens ended the answer inside its second call: the first is whole and comes back as a call, the
+    # cut one not at all (finish_reason "length" says it was cut), whether read whole or streamed.
+    text = fmt([WEATHER, TRICKY, EMPTY])
+    if at not in text:
+        pytest.skip(f"{fmt.__name__} does not quote names")
+    cut = text[: text.index(at)]
+    check(PARSERS[name]().parse(cut), None, [WEATHER])
+    for out in all_ways(tokenizer, name, cut)[1:]:
+        assert not out.content and out.calls[0] == ParsedCall("get_weather", PARSERS[name]().parse(cut).calls[0].arguments)
+        assert len(out.calls) <= 2  # streamed, the cut call's name may have gone out already
+    if fmt in AFTER_TEXT:
+        check(PARSERS[name]().parse("Sure.\n" + cut), "Sure.", [WEATHER])
+
+
+@pytest.mark.parametrize("name,fmt", FORMATS, ids=[f.__name__ for _, f in FORMATS])
 def test_the_name_comes_first_and_the_arguments_as_they_arrive(name: str, fmt: Callable[[list[Call]], str]) -> None:
     text = fmt([WEATHER])
     parser = PARSERS[name]()

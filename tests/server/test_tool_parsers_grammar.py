@@ -126,3 +126,47 @@ def test_special_markers_are_kept_in_the_text() -> None:
     with_tokens, plain = _tokenizer(True), _tokenizer(False)
     assert {n for n in PARSERS if PARSERS[n].keeps_special_tokens(with_tokens)} == {"llama3_json", "mistral", "granite"}
     assert not any(p.keeps_special_tokens(plain) for p in PARSERS.values())
+
+
+def takes(tok: Any, grammar: str, text: str) -> bool:
+    """Whether ``text`` is a prefix of an answer the grammar allows (its tokens are all taken)."""
+    vocab = tok._llg if getattr(tok, "_llg", None) is not None else None
+    if vocab is None:
+        allows(tok, grammar, "")  # builds the vocabulary
+        vocab = tok._llg
+    m = llg.LLMatcher(vocab, llg.LLMatcher.grammar_from_lark(grammar), log_level=0)
+    m.consume_tokens(tok.encode(text, add_special_tokens=False))
+    return not m.is_error()
+
+
+@pytest.mark.parametrize("name,fmt,after_text", FAMILIES[:2] + FAMILIES[3:], ids=[f.__name__ for _, f, _ in FAMILIES[:2] + FAMILIES[3:]])
+def test_forced_calls_end(tok: Any, name: str, fmt: Callable[[list[Call]], str], after_text: bool) -> None:
+    # Under "required" (and a named function: its one tool, not parallel) the calls OpenAI's
+    # parallel_tool_calls allows, then only the end: no whitespace after the last call for a model
+    # that does not end to linger in.
+    vocab = Vocabulary(tok)
+    fmt = _as_the_tokenizer_writes(vocab, fmt)
+    parallel = PARSERS[name].grammar(vocab, TOOLS, True, True, JSON_WHITESPACE)
+    single = PARSERS[name].grammar(vocab, TOOLS, True, False, JSON_WHITESPACE)
+    named = PARSERS[name].grammar(vocab, TOOLS[:1], True, False, JSON_WHITESPACE)
+    for grammar in (parallel, single, named):
+        assert allows(tok, grammar, fmt(ONE))
+        for tail in ("\n", " ", "\n\n", "\t"):
+            assert not allows(tok, grammar, fmt(ONE) + tail), repr(tail)
+    assert allows(tok, parallel, fmt(TWO)) and allows(tok, parallel, fmt(TWO + TWO))
+    for grammar in (single, named):
+        assert not takes(tok, grammar, fmt(ONE) + "\n") and not takes(tok, grammar, fmt(ONE) + ";")
+        assert not takes(tok, grammar, fmt(TWO))
+
+
+def test_hermes_gaps_hold_one_whitespace_character(tok: Any) -> None:
+    # Around and between <tool_call> blocks: none or one space or newline (Qwen writes one newline), never
+    # the run of whitespace a small model wrote there, growing from call to call, until max_tokens.
+    grammar = PARSERS["hermes"].grammar(Vocabulary(tok), TOOLS, True, True, JSON_WHITESPACE)
+    call = '{"name": "now", "arguments": {}}'
+    for gap in ("", " ", "\n"):
+        assert allows(tok, grammar, f"<tool_call>{gap}{call}{gap}</tool_call>{gap}<tool_call>{call}</tool_call>"), repr(gap)
+    for gap in ("\n\n", " \n", "\n  ", "\t", "\r\n"):
+        assert not takes(tok, grammar, f"<tool_call>{gap}{call}"), repr(gap)
+        assert not takes(tok, grammar, f"<tool_call>{call}{gap}</tool_call>"), repr(gap)
+        assert not takes(tok, grammar, f"<tool_call>{call}</tool_call>{gap}<tool_call>"), repr(gap)

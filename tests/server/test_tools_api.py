@@ -195,3 +195,17 @@ def test_streamed_calls() -> None:
     assert called and done["tool_calls"][0]["index"] == 0 and done["tool_calls"][0]["function"]["name"] == "get_weather"
     cut, called = required.delta(1, '[{"na', finished=True)
     assert not called and cut == {"content": '[{"na'}
+
+
+def test_the_calls_before_a_cut_are_calls() -> None:
+    # max_tokens ended the array inside its second call: the first is whole and comes back as a call.
+    whole = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    for mode in (_mode({"tools": [WEATHER, CLOCK], "tool_choice": "required"}), _mode({"tools": [WEATHER, CLOCK]})):
+        for cut in (f'[{whole}, {{"name": "get_ti', f"[{whole}, ", f"[ {whole}\n,\n  {{", f"[{whole}"):
+            (call,) = mode.parse(cut) or ()
+            assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+            assert mode.answer(cut)[0] is None
+        assert mode.parse('[{"name": "get_weather", "parameters": {"city": "Par') is None  # no whole call: content
+    streamed = _StreamedCalls(_mode({"tools": [WEATHER, CLOCK], "tool_choice": "required"}), 1)
+    done, called = streamed.delta(0, f'[{whole}, {{"name": "get_time", "param', finished=True)
+    assert called and [c["function"]["name"] for c in done["tool_calls"]] == ["get_weather"]
