@@ -35,14 +35,6 @@ K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
 SUM_ORDER_RTOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def module():
-    """The compiled GGUF kernels, or a skip where they cannot be built."""
-    m = kernels.load()
-    if m is None:
-        pytest.skip("the GGUF kernel extension cannot be built here (no compiler or self-check failed)")
-    return m
-
 
 def weight(qtype: Q, n: int, k: int, seed: int) -> torch.Tensor:
     """``[n, row_bytes]`` blocks: gguf-py's quantization of rows of several magnitudes (random blocks
