@@ -133,13 +133,14 @@ def test_rms_norm_bfloat16_rounds_like_hugging_face(rms_norm: cpu_ops.RmsNorm, s
         ("runtime/cpu/csrc/gguf_linear.cpp", ["-march=x86-64-v3"]),
         ("runtime/cpu/csrc/gguf_linear.cpp", ["-march=x86-64-v4"]),  # AVX-512 without VNNI
         ("runtime/cpu/csrc/gguf_linear.cpp", ["-march=x86-64-v4", "-mavx512vnni"]),  # the VNNI tiles
+        ("runtime/cpu/csrc/gguf_linear.cpp", ["-march=sapphirerapids"]),  # the AMX bfloat16 tiles
     ],
     ids=lambda v: v.rsplit("/", 1)[-1] if isinstance(v, str) else "+".join(v),
 )
 def test_kernel_sources_compile_for_other_cpus(source: str, march: list[str]) -> None:
     """A CPU without AVX-512 (x86-64-v3: AVX2, FMA) must still build every extension: what needs
     AVX-512 is behind its macros, and a build failure would cost every op of the file, not only those.
-    The GGUF kernels also build for AVX-512 with and without VNNI, whatever this host has."""
+    The GGUF kernels also build for AVX-512 with and without VNNI, and with AMX, whatever this host has."""
     import subprocess
     import sysconfig
 

@@ -65,18 +65,30 @@ def assert_within_sum_order(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor)
     assert excess <= 1e-30, f"max excess over the summation bound {excess:.3g}"
 
 
-@pytest.fixture(params=("tiles", "packed8", "vnni"))
+@pytest.fixture(params=("tiles", "packed8", "vnni", "amx"))
 def int8_path(request, module) -> str:
     """Steps of any number of rows through the few-row kernels and 8-row tiles, the AVX2 packed tiles (8
-    rows a vector) or, where the CPU has AVX-512 VNNI, the packed 16-row tiles, whatever their usual row
-    thresholds."""
+    rows a vector), where the CPU has AVX-512 VNNI the packed 16-row tiles, or where it has AMX the
+    bfloat16 tiles, whatever their usual row thresholds."""
     if request.param == "vnni" and not module.vnni:
         pytest.skip("this CPU has no AVX-512 VNNI")
-    lanes = module.set_packed_lanes({"tiles": 0, "packed8": 8, "vnni": 16}[request.param])
+    if request.param == "amx" and not module.amx_available():
+        pytest.skip("this CPU (or build, or kernel) has no AMX bfloat16 tiles")
+    lanes = module.set_packed_lanes({"tiles": 0, "packed8": 8, "vnni": 16, "amx": 0}[request.param])
     rows = module.set_packed_min_rows(1 << 62 if request.param == "tiles" else 1)
+    amx_rows = module.set_amx_min_rows(1 if request.param == "amx" else 1 << 62)
     yield request.param
+    module.set_amx_min_rows(amx_rows)
     module.set_packed_min_rows(rows)
     module.set_packed_lanes(lanes)
+
+
+def operands(path: str, x: torch.Tensor, w: torch.Tensor, qtype: Q) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a path multiplies: x rounded to int8 per block and W as decoded, or on AMX both rounded to
+    bfloat16 (their products are exact in float32, so the sum is as close as any float32 sum)."""
+    if path == "amx":
+        return x.bfloat16().float(), w.bfloat16().float()
+    return round_activations(x, activation_block(qtype)), w
 
 
 def test_vnni_tiles_are_built_where_the_cpu_has_them(module) -> None:
@@ -108,10 +120,9 @@ def test_int8_linear_is_w_times_rounded_x(module, int8_path: str, qtype: Q, m: i
     blocks = weight(qtype, n, k, seed=m)
     w = gguf_dequantized(blocks, qtype, k)
     x = activations(m, k, seed=m)
-    x_rounded = round_activations(x, activation_block(qtype))
     bias = torch.randn(n, generator=torch.Generator().manual_seed(m))
     got = kernels.linear(x, blocks, qtype, torch.empty(m, n), bias, int8_x=True)
-    assert_within_sum_order(got - bias, x_rounded, w)
+    assert_within_sum_order(got - bias, *operands(int8_path, x, w, qtype))
     # and it is not the float32 path's answer: the rounding of x shows
     exact = kernels.linear(x, blocks, qtype, torch.empty(m, n), bias)
     assert not torch.allclose(got, exact, rtol=1e-5, atol=0)
@@ -125,7 +136,7 @@ def test_a_prefill_step_in_blocks_of_rows(module, int8_path: str, qtype: Q) -> N
     blocks = weight(qtype, n, k, seed=5)
     x = activations(m, k, seed=5)
     got = kernels.linear(x, blocks, qtype, torch.empty(m, n), int8_x=True)
-    assert_within_sum_order(got, round_activations(x, activation_block(qtype)), gguf_dequantized(blocks, qtype, k))
+    assert_within_sum_order(got, *operands(int8_path, x, gguf_dequantized(blocks, qtype, k), qtype))
 
 
 THIRTY_TWO = [q for q in QUANTIZED if q not in K_QUANTS]
@@ -156,7 +167,10 @@ def test_int8_parts_of_mixed_formats(module, int8_path: str, m: int) -> None:
     col = 0
     for q, s, b in zip(formats, sizes, blocks):
         w = gguf_dequantized(b, q, k) if q != Q.F16 else torch.from_numpy(b.numpy().view(np.float16).astype(np.float32))
-        assert_within_sum_order(got[:, col : col + s], round_activations(x, activation_block(q)), w)
+        if q == Q.F16:
+            assert_within_sum_order(got[:, col : col + s], x, w)
+        else:
+            assert_within_sum_order(got[:, col : col + s], *operands(int8_path, x, w, q))
         col += s
 
 
@@ -173,12 +187,20 @@ def test_a_non_finite_row_fails_alone(module, int8_path: str, qtype: Q, m: int) 
     assert bool(torch.isfinite(got[others]).all())
 
 
+@pytest.fixture
+def without_amx(module):
+    """The int8 kernels at every size, as on CPUs without AMX."""
+    rows = module.set_amx_min_rows(1 << 62)
+    yield
+    module.set_amx_min_rows(rows)
+
+
 @pytest.mark.parametrize("qtype", (Q.Q4_1, Q.Q6_K), ids=lambda q: q.name)
-def test_method_gives_the_same_product_at_any_batch_size(module, qtype: Q, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rows served by the kernel (one pass, or several of pass_rows) and by the dequantized tile compute
-    the same ``W x'``: a request's tokens do not depend on how many others share its step. With int8
-    activations the kernel takes steps of any size (a prefill budget past 512 rows too): its integer
-    tiles beat dequantizing float32 tiles at every size measured."""
+def test_method_gives_the_same_product_at_any_batch_size(module, without_amx, qtype: Q, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without AMX, rows served by the kernel (one pass, or several of pass_rows) and by the dequantized
+    tile compute the same ``W x'``: a request's tokens do not depend on how many others share its step.
+    With int8 activations the kernel takes steps of any size (a prefill budget past 512 rows too): its
+    integer tiles beat dequantizing float32 tiles at every size measured."""
     k, n = 512, 64
     blocks = weight(qtype, n, k, seed=3)
     method = GGUFMethod(blocks.reshape(-1), qtype, (n, k))
@@ -222,7 +244,33 @@ def test_int8_weights_split_over_threads(module, int8_path: str, m: int) -> None
         got = kernels.linear_parts(x, blocks, list(formats), torch.empty(m, sum(sizes)), int8_x=True)
         col = 0
         for q, n, b in zip(formats, sizes, blocks):
-            assert_within_sum_order(got[:, col : col + n], round_activations(x, activation_block(q)), gguf_dequantized(b, q, k))
+            assert_within_sum_order(got[:, col : col + n], *operands(int8_path, x, gguf_dequantized(b, q, k), q))
             col += n
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda q: q.name)
+def test_amx_rounds_each_decoded_weight_once_to_bfloat16(module, qtype: Q) -> None:
+    """One-hot rows of x read the weights back through the AMX tiles: each is gguf-py's value rounded
+    once to bfloat16 (to nearest, ties to even), bit for bit, in every format."""
+    if not module.amx_available():
+        pytest.skip("this CPU (or build, or kernel) has no AMX bfloat16 tiles")
+    k, n = 256, 40
+    blocks = weight(qtype, n, k, seed=11)
+    w = gguf_dequantized(blocks, qtype, k)
+    got = kernels.linear(torch.eye(k), blocks, qtype, torch.empty(k, n), int8_x=True)
+    assert torch.equal(got, w.bfloat16().float().T)
+
+
+def test_steps_of_many_rows_take_amx_and_few_rows_int8(module) -> None:
+    """The default threshold: a step of 24 rows or more takes the bfloat16 tiles where the CPU has AMX,
+    one of fewer keeps llama.cpp's int8 rounding of x."""
+    k, n, qtype = 512, 64, Q.Q4_K
+    blocks = weight(qtype, n, k, seed=2)
+    w = gguf_dequantized(blocks, qtype, k)
+    x = activations(40, k, seed=2)
+    many = kernels.linear(x, blocks, qtype, torch.empty(40, n), int8_x=True)
+    few = kernels.linear(x[:23], blocks, qtype, torch.empty(23, n), int8_x=True)
+    assert_within_sum_order(few, *operands("vnni", x[:23], w, qtype))
+    assert_within_sum_order(many, *operands("amx" if module.amx_available() else "vnni", x, w, qtype))

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from gguf_models import Case, save_tiny_model_for_gguf, tensor_format, write_tiny_gguf
 
@@ -249,11 +250,14 @@ def test_dequantized_equals_transformers(case_id: str, served, build_runner, rt)
 # of one step then spreads to later positions through the KV cache: so the first position, which no
 # earlier flip reaches, must match to summation noise, and the rest must be nearer the rounded
 # reference than the float32 one.
-def int8_reference(s: Served) -> list[torch.Tensor]:
+# On CPUs with AMX a step of many rows (here the prefill of both prompts, 33 rows) takes bfloat16 tiles
+# instead: those positions' products are bf16(x) bf16(W), the decode steps' x' W.
+def int8_reference(s: Served, amx: bool = False) -> list[torch.Tensor]:
     """transformers' logits over ``s.seqs`` with every quantized Linear's input rounded as the int8 path
-    rounds it (per 32 elements, or 256 for K-quant weights; float weights take x as it is)."""
+    rounds it (per 32 elements, or 256 for K-quant weights; float weights take x as it is); with ``amx``,
+    the prefilled positions' inputs and weights rounded to bfloat16 instead."""
     from servelm.runtime.gguf.names import hf_tensor_names
-    from servelm.runtime.gguf.projection import activation_block, round_activations
+    from servelm.runtime.gguf.projection import activation_block
     from servelm.runtime.gguf.reader import read_gguf_tensors
 
     tensors = read_gguf_tensors(s.path)
@@ -265,20 +269,49 @@ def int8_reference(s: Served) -> list[torch.Tensor]:
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and activation_block(hf.get(name, Q.F32)):
             block = activation_block(hf[name])
-            module.register_forward_pre_hook(lambda _m, args, block=block: (round_activations(args[0].reshape(-1, args[0].shape[-1]), block).reshape(args[0].shape),))
+            module.register_forward_hook(lambda m, args, _out, block=block: rounded_linear(m, args[0], block, amx))
             hooked += 1
     assert hooked >= 4, f"only {hooked} Linear modules matched the file's quantized tensors"
     with torch.inference_mode():
         return [model(torch.tensor([q])).logits[0].float() for q in s.seqs]
 
 
+def rounded_linear(m: torch.nn.Linear, x: torch.Tensor, block: int, amx: bool) -> torch.Tensor:
+    """``m(x)`` as the int8 mode computes it: x rounded per block, or with ``amx`` the prefilled
+    positions (all but the last DECODE_STEPS) as bf16(x) bf16(W)."""
+    from servelm.runtime.gguf.projection import round_activations
+
+    flat = x.reshape(-1, x.shape[-1])
+    out = F.linear(round_activations(flat, block), m.weight, m.bias)
+    if amx:
+        prefilled = flat.shape[0] - DECODE_STEPS
+        out[:prefilled] = F.linear(flat[:prefilled].bfloat16().float(), m.weight.bfloat16().float(), m.bias)
+    return out.reshape(*x.shape[:-1], -1)
+
+
+@pytest.fixture(params=("int8", "amx"))
+def int8_mode_path(request):  # type: ignore[no-untyped-def]
+    """The int8 mode's many-row steps through the int8 kernels (AMX off), or where the CPU has AMX,
+    its bfloat16 tiles as by default."""
+    from servelm.runtime.gguf import kernels
+
+    module = kernels.load()
+    if module is None:
+        pytest.skip("the GGUF kernel extension cannot be built here")
+    if request.param == "amx" and not module.amx_available():
+        pytest.skip("this CPU (or build, or kernel) has no AMX bfloat16 tiles")
+    rows = module.set_amx_min_rows(1 << 62 if request.param == "int8" else -1)
+    yield request.param
+    module.set_amx_min_rows(rows)
+
+
 @pytest.mark.parametrize("case_id", list(CASES))
-def test_int8_activations_equal_transformers_with_rounded_inputs(case_id: str, served, build_runner, rt) -> None:  # type: ignore[no-untyped-def]
+def test_int8_activations_equal_transformers_with_rounded_inputs(case_id: str, int8_mode_path: str, served, build_runner, rt) -> None:  # type: ignore[no-untyped-def]
     s = served(case_id)
     runner = build_runner(s.folder, num_blocks=8, gguf_activations="int8")
     assert runner.gguf_activations == "int8"
     ours = run_ours(runner, rt, s.seqs)
-    rounded = int8_reference(s)
+    rounded = int8_reference(s, amx=int8_mode_path == "amx")
     to_float = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(ours, s.reference))
     to_rounded = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(ours, rounded))
     assert to_float > 10 * RTOL_OF_MAX, f"{case_id}: the int8 path looks unused ({to_float:.2e} of max from float32)"

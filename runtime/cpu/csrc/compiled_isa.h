@@ -44,5 +44,14 @@ inline std::vector<std::string> compiled_isa() {
 #ifdef __AVX512VNNI__
   isa.emplace_back("avx512_vnni");
 #endif
+#ifdef __AVX512BF16__
+  isa.emplace_back("avx512_bf16");
+#endif
+#ifdef __AMX_TILE__
+  isa.emplace_back("amx_tile");
+#endif
+#ifdef __AMX_BF16__
+  isa.emplace_back("amx_bf16");
+#endif
   return isa;
 }

@@ -1249,6 +1249,7 @@ inline void int8_rowsK(const LinearArgs& a, const QuantX& xq, int64_t n, int64_t
 #endif
 
 #include "gguf_vnni.h"
+#include "gguf_amx.h"
 
 // Output rows [n0, n1) of a quantized format against x' (x rounded per block as kXBlock<Q>); px: x'
 // packed for the packed tiles, where the step has the rows for them.
@@ -1352,6 +1353,18 @@ void run_parts(std::vector<Part>& parts, const float* x, int64_t M, int64_t K, b
     });
     total_bytes += p.a.N * p.row_bytes;
   }
+  // Enough rows on a CPU with AMX: every quantized part takes the bfloat16 tiles (gguf_amx.h), and
+  // nothing reads x rounded to int8.
+  bool amx = false;
+#if SERVELM_GGUF_AMX
+  thread_local PackedBF kept_bf;
+  PackedBF* bf = &kept_bf;
+  if (int8_x && M >= amx_min_rows() && K % 32 == 0 && (need_rounded[0] || need_rounded[1]) && amx_granted()) {
+    amx = true;
+    need_rounded[0] = need_rounded[1] = false;
+    pack_bf16(x, M, K, *bf);
+  }
+#endif
   for (int g = 0; g < 2; ++g) {
     if (!need_rounded[g]) continue;
     quantize_x(x, M, K, g ? 256 : 32, rounded[g].q);
@@ -1392,10 +1405,22 @@ void run_parts(std::vector<Part>& parts, const float* x, int64_t M, int64_t K, b
     for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
       int64_t lo = row_at(total_bytes * t / tasks), hi = row_at(total_bytes * (t + 1) / tasks);
       for (const Part& p : parts) {
-        const int64_t n0 = std::max<int64_t>(lo, 0), n1 = std::min(hi, p.a.N);
+        int64_t n0 = std::max<int64_t>(lo, 0), n1 = std::min(hi, p.a.N);
+        // AMX tiles take 32 weight rows: spans start on a whole tile (each task rounds both ends the
+        // same way, so the spans still meet).
+        if (amx) {
+          n0 = n0 >= p.a.N ? p.a.N : n0 / 32 * 32;
+          n1 = n1 >= p.a.N ? p.a.N : n1 / 32 * 32;
+        }
         if (n0 < n1) with_qtype(p.qtype, [&](auto qq) {
           constexpr int Q = decltype(qq)::value;
           if constexpr (!kIsFloat<Q>) {
+#if SERVELM_GGUF_AMX
+            if (amx) {
+              amx_rows<Q>(p.a, *bf, n0, n1);
+              return;
+            }
+#endif
             if (int8_x) {
               Rounded& r = rounded[kXBlock<Q> == 256];
               LinearArgs b = p.a;
@@ -1809,6 +1834,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("slot_mapping"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("max_seq_len"),
         py::arg("attention"), py::arg("attention_abi"), py::call_guard<py::gil_scoped_release>());
   m.def("compiled_isa", &compiled_isa);
+  m.def("set_amx_min_rows", [](int64_t rows) { return amx_rows_override.exchange(rows); },
+        "fewest rows a llama.cpp-arithmetic step needs for the AMX bfloat16 tiles (-1: the default); the "
+        "previous value");
+  m.def("amx_available", []() {
+#if SERVELM_GGUF_AMX
+    return amx_granted();
+#else
+    return false;
+#endif
+  }, "whether this build has the AMX tiles and the kernel granted them");
   m.attr("vnni") = py::bool_(SERVELM_GGUF_VNNI != 0);
   m.def("set_packed_min_rows", [](int64_t rows) { return packed_rows_override.exchange(rows); },
         "the fewest rows a step needs for the packed tiles, -1 for each format's default (returns the "
