@@ -5,7 +5,9 @@
 Twelve independent 512-bit ``vpdpbusd`` chains per thread (AVX-512 VNNI: 64 u8 x s8 products and their
 sums per instruction, counted as 128 ops), 1 and 2 threads; where the CPU has AMX, four independent
 ``tdpbf16ps`` tiles per thread (16x16x32 bfloat16 products each, the GGUF kernels' many-row steps);
-and torch._int_mm (oneDNN) on a 2048^3 int8 product and a bfloat16 matmul for comparison. Needs a CPU with AVX-512 VNNI and a compiler (built with torch's
+torch._int_mm (oneDNN) on a 2048^3 int8 product and a bfloat16 matmul for comparison; and the memory
+bandwidth as STREAM's triad counts it (a = b + s c over 3 x 256 MiB of float32, 3 arrays' bytes), the
+ceiling of a decode step that reads every weight once. Needs a CPU with AVX-512 VNNI and a compiler (built with torch's
 cpp_extension on first run).
 """
 import time
@@ -96,6 +98,13 @@ def main() -> None:
     x = torch.randn(2048, 2048, dtype=torch.bfloat16)
     rate = best_rate(lambda: x @ x, 2 * 2048**3)
     print(f"bfloat16 matmul 2048^3 (oneDNN), 2 threads: {rate / 1e12:.3f} TFLOPS")
+    n = 64 << 20
+    b, c, out = torch.rand(n), torch.rand(n), torch.empty(n)
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        rate = best_rate(lambda: torch.add(b, c, alpha=3.0, out=out), 3 * 4 * n)
+        print(f"STREAM triad, {threads} thread(s): {rate / 1e9:.1f} GB/s")
+    del b, c, out
     a = torch.randint(-127, 127, (2048, 2048), dtype=torch.int8)
     b = torch.randint(-127, 127, (2048, 2048), dtype=torch.int8)
     torch._int_mm(a, b)
