@@ -13,8 +13,9 @@
 # --quantization auto); qwen15 and qwen05, Qwen2.5-Coder-1.5B- and 0.5B-Instruct in Q4_K_M (the same fetch).
 # SERVERS (default "servelm llama") picks the servers.
 # Workloads (servelm bench, token-id prompts, ignore_eos, greedy): one request at a time (8 x 128 -> 128),
-# then 64 x 128 -> 128 at concurrency 32; per model, servelm (on smollm2 in each of $VARIANTS, default
-# "float32 int8 int4": float32, then --quantization int8, then --quantization int4; also "gguf" and
+# then 64 x 128 -> 128 at concurrency 32 ($WORKLOADS, below); per model, servelm (on smollm2 in each of
+# $VARIANTS, default "default float32": no flag (the default folder, --quantization auto: int4, exact
+# for it), then --quantization none (float32); also "int8", "int4", "gguf" and
 # "gguf-int8": the Q4_1 file itself as stored, with float32 or int8 activations and, as llama-server's
 # -c 32768 holds, a float16 pool of 32,768 tokens ($SMOLLM2_GGUF_ARGS overrides that)), then llama-server. On
 # gemma3, servelm runs once per $GEMMA_VARIANTS (default "default float32": no flag, which serves int8
@@ -40,7 +41,7 @@ CACHE="${SERVELM_CACHE:-$HOME/.cache/servelm}"
 PEERS="$CACHE/peers"
 OUT_DIR="${OUT_DIR:-/tmp/servelm-vs-llama-cpp}"
 THREADS="${THREADS:-2}"
-VARIANTS="${VARIANTS:-float32 int8 int4}"
+VARIANTS="${VARIANTS:-default float32}"
 GEMMA_VARIANTS="${GEMMA_VARIANTS:-default float32}"
 GEMMA_ARGS="${GEMMA_ARGS:---kv-cache-dtype float16 --kv-cache-memory 576MiB}"
 # The SmolLM2 file served as stored gets llama-server's KV too: float16, 32,768 tokens (30 layers x 3 KV heads x 64).
@@ -53,6 +54,10 @@ SERVERS="${SERVERS:-servelm llama}"
 PY=.venv/bin/python
 mkdir -p "$PEERS" "$OUT_DIR"
 QWEN_VARIANTS="${QWEN_VARIANTS:-default exact}"
+# WORKLOADS: 1 (8 x 128 -> 128, one at a time), 32 (64 x 128 -> 128 at concurrency 32), long (one
+# LONG_INPUT-token prompt -> 64: a long context's TTFT and the ITL after it; the servers' pools hold 32,768).
+WORKLOADS="${WORKLOADS:-1 32}"
+LONG_INPUT="${LONG_INPUT:-16384}"
 for m in $MODELS; do case "$m" in smollm2|gemma3|qwen15|qwen05) ;; *) echo "unknown model $m (smollm2, gemma3, qwen15, qwen05)" >&2; exit 2 ;; esac; done
 for s in $SERVERS; do case "$s" in servelm|llama) ;; *) echo "unknown server $s (servelm, llama)" >&2; exit 2 ;; esac; done
 wants() { case " $MODELS $SERVERS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }  # a model or a server
@@ -108,12 +113,17 @@ wait_healthy() {
 bench() {  # NAME PORT [MODEL]
     local model=()
     [ -n "${3:-}" ] && model=(--model "$3")
-    for conc in 1 32; do
-        n=$([ "$conc" = 1 ] && echo 8 || echo 64)
-        echo "== $1, concurrency $conc ($n x 128 -> 128), round $round"
+    for w in $WORKLOADS; do
+        case "$w" in
+            1) conc=1 n=8 in=128 out=128 tag=c1 ;;
+            32) conc=32 n=64 in=128 out=128 tag=c32 ;;
+            long) conc=1 n=1 in=$LONG_INPUT out=64 tag=long ;;
+            *) echo "unknown workload $w (1, 32, long)" >&2; exit 2 ;;
+        esac
+        echo "== $1, concurrency $conc ($n x $in -> $out), round $round"
         .venv/bin/servelm bench --base-url "http://127.0.0.1:$2" --endpoint completions --token-ids "${model[@]}" \
-            --input-len 128 --output-len 128 --ignore-eos --temperature 0 --disable-tqdm \
-            --num-prompts "$n" --max-concurrency "$conc" --result-json "$OUT_DIR/$1-c$conc-r$round.json" \
+            --input-len "$in" --output-len "$out" --ignore-eos --temperature 0 --disable-tqdm \
+            --num-prompts "$n" --max-concurrency "$conc" --result-json "$OUT_DIR/$1-$tag-r$round.json" \
             | grep -E "Output token throughput|Median TTFT|P99 TTFT|Median ITL|Median TPOT"
     done
 }
@@ -159,13 +169,14 @@ for round in $(seq "$ROUNDS"); do
             if wants servelm; then
                 for variant in $VARIANTS; do
                     case "$variant" in
-                        float32) servelm smollm2-servelm ;;
+                        default) servelm smollm2-servelm-default ;;
+                        float32) servelm smollm2-servelm --quantization none ;;
                         int8|int4|auto) servelm "smollm2-servelm-$variant" --quantization "$variant" ;;
                         # shellcheck disable=SC2086  # SMOLLM2_GGUF_ARGS is a list of flags
                         gguf) servelm smollm2-servelm-gguf --model "$smollm2_gguf" $SMOLLM2_GGUF_ARGS ;;
                         # shellcheck disable=SC2086
                         gguf-int8) servelm smollm2-servelm-gguf-int8 --model "$smollm2_gguf" --gguf-activations int8 $SMOLLM2_GGUF_ARGS ;;
-                        *) echo "unknown variant $variant (float32, int8, int4, auto, gguf, gguf-int8)" >&2; exit 2 ;;
+                        *) echo "unknown variant $variant (default, float32, int8, int4, auto, gguf, gguf-int8)" >&2; exit 2 ;;
                     esac
                 done
             fi
@@ -207,14 +218,14 @@ import json, statistics, sys
 from pathlib import Path
 
 out, rounds = Path(sys.argv[1]), int(sys.argv[2])
-names = sorted({p.name.rsplit("-c", 1)[0] for p in out.glob("*-c[0-9]*-r[0-9]*.json")})
+names = sorted({p.name.rsplit("-", 2)[0] for p in out.glob("*-r[0-9]*.json") if not p.name.rsplit("-", 2)[1] == "mem"})
 print(f"\nmedians over {rounds} round(s): output tok/s | median TTFT ms | median ITL ms")
-for conc in (1, 32):
+for tag in ("c1", "c32", "long"):
     for name in names:
-        runs = [json.loads(p.read_text()) for r in range(1, rounds + 1) if (p := out / f"{name}-c{conc}-r{r}.json").exists()]
+        runs = [json.loads(p.read_text()) for r in range(1, rounds + 1) if (p := out / f"{name}-{tag}-r{r}.json").exists()]
         if runs:
             med = {k: statistics.median(run[k] for run in runs) for k in ("output_throughput", "median_ttft_ms", "median_itl_ms")}
-            print(f"  concurrency {conc:2d}  {name:28s} {med['output_throughput']:7.1f} | {med['median_ttft_ms']:8.1f} | "
+            print(f"  {tag:4s}  {name:28s} {med['output_throughput']:7.1f} | {med['median_ttft_ms']:8.1f} | "
                   f"{med['median_itl_ms']:6.2f}   ({len(runs)} runs)")
 print("\nresident memory after the runs (median over rounds): VmHWM MB | VmRSS MB")
 for name in names:
