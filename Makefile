@@ -21,7 +21,7 @@ model: $(STAMP)
 	$(VPY) -m servelm.runtime.model_fetch
 
 serve: model
-	$(VENV)/bin/servelm serve --quantization auto $(ARGS)
+	$(VENV)/bin/servelm serve $(ARGS)
 
 test: model
 	$(VPY) -m pytest -q $(ARGS)

@@ -28,7 +28,7 @@ class EngineConfig:
     max_request_share: float = 0.5  # of the slots and KV blocks one request's sequences may hold while others wait (1: no bound)
     enforce_eager: bool = False  # CUDA: no CUDA graphs
     async_scheduling: bool | None = None  # schedule step k+1 before step k's tokens reach the host; None => on CUDA only
-    quantization: str | None = None  # "int8" | "int4": weight-only quantized projections and head (CPU, float32)
+    quantization: str | None = "auto"  # "int8" | "int4" (weight-only, CPU float32) | "auto": int4 where exact, else none | "none"
     gguf_activations: str = "auto"  # auto => "int8" for a GGUF file served as stored (llama.cpp's arithmetic), else "float32" (exact)
     num_threads: int | None = None  # CPU: torch intra-op threads (None => torch's default)
     tensor_parallel_size: int = 1  # ranks the model is split over (rank 0 in this process, workers spawned)

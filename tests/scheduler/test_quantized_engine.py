@@ -53,9 +53,10 @@ def test_int4_is_the_default_models_own_precision_same_weights_and_tokens_as_flo
 
     from servelm.runtime.models.layers import Linear
 
-    f32 = Engine(EngineConfig(kv_cache_memory=64 * 2**20, max_model_len=1024))
-    # auto (what `make serve` and the CPU image pass) finds the weights on int4's grid and takes it.
-    q4 = Engine(EngineConfig(quantization="auto", kv_cache_memory=64 * 2**20, max_model_len=1024))
+    f32 = Engine(EngineConfig(quantization="none", kv_cache_memory=64 * 2**20, max_model_len=1024))
+    # auto (the default) finds the weights on int4's grid and takes it.
+    q4 = Engine(EngineConfig(kv_cache_memory=64 * 2**20, max_model_len=1024))
+    assert q4.config.quantization == "auto"
     assert q4.runner.quantization == "int4" and f32.runner.quantization is None
     assert q4.runner.weight_bytes < 0.2 * f32.runner.weight_bytes
     dense = {n: m for n, m in f32.runner.model.named_modules() if isinstance(m, Linear)}
