@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, TypeGuard
 
 from jsonschema import Draft202012Validator, validators
 
@@ -127,7 +127,7 @@ class UnmarkedCalls:
             return True
         return self._declared(_loads(scan.text[name.start : name.end]))
 
-    def _declared(self, name: Any) -> bool:
+    def _declared(self, name: Any) -> TypeGuard[str]:
         return isinstance(name, str) and name in self._schemas
 
     def _whole_call(self) -> tuple[str, str] | None:

@@ -19,7 +19,11 @@ from servelm.server.tool_parsers import PARSERS, ParsedCall, ParsedOutput, Tools
 from servelm.server.tool_parsers.answer import AnswerStream, answer_calls
 from servelm.server.tool_parsers.unmarked import UnmarkedCalls
 
-CITY = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city"]}
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city"],
+}
 TOOLS: Tools = [("get_weather", CITY), ("now", {"type": "object", "properties": {}})]
 CALL = json.dumps({"name": "get_weather", "arguments": WEATHER[1]})
 PRETTY = json.dumps({"name": "get_weather", "arguments": WEATHER[1]}, indent=2)
@@ -157,6 +161,8 @@ def test_a_whole_call_is_sent_at_the_end_as_tool_call_deltas() -> None:
 
 def test_answer_calls_reads_unmarked_calls_of_the_declared_tools() -> None:
     content, calls = answer_calls(PARSERS["hermes"], CALL, TOOLS)
-    assert content is None and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls or ()] == [WEATHER]
+    assert content is None and [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls or ()
+    ] == [WEATHER]
     assert answer_calls(PARSERS["hermes"], NOT_CALLS["a-person"], TOOLS) == (NOT_CALLS["a-person"], None)
     assert answer_calls(PARSERS["hermes"], CALL) == (CALL, None)  # no tools given: the family's markers only
