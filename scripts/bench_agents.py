@@ -189,7 +189,7 @@ def anthropic_loop(base_url: str, model: str, stream: bool) -> Check:
 
     first = ask()
     uses = [b for b in first.content if b.type == "tool_use"]
-    seen = [b.model_dump() for b in first.content]
+    seen = [b.model_dump(exclude_none=True) for b in first.content]
     if not uses or not right_call([(uses[0].name, json.dumps(uses[0].input))]):
         return False, seen
     messages += [
