@@ -13,7 +13,7 @@ from servelm.server.errors import APIError, anthropic_error
 from servelm.server.reasoning import ReasoningMode, ReasoningStream
 from servelm.server.request_group import RequestGroup
 from servelm.server.serving_outputs import UsageCounter, counted_outputs, dumps
-from servelm.server.tool_parsers.answer import AnswerStream, Piece
+from servelm.server.tool_parsers.answer import Piece
 from servelm.server.tools import ToolMode
 
 
@@ -96,7 +96,7 @@ class MessageStream:
         self.index = 0  # the next block's index
         self.open: dict[str, Any] | None = None  # the block being streamed
         self.called = False  # the answer is complete tool calls
-        self.answer = AnswerStream(tools.family) if tools is not None and tools.family is not None else None
+        self.answer = tools.answer_stream() if tools is not None else None
         if self.answer is not None:
             self.mode = "family"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import uuid
 from typing import Any, Protocol
 
-from servelm.server.tool_parsers.answer import AnswerStream, Piece
+from servelm.server.tool_parsers.answer import Piece
 from servelm.server.tools import ToolMode
 
 
@@ -122,7 +122,7 @@ class StreamedOutput:
         self.item: dict[str, Any] | None = None  # the item being streamed
         self.reason: str | None = None
         self.base = 0  # the first answer item's output_index (1 after a reasoning item)
-        self.answer = AnswerStream(self.tools.family) if self.tools is not None and self.tools.family is not None else None
+        self.answer = self.tools.answer_stream() if self.tools is not None else None
 
     def add(self, text: str, logprobs: list[dict[str, Any]], reason: str | None) -> list[bytes]:
         if self.answer is not None:

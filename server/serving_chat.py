@@ -30,7 +30,6 @@ from servelm.server.serving_common import (
 )
 from servelm.server.serving_outputs import UsageCounter, collect_choices, counted_outputs, dumps, event_stream
 from servelm.server.structured_outputs import structured_output_spec
-from servelm.server.tool_parsers.answer import AnswerStream
 from servelm.server.tools import ToolMode, render_kwargs, tool_mode
 
 
@@ -273,7 +272,8 @@ class _StreamedCalls:
         self.started = [False] * n
         self.calling: list[bool | None] = [None] * n  # undecided until a choice's first text
         # With a family's parser, each choice's text is read as it comes: calls stream as they form.
-        self.answers = [AnswerStream(tools.family) for _ in range(n)] if tools.family is not None else None
+        streams = [tools.answer_stream() for _ in range(n)]
+        self.answers = [s for s in streams if s is not None] or None
 
     def delta(self, i: int, text: str, finished: bool) -> tuple[dict[str, Any] | None, bool]:
         """(the delta to send for choice i, or None; whether its output was a call)."""

@@ -33,8 +33,8 @@ from typing import Any
 from servelm.scheduler.structured_output import JSON_WHITESPACE, StructuredOutput
 from servelm.server.errors import bad_request
 from servelm.server.protocol_chat import ChatCompletionRequest, ChatTool
-from servelm.server.tool_parsers import ToolParser, Vocabulary
-from servelm.server.tool_parsers.answer import answer_calls
+from servelm.server.tool_parsers import ToolParser, Tools, Vocabulary
+from servelm.server.tool_parsers.answer import AnswerStream, answer_calls
 
 # Any JSON object: a function declared without parameters takes any.
 _ANY_PARAMETERS: dict[str, Any] = {"type": "object"}
@@ -73,9 +73,8 @@ class ToolMode:
     def structured_output(self, tokenizer: Any = None) -> StructuredOutput:
         """The grammar of this mode's answers (``tokenizer``: the family's markers that are tokens)."""
         if self.family is not None:
-            tools = [(t.function.name, _parameters(t)) for t in self.tools if self.name in (None, t.function.name)]
             parallel = self.parallel and self.name is None
-            lark = self.family.grammar(Vocabulary(tokenizer), tools, not self.auto, parallel, JSON_WHITESPACE)
+            lark = self.family.grammar(Vocabulary(tokenizer), self.callable(), not self.auto, parallel, JSON_WHITESPACE)
             return StructuredOutput("grammar", lark, param="tools")
         if not self.auto:
             return StructuredOutput("json", json.dumps(self.schema(), ensure_ascii=False), param="tools")
@@ -83,6 +82,15 @@ class ToolMode:
         schema = {**self.schema(), "x-guidance": {"whitespace_flexible": True, "whitespace_pattern": JSON_WHITESPACE}}
         lark = f"start: calls | TEXT\ncalls: %json {json.dumps(schema, ensure_ascii=False)}\nTEXT: {_FREE_TEXT}\n"
         return StructuredOutput("grammar", lark, param="tools")
+
+    def callable(self) -> Tools:
+        """The tools an answer may call (the named one only), with their parameters schemas."""
+        return [(t.function.name, _parameters(t)) for t in self.tools if self.name in (None, t.function.name)]
+
+    def answer_stream(self) -> AnswerStream | None:
+        """A streamed answer's reader under a family's parser (None without one): the family's calls,
+        and an unmarked call of the callable tools."""
+        return AnswerStream(self.family, self.callable()) if self.family is not None else None
 
     @property
     def template_tools(self) -> bool:
@@ -101,7 +109,7 @@ class ToolMode:
         answer under "auto") or holds no whole call (``max_tokens`` cut the first). Calls before a cut
         are returned, the cut one dropped."""
         if self.family is not None:
-            return answer_calls(self.family, text)[1]
+            return answer_calls(self.family, text, self.callable())[1]
         if self.auto and not text.startswith("["):
             return None
         try:
@@ -122,7 +130,7 @@ class ToolMode:
         """A finished answer as (content, calls): a family's text before its calls is content; the
         convention's calls are the whole answer. Calls None: ``text`` is the content, whole."""
         if self.family is not None:
-            return answer_calls(self.family, text)
+            return answer_calls(self.family, text, self.callable())
         calls = self.parse(text)
         return (text, None) if calls is None else (None, calls)
 

@@ -7,13 +7,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from servelm.server.tool_parsers.base import ToolParser
+from servelm.server.tool_parsers.base import AnswerParser, ToolParser, Tools, parse_text
+from servelm.server.tool_parsers.unmarked import UnmarkedCalls
 
 
-def answer_calls(family: type[ToolParser], text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
+def answer_parser(family: type[ToolParser], tools: Tools | None = None) -> AnswerParser:
+    """One answer's parser: the family's markers, and an unmarked call of one of ``tools`` (the
+    declared tools; none: markers only)."""
+    return UnmarkedCalls(family(), tools) if tools else family()
+
+
+def answer_calls(
+    family: type[ToolParser], text: str, tools: Tools | None = None
+) -> tuple[str | None, list[dict[str, Any]] | None]:
     """A finished answer's content and OpenAI tool calls (None when it calls nothing, and the
     content is then the whole text)."""
-    parsed = family().parse(text)
+    parsed = parse_text(answer_parser(family, tools), text)
     if not parsed.calls:
         return text, None
     calls = [
@@ -37,9 +46,9 @@ class Piece:
 class AnswerStream:
     """One streamed output through a family's parser: each text delta -> content and call pieces."""
 
-    def __init__(self, family: type[ToolParser]) -> None:
+    def __init__(self, family: type[ToolParser], tools: Tools | None = None) -> None:
         self.family = family
-        self.parser = family()
+        self.parser = answer_parser(family, tools)
 
     @property
     def called(self) -> bool:

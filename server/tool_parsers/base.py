@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from servelm.server.tool_parsers.readers import Reader
 
@@ -124,17 +124,7 @@ class ToolParser:
 
     def parse(self, text: str) -> ParsedOutput:
         """The complete answer ``text`` as content and calls (vLLM's ``extract_tool_calls``)."""
-        deltas = [self.feed(text), self.finish()]
-        if self.malformed or not self.calls:
-            return ParsedOutput(text, [])
-        calls: list[ParsedCall] = []
-        for d in deltas:
-            for c in d.calls:
-                if c.name is not None:
-                    calls.append(ParsedCall(c.name, ""))
-                calls[c.index].arguments += c.arguments
-        content = "".join(d.content for d in deltas)
-        return ParsedOutput(content or None, calls[: self.complete])
+        return parse_text(self, text)
 
     def feed(self, text: str) -> ParserDelta:
         out = ParserDelta()
@@ -256,6 +246,35 @@ class ToolParser:
             return True
         self._buf = buf[len(buf) - _partial_suffix(buf, self.continuers) :]
         return False
+
+
+class AnswerParser(Protocol):
+    """What reads one answer: a family's parser, or one that also reads unmarked calls around it."""
+
+    @property
+    def calls(self) -> int: ...  # calls named so far
+    @property
+    def complete(self) -> int: ...  # calls whose text is whole so far
+    @property
+    def malformed(self) -> bool: ...  # some text started a call and was not one
+
+    def feed(self, text: str) -> ParserDelta: ...
+    def finish(self) -> ParserDelta: ...
+
+
+def parse_text(parser: AnswerParser, text: str) -> ParsedOutput:
+    """The complete answer ``text`` through ``parser``: the same machine as a stream, fed at once."""
+    deltas = [parser.feed(text), parser.finish()]
+    if parser.malformed or not parser.calls:
+        return ParsedOutput(text, [])
+    calls: list[ParsedCall] = []
+    for d in deltas:
+        for c in d.calls:
+            if c.name is not None:
+                calls.append(ParsedCall(c.name, ""))
+            calls[c.index].arguments += c.arguments
+    content = "".join(d.content for d in deltas)
+    return ParsedOutput(content or None, calls[: parser.complete])
 
 
 def _partial_suffix(text: str, markers: tuple[str, ...]) -> int:

@@ -102,3 +102,17 @@ def serve_app(monkeypatch: pytest.MonkeyPatch, server_tokenizer: Any) -> Callabl
         return apps[-1] if status == 0 else None
 
     return run
+
+
+@pytest.fixture(scope="session")
+def marker_tokenizer() -> Any:
+    """The default model's byte-level BPE with every family's markers as single added tokens."""
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    from servelm.runtime.model_files import ensure_default_model
+
+    tok = AutoTokenizer.from_pretrained(str(ensure_default_model()))
+    markers = ["<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|tool_call|>"]
+    tok.add_tokens([AddedToken(m, special=False, normalized=False) for m in markers])
+    return tok

@@ -164,3 +164,24 @@ def test_a_bad_flag_stops_the_start_before_the_model_loads(
     with caplog.at_level(logging.ERROR, logger="servelm"):
         assert serve_app("--chat-template", value, status=1) is None
     assert any("cannot start: --chat-template" in r.getMessage() and says in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_the_shipped_qwen_coder_template_renders_tools_and_results(server_tokenizer: Any) -> None:
+    # docs/templates/qwen2.5-coder-tools.jinja: the Qwen2.5-Coder files' own template with the call example's
+    # braces single (the files double them, and the model copies them) and a line on when not to call.
+    from servelm.server.chat_template import check_chat_template, load_chat_template
+
+    text = load_chat_template(str(Path(__file__).parents[2] / "docs" / "templates" / "qwen2.5-coder-tools.jinja"))
+    check_chat_template(text)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "Sunny"},
+    ]
+    prompt = server_tokenizer.apply_chat_template(messages, tools=tools, chat_template=text, tokenize=False, add_generation_prompt=True)
+    assert '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>' in prompt
+    assert "{{" not in prompt and "do not call any: answer in plain text" in prompt
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
+    assert prompt.endswith("<tool_response>\nSunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n")

@@ -64,20 +64,6 @@ FORMATS: list[tuple[str, Callable[[list[Call]], str]]] = [
 ]
 # Families whose calls may follow text (the others' calls are the whole answer).
 AFTER_TEXT = {hermes, llama3_tagged, mistral, mistral_v11}
-MARKERS = ["<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|tool_call|>"]
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    """The default model's byte-level BPE with every family's markers as single added tokens."""
-    from tokenizers import AddedToken
-    from transformers import AutoTokenizer
-
-    from servelm.runtime.model_files import ensure_default_model
-
-    tok = AutoTokenizer.from_pretrained(str(ensure_default_model()))
-    tok.add_tokens([AddedToken(m, special=False, normalized=False) for m in MARKERS])
-    return tok
 
 
 def token_chunks(tok: Any, text: str) -> list[str]:
@@ -119,22 +105,22 @@ def check(out: ParsedOutput, content: str | None, calls: list[Call]) -> None:
     assert [json.loads(c.arguments) for c in out.calls] == [a for _, a in calls]
 
 
-def all_ways(tokenizer: Any, name: str, text: str) -> list[ParsedOutput]:
+def all_ways(tok: Any, name: str, text: str) -> list[ParsedOutput]:
     """The complete parse, then the streamed ones (by character, by token, in two halves)."""
     half = len(text) // 2
     return [
         PARSERS[name]().parse(text),
         streamed(name, list(text)),
-        streamed(name, token_chunks(tokenizer, text)),
+        streamed(name, token_chunks(tok, text)),
         streamed(name, [text[:half], text[half:]]),
     ]
 
 
 @pytest.mark.parametrize("name,fmt", FORMATS, ids=[f.__name__ for _, f in FORMATS])
 @pytest.mark.parametrize("calls", [[WEATHER], [WEATHER, TRICKY, EMPTY]], ids=["one", "three"])
-def test_calls_complete_and_streamed(tokenizer: Any, name: str, fmt: Callable[[list[Call]], str], calls: list[Call]) -> None:
+def test_calls_complete_and_streamed(marker_tokenizer: Any, name: str, fmt: Callable[[list[Call]], str], calls: list[Call]) -> None:
     text = fmt(calls)
-    outs = all_ways(tokenizer, name, text)
+    outs = all_ways(marker_tokenizer, name, text)
     for out in outs:
         check(out, None, calls)
     # The streamed arguments are the model's own text, so every way gives the same strings.
@@ -142,9 +128,9 @@ def test_calls_complete_and_streamed(tokenizer: Any, name: str, fmt: Callable[[l
 
 
 @pytest.mark.parametrize("name,fmt", [f for f in FORMATS if f[1] in AFTER_TEXT], ids=[f.__name__ for _, f in FORMATS if f in AFTER_TEXT])
-def test_text_before_the_calls(tokenizer: Any, name: str, fmt: Callable[[list[Call]], str]) -> None:
+def test_text_before_the_calls(marker_tokenizer: Any, name: str, fmt: Callable[[list[Call]], str]) -> None:
     # The whitespace between the text and the call is dropped, as a client shows it.
-    for out in all_ways(tokenizer, name, "Let me look that up: [1] {soon} <tool\n\n" + fmt([WEATHER, TRICKY])):
+    for out in all_ways(marker_tokenizer, name, "Let me look that up: [1] {soon} <tool\n\n" + fmt([WEATHER, TRICKY])):
         check(out, "Let me look that up: [1] {soon} <tool", [WEATHER, TRICKY])
 
 
@@ -153,8 +139,8 @@ def test_text_before_the_calls(tokenizer: Any, name: str, fmt: Callable[[list[Ca
     "text",
     ["It is sunny in Paris.", "  \n  indented", "", "a < b and [x] {y}; <tool", "ends with a marker's start <|py", "[TOOL"],
 )
-def test_text_answers_are_content_unchanged(tokenizer: Any, name: str, text: str) -> None:
-    for out in all_ways(tokenizer, name, text):
+def test_text_answers_are_content_unchanged(marker_tokenizer: Any, name: str, text: str) -> None:
+    for out in all_ways(marker_tokenizer, name, text):
         assert out == ParsedOutput(text, [])
 
 
@@ -168,18 +154,18 @@ MALFORMED = {
 
 
 @pytest.mark.parametrize("name,text", [(n, t) for n, ts in MALFORMED.items() for t in ts])
-def test_malformed_calls_are_content(tokenizer: Any, name: str, text: str) -> None:
+def test_malformed_calls_are_content(marker_tokenizer: Any, name: str, text: str) -> None:
     assert PARSERS[name]().parse(text) == ParsedOutput(text, [])
     parser = PARSERS[name]()
     assert parser.parse(text) and parser.malformed
     # Streamed: what was sent as a call stays sent; a call not yet named comes back as content.
-    for out in all_ways(tokenizer, name, text)[1:]:
+    for out in all_ways(marker_tokenizer, name, text)[1:]:
         if not out.calls:
             assert out.content == text
 
 
 @pytest.mark.parametrize("name,fmt", FORMATS, ids=[f.__name__ for _, f in FORMATS])
-def test_a_call_cut_short_is_content(tokenizer: Any, name: str, fmt: Callable[[list[Call]], str]) -> None:
+def test_a_call_cut_short_is_content(marker_tokenizer: Any, name: str, fmt: Callable[[list[Call]], str]) -> None:
     text = fmt([WEATHER])
     cut = text[: text.index("Paris")]  # max_tokens ended it inside the arguments
     assert PARSERS[name]().parse(cut) == ParsedOutput(cut, [])
@@ -187,7 +173,7 @@ def test_a_call_cut_short_is_content(tokenizer: Any, name: str, fmt: Callable[[l
 
 @pytest.mark.parametrize("name,fmt", FORMATS, ids=[f.__name__ for _, f in FORMATS])
 @pytest.mark.parametrize("at", ["print", '"run"', "run"], ids=["in-arguments", "in-name", "in-name-string"])
-def test_the_calls_before_a_cut_are_calls(tokenizer: Any, name: str, fmt: Callable[[list[Call]], str], at: str) -> None:
+def test_the_calls_before_a_cut_are_calls(marker_tokenizer: Any, name: str, fmt: Callable[[list[Call]], str], at: str) -> None:
     # max_tokens ended the answer inside its second call: the first is whole and comes back as a call, the
     # cut one not at all (finish_reason "length" says it was cut), whether read whole or streamed.
     text = fmt([WEATHER, TRICKY, EMPTY])
@@ -195,7 +181,7 @@ def test_the_calls_before_a_cut_are_calls(tokenizer: Any, name: str, fmt: Callab
         pytest.skip(f"{fmt.__name__} does not quote names")
     cut = text[: text.index(at)]
     check(PARSERS[name]().parse(cut), None, [WEATHER])
-    for out in all_ways(tokenizer, name, cut)[1:]:
+    for out in all_ways(marker_tokenizer, name, cut)[1:]:
         assert not out.content and out.calls[0] == ParsedCall("get_weather", PARSERS[name]().parse(cut).calls[0].arguments)
         assert len(out.calls) <= 2  # streamed, the cut call's name may have gone out already
     if fmt in AFTER_TEXT:
