@@ -77,6 +77,15 @@ def best_rate(fn, work: float, reps: int = 5) -> float:
     return best
 
 
+def triad(n: int = 64 << 20) -> None:
+    """STREAM's triad a = b + s c over three float32 arrays of n; its bytes are the three arrays'."""
+    b, c, out = torch.rand(n), torch.rand(n), torch.empty(n)
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        rate = best_rate(lambda: torch.add(b, c, alpha=3.0, out=out), 3 * 4 * n)
+        print(f"STREAM triad, {threads} thread(s): {rate / 1e9:.1f} GB/s")
+
+
 def main() -> None:
     m = load_inline(
         "vnni_peak", cpp_sources=SOURCE, functions=["vnni_ops", "amx_flops"],
@@ -98,13 +107,7 @@ def main() -> None:
     x = torch.randn(2048, 2048, dtype=torch.bfloat16)
     rate = best_rate(lambda: x @ x, 2 * 2048**3)
     print(f"bfloat16 matmul 2048^3 (oneDNN), 2 threads: {rate / 1e12:.3f} TFLOPS")
-    n = 64 << 20
-    b, c, out = torch.rand(n), torch.rand(n), torch.empty(n)
-    for threads in (1, 2):
-        torch.set_num_threads(threads)
-        rate = best_rate(lambda: torch.add(b, c, alpha=3.0, out=out), 3 * 4 * n)
-        print(f"STREAM triad, {threads} thread(s): {rate / 1e9:.1f} GB/s")
-    del b, c, out
+    triad()
     a = torch.randint(-127, 127, (2048, 2048), dtype=torch.int8)
     b = torch.randint(-127, 127, (2048, 2048), dtype=torch.int8)
     torch._int_mm(a, b)
