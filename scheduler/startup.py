@@ -350,7 +350,9 @@ def new_runner(
         seed=config.seed,
         max_model_len=max_model_len,
         enforce_eager=config.enforce_eager,
-        quantization=config.quantization,
+        # auto is int4 only where that is exact and runs: never under tensor parallelism (shards
+        # run unquantized there), as on CUDA.
+        quantization=None if config.tensor_parallel_size > 1 and config.quantization == "auto" else config.quantization,
         kv_dtype=resolve_kv_dtype(config.kv_cache_dtype, dtype, device),
         gguf_activations=config.gguf_activations,
     )

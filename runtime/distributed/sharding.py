@@ -26,7 +26,7 @@ from servelm.runtime.gguf.folder import gguf_source
 from servelm.runtime.models.layers import Linear
 from servelm.runtime.models.llama import CausalLM
 from servelm.runtime.platform import platform_of
-from servelm.runtime.quantization import NONE
+from servelm.runtime.quantization import AUTO, NONE
 from servelm.runtime.weights import load_weights
 
 # Our parameter's module name -> the dimension its checkpoint tensors are split along.
@@ -62,7 +62,7 @@ def check_tensor_parallel(
             f"tensor parallelism on {platform.name.upper()} (device {device}, {platform.distributed_backend.upper()}) is unproven, "
             "so it is refused: it has only run on CPU over gloo (--device cpu)"
         )
-    if quantization not in (None, NONE):
+    if quantization not in (None, NONE, AUTO):  # auto: the shards run unquantized
         raise UnsupportedModelError(f"--quantization {quantization} is not supported with tensor parallelism yet")
     if model_dir is not None and gguf_source(model_dir) is not None:
         raise UnsupportedModelError("GGUF weights are not supported with tensor parallelism yet: load a safetensors folder")
