@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from tiers import ServerGuard, mark_second_tier
+from tiers import FirstTierClock, ServerGuard, mark_second_tier
 
 from servelm.runtime.batch import SamplingOptions
 from servelm.runtime.config import ModelConfig
@@ -28,6 +28,7 @@ from servelm.runtime.model_files import ensure_default_model
 # ---- the two tiers (tests/tiers.py, docs/testing.md) -------------------------------------------------
 
 SERVER_GUARD = ServerGuard()
+FIRST_TIER_CLOCK = FirstTierClock()
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -42,6 +43,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.hookimpl(tryfirst=True)  # before the test's fixtures start anything
 def pytest_runtest_setup(item: pytest.Item) -> None:
     SERVER_GUARD.enter(item)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    FIRST_TIER_CLOCK.add(report)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    FIRST_TIER_CLOCK.summary(terminalreporter.write_line)
 
 
 # ---- models -------------------------------------------------------------------------------------------

@@ -4,8 +4,9 @@ CI runs both (docs/testing.md has the rule for what goes where).
 Two parts of the rule are applied here, so a new test lands in the right tier without a mark: a test in a
 module that uses the process harness (``ServeProcess``: a real ``servelm serve``) and a test that needs
 a real GGUF model file (the ``gemma3_gguf`` and ``qwen05_gguf`` fixtures) are second tier. The rest of
-the rule is marked by hand, and one part of it is checked where it matters: a first-tier test that
-starts a server process fails, whatever its marks say.
+the rule is marked by hand, each mark with its reason, and checked where it can be: a first-tier test
+that starts a server process fails, whatever its marks say, and a first-tier test that takes more than
+``SLOW_SECONDS`` is named at the end of the run.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ SLOW = "slow"
 REAL_GGUF_FIXTURES = frozenset({"gemma3_gguf", "qwen05_gguf"})
 # Programs that are servers whatever their arguments.
 SERVER_PROGRAMS = frozenset({"llama-server", "vllm-router"})
+# A first-tier test (setup, call and teardown together) over this, on an idle machine, belongs to the second.
+SLOW_SECONDS = 3.0
 
 
 class SecondTierOnly(AssertionError):
@@ -81,3 +84,28 @@ class ServerGuard:
                 f"{self.first_tier_test} starts {server}, and tests that start servers belong to the second "
                 "tier (make test-slow): mark it @pytest.mark.slow (docs/testing.md)"
             )
+
+
+class FirstTierClock:
+    """Adds up each first-tier test's setup, call and teardown, and names those over ``SLOW_SECONDS``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def add(self, report: pytest.TestReport) -> None:
+        if SLOW not in report.keywords:
+            self.seconds[report.nodeid] = self.seconds.get(report.nodeid, 0.0) + report.duration
+
+    def over(self) -> list[tuple[float, str]]:
+        return sorted(((s, n) for n, s in self.seconds.items() if s > SLOW_SECONDS), reverse=True)
+
+    def summary(self, write_line: Any, shown: int = 10) -> None:
+        over = self.over()
+        if not over:
+            return
+        write_line(
+            f"{len(over)} first-tier tests over {SLOW_SECONDS:g} s: mark them slow (docs/testing.md), unless the "
+            "machine was busy or the time is the first build of a C++ kernel after a change to its source"
+        )
+        for seconds, nodeid in over[:shown]:
+            write_line(f"  {seconds:6.1f} s  {nodeid}")
