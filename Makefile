@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 PIP     := $(VPY) -m pip install -q --disable-pip-version-check -c requirements/constraints.txt
 ARGS    ?=
 
-.PHONY: serve test setup model bench lint clean image-check
+.PHONY: serve test test-slow setup model bench lint clean image-check
 
 $(STAMP): pyproject.toml requirements/constraints.txt
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -23,8 +23,13 @@ model: $(STAMP)
 serve: model
 	$(VENV)/bin/servelm serve $(ARGS)
 
+# Two tiers (docs/testing.md): `make test` leaves out the tests marked slow, `make test-slow` runs only
+# them; together they are the whole suite, and CI runs both.
 test: model
-	$(VPY) -m pytest -q $(ARGS)
+	$(VPY) -m pytest -q -m "not slow" $(ARGS)
+
+test-slow: model
+	$(VPY) -m pytest -q -m slow $(ARGS)
 
 bench: model
 	$(VPY) scripts/bench_engine.py $(ARGS)

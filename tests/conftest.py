@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random Llama-family models on disk, the default model, and a runner builder.
+"""Shared fixtures: tiny random Llama-family models on disk, the default model, and a runner builder; and
+the hooks that split the suite into its two tiers (tests/tiers.py).
 
 The tiny models use the default model's vocabulary size so its tokenizer files can sit beside them
 (the folder is then a complete servable model). Seeds are fixed: the same weights every run.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import random
 import shutil
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,11 +18,42 @@ from typing import Any
 
 import pytest
 import torch
+from tiers import FirstTierClock, ServerGuard, mark_second_tier
 
 from servelm.runtime.batch import SamplingOptions
 from servelm.runtime.config import ModelConfig
 from servelm.runtime.model_fetch import ensure_gemma3_gguf, ensure_qwen05_gguf
 from servelm.runtime.model_files import ensure_default_model
+
+# ---- the two tiers (tests/tiers.py, docs/testing.md) -------------------------------------------------
+
+SERVER_GUARD = ServerGuard()
+FIRST_TIER_CLOCK = FirstTierClock()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    sys.addaudithook(SERVER_GUARD)
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by the marks
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    mark_second_tier(items)
+
+
+@pytest.hookimpl(tryfirst=True)  # before the test's fixtures start anything
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    SERVER_GUARD.enter(item)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    FIRST_TIER_CLOCK.add(report)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    FIRST_TIER_CLOCK.summary(terminalreporter.write_line)
+
+
+# ---- models -------------------------------------------------------------------------------------------
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # pip builds the wheel and installs it
+
 REPO = Path(__file__).resolve().parents[1]
 
 

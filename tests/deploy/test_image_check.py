@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # runs image_check.sh end to end
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "docker" / "image" / "image_check.sh"
 

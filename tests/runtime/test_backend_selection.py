@@ -28,6 +28,7 @@ def run_python(code: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # a fresh Python process
 def test_cpu_gets_the_torch_backend_and_imports_nothing_cuda_only() -> None:
     got = run_python(
         """
@@ -41,6 +42,7 @@ def test_cpu_gets_the_torch_backend_and_imports_nothing_cuda_only() -> None:
     assert not [m for m in got["modules"] if m.split(".")[0] in CUDA_ONLY]
 
 
+@pytest.mark.slow  # a fresh Python process
 def test_cuda_modules_import_without_cuda_packages() -> None:
     # The platform seam and the runner may import these on any machine; only building a CUDA backend
     # (or capturing graphs) may pull triton / flash_attn in.

@@ -137,6 +137,7 @@ def test_rms_norm_bfloat16_rounds_like_hugging_face(rms_norm: cpu_ops.RmsNorm, s
     ],
     ids=lambda v: v.rsplit("/", 1)[-1] if isinstance(v, str) else "+".join(v),
 )
+@pytest.mark.slow  # a C++ compile each
 def test_kernel_sources_compile_for_other_cpus(source: str, march: list[str]) -> None:
     """A CPU without AVX-512 (x86-64-v3: AVX2, FMA) must still build every extension: what needs
     AVX-512 is behind its macros, and a build failure would cost every op of the file, not only those.

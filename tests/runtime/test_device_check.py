@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # runs the device-check scripts end to end (an engine and a server each)
+
 REPO = Path(__file__).resolve().parents[2]
 
 

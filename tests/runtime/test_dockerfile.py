@@ -84,6 +84,7 @@ def copied_sources() -> list[str]:
     return sorted(set(paths))
 
 
+@pytest.mark.slow  # pip builds the wheel
 def test_the_wheel_holds_every_package_file(tmp_path: Path) -> None:
     """A non-editable install (both images, ``pip install servelm``) must carry the C++ kernel
     sources, or the CPU path silently loses its kernels at start-up."""

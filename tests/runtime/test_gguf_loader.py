@@ -17,6 +17,8 @@ from servelm.runtime.gguf.projection import GGUFEmbedding, GGUFMethod, GGUFShard
 from servelm.runtime.model_files import default_gguf_file, default_model_dir, resolve_model_path
 from servelm.runtime.models.layers import Linear
 
+pytestmark = pytest.mark.slow  # the default model's GGUF file
+
 
 @pytest.fixture(scope="module")
 def gguf_folder() -> Path:

@@ -164,12 +164,14 @@ def _assert_same_model_config(theirs: dict[str, Any], source: dict[str, Any], ar
             assert theirs[field] == source[field], field
 
 
+@pytest.mark.slow  # a GGUF file written and read back by transformers: 2-4 s a case (docs/testing.md)
 @pytest.mark.parametrize("case_id", list(CASES))
 def test_transformers_config_is_the_source_config(case_id: str, built: Callable[[str], Built]) -> None:
     b = built(case_id)
     _assert_same_model_config(b.config, b.source_config, b.case.arch)
 
 
+@pytest.mark.slow  # a GGUF file written and read back by transformers: 2-4 s a case (docs/testing.md)
 @pytest.mark.parametrize("case_id", list(CASES))
 def test_names_config_agrees_with_transformers(case_id: str, built: Callable[[str], Built]) -> None:
     b = built(case_id)
@@ -191,6 +193,7 @@ def test_names_config_agrees_with_transformers(case_id: str, built: Callable[[st
     assert ModelConfig.from_hf_dict(ours) == ModelConfig.from_hf_dict(source)
 
 
+@pytest.mark.slow  # a GGUF file written and read back by transformers: 2-4 s a case (docs/testing.md)
 @pytest.mark.parametrize("case_id", list(CASES))
 def test_state_dict_is_our_dequantization_and_close_to_source(case_id: str, built: Callable[[str], Built]) -> None:
     """transformers' parameters equal our names + un-permutation + dequantizers bit for bit, and each
@@ -218,6 +221,7 @@ def test_state_dict_is_our_dequantization_and_close_to_source(case_id: str, buil
         assert torch.equal(b.state["lm_head.weight"], b.state["model.embed_tokens.weight"])
 
 
+@pytest.mark.slow  # a GGUF file written and read back by transformers: 2-4 s a case (docs/testing.md)
 @pytest.mark.parametrize("case_id", TOKENIZER_CASES)
 def test_tokenizer_is_the_default_models(case_id: str, built: Callable[[str], Built]) -> None:
     from servelm.runtime.model_files import ensure_default_model

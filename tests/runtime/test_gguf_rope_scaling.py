@@ -22,6 +22,10 @@ from test_gguf_vs_transformers import assert_logits_match, run_ours, sequences
 
 transformers = pytest.importorskip("transformers")
 
+# Second tier (docs/testing.md): each case's fixture writes a GGUF file and runs transformers on a wide tiny
+# model, 6-7 s before its first test; marking one test of a case would only move that time to the other.
+pytestmark = pytest.mark.slow
+
 # original_max_position_embeddings small enough that the tiny model's 8 frequencies fall in all three
 # of llama3's bands (kept, interpolated, divided by the factor) within the test's positions
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

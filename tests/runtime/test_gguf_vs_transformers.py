@@ -30,6 +30,11 @@ from gguf_models import Case, save_tiny_model_for_gguf, tensor_format, write_tin
 
 from servelm.runtime.models.layers import Linear
 
+# Second tier (docs/testing.md): reference comparisons through GGUF files written as llama.cpp's converter
+# writes them and read back by transformers' GGUF loader, 2-3 s a case before its first test (the int8
+# references 5-8 s a case more, an engine a flag set 5-6 s); nearly every test here reads those files.
+pytestmark = pytest.mark.slow
+
 transformers = pytest.importorskip("transformers")
 
 

@@ -112,7 +112,7 @@ def default_prompt_and_ref(default_model_dir: Path) -> tuple[list[int], torch.Te
     return ids, hf_logits(default_model_dir, ids)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the default model against transformers
 @pytest.mark.parametrize("mode", list(MODES))
 def test_default_model_matches_hf(
     default_runner: ModelRunner, default_prompt_and_ref: tuple[list[int], torch.Tensor], rt: Any, mode: str

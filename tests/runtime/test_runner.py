@@ -67,7 +67,7 @@ def greedy_loop(
     return [s.token_ids[s.num_prompt_tokens :] for s in seqs]
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the default model against transformers
 def test_greedy_matches_hf_generate_batched(
     default_model_dir: Path, build_runner: Callable[..., ModelRunner], rt: SimpleNamespace
 ) -> None:

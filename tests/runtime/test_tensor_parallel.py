@@ -218,6 +218,7 @@ def run_driver(spec: dict[str, Any]) -> dict[str, Any]:
     return results
 
 
+@pytest.mark.slow  # tp_results runs torch.distributed ranks in processes
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_tp2_logits_and_greedy_tokens_equal_tp1(tp_results: dict[str, Any], variant: str) -> None:
     r = tp_results["logits"][variant]
@@ -228,6 +229,7 @@ def test_tp2_logits_and_greedy_tokens_equal_tp1(tp_results: dict[str, Any], vari
     assert r["pool_kv_heads"] * 2 == r["kv_heads"]  # each rank's pool holds its KV heads only
 
 
+@pytest.mark.slow  # tp_results runs torch.distributed ranks in processes
 @pytest.mark.parametrize("case", ENGINE_CASES)
 def test_tp2_engine_greedy_equal_with_chunks_preemption_prefix_cache(tp_results: dict[str, Any], case: str) -> None:
     r = tp_results["engine"][case]
@@ -241,10 +243,12 @@ def test_tp2_engine_greedy_equal_with_chunks_preemption_prefix_cache(tp_results:
         assert ref["drafts"][1] > 0  # drafts were verified and kept
 
 
+@pytest.mark.slow  # tp_results runs torch.distributed ranks in processes
 def test_tp2_refuses_lora_on_a_live_group(tp_results: dict[str, Any]) -> None:
     assert any("LoRA" in e for e in tp_results["refused"])
 
 
+@pytest.mark.slow  # tp_results runs torch.distributed ranks in processes
 def test_tp2_step_time_overhead(tp_results: dict[str, Any]) -> None:
     """Measured, not asserted faster: on 2 shared cores the collectives cost more than halving the matmuls saves."""
     for name, t in tp_results["timing"].items():
@@ -304,7 +308,7 @@ def test_step_message_carries_the_whole_flat_batch(
     assert receive_step(Wire(1, 2)) is None
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # torch.distributed ranks in processes, on the default model
 def test_tp3_default_model_logits_and_greedy_tokens_equal_tp1(default_model_dir: Path) -> None:
     """SmolLM2-135M's 9 heads / 3 KV heads split over 3 ranks (2 would be refused): the runner-level
     scenario (25 s here); with SERVELM_TEST_TP_ENGINE=1 also the engine's (50 s more on 2 cores)."""

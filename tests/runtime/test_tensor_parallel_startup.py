@@ -73,6 +73,7 @@ def test_the_kv_budget_is_each_ranks(tiny_model_dir: Callable[[str], Path]) -> N
     assert "per rank x 2 ranks" in two.describe() and "rank" not in one.describe()
 
 
+@pytest.mark.slow  # a fresh Python process
 def test_the_cli_refuses_lora_under_tp_and_exits_1(tiny_model_dir: Callable[[str], Path]) -> None:
     argv = [sys.executable, "-m", "servelm.server.cli", "serve", "--model", str(tiny_model_dir("llama")), "-tp", "2",
             "--enable-lora", "--kv-cache-memory", "4MiB", "--port", "0"]  # fmt: skip

@@ -19,7 +19,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),
+    pytest.mark.slow,  # Triton compiles in a fresh Python process
+]
 
 COMPILE = textwrap.dedent(
     """

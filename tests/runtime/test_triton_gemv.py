@@ -146,6 +146,7 @@ def test_model_with_few_row_kernels_equals_the_eager_model(tiny_model_dir, build
         assert calls["linear"] == ([rows] if rows <= 4 else [])
 
 
+@pytest.mark.slow  # over 3 s: 4 s
 def test_device_check_compares_few_row_and_plain_projections(tiny_llama_dir, build_runner, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The device check's few-row section, on CPU: it passes on the real kernels, fails on a wrong one,
     and leaves the runner's setting as it found it."""

@@ -25,7 +25,7 @@ from servelm.scheduler.config import EngineConfig
 from servelm.scheduler.engine import Engine
 from servelm.scheduler.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # real GGUF files against transformers
 
 BLOCK = 16
 MAX_NEW = 32  # the most any prompt asks for; the others ask for 24 .. 30

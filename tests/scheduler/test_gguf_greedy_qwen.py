@@ -25,7 +25,7 @@ from servelm.scheduler.config import EngineConfig
 from servelm.scheduler.engine import Engine
 from servelm.scheduler.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # Qwen2.5-Coder-0.5B's GGUF file against transformers
 
 BLOCK = 16
 KV_BLOCKS = 64  # every prompt and its answer at once: no preemption (test_gguf_greedy covers it)

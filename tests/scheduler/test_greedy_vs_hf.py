@@ -20,7 +20,7 @@ from servelm.scheduler.config import EngineConfig
 from servelm.scheduler.engine import Engine
 from servelm.scheduler.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # the default model against transformers
 
 MAX_NEW = 64
 MiB = 2**20

@@ -194,7 +194,7 @@ def test_step_stats_name_running_and_waiting_adapters(tiny_llama_dir: Path, adap
     assert plain_stats and all(s is None for s in plain_stats)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the default model against PEFT
 def test_default_model_int4_with_an_adapter_equals_peft(default_model_dir: Path, tmp_path: Path) -> None:
     """The embedded model served in its own 4-bit format (``--quantization auto``) with an adapter on
     every projection: greedy tokens equal PEFT's float32 ones, and the base model's stay HF's."""

@@ -10,6 +10,8 @@ from servelm.scheduler.config import EngineConfig
 from servelm.scheduler.engine import Engine
 from servelm.scheduler.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.slow  # engines on the default model
+
 QUESTIONS = ["What is the capital of France?", "Name the largest planet of the solar system.",
              "What colour is the sky on a clear day?", "How many legs does a spider have?"]
 

@@ -174,7 +174,7 @@ def test_step_stats_count_drafts(tiny_llama_dir: Path, prompts: list[list[int]])
     assert len([s for s in obs.steps if s.num_generation_tokens]) == 40 - e.num_accepted_drafts
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # an engine on the default model
 def test_default_model_rewrite_keeps_drafts_and_tokens(default_model_dir: Path) -> None:
     """The default model (int4, as served) rewriting a text: most drafts kept, the same tokens."""
     text = (

@@ -152,7 +152,7 @@ def test_bench_and_plan_are_wired(capsys: pytest.CaptureFixture[str]) -> None:
         assert "unavailable" not in capsys.readouterr().out
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a servelm serve process
 def test_sigterm_during_stream_finishes_it_and_exits_0() -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     env.pop("SERVELM_API_KEY", None)

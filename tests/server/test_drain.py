@@ -64,7 +64,7 @@ def _typed_events(raw: bytes) -> list[dict[str, Any]]:
     return [json.loads(e.split("\ndata: ", 1)[1]) for e in raw.decode().split("\n\n")[:-1]]
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a servelm serve process
 def test_drain_deadline_ends_every_request_with_an_error_and_exits_0() -> None:
     args = ("--kv-cache-memory", "128MiB", "--max-model-len", "1024", "--no-access-log", "--drain-timeout", str(DRAIN_S))
     with ServeProcess(*args) as srv:
@@ -120,7 +120,7 @@ def test_drain_deadline_ends_every_request_with_an_error_and_exits_0() -> None:
     assert "timeout graceful shutdown exceeded" not in srv.log, srv.log
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a servelm serve process
 def test_requests_arriving_during_the_drain_get_503_until_the_running_ones_end() -> None:
     """The listener stays open while requests run: new ones, on new and on kept-alive connections,
     get the documented 503 (OpenAI's shape, ``Retry-After``), readiness fails and liveness holds."""

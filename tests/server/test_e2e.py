@@ -25,7 +25,7 @@ from servelm.scheduler.sampling_params import SamplingParams
 from servelm.server.app import ObserverProxy, build_app, create_prometheus_observer
 from servelm.server.async_engine import AsyncEngine
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # an engine on the default model
 
 CHAT_Q = "What is the capital of France?"
 COMPLETION_PROMPT = "The three primary colors are"

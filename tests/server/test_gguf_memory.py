@@ -19,7 +19,7 @@ import httpx
 import pytest
 from proc_harness import ServeProcess
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # servelm serve processes on real GGUF files
 
 KV_MIB = 256
 # Everything but the weights and the KV pool: the Python runtime with torch (~250 MiB with its

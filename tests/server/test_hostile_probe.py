@@ -41,7 +41,7 @@ def _ask_capital(v1: str) -> str:
     return r.json()["choices"][0]["message"]["content"]
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a servelm serve process
 def test_every_fault_request_in_turn_leaves_the_server_whole() -> None:
     args = ("--kv-cache-memory", "128MiB", "--max-model-len", "2048", "--no-access-log",
             "--header-timeout", str(HEAD_TIMEOUT_S), "--body-timeout", str(BODY_TIMEOUT_S),
@@ -158,7 +158,7 @@ def _first_token_s(v1: str, timeout: float) -> float | None:
     return None
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a servelm serve process
 @pytest.mark.parametrize("share", ["1", None])
 def test_an_80_byte_request_of_many_choices_leaves_room_for_others(share: str | None) -> None:
     """Issue 40, item 5: ``n`` = all the slots, long outputs, ``ignore_eos``. With the bound off (share 1,
@@ -197,7 +197,7 @@ def _rss_mib(pid: int) -> float:
     return int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.M).group(1)) / 1024  # type: ignore[union-attr]
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a servelm serve process
 def test_loading_adapter_after_adapter_keeps_memory_bounded(default_model_dir, tmp_path) -> None:
     """Issue 40, item 4: 20 loads of one 75 MiB adapter under different names added 1.7 GB. With
     ``--max-cpu-loras 2`` the server holds two; each name still answers (read again when named)."""

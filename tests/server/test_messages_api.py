@@ -257,6 +257,7 @@ def live() -> Iterator[ServerThread]:
         srv.stop()
 
 
+@pytest.mark.slow  # an engine on the default model
 def test_greedy_tokens_are_the_chat_requests(live: ServerThread) -> None:
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     msg = client(live).messages.create(model="SmolLM2-135M-Instruct", max_tokens=24, extra_body=GREEDY, messages=messages)
@@ -272,6 +273,7 @@ def test_greedy_tokens_are_the_chat_requests(live: ServerThread) -> None:
     assert (cut.stop_reason, cut.stop_sequence, cut.content[0].text) == ("stop_sequence", "Paris", "The capital of France is ")
 
 
+@pytest.mark.slow  # an engine on the default model
 def test_tools_across_two_turns(live: ServerThread) -> None:
     sdk = client(live)
     # One call (left to repeat, the default model calls get_weather again and again, past max_tokens).

@@ -19,7 +19,7 @@ import httpx
 import pytest
 from proc_harness import REPO, ServeProcess
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # a servelm serve process and a browser
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e '.[test]')")
 CHROMIUM = os.environ.get("SERVELM_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")

@@ -18,7 +18,7 @@ from servelm.scheduler.config import EngineConfig
 from servelm.server.app import build_app
 from servelm.server.async_engine import AsyncEngine
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # an engine on the default model
 
 # The issue's request, byte for byte: r = 1e-38 lifts the prompt's tokens to float32's largest logit,
 # which T = 0.9 overflowed (the top-p histogram then raised in the engine thread: 503 engine_dead).

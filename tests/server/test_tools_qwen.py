@@ -24,7 +24,7 @@ from srv_harness import ServerThread
 
 from servelm.server.tool_parsers import PARSERS
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # Qwen2.5-Coder-0.5B's GGUF file (491 MB)
 
 MODEL = "qwen05"
 WEATHER = {

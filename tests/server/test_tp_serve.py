@@ -192,7 +192,7 @@ def test_a_killed_worker_stops_the_server_with_a_clear_error(servers: dict[Any, 
     assert re.search(rf"tensor-parallel worker rank 1 \(pid {worker}\) died \(killed by signal 9\)", p.log), p.log[-3000:]
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # servelm serve at TP=3 on the default model
 @pytest.mark.skipif(os.environ.get("SERVELM_TEST_TP_HTTP_DEFAULT") != "1", reason="SERVELM_TEST_TP_HTTP_DEFAULT=1: minutes on 2 cores")
 def test_default_model_at_tp3_serves_tp1s_chat_and_streams() -> None:
     args = ("--num-threads", "1", "--max-model-len", "1024", "--max-num-batched-tokens", "64", "--no-access-log")
