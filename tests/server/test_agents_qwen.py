@@ -25,7 +25,7 @@ from srv_harness import ServerThread
 
 from servelm.server.tool_parsers import PARSERS
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # a real model: Qwen2.5-Coder-0.5B-Instruct Q4_K_M (491 MB) behind a server
 
 MODEL = "qwen05"
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
