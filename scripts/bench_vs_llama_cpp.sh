@@ -155,7 +155,10 @@ servelm() {  # NAME [servelm serve flags]: serve on :8301, bench, stop (and agai
 llama_server() {  # NAME GGUF [llama-server flags]: serve on :8302, bench, stop
     local name=$1 gguf=$2
     shift 2
-    "$bin" -m "$gguf" -t "$THREADS" -np 32 -c 32768 -fa on $LLAMA_ARGS "$@" --host 127.0.0.1 --port 8302 > "$OUT_DIR/$name.log" 2>&1 &
+    # (With the long workload, -kvu lets one slot take the whole 32,768: -np 32 alone gives each 1,024.)
+    local unified=()
+    case " $WORKLOADS " in *" long "*) unified=(-kvu) ;; esac
+    "$bin" -m "$gguf" -t "$THREADS" -np 32 -c 32768 -fa on "${unified[@]}" $LLAMA_ARGS "$@" --host 127.0.0.1 --port 8302 > "$OUT_DIR/$name.log" 2>&1 &
     pid=$!
     wait_healthy 8302
     bench "$name" 8302

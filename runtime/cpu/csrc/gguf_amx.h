@@ -124,13 +124,7 @@ template <bool kHigh>
 struct BlockBFK45 {
   static void decode(const uint8_t* b, uint16_t* dst, int64_t step) {
     float s[8], m[8];
-    const float d = f16(b), dmin = f16(b + 2);
-    for (int j = 0; j < 8; ++j) {
-      int sc, mn;
-      scale_min_k4(b + 4, j, sc, mn);
-      s[j] = d * float(sc);
-      m[j] = -(dmin * float(mn));
-    }
+    k45_scales(b, s, m);
     const uint8_t* qs = b + (kHigh ? 48 : 16);
     const __m256i mask = _mm256_set1_epi8(0x0F);
     for (int c = 0; c < 4; ++c) {

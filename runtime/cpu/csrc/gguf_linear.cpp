@@ -222,8 +222,8 @@ template <> struct Format<Q8_0> {
 
 // Q4_K (no 5th bits) and Q5_K: 8 sub-blocks of 32, each (d*scale)*q - dmin*min; 32 quant bytes feed
 // sub-blocks 2c (low nibbles) and 2c+1 (high); bit j of qh[l] is the 5th bit of element l of sub-block j.
-template <bool kHigh>
-inline void decode_k45(const uint8_t* b, float* q, float* s, float* m) {
+// The 8 sub-blocks' scales d * scale and offsets -(dmin * min) of a Q4_K / Q5_K block.
+inline void k45_scales(const uint8_t* b, float* s, float* m) {
   const float d = f16(b), dmin = f16(b + 2);
   for (int j = 0; j < 8; ++j) {
     int sc, mn;
@@ -231,6 +231,11 @@ inline void decode_k45(const uint8_t* b, float* q, float* s, float* m) {
     s[j] = d * float(sc);
     m[j] = -(dmin * float(mn));
   }
+}
+
+template <bool kHigh>
+inline void decode_k45(const uint8_t* b, float* q, float* s, float* m) {
+  k45_scales(b, s, m);
   const uint8_t* qh = b + 16;
   const uint8_t* qs = b + (kHigh ? 48 : 16);
   for (int c = 0; c < 4; ++c) {
