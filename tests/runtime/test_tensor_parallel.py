@@ -334,9 +334,10 @@ def test_refusals_name_what_is_unsupported(default_model_dir: Path, tiny_model_d
     cfg = ModelConfig.from_dir(tiny)
     with pytest.raises(UnsupportedModelError, match=r"4 KV heads|2 KV heads, not divisible by 4|attention heads"):
         check_tensor_parallel(cfg, 8, device=cpu)
-    for q in ("int8", "int4", "auto"):
+    for q in ("int8", "int4"):
         with pytest.raises(UnsupportedModelError, match=f"--quantization {q}"):
             check_tensor_parallel(cfg, 2, device=cpu, quantization=q)
+    check_tensor_parallel(cfg, 2, device=cpu, quantization="auto")  # the default: shards run unquantized
     with pytest.raises(UnsupportedModelError, match=r"CUDA .*unproven"):
         check_tensor_parallel(cfg, 2, device=torch.device("cuda"))
     gguf_folder = tmp_path / "as-gguf"
