@@ -18,8 +18,8 @@ import pytest
 from proc_harness import ServeProcess
 
 DRAIN_S = 1.5
-LONG = {"temperature": 0, "ignore_eos": True}  # long enough to outlive the drain by far (≥ 8 s here)
-LONG_TOKENS = 400
+LONG = {"temperature": 0, "ignore_eos": True}  # long enough to outlive the drain by far (≥ 8 s here, int4 by default)
+LONG_TOKENS = 900
 
 
 class Call(threading.Thread):
@@ -66,7 +66,7 @@ def _typed_events(raw: bytes) -> list[dict[str, Any]]:
 
 @pytest.mark.slow  # a servelm serve process
 def test_drain_deadline_ends_every_request_with_an_error_and_exits_0() -> None:
-    args = ("--kv-cache-memory", "128MiB", "--max-model-len", "1024", "--no-access-log", "--drain-timeout", str(DRAIN_S))
+    args = ("--kv-cache-memory", "256MiB", "--max-model-len", "1024", "--no-access-log", "--drain-timeout", str(DRAIN_S))
     with ServeProcess(*args) as srv:
         v1 = f"{srv.url}/v1"
         long_calls = {
@@ -125,7 +125,7 @@ def test_requests_arriving_during_the_drain_get_503_until_the_running_ones_end()
     """The listener stays open while requests run: new ones, on new and on kept-alive connections,
     get the documented 503 (OpenAI's shape, ``Retry-After``), readiness fails and liveness holds."""
     drain_s = 4.0
-    args = ("--kv-cache-memory", "128MiB", "--max-model-len", "1024", "--no-access-log", "--drain-timeout", str(drain_s))
+    args = ("--kv-cache-memory", "256MiB", "--max-model-len", "1024", "--no-access-log", "--drain-timeout", str(drain_s))
     with ServeProcess(*args) as srv:
         v1 = f"{srv.url}/v1"
         with httpx.Client(timeout=30) as kept:
