@@ -59,12 +59,6 @@ inline void amx_configure() {
   _tile_loadconfig(&c);
 }
 
-// 32 floats to 32 bfloat16 (round to nearest even) at dst.
-inline void to_bf16_32(const float* src, uint16_t* dst) {
-  const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
-  _mm512_storeu_si512(dst, (__m512i)v);
-}
-
 // 32 integer quants v (int8 lanes) as bfloat16 weights s * q (+ m) at dst, the lower 16 with s0 and
 // the upper with s1 (Q6_K's scales are per 16): the reference's multiply, then add, then one rounding.
 template <bool kMin>
@@ -81,14 +75,7 @@ inline void emit32(__m256i v, float s0, float s1, float m, uint16_t* dst) {
 // One block of format Q as bfloat16, element 32i + e at dst[i * step + e]: bit-equal to rounding decode_block's floats, with the
 // quants taken 32 at a time in registers (decode_block's round trip through floats in memory cost
 // more than the tiles' products at 32 rows).
-template <int Q>
-struct BlockBF {
-  static void decode(const uint8_t* b, uint16_t* dst, int64_t step) {
-    alignas(64) float f[Format<Q>::elems];
-    decode_block<Q>(b, f);
-    for (int k = 0; k < Format<Q>::elems; k += 32) to_bf16_32(f + k, dst + k / 32 * step);
-  }
-};
+template <int Q> struct BlockBF;  // every quantized format below
 template <> struct BlockBF<Q4_0> {
   static void decode(const uint8_t* b, uint16_t* dst, int64_t step) {
     const float d = f16(b);
