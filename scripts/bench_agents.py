@@ -1,7 +1,7 @@
 """Agents on a small real model: servelm against llama.cpp's llama-server on the same GGUF file, one server
 at a time, at temperature 0, through the clients agents use.
 
-    .venv/bin/python scripts/bench_agents.py [--model FILE] [--chat-template FILE] [--servers servelm llama]
+    .venv/bin/python scripts/bench_agents.py [--model FILE] [--chat-template FILE | --as-stored] [--servers servelm llama]
                                              [--llama-server PATH] [--json OUT.json]
 
 Checks, each run not streamed and streamed:
@@ -13,7 +13,8 @@ Checks, each run not streamed and streamed:
   LangChain's ``ChatOpenAI.bind_tools``.
 
 servelm runs with ``--tool-call-parser hermes --enable-auto-tool-choice`` (Qwen2.5's format), llama-server
-with ``--jinja`` (its own reading of the template), both with the file's own chat template or both with
+with ``--jinja`` (its own reading of the template), both with the file's own chat template (servelm corrects its
+known quirks unless ``--as-stored``: server/template_fixes.py) or both with
 ``--chat-template`` (llama-server's ``--chat-template-file``). The default
 model is Qwen2.5-Coder-1.5B-Instruct Q4_K_M; llama-server is the one scripts/bench_vs_llama_cpp.sh builds.
 Pass counts print side by side; every answer goes to ``--json``.
@@ -247,7 +248,7 @@ def langchain_loop(base_url: str, model: str, stream: bool) -> Check:
 # ------------------------------------------------------------------------------ servers
 
 
-def serve(kind: str, model: Path, template: Path | None, llama: Path, log: Path) -> subprocess.Popen[bytes]:
+def serve(kind: str, model: Path, template: Path | None, llama: Path, log: Path, as_stored: bool = False) -> subprocess.Popen[bytes]:
     port = str(PORT)
     if kind == "servelm":
         argv = [
@@ -286,6 +287,8 @@ def serve(kind: str, model: Path, template: Path | None, llama: Path, log: Path)
         ]
     if template is not None:
         argv += ["--chat-template" if kind == "servelm" else "--chat-template-file", str(template)]
+    elif as_stored and kind == "servelm":
+        argv.append("--chat-template-as-stored")
     proc = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     for _ in range(900):
@@ -341,6 +344,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=MODEL)
     ap.add_argument("--chat-template", type=Path, default=None, help="served instead of the file's own")
+    ap.add_argument("--as-stored", action="store_true", help="servelm serves the file's template as stored (--chat-template-as-stored), not as corrected")
     ap.add_argument("--servers", nargs="+", default=["servelm", "llama"], choices=["servelm", "llama"])
     ap.add_argument("--llama-server", type=Path, default=LLAMA)
     ap.add_argument("--json", type=Path, default=Path("/tmp/bench_agents.json"))
@@ -348,8 +352,8 @@ def main() -> None:
     results: dict[str, dict[str, dict[str, Check]]] = {}
     for kind in args.servers:
         name = "servelm" if kind == "servelm" else "llama-server"
-        print(f"== {name} on {args.model.name}, chat template {args.chat_template or 'of the file'}", flush=True)
-        proc = serve(kind, args.model, args.chat_template, args.llama_server, args.json.with_suffix(f".{kind}.log"))
+        print(f"== {name} on {args.model.name}, chat template {args.chat_template or ('of the file' + (' as stored' if args.as_stored else ''))}", flush=True)
+        proc = serve(kind, args.model, args.chat_template, args.llama_server, args.json.with_suffix(f".{kind}.log"), args.as_stored)
         try:
             started = time.monotonic()
             results[name] = run_checks(f"http://127.0.0.1:{PORT}")

@@ -61,6 +61,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--served-model-name", default=None, help="model id clients send and /v1/models lists (default: the model folder name)")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model folder)")
     g.add_argument("--chat-template", default=None, metavar="PATH|TEMPLATE", help="render chat requests (chat, Responses, Messages, /tokenize) with this Jinja chat template instead of the model's own, as vLLM's flag: a file, or the template itself (a value holding {, } or a newline that names no file). Checked before the model loads: it must compile and render a one-message conversation. GET /props shows the template served. See docs/tools.md (default: the model's own)")
+    g.add_argument("--chat-template-as-stored", action="store_true", help="serve the model's own chat template exactly as its files store it. By default servelm corrects the known quirks of a few published templates (server/template_fixes.py; e.g. the Qwen2.5-Coder-1.5B GGUF's tool-call example with doubled braces, which the model copies) and logs each correction; GET /props shows the template served")
     g.add_argument("--trust-request-chat-template", action="store_true", help="let a chat request's chat_template field replace the served template, as vLLM's flag: the client's Jinja then runs in the server (sandboxed, its work unbounded), so for trusted clients only; without it such a request gets a 400 naming chat_template")
     g.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None, help="split the thinking a reasoning model writes before its answer (<think>...</think>) into chat's reasoning_content, a Responses reasoning item and Messages thinking blocks, as vLLM's flag: qwen3 (Qwen3, SmolLM3, QwQ), deepseek_r1 (DeepSeek-R1 and its distills, which think first even without <think>); constrained outputs then constrain the answer after the thinking. See docs/reasoning.md (default: off, the text is all answer)")
     g.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None, help="read tool calls in the model's own format, as vLLM's flag: hermes (Qwen2.5, Qwen3: <tool_call>{...}</tool_call>), llama3_json (Llama 3.x JSON, after <|python_tag|> or alone), mistral ([TOOL_CALLS]), granite (<|tool_call|>[...]); the tools then go to the chat template, required and named calls are held to the family's format by the grammar, and calls stream as their arguments arrive. See docs/tools.md (default: off, one JSON-array convention for every model)")
@@ -271,6 +272,8 @@ def run_serve(args: argparse.Namespace) -> int:
     app.state.serving.tool_parser = TOOL_PARSERS[args.tool_call_parser] if args.tool_call_parser else None
     app.state.serving.auto_tool_choice = args.enable_auto_tool_choice
     app.state.serving.split_special_tokens_in_content = args.split_special_tokens_in_content
+    if chat_template is None and not args.chat_template_as_stored:
+        chat_template = _corrected_own_template(app.state.serving)
     app.state.serving.chat_template = chat_template
     app.state.serving.trust_request_chat_template = args.trust_request_chat_template
     # Loading's garbage (for Gemma 3 270M the tokenizer's, ~280 MiB) stays resident otherwise.
@@ -286,6 +289,21 @@ def run_serve(args: argparse.Namespace) -> int:
         return 1
     log.info("servelm stopped")
     return 1 if async_engine.dead_reason else 0  # an engine that died (a tensor-parallel worker lost): a supervisor restarts it
+
+
+def _corrected_own_template(serving: Any) -> str | None:
+    """The model's own template with its known quirks corrected (None: served as stored)."""
+    from servelm.server.chat_template import served_chat_template
+    from servelm.server.template_fixes import fix_known_quirks
+
+    own = served_chat_template(serving)
+    if own is None:
+        return None
+    fixed, applied = fix_known_quirks(own)
+    if not applied:
+        return None
+    log.info("chat template: the model's own, with %s corrected (--chat-template-as-stored serves it as stored)", ", ".join(applied))
+    return fixed
 
 
 # ----------------------------------------------------------------------------------------- main
