@@ -23,8 +23,8 @@ from collections.abc import Callable
 import torch
 
 from servelm.runtime.capacity import DEVICE_PRESETS
-from servelm.runtime.cpu import linear as cpu_linear
 from servelm.runtime.model_files import cache_dir
+from servelm.runtime.platform import platform_of
 
 log = logging.getLogger(__name__)
 
@@ -64,25 +64,12 @@ def measure_cpu_peaks(budget_s: float = 0.5) -> tuple[float, float]:
     """Measured (FLOP/s, bytes/s) of this CPU with torch's current thread count, in about ``budget_s``.
 
     FLOP/s: a float32 product of 128 rows (a batched decode step's shape; fewer rows run slower here)
-    through oneDNN on a packed weight where the engine uses it (``runtime.cpu.linear``), else
-    ``torch.matmul``. Bytes/s: a copy between two 64 MiB tensors, counted as bytes read plus written.
+    as the CPU platform's projections compute it (oneDNN on a packed weight where it builds). Bytes/s: a copy between two 64 MiB tensors, counted as bytes read plus written.
     """
     m, k, n = 128, 2048, 2048
     a = torch.randn(m, k)
     w = torch.randn(n, k)
-    if cpu_linear.onednn_linear_available(torch.float32):
-        packed = cpu_linear.pack(w)
-
-        def matmul() -> object:
-            return cpu_linear.linear(a, packed, None)
-
-    else:
-        out = torch.empty(m, n)
-        wt = w.t()
-
-        def matmul() -> object:
-            return torch.matmul(a, wt, out=out)
-
+    matmul = platform_of("cpu").projection_product(a, w)
     flops = _best_rate(matmul, 2.0 * m * k * n, budget_s * 0.45)
 
     numel = 16 * 2**20  # 64 MiB of fp32: far beyond any last-level cache

@@ -9,6 +9,13 @@ from typing import Any
 
 import torch
 
+# The few-row dense projection a CPU fills (``cpu.ops``): (x [M, K] float32 contiguous, weight [N, K]
+# float32 contiguous, bias [N] | None) -> [M, N].
+FewRowLinear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+# A compiled RMS norm: (x [..., H] contiguous, weight [H], eps) -> [..., H]; float32, or bfloat16 as HF
+# rounds it.
+NormKernel = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+
 
 @dataclass
 class ModelKernels:

@@ -85,6 +85,13 @@ class Platform:
         """The quantized projection kernels by format (``--quantization``); none by default."""
         return {}
 
+    def projection_product(self, x: torch.Tensor, weight: torch.Tensor) -> Callable[[], object]:
+        """``x @ weight.T`` as this device's projections compute it, ready to run again and again (the
+        roofline's FLOP/s probe)."""
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+        wt = weight.t()
+        return lambda: torch.matmul(x, wt, out=out)
+
     def install_kernels(self, model: Any, dtype: torch.dtype, quant_rows: int) -> ModelKernels:
         """Put this device's kernels into a loaded (and quantized) model."""
         return ModelKernels()

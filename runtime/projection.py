@@ -3,8 +3,8 @@
 A projection (``models.layers.Linear``) and the vocabulary head hold a ``ProjectionMethod`` and call
 ``method.apply(x, weight, bias)``, as vLLM's layers call ``quant_method.apply``. The base method is
 how the dense weight multiplies: plain torch (``DenseMethod``), torch with the head's few-row shape
-(``TallSkinnyMethod``), or oneDNN on a packed copy with the few-row kernel under it
-(``PackedMethod``). Wrappers take the steps of a few rows where a faster kernel serves them: a
+(``TallSkinnyMethod``), or a device's own, built by its platform and given to the layer
+(``cpu.packed.PackedMethod``: oneDNN on a packed copy with the few-row kernel under it). Wrappers take the steps of a few rows where a faster kernel serves them: a
 quantized weight format (``QuantizedMethod``, one per ``WEIGHT_FORMATS`` entry) or the fused few-row
 projections (``FewRowMethod``), and hand every other step to the method inside. LoRA adds its
 updates around whichever method runs (``runtime.lora``). A new weight format is one method class
@@ -53,32 +53,6 @@ class TallSkinnyMethod:
         return F.linear(x, weight, bias)  # type: ignore[arg-type]
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """The oneDNN-packed copy of a weight that ``PackedMethod`` multiplies by (``cpu.linear.pack``)."""
-    from servelm.runtime.cpu import linear  # (only a CPU model packs: CUDA never loads the CPU kernels)
-
-    return linear.pack(weight)
-
-
-class PackedMethod:
-    """oneDNN on a packed copy of the weight (``cpu.linear``); steps of up to ``small_m_rows`` rows
-    run the few-row kernel ``small_m`` over the dense weight instead."""
-
-    def __init__(self, packed: torch.Tensor, small_m: Any = None, small_m_rows: int = 0) -> None:
-        from servelm.runtime.cpu import linear
-
-        self.packed = packed
-        self.linear = linear.linear
-        self.small_m = small_m
-        self.small_m_rows = small_m_rows
-        self.name = "onednn" + ("+few-row" if small_m is not None else "")
-
-    def apply(self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.shape[0] <= self.small_m_rows:
-            return self.small_m(x.contiguous(), weight, bias)
-        return self.linear(x, self.packed, bias)
-
-
 class QuantizedMethod:
     """A weight-only quantized copy (``quantization.QuantizedWeight``) for steps its kernel takes;
     the dequantized dense weight, through ``inner``, for the rest."""
@@ -120,21 +94,19 @@ WEIGHT_FORMATS: dict[str, Callable[[Any, ProjectionMethod], ProjectionMethod]] =
 def select_method(
     *,
     stored: ProjectionMethod | None = None,
-    packed: torch.Tensor | None = None,
-    small_m: Any = None,
-    small_m_rows: int = 0,
+    base: ProjectionMethod | None = None,
     quant: Any = None,
     few_rows: Any = None,
     tall_skinny_rows: int = 0,
 ) -> ProjectionMethod:
-    """The method for a projection in this state: the base (packed, tall-skinny or dense), wrapped
+    """The method for a projection in this state: the base (a device's, tall-skinny or dense), wrapped
     by the fused few-row projections and by its weight format, if any. A weight kept in its file's
     own format (``stored``: ``runtime.gguf``) is served by that method alone."""
     if stored is not None:
         return stored
     method: ProjectionMethod
-    if packed is not None:
-        method = PackedMethod(packed, small_m, small_m_rows)
+    if base is not None:
+        method = base
     elif tall_skinny_rows > 1:
         method = TallSkinnyMethod(tall_skinny_rows)
     else:

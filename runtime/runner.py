@@ -35,11 +35,10 @@ from servelm.runtime.quantization_setup import check_quantization, quantize_mode
 from servelm.runtime.sampled_rows import LogprobTensors, logprob_tensors
 from servelm.runtime.sampler import Sampler
 from servelm.runtime.step import LaunchedStep, PromptScoring, StepInputs, StepOutput
-from servelm.runtime.step_builder import build_step
+from servelm.runtime.step_builder import CapturedSteps, build_step
 from servelm.runtime.weights import load_model
 
 if TYPE_CHECKING:
-    from servelm.runtime.cuda.graphs import CudaGraphRunner
     from servelm.runtime.models.llama import CausalLM
 
 log = logging.getLogger(__name__)
@@ -149,7 +148,7 @@ class ModelRunner:
         self.max_model_len = max_model_len or model_config.max_position_embeddings
         self.enforce_eager = enforce_eager
         self.kv_pool: KVPool = None  # type: ignore[assignment]  # set by allocate_kv_pool
-        self.graph_runner: CudaGraphRunner | None = None
+        self.graph_runner: CapturedSteps | None = None
         if num_blocks is not None:
             self.allocate_kv_pool(num_blocks)
         self.sampler = Sampler(seed)

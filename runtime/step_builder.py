@@ -30,6 +30,10 @@ class CapturedSteps(Protocol):
 
     def padded(self, num_decodes: int) -> int: ...
 
+    def returns_logits(self, num_decodes: int) -> bool: ...
+
+    def replay(self, num_decodes: int) -> torch.Tensor: ...
+
 
 class ModelRunner(Protocol):
     """What a step is built from (``runtime.runner.ModelRunner``): its limits, its device and kernels,

@@ -32,18 +32,17 @@ import torch.nn.functional as F
 
 from servelm.runtime import quantization
 from servelm.runtime.cpu.extension import CompiledExtension
+from servelm.runtime.model_kernels import FewRowLinear, NormKernel
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
 DISABLE_ENV = "SERVELM_DISABLE_CPU_OPS"
 
-# (x [M, K] float32 contiguous, weight [N, K] float32 contiguous, bias [N] | None) -> [M, N]
-SmallMLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+SmallMLinear = FewRowLinear
 # (x [M, K] float32, weight [N, K] int8, scale [N] float32, bias [N] | None) -> [M, N] float32
 SmallMLinearInt8 = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-# (x [..., H] contiguous, weight [H], eps) -> [..., H]; float32, or bfloat16 as HF rounds it
-RmsNorm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+RmsNorm = NormKernel
 # (x, residual | None, weight, eps) -> (rms_norm(x + residual), x + residual written into residual | None)
 FusedAddRmsNorm = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor | None]]
 

@@ -66,6 +66,15 @@ class CpuPlatform(Platform):
 
         return linear.quantized_kernels()
 
+    def projection_product(self, x: torch.Tensor, weight: torch.Tensor) -> Callable[[], object]:
+        """oneDNN on a packed copy of the weight, as the engine's float32 projections run, where it builds."""
+        from servelm.runtime.cpu import linear
+
+        if not linear.onednn_linear_available(x.dtype):
+            return super().projection_product(x, weight)
+        packed = linear.pack(weight)
+        return lambda: linear.linear(x, packed, None)
+
     def install_kernels(self, model: Any, dtype: torch.dtype, quant_rows: int) -> ModelKernels:
         """Packing for oneDNN and the compiled norm and fused ops (``cpu.setup``)."""
         from servelm.runtime.cpu import setup

@@ -9,6 +9,7 @@ import torch
 
 from servelm.runtime.cpu import linear as cpu_linear
 from servelm.runtime.cpu import ops as cpu_ops
+from servelm.runtime.cpu.packed import packed_methods
 from servelm.runtime.model_kernels import ModelKernels
 
 
@@ -20,7 +21,7 @@ def install_kernels(model: Any, dtype: torch.dtype, quant_rows: int) -> ModelKer
     if packed:
         # With a quantized kernel serving few-row steps, the dense float copies are not needed.
         small_m = None if quant_rows else cpu_linear.small_m_kernel(dtype)
-        model.pack_cpu_weights(small_m)
+        model.use_base_methods(packed_methods(small_m), keep_weights=small_m is not None)
     rms_norm = cpu_ops.rms_norm_kernel() if dtype in (torch.float32, torch.bfloat16) else None
     if rms_norm is not None:
         model.use_cpu_rms_norm(rms_norm)

@@ -134,7 +134,7 @@ class MLP(nn.Module):
         if self.act_mul is not None:
             return self.down_proj.forward(self.act_mul(self.gate_up_proj.forward(x)))
         proj = self.gate_up_proj
-        if proj.weight is not None and proj.packed is None and proj.lora is None and proj.quant_rows < x.shape[0] <= self.split_max_rows:
+        if proj.weight is not None and proj.base is None and proj.lora is None and proj.quant_rows < x.shape[0] <= self.split_max_rows:
             w = proj.weight
             gate = F.linear(x, w[: self.intermediate])
             up = F.linear(x, w[self.intermediate :])

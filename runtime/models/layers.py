@@ -16,12 +16,10 @@ from torch import nn
 
 from servelm.runtime import quantization
 from servelm.runtime.config import ModelConfig, UnsupportedModelError
-from servelm.runtime.model_kernels import FewRowKernels
-from servelm.runtime.projection import DenseMethod, ProjectionMethod, pack, select_method
+from servelm.runtime.model_kernels import FewRowKernels, NormKernel
+from servelm.runtime.projection import DenseMethod, ProjectionMethod, select_method
 
 if TYPE_CHECKING:
-    from servelm.runtime.cpu.linear import SmallMLinear
-    from servelm.runtime.cpu.ops import RmsNorm
     from servelm.runtime.lora_updates import LoRAProjection
 
 
@@ -52,11 +50,11 @@ class TorchNorm:
 
 
 class CompiledNorm:
-    """The compiled CPU op (``cpu.ops.RmsNorm``) on contiguous input; ``inner`` on any other."""
+    """The compiled CPU op (``cpu.ops.rms_norm``) on contiguous input; ``inner`` on any other."""
 
     name = "compiled"
 
-    def __init__(self, kernel: RmsNorm, inner: TorchNorm) -> None:
+    def __init__(self, kernel: NormKernel, inner: TorchNorm) -> None:
         self.kernel = kernel
         self.inner = inner
 
@@ -86,7 +84,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = empty_param((size,), dtype, device)
         self.eps = eps
-        self._kernel: RmsNorm | None = None  # the compiled CPU op, when the runner sets it
+        self._kernel: NormKernel | None = None  # the compiled CPU op, when the runner sets it
         self._fused: FusedRmsNorm | None = None  # residual add + norm in one kernel (runtime.cuda.triton_ops)
         # Gemma: the weight is 1 + w in float32 (``CausalLM.after_load``), applied before rounding to
         # the input's dtype, as Gemma3RMSNorm computes it
@@ -103,11 +101,11 @@ class RMSNorm(nn.Module):
             self.method = torch_norm
 
     @property
-    def kernel(self) -> RmsNorm | None:
+    def kernel(self) -> NormKernel | None:
         return self._kernel
 
     @kernel.setter
-    def kernel(self, kernel: RmsNorm | None) -> None:
+    def kernel(self, kernel: NormKernel | None) -> None:
         self._kernel = kernel
         self._choose_method()
 
@@ -162,9 +160,7 @@ class Linear(nn.Module):
         self.out_features = sum(n for _, n in shards)
         self.in_features = in_features
         self.weight: nn.Parameter | None = empty_param((self.out_features, in_features), dtype, device)
-        self.packed: torch.Tensor | None = None  # the oneDNN copy of ``weight`` once packed
-        self.small_m: SmallMLinear | None = None  # few-row kernel over the dense weight
-        self.small_m_rows = 0
+        self.base: ProjectionMethod | None = None  # the device's own method (the CPU's packed copy), once given
         # --quantization: the quantized copy and the few-row kernel over it
         self.quant: quantization.QuantizedWeight | None = None
         self.bias = empty_param((self.out_features,), dtype, device) if bias else None
@@ -184,18 +180,13 @@ class Linear(nn.Module):
             if self.bias is not None:
                 self.bias.shard_slices = self.shard_rows  # type: ignore[attr-defined]
 
-    def pack_for_cpu(self, small_m: tuple[SmallMLinear, int] | None = None) -> None:
-        """Add the oneDNN-packed copy of the weight (``runtime.cpu.linear``); irreversible.
-
-        With ``small_m`` (the few-row kernel and its row limit) the dense weight stays for steps of
-        that many rows or fewer; without it the dense weight is dropped.
-        """
-        assert self.weight is not None and self.packed is None, "already packed"
-        self.packed = pack(self.weight)
-        if small_m is None:
+    def use_base(self, make: Callable[[torch.Tensor], ProjectionMethod], keep_weight: bool) -> None:
+        """Multiply through the device's own method, made from the weight (``cpu.packed``: a packed
+        copy); irreversible. Without ``keep_weight`` the dense weight is dropped."""
+        assert self.weight is not None and self.base is None, "already given its base method"
+        self.base = make(self.weight)
+        if not keep_weight:
             self.weight = None
-        else:
-            self.small_m, self.small_m_rows = small_m
         self.choose_method()
 
     def use_stored(self, method: ProjectionMethod) -> None:
@@ -213,7 +204,7 @@ class Linear(nn.Module):
     def quantize(self, scheme: str, kernels: dict[str, tuple[quantization.QuantizedKernel, int]]) -> None:
         """Quantize the weight (``runtime.quantization``): the parameter becomes its dequantized value,
         and steps of up to the scheme's kernel's rows run that kernel over the quantized copy."""
-        assert self.weight is not None and self.packed is None, "quantize before packing"
+        assert self.weight is not None and self.base is None, "quantize before packing"
         self.quant = quantization.quantize(self.weight, scheme, kernels)
         with torch.no_grad():
             self.weight.copy_(self.quant.dequantize(self.weight.dtype))
@@ -224,9 +215,7 @@ class Linear(nn.Module):
         whenever packing, quantization or the few-row kernels change it, never per step."""
         self.method = select_method(
             stored=self.stored,
-            packed=self.packed,
-            small_m=self.small_m,
-            small_m_rows=self.small_m_rows,
+            base=self.base,
             quant=self.quant,
             few_rows=self.few_rows,
         )

@@ -18,7 +18,7 @@ as usual.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +27,7 @@ from torch import nn
 from servelm.runtime import quantization
 from servelm.runtime.attention.base import AttentionBackend, AttentionMetadata
 from servelm.runtime.config import ModelConfig
-from servelm.runtime.model_kernels import FewRowKernels
+from servelm.runtime.model_kernels import FewRowKernels, NormKernel
 from servelm.runtime.models.decoder import DecoderLayer, DecoderStack
 from servelm.runtime.models.layers import (
     FusedRmsNorm,
@@ -36,11 +36,7 @@ from servelm.runtime.models.layers import (
     empty_param,
 )
 from servelm.runtime.platform import platform_of
-from servelm.runtime.projection import ProjectionMethod, pack, select_method
-
-if TYPE_CHECKING:
-    from servelm.runtime.cpu.linear import SmallMLinear
-    from servelm.runtime.cpu.ops import RmsNorm
+from servelm.runtime.projection import ProjectionMethod, select_method
 
 
 class CausalLM(nn.Module):
@@ -75,9 +71,7 @@ class CausalLM(nn.Module):
         scale = cfg.embedding_multiplier
         self.embed_scale = float(torch.tensor(scale, dtype=torch.float32).to(dtype)) if cfg.embedding_multiplier_in_dtype else scale
         self.tall_skinny_head_max_rows = platform_of(device).small_batch_splits[1]
-        self.lm_head_packed: torch.Tensor | None = None
-        self.lm_head_small_m: SmallMLinear | None = None
-        self.lm_head_small_m_rows = 0
+        self.lm_head_base: ProjectionMethod | None = None  # the device's own head method, once given
         # --quantization: the head's quantized copy and kernel; and, for a tied head, its dequantized
         # float copy (the embedding itself stays as loaded)
         self.lm_head_quant: quantization.QuantizedWeight | None = None
@@ -148,20 +142,18 @@ class CausalLM(nn.Module):
             h = h * self.embed_scale
         return h
 
-    def pack_cpu_weights(self, small_m: tuple[SmallMLinear, int] | None = None) -> None:
-        """Pack every projection and the vocabulary head for oneDNN (``runtime.cpu.linear``), once,
-        after loading. Without ``small_m`` the dense projection weights are dropped; with it they stay
-        for few-row steps. The tied embedding stays dense either way (the token lookup reads it), so a
-        tied head costs one extra vocab x hidden copy."""
+    def use_base_methods(self, make: Callable[[torch.Tensor], ProjectionMethod], keep_weights: bool) -> None:
+        """Every projection and the vocabulary head through the device's own method made from its
+        weight (``cpu.packed``: oneDNN on a packed copy), once, after loading. Without ``keep_weights``
+        the dense projection weights are dropped. The tied embedding stays dense either way (the token
+        lookup reads it), so a tied head costs one extra vocab x hidden copy."""
         for module in self.modules():
-            if isinstance(module, Linear) and module.packed is None and module.stored is None:
-                module.pack_for_cpu(small_m)
+            if isinstance(module, Linear) and module.base is None and module.stored is None:
+                module.use_base(make, keep_weights)
         if self.stored_head is not None:
             return  # the head stays in its file's blocks
-        self.lm_head_packed = pack(self.lm_head_weight)
-        if small_m is not None:
-            self.lm_head_small_m, self.lm_head_small_m_rows = small_m
-        elif not self.config.tie_word_embeddings:
+        self.lm_head_base = make(self.lm_head_weight)
+        if not keep_weights and not self.config.tie_word_embeddings:
             self.lm_head.weight = None
         self.choose_head_method()
 
@@ -169,9 +161,7 @@ class CausalLM(nn.Module):
         """Pick the vocabulary head's projection method for its present form (``runtime.projection``)."""
         self.head_method = select_method(
             stored=self.stored_head,
-            packed=self.lm_head_packed,
-            small_m=self.lm_head_small_m,
-            small_m_rows=self.lm_head_small_m_rows,
+            base=self.lm_head_base,
             quant=self.lm_head_quant,
             few_rows=self.few_rows,
             tall_skinny_rows=self.tall_skinny_head_max_rows,
@@ -217,7 +207,7 @@ class CausalLM(nn.Module):
         plan: list[tuple[Linear, quantization.QuantizedWeight]] = []
         for name, module in self.named_modules():
             if isinstance(module, Linear):
-                assert module.weight is not None and module.packed is None, "quantize before packing"
+                assert module.weight is not None and module.base is None, "quantize before packing"
                 quant = quantization.quantize(module.weight, "int4", kernels)
                 if not torch.equal(quant.dequantize(module.weight.dtype), module.weight):
                     return name
@@ -254,7 +244,7 @@ class CausalLM(nn.Module):
                 total += quant.nbytes - dense.numel() * dense.element_size()
         return total
 
-    def use_cpu_rms_norm(self, kernel: RmsNorm) -> None:
+    def use_cpu_rms_norm(self, kernel: NormKernel) -> None:
         """Route every RMSNorm through the compiled CPU op (``runtime.cpu.ops``; float32 or bfloat16).
         Gemma's float32 weights under bfloat16 activations keep the torch path (the op rounds as Llama)."""
         float32 = self.model.embed_tokens.weight.dtype == torch.float32
