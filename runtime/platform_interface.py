@@ -92,6 +92,11 @@ class Platform:
         wt = weight.t()
         return lambda: torch.matmul(x, wt, out=out)
 
+    def gguf_kernel(self, qtype: Any) -> Any:
+        """The compiled module that multiplies GGUF blocks of ``qtype`` as stored, or None (the
+        dequantize-a-tile path serves every format)."""
+        return None
+
     def install_kernels(self, model: Any, dtype: torch.dtype, quant_rows: int) -> ModelKernels:
         """Put this device's kernels into a loaded (and quantized) model."""
         return ModelKernels()

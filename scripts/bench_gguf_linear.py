@@ -1,4 +1,4 @@
-"""A projection from GGUF blocks three ways: the native block kernel (``runtime.gguf.kernels``), the
+"""A projection from GGUF blocks three ways: the native block kernel (``runtime.cpu.gguf_kernels``), the
 dequantize-a-tile-then-``F.linear`` fallback (``runtime.gguf.projection.GGUFMethod``), and ``F.linear``
 on the dense float32 weight, for decode-sized inputs (1 and 4 rows).
 
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
-from servelm.runtime.gguf import kernels
+from servelm.runtime.cpu import gguf_kernels as kernels
 from servelm.runtime.gguf.projection import GGUFMethod
 from servelm.runtime.gguf.registry import BLOCK_LAYOUT, dequantize
 

@@ -210,6 +210,25 @@ def test_no_import_cycle_between_modules() -> None:
     )
 
 
+# The devices' packages, and the one module outside them that may import them: the seam that says
+# which platform runs (it imports each platform inside a function, when first asked).
+DEVICE_PACKAGES = ("servelm.runtime.cpu", "servelm.runtime.cuda")
+PLATFORM_SEAM = "servelm.runtime.platform"
+
+
+def test_only_the_platform_seam_imports_the_device_packages() -> None:
+    # Every kind of import counts (module, function and type-checking level): a device's code reaches
+    # the rest only through its Platform (runtime/platform_interface.py), never by name.
+    offenders = []
+    for module, path in sorted(_package_modules().items()):
+        if module == PLATFORM_SEAM or any(_within(module, d) for d in DEVICE_PACKAGES):
+            continue
+        for imp in _imports(module, path):
+            if any(_within(imp.target, d) for d in DEVICE_PACKAGES):
+                offenders.append(f"{path}:{imp.line} ({imp.kind}): {imp.target} {', '.join(n for n in imp.names if n)}")
+    assert not offenders, "device packages imported outside them and runtime/platform.py:\n" + "\n".join(offenders)
+
+
 # (importing package, imported package): DESIGN.md's server -> scheduler -> runtime, bench apart.
 FORBIDDEN_DEPENDENCIES = [
     ("servelm.runtime", "servelm.scheduler"),

@@ -75,6 +75,12 @@ class CpuPlatform(Platform):
         packed = linear.pack(weight)
         return lambda: linear.linear(x, packed, None)
 
+    def gguf_kernel(self, qtype: Any) -> Any:
+        """``cpu.gguf_kernels`` where it builds and serves ``qtype``."""
+        from servelm.runtime.cpu import gguf_kernels
+
+        return gguf_kernels.load() if qtype in gguf_kernels.KERNEL_TYPES else None
+
     def install_kernels(self, model: Any, dtype: torch.dtype, quant_rows: int) -> ModelKernels:
         """Packing for oneDNN and the compiled norm and fused ops (``cpu.setup``)."""
         from servelm.runtime.cpu import setup

@@ -2,7 +2,7 @@
 
 ``GGUFMethod`` is a ``runtime.projection.ProjectionMethod`` that holds a tensor's raw blocks (the
 memory-mapped view the reader returns, never a float copy). Steps of a few rows run the compiled
-kernel (``gguf.kernels``), which multiplies straight from the blocks; larger steps, or where the kernel
+kernel (``cpu.gguf_kernels``, given by the platform), which multiplies straight from the blocks; larger steps, or where the kernel
 cannot be built, dequantize a tile of output rows at a time with the registry's dequantizer and
 multiply it with ``F.linear`` (oneDNN) into the output, so the float weight exists one tile at a time.
 ``GGUFShardedMethod`` is a fused projection (q/k/v, gate/up) whose parts are separate GGUF tensors,
@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
-from . import kernels
+from servelm.runtime.platform import platform_of
+
 from .reader import GGUFTensor
 from .registry import BLOCK_LAYOUT, Dequantizer, dequantizer
 
@@ -48,9 +49,10 @@ def tile_rows_for(in_features: int, tile_bytes: int = TILE_BYTES) -> int:
     return max(MIN_TILE_ROWS, tile_bytes // (4 * in_features))
 
 
-def _kernel(qtype: GGMLQuantizationType) -> Any:
-    """The compiled kernel module where it serves ``qtype``, else None (the tile path serves all)."""
-    return kernels.load() if qtype in kernels.KERNEL_TYPES else None
+def _kernel(qtype: GGMLQuantizationType, device: torch.device) -> Any:
+    """The compiled kernel module where it serves ``qtype`` on ``device``, else None (the tile path
+    serves all)."""
+    return platform_of(device).gguf_kernel(qtype)
 
 
 class GGUFMethod:
@@ -98,7 +100,7 @@ class GGUFMethod:
         self.tile_rows = tile_rows if tile_rows is not None else tile_rows_for(in_features)
         if self.tile_rows < 1:
             raise ValueError(f"tile_rows must be positive, got {self.tile_rows}")
-        self.kernel = _kernel(qtype)
+        self.kernel = _kernel(qtype, raw.device)
         self.kernel_max_rows = KERNEL_MAX_ROWS  # read at every call (benchmarks move it)
         self.int8_x = False  # activations rounded to int8 per block (`use_int8_activations`)
         self.name = f"gguf-{qtype.name}" + ("+kernel" if self.kernel is not None else "")

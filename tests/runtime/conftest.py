@@ -6,7 +6,7 @@ from types import ModuleType
 
 import pytest
 
-from servelm.runtime.gguf import kernels
+from servelm.runtime.cpu import gguf_kernels as kernels
 
 
 @pytest.fixture(scope="module")

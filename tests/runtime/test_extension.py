@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from servelm.runtime.cpu import extension
-from servelm.runtime.gguf import kernels
+from servelm.runtime.cpu import gguf_kernels as kernels
 
 
 def test_loading_an_extension_leaves_the_build_flags_alone() -> None:

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
+from servelm.runtime.cpu import gguf_kernels as kernels
 from servelm.runtime.cpu.extension import cpu_flags
-from servelm.runtime.gguf import kernels
 from servelm.runtime.gguf.projection import (
     INT8_KERNEL_MAX_ROWS,
     GGUFMethod,

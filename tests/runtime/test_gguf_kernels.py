@@ -1,4 +1,4 @@
-"""The native GGUF block kernels (``runtime.gguf.kernels``) against dequantize-then-``F.linear``.
+"""The native GGUF block kernels (``runtime.cpu.gguf_kernels``) against dequantize-then-``F.linear``.
 
 What is asserted, for every format the kernels serve, on weights written to a GGUF file and mapped
 back read-only: ``linear`` equals ``F.linear(x, registry.dequantize(W), b)`` within a float32
@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from gguf_files import write_gguf
 
+from servelm.runtime.cpu import gguf_kernels as kernels
 from servelm.runtime.cpu.extension import cpu_flags
-from servelm.runtime.gguf import kernels
 from servelm.runtime.gguf.reader import GGUFTensor, read_gguf_tensors
 from servelm.runtime.gguf.registry import BLOCK_LAYOUT, dequantize
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from gguf_files import median_seconds, write_gguf
 
-from servelm.runtime.gguf.kernels import DISABLE_ENV
+from servelm.runtime.cpu.gguf_kernels import DISABLE_ENV
 from servelm.runtime.gguf.projection import GGUFMethod, gguf_method, tile_rows_for
 from servelm.runtime.gguf.reader import GGUFTensor, read_gguf_tensors
 from servelm.runtime.gguf.registry import BLOCK_LAYOUT, SUPPORTED

@@ -298,7 +298,7 @@ def rounded_linear(m: torch.nn.Linear, x: torch.Tensor, block: int, amx: bool) -
 def int8_mode_path(request):  # type: ignore[no-untyped-def]
     """The int8 mode's many-row steps through the int8 kernels (AMX off), or where the CPU has AMX,
     its bfloat16 tiles as by default."""
-    from servelm.runtime.gguf import kernels
+    from servelm.runtime.cpu import gguf_kernels as kernels
 
     module = kernels.load()
     if module is None:

@@ -29,12 +29,11 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
 from servelm.runtime.cpu.extension import CompiledExtension
-
-from .registry import BLOCK_LAYOUT, dequantize
+from servelm.runtime.gguf.registry import BLOCK_LAYOUT, dequantize
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent.parent / "cpu" / "csrc" / "gguf_linear.cpp"
+SOURCE = Path(__file__).resolve().parent / "csrc" / "gguf_linear.cpp"
 DISABLE_ENV = "SERVELM_DISABLE_GGUF_KERNELS"
 
 KERNEL_TYPES: frozenset[Q] = frozenset(
