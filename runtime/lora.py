@@ -205,7 +205,7 @@ def attach(model: CausalLM, kernel: LoRAKernel | None = None) -> LoRAContext:
     for module in model.modules():
         if isinstance(module, Linear):
             module.lora = LoRAProjection(ctx)
-            module.forward = module.forward_with_lora
+            module.choose_method()
         elif isinstance(module, DecoderLayer):
             module.lora_ctx = ctx
     return ctx

@@ -6,8 +6,9 @@ how the dense weight multiplies: plain torch (``DenseMethod``), torch with the h
 (``TallSkinnyMethod``), or a device's own, built by its platform and given to the layer
 (``cpu.packed.PackedMethod``: oneDNN on a packed copy with the few-row kernel under it). Wrappers take the steps of a few rows where a faster kernel serves them: a
 quantized weight format (``QuantizedMethod``, one per ``WEIGHT_FORMATS`` entry) or the fused few-row
-projections (``FewRowMethod``), and hand every other step to the method inside. LoRA adds its
-updates around whichever method runs (``runtime.lora``). A new weight format is one method class
+projections (``FewRowMethod``), and hand every other step to the method inside. A row-parallel
+shard sums its partial products over the ranks around them (``ReducedMethod``), and LoRA adds its
+updates around whichever method runs (``LoRAMethod``, ``runtime.lora``). A new weight format is one method class
 registered in ``WEIGHT_FORMATS``.
 
 Each method reads its row limits at every call (tests and the CUDA-graph A/B change them in place).
@@ -83,6 +84,34 @@ class FewRowMethod:
         return self.inner.apply(x, weight, bias)
 
 
+class ReducedMethod:
+    """``inner``'s partial product summed over the tensor-parallel ranks (a row-parallel shard)."""
+
+    def __init__(self, all_reduce: Callable[[torch.Tensor], torch.Tensor], inner: ProjectionMethod) -> None:
+        self.all_reduce = all_reduce
+        self.inner = inner
+        self.name = f"all-reduce+{inner.name}"
+
+    def apply(self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.all_reduce(self.inner.apply(x, weight, bias))
+
+
+class LoRAMethod:
+    """``inner``, then the step's LoRA updates of its rows added to the output in place
+    (``lora_updates.LoRAProjection``); nothing while the step has no adapter rows."""
+
+    def __init__(self, lora: Any, inner: ProjectionMethod) -> None:
+        self.lora = lora
+        self.inner = inner
+        self.name = f"lora+{inner.name}"
+
+    def apply(self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+        y = self.inner.apply(x, weight, bias)
+        if self.lora.ctx.plan:
+            self.lora.apply(x, y)
+        return y
+
+
 # Weight format (``QuantizedWeight.scheme``) -> the method that serves it around the dense one.
 WEIGHT_FORMATS: dict[str, Callable[[Any, ProjectionMethod], ProjectionMethod]] = {
     "int8": QuantizedMethod,
@@ -98,13 +127,16 @@ def select_method(
     quant: Any = None,
     few_rows: Any = None,
     tall_skinny_rows: int = 0,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    lora: Any = None,
 ) -> ProjectionMethod:
     """The method for a projection in this state: the base (a device's, tall-skinny or dense), wrapped
-    by the fused few-row projections and by its weight format, if any. A weight kept in its file's
-    own format (``stored``: ``runtime.gguf``) is served by that method alone."""
-    if stored is not None:
-        return stored
+    by the fused few-row projections and by its weight format, if any, then by the ranks' sum and
+    the LoRA updates. A weight kept in its file's own format (``stored``: ``runtime.gguf``) is served
+    by that method, under the same two."""
     method: ProjectionMethod
+    if stored is not None:
+        return _around(stored, all_reduce, lora)
     if base is not None:
         method = base
     elif tall_skinny_rows > 1:
@@ -115,4 +147,14 @@ def select_method(
         method = FewRowMethod(few_rows, method)
     if quant is not None:
         method = WEIGHT_FORMATS[quant.scheme](quant, method)
+    return _around(method, all_reduce, lora)
+
+
+def _around(
+    method: ProjectionMethod, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None, lora: Any
+) -> ProjectionMethod:
+    if all_reduce is not None:
+        method = ReducedMethod(all_reduce, method)
+    if lora is not None:
+        method = LoRAMethod(lora, method)
     return method

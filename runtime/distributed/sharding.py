@@ -81,12 +81,9 @@ def shard_config(cfg: ModelConfig, world_size: int) -> ModelConfig:
 
 def reduce_output(linear: Linear, comm: Communicator) -> None:
     """Make a row-parallel projection sum its partial products over the ranks after whichever
-    projection method computes them (an instance ``forward``, as ``runtime.lora`` attaches)."""
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        return comm.all_reduce(Linear.forward(linear, x))
-
-    linear.forward = forward
+    projection method computes them (``projection.ReducedMethod``)."""
+    linear.all_reduce = comm.all_reduce
+    linear.choose_method()
 
 
 class TensorParallelCausalLM(CausalLM):

@@ -167,6 +167,8 @@ class Linear(nn.Module):
         self.few_rows: FewRowKernels | None = None
         self.method: ProjectionMethod = DenseMethod()  # how forward computes (``choose_method``)
         self.lora: LoRAProjection | None = None  # LoRA adapters' updates (runtime.lora.attach)
+        # A row-parallel shard's sum over the ranks (``distributed.sharding.reduce_output``).
+        self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         # A weight kept in the blocks of the file it came from (``runtime.gguf``): the method over them
         self.stored: ProjectionMethod | None = None
         # checkpoint shard name -> our output rows (kept here too: packing may drop the weight)
@@ -218,20 +220,14 @@ class Linear(nn.Module):
             base=self.base,
             quant=self.quant,
             few_rows=self.few_rows,
+            all_reduce=self.all_reduce,
+            lora=self.lora,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The projection. With LoRA adapters attached (``runtime.lora.attach``) the instance's
-        ``forward`` becomes ``forward_with_lora``: a model without them pays nothing for them."""
+        """The projection, by the method chosen for its present form (LoRA's updates and a shard's
+        sum over the ranks included: a model without them pays nothing for them)."""
         return self.method.apply(x, self.weight, self.bias)
-
-    def forward_with_lora(self, x: torch.Tensor) -> torch.Tensor:
-        """The projection plus the step's LoRA updates of its rows (``self.lora``)."""
-        y = Linear.forward(self, x)
-        lora = self.lora
-        if lora is not None and lora.ctx.plan:
-            lora.apply(x, y)
-        return y
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
