@@ -54,8 +54,9 @@ class StoredStep:
     kernel (``attach``). ``max_rows``: the most rows a step may have to take this path (one pass of the
     kernel over each weight: a few rows, or with int8 activations a whole prefill step)."""
 
-    def __init__(self, layer: Any, qkv: StoredProjection, o: StoredProjection, gate_up: StoredProjection,
-                 down: StoredProjection) -> None:
+    def __init__(
+        self, layer: Any, qkv: StoredProjection, o: StoredProjection, gate_up: StoredProjection, down: StoredProjection
+    ) -> None:
         self.layer = layer
         self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
         self.kernel = qkv.kernel
@@ -82,7 +83,9 @@ class StoredStep:
         """The step for ``layer`` where it applies (every projection stored with the kernel, float32
         norms, no residual multiplier), else None: the layer keeps its own forward."""
         attn, mlp = layer.self_attn, layer.mlp
-        projections = [StoredProjection.of(lin.stored) for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        projections = [
+            StoredProjection.of(lin.stored) for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        ]
         if any(p is None for p in projections) or len({id(p.kernel) for p in projections if p is not None}) != 1:
             return None
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
@@ -101,23 +104,57 @@ class StoredStep:
         assert qkv is not None and o is not None and gate_up is not None and down is not None
         return cls(layer, qkv, o, gate_up, down)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: Any, meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """``DecoderLayer.forward`` for a step of at most ``max_rows`` rows (float32 ``x``)."""
+    def takes(self, x: torch.Tensor) -> bool:
+        return x.shape[0] <= self.max_rows and x.dtype == torch.float32
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: Any, meta: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``DecoderLayer.forward`` for a step it takes (at most ``max_rows`` rows, float32 ``x``)."""
         k, attn = self.kernel, self.layer.self_attn
         t = x.shape[0]
         x = x.contiguous()
         qkv = x.new_empty((t, self.qkv.out_features))
-        residual = k.gguf_norm_linear(x, residual, None, self.input_norm, self.eps, self.qkv.blocks,
-                                      self.qkv.qtypes, qkv, self.qkv_bias, self.qkv.int8_x)
+        residual = k.gguf_norm_linear(
+            x,
+            residual,
+            None,
+            self.input_norm,
+            self.eps,
+            self.qkv.blocks,
+            self.qkv.qtypes,
+            qkv,
+            self.qkv_bias,
+            self.qkv.int8_x,
+        )
         a = attn.attend_heads(qkv, cos_sin, meta).reshape(t, attn.q_size)
         o = x.new_empty((t, self.o.out_features))
         k.gguf_linear_parts(a.contiguous(), self.o.blocks, self.o.qtypes, o, self.o_bias, self.o.int8_x)
         gate_up = x.new_empty((t, self.gate_up.out_features))
-        residual = k.gguf_norm_linear(o, residual, self.pre, self.norm, self.eps, self.gate_up.blocks,
-                                      self.gate_up.qtypes, gate_up, self.gate_up_bias, self.gate_up.int8_x)
+        residual = k.gguf_norm_linear(
+            o,
+            residual,
+            self.pre,
+            self.norm,
+            self.eps,
+            self.gate_up.blocks,
+            self.gate_up.qtypes,
+            gate_up,
+            self.gate_up_bias,
+            self.gate_up.int8_x,
+        )
         out = x.new_empty((t, self.down.out_features))
-        k.gguf_act_mul_linear(gate_up, self.gelu, self.down.blocks, self.down.qtypes, out, self.down_bias,
-                              self.down.int8_x, self.post, self.eps)
+        k.gguf_act_mul_linear(
+            gate_up,
+            self.gelu,
+            self.down.blocks,
+            self.down.qtypes,
+            out,
+            self.down_bias,
+            self.down.int8_x,
+            self.post,
+            self.eps,
+        )
         return out, residual
 
 
@@ -129,16 +166,16 @@ class DecodeStack:
 
     def __init__(self, model: Any, attention: tuple[int, int]) -> None:
         self.layers = list(model.model.layers)
-        self.kernel = self.layers[0].stored_step.kernel
+        self.kernel = self.layers[0].fused_step.kernel
         self.attention = attention  # the fused decode call's address and ABI number
-        self.max_rows = min(layer.stored_step.max_rows for layer in self.layers)
+        self.max_rows = min(layer.fused_step.max_rows for layer in self.layers)
         self.bound: list[Any] | None = None  # the C++ layers, once the KV pool is bound (``bind``)
 
     @classmethod
     def attach(cls, model: Any) -> DecodeStack | None:
         layers = list(model.model.layers)
-        steps = [layer.stored_step for layer in layers]
-        if not steps or any(s is None for s in steps) or len({id(s.kernel) for s in steps}) != 1:
+        steps = [layer.fused_step for layer in layers]
+        if not steps or not all(isinstance(s, StoredStep) for s in steps) or len({id(s.kernel) for s in steps}) != 1:
             return None
         attention = getattr(layers[0].self_attn.backend, "rope_decode_address", None)
         if attention is None or not hasattr(steps[0].kernel, "gguf_decode_stack"):
@@ -150,32 +187,53 @@ class DecodeStack:
         attention cannot take leaves the stack unbound (the layers' own forwards run)."""
         k, layers = self.kernel, []
         for layer in self.layers:
-            step, attn = layer.stored_step, layer.self_attn
+            step, attn = layer.fused_step, layer.self_attn
             qk = attn.qk_norm
             if attn.k_cache is None or not attn.backend.fused_decode_takes(attn.k_cache, qk):
                 self.bound = None
                 return
             projections = [
                 k.StackProjection(p.blocks, p.qtypes, p.out_features, bias, p.int8_x)
-                for p, bias in ((step.qkv, step.qkv_bias), (step.o, step.o_bias), (step.gate_up, step.gate_up_bias),
-                                (step.down, step.down_bias))
+                for p, bias in (
+                    (step.qkv, step.qkv_bias),
+                    (step.o, step.o_bias),
+                    (step.gate_up, step.gate_up_bias),
+                    (step.down, step.down_bias),
+                )
             ]
             q_w, k_w, qk_eps = qk if qk is not None else (None, None, 0.0)
-            layers.append(k.StackLayer(
-                *projections, step.input_norm, step.norm, step.pre, step.post, step.eps, step.gelu, attn.k_cache,
-                attn.v_cache, attn.num_heads, float(attn.scale), int(attn.window_kw.get("window", 0)), q_w, k_w,
-                float(qk_eps), bool(layer.local_rope),
-            ))
+            layers.append(
+                k.StackLayer(
+                    *projections,
+                    step.input_norm,
+                    step.norm,
+                    step.pre,
+                    step.post,
+                    step.eps,
+                    step.gelu,
+                    attn.k_cache,
+                    attn.v_cache,
+                    attn.num_heads,
+                    float(attn.scale),
+                    int(attn.window_kw.get("window", 0)),
+                    q_w,
+                    k_w,
+                    float(qk_eps),
+                    bool(layer.local_rope),
+                )
+            )
         self.bound = layers
 
-    def forward(self, x: torch.Tensor, cos_sin: Any, cos_sin_local: Any, meta: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def forward(
+        self, x: torch.Tensor, cos_sin: Any, cos_sin_local: Any, meta: Any
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(last MLP output, residual)`` after every layer, or None where this step cannot take the
-        stack (not decode-only, too many rows, LoRA or few-row kernels in use): the layers run one by one."""
+        stack (not decode-only, too many rows, LoRA in use): the layers run one by one."""
         first = self.layers[0]
         rows = x.shape[0]
         if self.bound is None or rows > self.max_rows or x.dtype != torch.float32:
             return None
-        if (first.lora_ctx is not None and first.lora_ctx.plan) or (first.few_rows is not None and first._few_rows_apply(rows)):
+        if first.lora_ctx is not None and first.lora_ctx.plan:
             return None
         args = first.self_attn.backend.fused_decode_args(meta)
         if args is None:
@@ -194,7 +252,7 @@ def attach(model: Any) -> int:
     int8 choice (``use_int8_activations``): the steps keep it."""
     count = 0
     for layer in model.model.layers:
-        layer.stored_step = StoredStep.attach(layer)
-        count += layer.stored_step is not None
+        layer.fused_step = StoredStep.attach(layer)
+        count += layer.fused_step is not None
     model.decode_stack = DecodeStack.attach(model)
     return count

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +27,6 @@ from servelm.runtime.models.layers import (
 from servelm.runtime.platform import platform_of
 
 if TYPE_CHECKING:
-    from servelm.runtime.gguf.layer import StoredStep
     from servelm.runtime.lora_updates import LoRAContext
 
 
@@ -106,7 +105,9 @@ class Attention(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            qk = torch.cat((self.q_norm.forward(qk[:, : self.num_heads]), self.k_norm.forward(qk[:, self.num_heads :])), dim=1)
+            qk = torch.cat(
+                (self.q_norm.forward(qk[:, : self.num_heads]), self.k_norm.forward(qk[:, self.num_heads :])), dim=1
+            )
         # One rotation over q and k together: half the element-wise ops of rotating them apart.
         qk = apply_rope(qk, cos_sin) if self.use_rope else qk.contiguous()
         q = qk[:, : self.num_heads]
@@ -134,7 +135,12 @@ class MLP(nn.Module):
         if self.act_mul is not None:
             return self.down_proj.forward(self.act_mul(self.gate_up_proj.forward(x)))
         proj = self.gate_up_proj
-        if proj.weight is not None and proj.base is None and proj.lora is None and proj.quant_rows < x.shape[0] <= self.split_max_rows:
+        if (
+            proj.weight is not None
+            and proj.base is None
+            and proj.lora is None
+            and proj.quant_rows < x.shape[0] <= self.split_max_rows
+        ):
             w = proj.weight
             gate = F.linear(x, w[: self.intermediate])
             up = F.linear(x, w[self.intermediate :])
@@ -170,15 +176,10 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = MLP(cfg, dtype, device)
-        self.few_rows: FewRowKernels | None = None
         self.lora_ctx: LoRAContext | None = None  # set by runtime.lora.attach
-        # Projections kept as GGUF blocks: the few-row step in compiled calls (runtime.gguf.layer.attach)
-        self.stored_step: StoredStep | None = None
-
-    def _few_rows_apply(self, rows: int) -> bool:
-        # The fused kernels take the weights directly: a step with LoRA rows goes through the projections.
-        lora = self.lora_ctx
-        return self.few_rows is not None and self.few_rows.applies(rows) and not (lora is not None and lora.plan)
+        # The whole layer in a device's fused calls for the steps they take, chosen at load: the CUDA
+        # few-row kernels (``FewRowStep``) or the CPU's calls on GGUF blocks (``gguf.layer.StoredStep``).
+        self.fused_step: FusedLayerStep | None = None
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: CosSin, meta: AttentionMetadata
@@ -187,12 +188,9 @@ class DecoderLayer(nn.Module):
         residual yet); returns this layer's MLP output and the residual stream before it. The residual
         adds happen inside the norms, so a fused norm does each add and its norm in one pass; the sums
         are the same as ``h = h + attn(norm(h)); h = h + mlp(norm(h))``."""
-        if self.few_rows is not None and self._few_rows_apply(x.shape[0]):
-            return self._forward_few_rows(self.few_rows, x, residual, cos_sin, meta)
-        step = self.stored_step
-        if step is not None and x.shape[0] <= step.max_rows and x.dtype == torch.float32 and not (
-            self.lora_ctx is not None and self.lora_ctx.plan
-        ):
+        step = self.fused_step
+        # The fused calls take the weights directly: a step with LoRA rows goes through the projections.
+        if step is not None and step.takes(x) and not (self.lora_ctx is not None and self.lora_ctx.plan):
             return step.forward(x, residual, cos_sin, meta)
         if residual is None:
             residual = x
@@ -210,24 +208,41 @@ class DecoderLayer(nn.Module):
         out = self.mlp.forward(x)
         return (out * m if m != 1.0 else out), residual
 
-    def _forward_few_rows(
-        self,
-        k: FewRowKernels,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        cos_sin: CosSin,
-        meta: AttentionMetadata,
+
+class FusedLayerStep(Protocol):
+    """A device's forward of a whole decoder layer for the steps it takes (``DecoderLayer.fused_step``)."""
+
+    def takes(self, x: torch.Tensor) -> bool: ...
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: CosSin, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class FewRowStep:
+    """The layer with each norm inside the projection after it and SiLU x up inside the down
+    projection (``FewRowKernels``, CUDA's Triton kernels): 3 kernels instead of 7 around attention,
+    while the kernels' ``max_rows`` admits the step."""
+
+    def __init__(self, layer: DecoderLayer, kernels: FewRowKernels) -> None:
+        self.layer = layer
+        self.kernels = kernels
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return self.kernels.applies(x.shape[0])
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: CosSin, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same layer with each norm inside the projection after it and SiLU x up inside the down
-        projection: 3 kernels instead of 7 around attention."""
-        attn, mlp = self.self_attn, self.mlp
-        norm = self.input_layernorm
+        k, layer = self.kernels, self.layer
+        attn, mlp = layer.self_attn, layer.mlp
+        norm = layer.input_layernorm
         qkv, residual = k.rms_norm_linear(x, residual, norm.weight, norm.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
         x = attn.attend(qkv, cos_sin, meta)
-        m = self.residual_multiplier
+        m = layer.residual_multiplier
         if m != 1.0:
             x = x * m
-        norm = self.post_attention_layernorm
+        norm = layer.post_attention_layernorm
         gate_up, residual = k.rms_norm_linear(
             x, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias
         )
@@ -247,6 +262,8 @@ class DecoderStack(nn.Module):
         self.rotary_emb_local: RotaryEmbedding | None = None
         if cfg.local_rope is not None:
             theta, scaling = cfg.local_rope
-            self.rotary_emb_local = RotaryEmbedding(dataclasses.replace(cfg, rope_theta=theta, rope_scaling=scaling), dtype, device)
+            self.rotary_emb_local = RotaryEmbedding(
+                dataclasses.replace(cfg, rope_theta=theta, rope_scaling=scaling), dtype, device
+            )
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend, dtype, device, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)

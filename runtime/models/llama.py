@@ -28,7 +28,7 @@ from servelm.runtime import quantization
 from servelm.runtime.attention.base import AttentionBackend, AttentionMetadata
 from servelm.runtime.config import ModelConfig
 from servelm.runtime.model_kernels import FewRowKernels, NormKernel
-from servelm.runtime.models.decoder import DecoderLayer, DecoderStack
+from servelm.runtime.models.decoder import DecoderLayer, DecoderStack, FewRowStep
 from servelm.runtime.models.layers import (
     FusedRmsNorm,
     Linear,
@@ -268,10 +268,12 @@ class CausalLM(nn.Module):
         """Give every layer and projection the fused few-row kernels (one shared ``kernels``: its
         ``max_rows`` switches them for the whole model)."""
         for module in self.modules():
-            if isinstance(module, (Linear, DecoderLayer, CausalLM)):
+            if isinstance(module, (Linear, CausalLM)):
                 module.few_rows = kernels
             if isinstance(module, Linear):
                 module.choose_method()
+            if isinstance(module, DecoderLayer):
+                module.fused_step = FewRowStep(module, kernels)
         self.choose_head_method()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

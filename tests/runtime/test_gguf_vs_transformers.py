@@ -368,7 +368,7 @@ def test_compiled_layer_step_equals_the_layers_own_forward(case_id: str, activat
     s = served(case_id)
     runner = build_runner(s.folder, num_blocks=8, gguf_activations=activations)
     layers = runner.model.model.layers
-    steps = [layer.stored_step for layer in layers]
+    steps = [layer.fused_step for layer in layers]
     stored = all(
         lin.stored is not None
         for layer in layers
@@ -382,7 +382,7 @@ def test_compiled_layer_step_equals_the_layers_own_forward(case_id: str, activat
     prefill_compiled = sum(len(q) - DECODE_STEPS for q in s.seqs) <= steps[0].max_rows
     fused = run_ours(runner, rt, s.seqs)
     for layer in layers:
-        layer.stored_step = None
+        layer.fused_step = None
     plain = run_ours(runner, rt, s.seqs)
     decode = []  # per compiled position (decodes; the prefill too where compiled): |fused - plain| / max
     for a, b in zip(fused, plain):
@@ -400,7 +400,7 @@ def test_compiled_layer_step_equals_the_layers_own_forward(case_id: str, activat
     # activations (a compiled step that lost the rounding would be as far as float32 is).
     runner32 = build_runner(s.folder, num_blocks=8)
     for layer in runner32.model.model.layers:
-        layer.stored_step = None
+        layer.fused_step = None
     float32 = run_ours(runner32, rt, s.seqs)
     apart = max(float((a - b)[compared].abs().max() / b.abs().max()) for a, b in zip(float32, plain))
     print(f"{case_id} int8: compiled vs plain {max(decode):.1e}, float32 vs int8 {apart:.1e}")
@@ -416,7 +416,7 @@ def test_decode_stack_equals_the_layer_steps(case_id: str, activations: str, ser
     s = served(case_id)
     runner = build_runner(s.folder, num_blocks=8, gguf_activations=activations)
     stack = runner.model.decode_stack
-    if not all(layer.stored_step for layer in runner.model.model.layers):
+    if not all(layer.fused_step for layer in runner.model.model.layers):
         assert stack is None, f"{case_id}: a stack over layers without compiled steps"
         pytest.skip(f"{case_id}: some projections are dense parameters")
     assert stack is not None and stack.bound is not None, f"{case_id}: no decode stack bound"
