@@ -17,6 +17,20 @@ FewRowLinear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], tor
 NormKernel = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
+# Residual add + RMS norm in one kernel: (x, residual | None, weight, eps) -> (norm(x + residual), x + residual).
+FusedRmsNorm = Callable[[torch.Tensor, "torch.Tensor | None", torch.Tensor, float], "tuple[torch.Tensor, torch.Tensor | None]"]
+
+
+@dataclass(frozen=True)
+class LayerOps:
+    """The norm and activation kernels a device builds a model's layers with (``Platform.layer_ops``),
+    chosen before the model is built; None where torch's own ops run."""
+
+    rms_norm: NormKernel | None = None  # every RMS norm (CPU: float32, or bfloat16 where it rounds as HF)
+    add_rms_norm: FusedRmsNorm | None = None  # the hidden-size norms, with the residual add before them
+    silu_mul: Callable[[torch.Tensor], torch.Tensor] | None = None  # SiLU(gate) x up of a SiLU MLP
+
+
 @dataclass
 class ModelKernels:
     """Which device kernels ``install_kernels`` put into a model (the runner reports and reuses them)."""

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from servelm.runtime.attention.base import AttentionBackend
-from servelm.runtime.model_kernels import ModelKernels
+from servelm.runtime.model_kernels import LayerOps, ModelKernels
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,10 @@ class Platform:
         """The compiled module that multiplies GGUF blocks of ``qtype`` as stored, or None (the
         dequantize-a-tile path serves every format)."""
         return None
+
+    def layer_ops(self, dtype: torch.dtype) -> LayerOps:
+        """The norm and activation kernels a model in ``dtype`` is built with here (none: torch's)."""
+        return LayerOps()
 
     def install_kernels(self, model: Any, dtype: torch.dtype, quant_rows: int) -> ModelKernels:
         """Put this device's kernels into a loaded (and quantized) model."""

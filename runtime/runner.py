@@ -176,7 +176,13 @@ class ModelRunner:
     def load_model(self, model_dir: Path, model_config: ModelConfig) -> CausalLM:
         """The loaded model (a tensor-parallel runner, ``runtime.distributed``, loads its rank's shard)."""
         return load_model(
-            model_dir, model_config, self.backend, dtype=self.dtype, device=self.device, gguf_as_stored=self.weights_as_stored
+            model_dir,
+            model_config,
+            self.backend,
+            dtype=self.dtype,
+            device=self.device,
+            gguf_as_stored=self.weights_as_stored,
+            ops=self.platform.layer_ops(self.dtype),
         )
 
     # ---- the KV pool -----------------------------------------------------------------------------

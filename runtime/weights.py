@@ -19,6 +19,7 @@ from servelm.runtime.attention.base import AttentionBackend
 from servelm.runtime.config import ModelConfig, UnsupportedModelError
 from servelm.runtime.gguf.folder import gguf_source
 from servelm.runtime.gguf.loader import load_gguf_weights
+from servelm.runtime.model_kernels import LayerOps
 from servelm.runtime.models.llama import CausalLM, build_model, param_shards
 
 log = logging.getLogger(__name__)
@@ -104,13 +105,14 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str,
     gguf_as_stored: bool = False,
+    ops: LayerOps | None = None,
 ) -> CausalLM:
     """Build the model for ``cfg`` on ``device`` in ``dtype`` and load the folder's weights into it.
 
     A folder prepared for a GGUF file (``gguf.loader.gguf_source``) loads from that file: with
     ``gguf_as_stored`` its quantized weights stay in their blocks, else they are dequantized.
     """
-    model = build_model(cfg, backend, dtype, device)
+    model = build_model(cfg, backend, dtype, device, ops)
     source = gguf_source(model_dir)
     if source is not None:
         held = load_gguf_weights(model, model_dir, as_stored=gguf_as_stored)

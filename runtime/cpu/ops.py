@@ -8,7 +8,7 @@ SiLU x up and the token mask on any x86 CPU).
 * ``linear_small_m_int4`` / ``linear_small_m_int8_grouped``: over weights quantized in groups of 32
   (``--quantization int4``: its projections and its head);
 * ``add_rms_norm`` / ``silu_mul``: the residual add with the norm after it, and SiLU x up, each one
-  call (``CausalLM.use_fused_ops``; the same values as the separate ops);
+  call (``CpuPlatform.layer_ops``; the same values as the separate ops);
 * ``rms_norm``: one pass per row instead of ``F.rms_norm``'s five ops (~26 us per call at batch 1 on
   this CPU, 61 calls per step: ~1.6 ms of a ~22 ms batch-1 forward);
 * ``apply_token_bitmask``: a structured output's mask on the logits (``runtime.logits_processing``);
@@ -162,7 +162,7 @@ def load_avx512() -> ModuleType | None:
 
 
 def fused_ops() -> tuple[FusedAddRmsNorm, Callable[[torch.Tensor], torch.Tensor]] | None:
-    """``(add_rms_norm, silu_mul)`` (float32) for ``CausalLM.use_fused_ops``, or None."""
+    """``(add_rms_norm, silu_mul)`` (float32) for ``CpuPlatform.layer_ops``, or None."""
     module = load()
     return None if module is None else (module.add_rms_norm, module.silu_mul)
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from servelm.runtime.attention.base import AttentionBackend
-from servelm.runtime.model_kernels import ModelKernels
+from servelm.runtime.model_kernels import LayerOps, ModelKernels
 from servelm.runtime.platform_interface import DeviceDefaults, Platform
 
 # Memory kept out of the KV budget for the decode graphs' private pool (outputs and intermediates of
@@ -62,6 +62,12 @@ class CudaPlatform(Platform):
         from servelm.runtime.cuda.flash_backend import select_cuda_backend
 
         return select_cuda_backend(block_size, dtype, head_dim)
+
+    def layer_ops(self, dtype: torch.dtype) -> LayerOps:
+        """The fused Triton norms and activation (``cuda.setup.layer_ops``)."""
+        from servelm.runtime.cuda import setup
+
+        return setup.layer_ops()
 
     def install_kernels(self, model: Any, dtype: torch.dtype, quant_rows: int) -> ModelKernels:
         """Fused Triton ops and few-row projections (``cuda.setup``)."""

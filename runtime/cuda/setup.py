@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from servelm.runtime.cuda import pdl
 from servelm.runtime.cuda.graphs import CudaGraphRunner
-from servelm.runtime.model_kernels import FewRowKernels, ModelKernels
+from servelm.runtime.model_kernels import FewRowKernels, LayerOps, ModelKernels
 
 if TYPE_CHECKING:
     import torch
@@ -33,16 +33,25 @@ class GraphHost(Protocol):
     few_rows_mode: str
 
 
+def layer_ops() -> LayerOps:
+    """Triton's residual add + RMS norm and SiLU x up, where ``fused_ops_enabled``."""
+    from servelm.runtime.cuda.flash_backend import fused_ops_enabled
+
+    if not fused_ops_enabled():
+        return LayerOps()
+    from servelm.runtime.cuda import triton_ops
+
+    return LayerOps(add_rms_norm=triton_ops.rms_norm, silu_mul=triton_ops.silu_mul)
+
+
 def install_kernels(model: Any) -> ModelKernels:
-    """The fused Triton norms, activation and RoPE, and the fused few-row projections, as their
-    environment switches ask (``flash_backend.fused_ops_enabled`` / ``decode_gemv_mode``)."""
+    """The fused few-row projections, as their environment switch asks (``decode_gemv_mode``; the
+    model was built with the fused Triton norms and activation where ``fused_ops_enabled``:
+    ``layer_ops``)."""
     from servelm.runtime.cuda.flash_backend import decode_gemv_mode, fused_ops_enabled
 
     kernels = ModelKernels()
     if fused_ops_enabled():
-        from servelm.runtime.cuda import triton_ops
-
-        model.use_fused_ops(triton_ops.rms_norm, triton_ops.silu_mul)
         kernels.fused_ops = True
         kernels.few_rows_mode = decode_gemv_mode()
     if kernels.few_rows_mode != "off":

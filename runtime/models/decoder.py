@@ -15,7 +15,7 @@ from torch import nn
 
 from servelm.runtime.attention.base import AttentionBackend, AttentionMetadata, QKNorm
 from servelm.runtime.config import ModelConfig
-from servelm.runtime.model_kernels import FewRowKernels
+from servelm.runtime.model_kernels import FewRowKernels, LayerOps
 from servelm.runtime.models.layers import (
     CosSin,
     Linear,
@@ -42,6 +42,7 @@ class Attention(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         layer_idx: int = 0,
+        ops: LayerOps | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
@@ -66,8 +67,8 @@ class Attention(nn.Module):
         o_bias = cfg.attention_bias and cfg.architecture != "Qwen2ForCausalLM"
         self.o_proj = Linear(self.q_size, cfg.hidden_size, o_bias, dtype, device)
         if cfg.qk_norm:
-            self.q_norm: RMSNorm | None = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
-            self.k_norm: RMSNorm | None = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
+            self.q_norm: RMSNorm | None = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, ops, per_head=True)
+            self.k_norm: RMSNorm | None = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, ops, per_head=True)
         else:
             self.q_norm = self.k_norm = None
         self.backend = backend
@@ -120,7 +121,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SiLU-gated MLP with a fused gate/up projection."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, ops: LayerOps | None = None) -> None:
         super().__init__()
         self.intermediate = cfg.intermediate_size
         self.gate_up_proj = Linear(
@@ -128,8 +129,9 @@ class MLP(nn.Module):
         )
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, device)
         self.split_max_rows = platform_of(device).small_batch_splits[0]
-        self.act_mul: Callable[[torch.Tensor], torch.Tensor] | None = None  # silu(gate) * up in one kernel
         self.gelu = cfg.hidden_act == "gelu_tanh"  # Gemma: GELU (tanh approximation) instead of SiLU
+        # silu(gate) * up in one kernel, where the device has one
+        self.act_mul: Callable[[torch.Tensor], torch.Tensor] | None = None if self.gelu or ops is None else ops.silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.act_mul is not None:
@@ -160,10 +162,11 @@ class DecoderLayer(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         layer_idx: int = 0,
+        ops: LayerOps | None = None,
     ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(cfg, backend, dtype, device, layer_idx)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ops)
+        self.self_attn = Attention(cfg, backend, dtype, device, layer_idx, ops)
         # Granite: each sublayer's output is scaled before its residual add (1.0 elsewhere: no op)
         self.residual_multiplier = cfg.residual_multiplier
         # Gemma 3: the sliding layers' own RoPE tables; and "sandwich" norms: post_attention_layernorm
@@ -172,10 +175,10 @@ class DecoderLayer(nn.Module):
         self.local_rope = cfg.local_rope is not None and layer_idx in cfg.window_layers
         self.sandwich = cfg.sandwich_norms
         if self.sandwich:
-            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp = MLP(cfg, dtype, device)
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ops)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ops)
+        self.mlp = MLP(cfg, dtype, device, ops)
         self.lora_ctx: LoRAContext | None = None  # set by runtime.lora.attach
         # The whole layer in a device's fused calls for the steps they take, chosen at load: the CUDA
         # few-row kernels (``FewRowStep``) or the CPU's calls on GGUF blocks (``gguf.layer.StoredStep``).
@@ -253,7 +256,9 @@ class FewRowStep:
 class DecoderStack(nn.Module):
     """Embeddings, layers and final norm: HF's ``model.*`` namespace."""
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, device: torch.device, ops: LayerOps | None = None
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Module()
         self.embed_tokens.weight = empty_param((cfg.vocab_size, cfg.hidden_size), dtype, device)
@@ -265,5 +270,5 @@ class DecoderStack(nn.Module):
             self.rotary_emb_local = RotaryEmbedding(
                 dataclasses.replace(cfg, rope_theta=theta, rope_scaling=scaling), dtype, device
             )
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, dtype, device, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, dtype, device, i, ops) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ops)

@@ -16,7 +16,7 @@ from torch import nn
 
 from servelm.runtime import quantization
 from servelm.runtime.config import ModelConfig, UnsupportedModelError
-from servelm.runtime.model_kernels import FewRowKernels, NormKernel
+from servelm.runtime.model_kernels import FewRowKernels, FusedRmsNorm, LayerOps, NormKernel
 from servelm.runtime.projection import DenseMethod, ProjectionMethod, select_method
 
 if TYPE_CHECKING:
@@ -30,7 +30,6 @@ def empty_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 
 
 # (x, residual | None, weight, eps) -> (norm(x [+ residual]) * weight, x + residual written into residual | None)
-FusedRmsNorm = Callable[[torch.Tensor, "torch.Tensor | None", torch.Tensor, float], "tuple[torch.Tensor, torch.Tensor | None]"]
 
 
 class TorchNorm:
@@ -80,22 +79,30 @@ class RMSNorm(nn.Module):
     """RMS normalisation through a norm method (torch, compiled or fused) chosen whenever its kernels
     or its weight's form change (setting ``kernel``, ``fused`` or ``upcast_weight``), never per call."""
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, size: int, eps: float, dtype: torch.dtype, device: torch.device, ops: LayerOps | None = None, per_head: bool = False
+    ) -> None:
         super().__init__()
         self.weight = empty_param((size,), dtype, device)
         self.eps = eps
-        self._kernel: NormKernel | None = None  # the compiled CPU op, when the runner sets it
-        self._fused: FusedRmsNorm | None = None  # residual add + norm in one kernel (runtime.cuda.triton_ops)
+        self.dtype = dtype  # the model's (a Gemma weight becomes float32 after loading)
+        ops = ops or LayerOps()
+        self._kernel: NormKernel | None = ops.rms_norm  # the compiled CPU op
+        # Residual add + norm in one kernel; not for per-head norms (Qwen3's q/k norms see [tokens, heads,
+        # head_dim] views).
+        self._fused: FusedRmsNorm | None = None if per_head else ops.add_rms_norm
         # Gemma: the weight is 1 + w in float32 (``CausalLM.after_load``), applied before rounding to
         # the input's dtype, as Gemma3RMSNorm computes it
         self._upcast_weight = False
         self.method: TorchNorm | CompiledNorm | FusedNorm = TorchNorm(False)
+        self._choose_method()
 
     def _choose_method(self) -> None:
         torch_norm = TorchNorm(self._upcast_weight)
         if self._fused is not None:
             self.method = FusedNorm(self._fused)
-        elif self._kernel is not None:
+        elif self._kernel is not None and (self.dtype == torch.float32 or not self._upcast_weight):
+            # (Gemma's float32 weights under bfloat16 activations keep the torch path: the op rounds as Llama.)
             self.method = CompiledNorm(self._kernel, torch_norm)
         else:
             self.method = torch_norm

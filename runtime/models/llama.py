@@ -27,10 +27,9 @@ from torch import nn
 from servelm.runtime import quantization
 from servelm.runtime.attention.base import AttentionBackend, AttentionMetadata
 from servelm.runtime.config import ModelConfig
-from servelm.runtime.model_kernels import FewRowKernels, NormKernel
+from servelm.runtime.model_kernels import FewRowKernels, LayerOps
 from servelm.runtime.models.decoder import DecoderLayer, DecoderStack, FewRowStep
 from servelm.runtime.models.layers import (
-    FusedRmsNorm,
     Linear,
     RMSNorm,
     empty_param,
@@ -62,11 +61,13 @@ class CausalLM(nn.Module):
         backend: AttentionBackend,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        ops: LayerOps | None = None,
     ) -> None:
+        """``ops``: the norm and activation kernels the device builds the layers with (``Platform.layer_ops``)."""
         super().__init__()
         device = torch.device(device)
         self.config = cfg
-        self.model = DecoderStack(cfg, backend, dtype, device)
+        self.model = DecoderStack(cfg, backend, dtype, device, ops)
         # Gemma rounds its embedding multiplier to the weights' dtype first (bfloat16: sqrt(1152) -> 34.0)
         scale = cfg.embedding_multiplier
         self.embed_scale = float(torch.tensor(scale, dtype=torch.float32).to(dtype)) if cfg.embedding_multiplier_in_dtype else scale
@@ -244,26 +245,6 @@ class CausalLM(nn.Module):
                 total += quant.nbytes - dense.numel() * dense.element_size()
         return total
 
-    def use_cpu_rms_norm(self, kernel: NormKernel) -> None:
-        """Route every RMSNorm through the compiled CPU op (``runtime.cpu.ops``; float32 or bfloat16).
-        Gemma's float32 weights under bfloat16 activations keep the torch path (the op rounds as Llama)."""
-        float32 = self.model.embed_tokens.weight.dtype == torch.float32
-        for module in self.modules():
-            if isinstance(module, RMSNorm) and (float32 or not module.upcast_weight):
-                module.kernel = kernel
-
-    def use_fused_ops(self, rms_norm: FusedRmsNorm, silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Route every RMSNorm (with the residual add before it) and the MLP activation through fused
-        kernels (``runtime.cuda.triton_ops`` on CUDA)."""
-        # The hidden-size norms only: Qwen3's per-head q/k norms see [tokens, heads, head_dim] views.
-        for layer in self.model.layers:
-            for module in layer.modules():
-                if isinstance(module, RMSNorm) and module is not layer.self_attn.q_norm and module is not layer.self_attn.k_norm:
-                    module.fused = rms_norm
-            if not layer.mlp.gelu:
-                layer.mlp.act_mul = silu_mul
-        self.model.norm.fused = rms_norm
-
     def use_few_row_kernels(self, kernels: FewRowKernels) -> None:
         """Give every layer and projection the fused few-row kernels (one shared ``kernels``: its
         ``max_rows`` switches them for the whole model)."""
@@ -309,10 +290,10 @@ class CausalLM(nn.Module):
 
 
 def build_model(
-    cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, device: torch.device | str
+    cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, device: torch.device | str, ops: LayerOps | None = None
 ) -> CausalLM:
     """An unloaded model (parameters uninitialised); fill it with ``runtime.weights.load_weights``."""
-    return CausalLM(cfg, backend, dtype, device)
+    return CausalLM(cfg, backend, dtype, device, ops)
 
 
 def param_shards(param: nn.Parameter) -> list[str | None]:

@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import importlib
 
-from triton_interp import flash_backend, gemv, ops, prefill_then_decode, torch_rms_norm  # first: sets the interpreter
+from triton_interp import (  # first: sets the interpreter
+    build_with_triton_ops,
+    flash_backend,
+    gemv,
+    prefill_then_decode,
+    torch_rms_norm,
+)
 
 # isort: split
 import pytest
@@ -110,9 +116,8 @@ def test_model_with_few_row_kernels_equals_the_eager_model(tiny_model_dir, build
     # Dense weights as on CUDA (oneDNN-packed projections would take the CPU's own path first).
     with monkeypatch.context() as m:
         m.setattr(cpu_linear, "onednn_linear_available", lambda dtype: False)
-        fused = build_runner(tiny_llama_dir, backend=flash_backend.TritonPagedBackend(16, fused_rope=True))
+        fused = build_with_triton_ops(build_runner, m, tiny_llama_dir, backend=flash_backend.TritonPagedBackend(16, fused_rope=True))
     assert not fused.packed_linears
-    fused.model.use_fused_ops(ops.rms_norm, ops.silu_mul)
     calls = {"linear": [], "rms_norm_linear": [], "silu_mul_linear": []}
 
     def counted(name):  # type: ignore[no-untyped-def]

@@ -8,7 +8,15 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from triton_interp import flash_backend, ops, prefill_then_decode, td, tk, torch_rms_norm  # first: sets the interpreter
+from triton_interp import (  # first: sets the interpreter
+    build_with_triton_ops,
+    flash_backend,
+    ops,
+    prefill_then_decode,
+    td,
+    tk,
+    torch_rms_norm,
+)
 
 # isort: split
 import pytest
@@ -431,7 +439,7 @@ def test_model_with_fused_ops_equals_the_eager_model(tiny_llama_dir, build_runne
     from servelm.runtime.cpu.torch_backend import TorchAttentionBackend
 
     monkeypatch.setattr(td, "decode_splits", lambda num_seqs, num_kv_heads, device: splits)
-    fused = build_runner(tiny_llama_dir, backend=flash_backend.TritonPagedBackend(16, fused_rope=True))
+    fused = build_with_triton_ops(build_runner, monkeypatch, tiny_llama_dir, backend=flash_backend.TritonPagedBackend(16, fused_rope=True))
     calls = {"rope_store": 0, "rms_norm": 0}
 
     def counting(name: str, op: Callable[..., Any]) -> Callable[..., Any]:
@@ -445,7 +453,6 @@ def test_model_with_fused_ops_equals_the_eager_model(tiny_llama_dir, build_runne
         monkeypatch.setattr(ops, name, counting(name, getattr(ops, name)))
     folded = []
     monkeypatch.setattr(td, "rope_paged_decode", lambda *a, _f=td.rope_paged_decode, **kw: folded.append(1) or _f(*a, **kw))
-    fused.model.use_fused_ops(ops.rms_norm, ops.silu_mul)
     plain = build_runner(tiny_llama_dir, backend=TorchAttentionBackend(16, use_kernel=False))
     # Both prompts but the last token as one prefill step, then a decode step for each.
     outs = [prefill_then_decode(runner, rt, [7, 8], [[0, 1]]) for runner in (fused, plain)]

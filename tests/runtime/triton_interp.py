@@ -67,3 +67,15 @@ def torch_rms_norm(x, w, eps):  # type: ignore[no-untyped-def]
 
 def prefill_then_decode(runner, rt, lengths: list[int], decode_steps: list[list[int]]) -> torch.Tensor:  # type: ignore[no-untyped-def]
     return rt.prefill_then_decode(runner, lengths, decode_steps)
+
+
+def build_with_triton_ops(build_runner, monkeypatch, *args, **kwargs):  # type: ignore[no-untyped-def]
+    """``build_runner(*args, **kwargs)`` with the model built from Triton's fused norm and activation
+    (as ``CudaPlatform.layer_ops`` gives them), looked up at each call so a test may count them."""
+    from servelm.runtime.cpu.platform import CpuPlatform
+    from servelm.runtime.model_kernels import LayerOps
+
+    triton_ops = LayerOps(add_rms_norm=lambda *a: ops.rms_norm(*a), silu_mul=lambda x: ops.silu_mul(x))
+    with monkeypatch.context() as m:
+        m.setattr(CpuPlatform, "layer_ops", lambda self, dtype: triton_ops)
+        return build_runner(*args, **kwargs)
