@@ -36,7 +36,7 @@ class ModelKernels:
     """Which device kernels ``install_kernels`` put into a model (the runner reports and reuses them)."""
 
     packed_linears: bool = False  # CPU: projections packed for oneDNN
-    small_m_linear: Any = None  # CPU: (few-row dense kernel, its most rows), when used
+    few_row_linear: Any = None  # CPU: (few-row dense kernel, its most rows), when used
     fused_ops: bool = False  # CUDA: Triton norms, activation and RoPE
     few_rows: Any = None  # CUDA: the fused few-row projections (``FewRowKernels``)
     few_rows_mode: str = "off"  # CUDA: "on", "auto" (graphs A/B them per size) or "off"

@@ -2,7 +2,7 @@
 
 Why: a decode step of a few rows is a pass over every weight, so on CPU its time is the weight
 bytes over the memory bandwidth (538 MB of float32 for the default model: ~20 ms a token here). int8
-weights are a quarter of those bytes; ``csrc/cpu_ops.cpp``'s ``linear_small_m_int8`` streams them and
+weights are a quarter of those bytes; ``csrc/cpu_ops.cpp``'s ``linear_few_row_int8`` streams them and
 multiplies in float32.
 
 Scheme: symmetric, one float32 scale per output row (``scale = max |w_row| / 127``, ``q = round(w /

@@ -140,7 +140,7 @@ class ModelRunner:
         self.weight_bytes = self.model.weight_bytes_read()
         installed = self.platform.install_kernels(self.model, dtype, quant_rows)
         self.packed_linears = installed.packed_linears
-        self.small_m_linear = installed.small_m_linear
+        self.few_row_linear = installed.few_row_linear
         self.fused_ops = installed.fused_ops
         self.few_rows: FewRowKernels | None = installed.few_rows
         self.few_rows_mode = installed.few_rows_mode
@@ -164,7 +164,7 @@ class ModelRunner:
             model_config.architecture,
             self.backend.name,
             ("oneDNN (packed weights)" if self.packed_linears else "torch")
-            + (f" + few-row kernel (<= {self.small_m_linear[1]} rows)" if self.small_m_linear else "")
+            + (f" + few-row kernel (<= {self.few_row_linear[1]} rows)" if self.few_row_linear else "")
             + (f" + {quantization} few-row kernel (<= {quant_rows} rows)" if quant_rows else "")
             + (f"; weights {QUANTIZATION_LABELS[quantization]}" if quantization else "")
             + ("; weights as stored in the GGUF file" if self.weights_as_stored else "")

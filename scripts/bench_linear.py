@@ -61,7 +61,7 @@ def main() -> None:
         layer_bytes = sum(w.numel() * w.element_size() for ws in dense for w in ws)
         head_bytes = head.numel() * head.element_size()
         name = str(dtype).replace("torch.", "")
-        int8 = cpu_linear.small_m_int8_kernel() if dtype == torch.float32 else None
+        int8 = cpu_linear.few_row_int8_kernel() if dtype == torch.float32 else None
         if int8 is not None:  # the weights --quantization int8 makes, for the int8 kernel
             q_layers = [[quantize_rows(w) for w in ws] for ws in dense]
             q_head = quantize_rows(head)
@@ -103,7 +103,7 @@ def main() -> None:
                     f"{flops / p_layers / 1e6:4.0f} GFLOP/s) head {p_head:6.2f} ms "
                     f"({head_bytes / p_head / 1e6:5.1f} GB/s) | speed-up {(t_layers + t_head) / (p_layers + p_head):.2f}x"
                 )
-            small = cpu_linear.small_m_kernel() if dtype == torch.float32 else None
+            small = cpu_linear.few_row_kernel() if dtype == torch.float32 else None
             if small is not None and rows <= small[1] and not args.skip_dense:
                 fn = small[0]
 

@@ -25,11 +25,18 @@ from collections.abc import Callable
 import torch
 
 from servelm.runtime.cpu import ops as cpu_ops
-from servelm.runtime.cpu.ops import SmallMLinear, SmallMLinearInt8
+from servelm.runtime.cpu.ops import FewRowLinearInt8
+from servelm.runtime.model_kernels import FewRowLinear
 
 __all__ = [
-    "ENV", "SmallMLinear", "linear", "onednn_linear_available", "pack", "quantized_kernels", "small_m_int8_kernel",
-    "small_m_kernel",
+    "ENV",
+    "FewRowLinear",
+    "few_row_int8_kernel",
+    "few_row_kernel",
+    "linear",
+    "onednn_linear_available",
+    "pack",
+    "quantized_kernels",
 ]
 
 ENV = "SERVELM_CPU_LINEAR"  # "auto" (default) | "onednn" | "torch"
@@ -71,7 +78,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> 
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [None], "")
 
 
-def small_m_kernel(dtype: torch.dtype = torch.float32) -> tuple[SmallMLinear, int] | None:
+def few_row_kernel(dtype: torch.dtype = torch.float32) -> tuple[FewRowLinear, int] | None:
     """The compiled few-row projection for ``dtype`` weights and the most rows it takes, or None.
 
     float32 needs AVX-512, bfloat16 AVX512-BF16. None where ``runtime.cpu.ops`` cannot be built or
@@ -82,26 +89,26 @@ def small_m_kernel(dtype: torch.dtype = torch.float32) -> tuple[SmallMLinear, in
     module = cpu_ops.load_avx512()
     if module is None or (dtype == torch.bfloat16 and not module.has_avx512_bf16):
         return None
-    return module.linear_small_m, int(module.max_rows)
+    return module.linear_few_row, int(module.max_rows)
 
 
-def small_m_int8_kernel() -> tuple[SmallMLinearInt8, int] | None:
+def few_row_int8_kernel() -> tuple[FewRowLinearInt8, int] | None:
     """The compiled few-row projection over int8 weights (``--quantization int8``) and its row limit,
-    or None (as ``small_m_kernel``: no AVX-512, no build, or ``SERVELM_CPU_LINEAR`` set). Never raises."""
+    or None (as ``few_row_kernel``: no AVX-512, no build, or ``SERVELM_CPU_LINEAR`` set). Never raises."""
     if _mode() != "auto":
         return None
     module = cpu_ops.load_avx512()
     if module is None:
         return None
-    return module.linear_small_m_int8, int(module.int8_max_rows)
+    return module.linear_few_row_int8, int(module.int8_max_rows)
 
 
 def quantized_kernels() -> dict[str, tuple[Callable[..., torch.Tensor], int]]:
     """The compiled few-row kernels of the quantized schemes (``runtime.quantization``), by scheme, with
-    their row limit: per-row int8, int4 groups, int8 groups. Empty where ``small_m_int8_kernel`` is None."""
-    int8 = small_m_int8_kernel()
+    their row limit: per-row int8, int4 groups, int8 groups. Empty where ``few_row_int8_kernel`` is None."""
+    int8 = few_row_int8_kernel()
     module = cpu_ops.load_avx512()
     if int8 is None or module is None:
         return {}
     rows = int(module.int8_max_rows)
-    return {"int8": int8, "int4": (module.linear_small_m_int4, rows), "int8_groups": (module.linear_small_m_int8_grouped, rows)}
+    return {"int8": int8, "int4": (module.linear_few_row_int4, rows), "int8_groups": (module.linear_few_row_int8_grouped, rows)}

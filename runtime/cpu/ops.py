@@ -1,11 +1,11 @@
 """Small float32 CPU ops of the decode step, compiled from ``csrc/cpu_ops.cpp`` (AVX-512; the norms,
 SiLU x up and the token mask on any x86 CPU).
 
-* ``linear_small_m``: projections of one to four rows, streaming the dense weight (see
+* ``linear_few_row``: projections of one to four rows, streaming the dense weight (see
   ``runtime.cpu.linear``, which decides when to use it);
-* ``linear_small_m_int8``: the same over int8 weights with a float32 scale per output row
+* ``linear_few_row_int8``: the same over int8 weights with a float32 scale per output row
   (``--quantization int8``, ``runtime.quantization``): a quarter of the bytes;
-* ``linear_small_m_int4`` / ``linear_small_m_int8_grouped``: over weights quantized in groups of 32
+* ``linear_few_row_int4`` / ``linear_few_row_int8_grouped``: over weights quantized in groups of 32
   (``--quantization int4``: its projections and its head);
 * ``add_rms_norm`` / ``silu_mul``: the residual add with the norm after it, and SiLU x up, each one
   call (``CpuPlatform.layer_ops``; the same values as the separate ops);
@@ -32,19 +32,15 @@ import torch.nn.functional as F
 
 from servelm.runtime import quantization
 from servelm.runtime.cpu.extension import CompiledExtension
-from servelm.runtime.model_kernels import FewRowLinear, NormKernel
+from servelm.runtime.model_kernels import FusedRmsNorm, NormKernel
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
 DISABLE_ENV = "SERVELM_DISABLE_CPU_OPS"
 
-SmallMLinear = FewRowLinear
 # (x [M, K] float32, weight [N, K] int8, scale [N] float32, bias [N] | None) -> [M, N] float32
-SmallMLinearInt8 = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-RmsNorm = NormKernel
-# (x, residual | None, weight, eps) -> (rms_norm(x + residual), x + residual written into residual | None)
-FusedAddRmsNorm = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor | None]]
+FewRowLinearInt8 = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 def _self_check(module: ModuleType) -> str | None:
@@ -61,16 +57,16 @@ def _check_avx512(module: ModuleType, gen: torch.Generator) -> str | None:
         w = torch.randn(37, k, generator=gen)
         x = torch.randn(rows, k, generator=gen)
         b = torch.randn(37, generator=gen) if bias else None
-        if not torch.allclose(module.linear_small_m(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-5):
-            return f"linear_small_m self-check failed (rows {rows}, K {k}, bias {bias})"
+        if not torch.allclose(module.linear_few_row(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-5):
+            return f"linear_few_row self-check failed (rows {rows}, K {k}, bias {bias})"
     for rows, k, bias in ((1, 64, False), (2, 37, True), (4, 200, False), (3, 128 + 16 + 5, True), (8, 150, True)):
         q = torch.randint(-127, 128, (37, k), generator=gen, dtype=torch.int8)
         scale = torch.rand(37, generator=gen) / 64
         x = torch.randn(rows, k, generator=gen)
         b = torch.randn(37, generator=gen) if bias else None
         want = F.linear(x.double(), q.double() * scale.double()[:, None], None if b is None else b.double()).float()
-        if not torch.allclose(module.linear_small_m_int8(x, q, scale, b), want, atol=1e-4, rtol=1e-5):
-            return f"linear_small_m_int8 self-check failed (rows {rows}, K {k}, bias {bias})"
+        if not torch.allclose(module.linear_few_row_int8(x, q, scale, b), want, atol=1e-4, rtol=1e-5):
+            return f"linear_few_row_int8 self-check failed (rows {rows}, K {k}, bias {bias})"
     for rows, k, bias in ((1, 64, False), (3, 96, True), (8, 160, True)):
         w = torch.randn(37, k, generator=gen)
         x = torch.randn(rows, k, generator=gen)
@@ -78,19 +74,19 @@ def _check_avx512(module: ModuleType, gen: torch.Generator) -> str | None:
         bd = None if b is None else b.double()
         q4 = quantization.quantize_int4_groups(w)
         want = F.linear(x.double(), quantization.dequantize_int4_groups(*q4).double(), bd).float()
-        if not torch.allclose(module.linear_small_m_int4(x, *q4, b), want, atol=1e-4, rtol=1e-5):
-            return f"linear_small_m_int4 self-check failed (rows {rows}, K {k}, bias {bias})"
+        if not torch.allclose(module.linear_few_row_int4(x, *q4, b), want, atol=1e-4, rtol=1e-5):
+            return f"linear_few_row_int4 self-check failed (rows {rows}, K {k}, bias {bias})"
         q8 = quantization.quantize_int8_groups(w)
         want = F.linear(x.double(), quantization.dequantize_int8_groups(*q8).double(), bd).float()
-        if not torch.allclose(module.linear_small_m_int8_grouped(x, *q8, b), want, atol=1e-4, rtol=1e-5):
-            return f"linear_small_m_int8_grouped self-check failed (rows {rows}, K {k}, bias {bias})"
+        if not torch.allclose(module.linear_few_row_int8_grouped(x, *q8, b), want, atol=1e-4, rtol=1e-5):
+            return f"linear_few_row_int8_grouped self-check failed (rows {rows}, K {k}, bias {bias})"
     if module.has_avx512_bf16:
         for rows, k in ((1, 64), (4, 70)):
             w = torch.randn(37, k, generator=gen).bfloat16()
             x = torch.randn(rows, k, generator=gen).bfloat16()
             want = F.linear(x.float(), w.float())
-            if not torch.allclose(module.linear_small_m(x, w, None).float(), want, atol=0.05, rtol=0.02):
-                return f"bfloat16 linear_small_m self-check failed (rows {rows}, K {k})"
+            if not torch.allclose(module.linear_few_row(x, w, None).float(), want, atol=0.05, rtol=0.02):
+                return f"bfloat16 linear_few_row self-check failed (rows {rows}, K {k})"
     # LoRA: rows of two adapters (one with two shards over 21 + 16 outputs, ranks 3 and 5) and none.
     x = torch.randn(5, 40, generator=gen)
     y = torch.randn(5, 37, generator=gen)
@@ -161,7 +157,7 @@ def load_avx512() -> ModuleType | None:
     return module if module is not None and module.has_avx512 else None
 
 
-def fused_ops() -> tuple[FusedAddRmsNorm, Callable[[torch.Tensor], torch.Tensor]] | None:
+def fused_ops() -> tuple[FusedRmsNorm, Callable[[torch.Tensor], torch.Tensor]] | None:
     """``(add_rms_norm, silu_mul)`` (float32) for ``CpuPlatform.layer_ops``, or None."""
     module = load()
     return None if module is None else (module.add_rms_norm, module.silu_mul)
@@ -179,6 +175,6 @@ def lora_kernel() -> Callable[..., None] | None:
     return None if module is None else module.lora_apply
 
 
-def rms_norm_kernel() -> RmsNorm | None:
+def rms_norm_kernel() -> NormKernel | None:
     module = load()
     return None if module is None else module.rms_norm

@@ -17,9 +17,9 @@ def install_kernels(model: Any, dtype: torch.dtype, quant_rows: int) -> ModelKer
     were built with the compiled ops: ``CpuPlatform.layer_ops``); ``quant_rows``: the rows a quantized
     kernel already serves."""
     packed = cpu_linear.onednn_linear_available(dtype)
-    small_m = None
+    few_row = None
     if packed:
         # With a quantized kernel serving few-row steps, the dense float copies are not needed.
-        small_m = None if quant_rows else cpu_linear.small_m_kernel(dtype)
-        model.use_base_methods(packed_methods(small_m), keep_weights=small_m is not None)
-    return ModelKernels(packed_linears=packed, small_m_linear=small_m)
+        few_row = None if quant_rows else cpu_linear.few_row_kernel(dtype)
+        model.use_base_methods(packed_methods(few_row), keep_weights=few_row is not None)
+    return ModelKernels(packed_linears=packed, few_row_linear=few_row)

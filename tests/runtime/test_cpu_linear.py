@@ -98,7 +98,7 @@ def test_runner_packs_by_default_and_env_switches_it_off(
 
     monkeypatch.setenv("SERVELM_CPU_LINEAR", "onednn")  # packed only: dense weights dropped
     onednn = build_runner(model_dir, num_blocks=16)
-    assert onednn.small_m_linear is None
+    assert onednn.few_row_linear is None
     assert onednn.model.model.layers[0].self_attn.qkv_proj.weight is None
     assert onednn.model.lm_head.weight is None
 
@@ -124,14 +124,14 @@ def test_runner_packs_by_default_and_env_switches_it_off(
 
 
 @pytest.fixture(scope="module")
-def small_m() -> tuple[cpu_linear.SmallMLinear, int]:
-    kernel = cpu_linear.small_m_kernel()
+def few_row() -> tuple[cpu_linear.FewRowLinear, int]:
+    kernel = cpu_linear.few_row_kernel()
     if kernel is None:
         pytest.skip("the few-row kernel did not build here (no compiler or no AVX-512; see the logged warning)")
     return kernel
 
 
-def test_small_m_kernel_builds_on_avx512() -> None:
+def test_few_row_kernel_builds_on_avx512() -> None:
     # Otherwise a compile error in the .cpp would only show up as skipped tests.
     import shutil
 
@@ -139,16 +139,16 @@ def test_small_m_kernel_builds_on_avx512() -> None:
 
     if shutil.which("c++") is None or shutil.which("ninja") is None or "avx512f" not in (cpu_flags() or set()):
         pytest.skip("no compiler, ninja or AVX-512 here")
-    assert cpu_linear.small_m_kernel() is not None, "the few-row kernel failed to build; see the logged warning"
+    assert cpu_linear.few_row_kernel() is not None, "the few-row kernel failed to build; see the logged warning"
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("n,k", [(960, 576), (37, 40), (8, 16), (3, 1536), (1001, 33)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_small_m_kernel_equals_f_linear(
-    small_m: tuple[cpu_linear.SmallMLinear, int], rows: int, n: int, k: int, bias: bool
+def test_few_row_kernel_equals_f_linear(
+    few_row: tuple[cpu_linear.FewRowLinear, int], rows: int, n: int, k: int, bias: bool
 ) -> None:
-    fn, max_rows = small_m
+    fn, max_rows = few_row
     assert max_rows == 4
     g = torch.Generator().manual_seed(rows * 1000 + n + k)
     w = torch.randn(n, k, generator=g)
@@ -157,8 +157,8 @@ def test_small_m_kernel_equals_f_linear(
     torch.testing.assert_close(fn(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
 
 
-def test_small_m_kernel_refuses_what_it_cannot_do(small_m: tuple[cpu_linear.SmallMLinear, int]) -> None:
-    fn, _ = small_m
+def test_few_row_kernel_refuses_what_it_cannot_do(few_row: tuple[cpu_linear.FewRowLinear, int]) -> None:
+    fn, _ = few_row
     w = torch.randn(8, 16)
     with pytest.raises(RuntimeError, match="rows"):
         fn(torch.randn(5, 16), w, None)
@@ -170,22 +170,22 @@ def test_small_m_kernel_refuses_what_it_cannot_do(small_m: tuple[cpu_linear.Smal
         fn(torch.randn(1, 16).bfloat16(), w, None)  # mixed
 
 
-def test_runner_uses_small_m_kernel_for_few_rows(
+def test_runner_uses_few_row_kernel_for_few_rows(
     tiny_model_dir: Callable[[str], Path], build_runner: Callable[..., Any], rt: SimpleNamespace,
-    small_m: tuple[cpu_linear.SmallMLinear, int], monkeypatch: pytest.MonkeyPatch,
+    few_row: tuple[cpu_linear.FewRowLinear, int], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     runner = build_runner(tiny_model_dir("qwen2"), num_blocks=16)  # q/k/v bias too
-    assert runner.small_m_linear is not None
+    assert runner.few_row_linear is not None
     qkv = runner.model.model.layers[0].self_attn.qkv_proj
-    assert qkv.weight is not None and qkv.base is not None and qkv.base.small_m_rows == 4  # type: ignore[attr-defined]
+    assert qkv.weight is not None and qkv.base is not None and qkv.base.few_row_max_rows == 4  # type: ignore[attr-defined]
     calls: list[int] = []
-    inner = qkv.method.small_m  # the kernel lives in the projection's method (runtime.cpu.packed)
+    inner = qkv.method.few_row  # the kernel lives in the projection's method (runtime.cpu.packed)
 
     def spy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         calls.append(x.shape[0])
         return inner(x, w, b)
 
-    monkeypatch.setattr(qkv.method, "small_m", spy)
+    monkeypatch.setattr(qkv.method, "few_row", spy)
     few = _logits(runner, rt, list(range(5, 9)))  # 4 rows: the kernel
     many = _logits(runner, rt, list(range(5, 15)))  # 10 rows: oneDNN
     assert calls == [4]
@@ -197,8 +197,8 @@ def test_runner_uses_small_m_kernel_for_few_rows(
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("n,k", [(960, 576), (37, 40), (5, 70)])
-def test_small_m_kernel_bfloat16(rows: int, n: int, k: int) -> None:
-    kernel = cpu_linear.small_m_kernel(torch.bfloat16)
+def test_few_row_kernel_bfloat16(rows: int, n: int, k: int) -> None:
+    kernel = cpu_linear.few_row_kernel(torch.bfloat16)
     if kernel is None:
         pytest.skip("no AVX512-BF16 few-row kernel here")
     fn, _ = kernel
@@ -217,11 +217,11 @@ def test_small_m_kernel_bfloat16(rows: int, n: int, k: int) -> None:
 def test_bfloat16_runner_uses_the_kernels_and_tracks_float32(
     tiny_model_dir: Callable[[str], Path], build_runner: Callable[..., Any], rt: SimpleNamespace
 ) -> None:
-    if cpu_linear.small_m_kernel(torch.bfloat16) is None:
+    if cpu_linear.few_row_kernel(torch.bfloat16) is None:
         pytest.skip("no AVX512-BF16 few-row kernel here")
     model_dir = tiny_model_dir("llama")
     bf16 = build_runner(model_dir, num_blocks=16, dtype=torch.bfloat16)
-    assert bf16.small_m_linear is not None and bf16.packed_linears
+    assert bf16.few_row_linear is not None and bf16.packed_linears
     fp32 = build_runner(model_dir, num_blocks=16)
     ids = list(range(5, 9))  # 4 rows: the few-row kernel
     a, b = _logits(bf16, rt, ids), _logits(fp32, rt, ids)

@@ -15,11 +15,12 @@ import torch.nn.functional as F
 from servelm.runtime.batch import BatchItem
 from servelm.runtime.cpu import ops as cpu_ops
 from servelm.runtime.cpu.extension import cpu_flags
+from servelm.runtime.model_kernels import NormKernel
 from servelm.runtime.models.layers import RMSNorm
 
 
 @pytest.fixture(scope="module")
-def rms_norm() -> cpu_ops.RmsNorm:
+def rms_norm() -> NormKernel:
     kernel = cpu_ops.rms_norm_kernel()
     if kernel is None:
         pytest.skip("servelm.runtime.cpu.ops did not build here (no compiler or no AVX-512; see the logged warning)")
@@ -38,14 +39,14 @@ def test_builds_where_it_can() -> None:
 
 
 @pytest.mark.parametrize("shape", [(1, 576), (3, 64), (70, 576), (5, 40), (2, 7, 16), (1, 17)])
-def test_rms_norm_equals_torch(rms_norm: cpu_ops.RmsNorm, shape: tuple[int, ...]) -> None:
+def test_rms_norm_equals_torch(rms_norm: NormKernel, shape: tuple[int, ...]) -> None:
     g = torch.Generator().manual_seed(sum(shape))
     x = torch.randn(*shape, generator=g) * 3
     w = torch.randn(shape[-1], generator=g)
     torch.testing.assert_close(rms_norm(x, w, 1e-5), F.rms_norm(x, (shape[-1],), w, 1e-5), atol=1e-5, rtol=1e-5)
 
 
-def test_rms_norm_refuses_what_it_cannot_do(rms_norm: cpu_ops.RmsNorm) -> None:
+def test_rms_norm_refuses_what_it_cannot_do(rms_norm: NormKernel) -> None:
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         rms_norm(torch.randn(2, 8).half(), torch.randn(8).half(), 1e-5)
     with pytest.raises(RuntimeError, match="contiguous"):
@@ -54,7 +55,7 @@ def test_rms_norm_refuses_what_it_cannot_do(rms_norm: cpu_ops.RmsNorm) -> None:
         rms_norm(torch.randn(2, 8), torch.randn(9), 1e-5)
 
 
-def test_module_uses_the_kernel_only_on_contiguous_input(rms_norm: cpu_ops.RmsNorm) -> None:
+def test_module_uses_the_kernel_only_on_contiguous_input(rms_norm: NormKernel) -> None:
     norm = RMSNorm(16, 1e-6, torch.float32, torch.device("cpu"))
     torch.nn.init.normal_(norm.weight)
     calls: list[tuple[int, ...]] = []
@@ -69,7 +70,7 @@ def test_module_uses_the_kernel_only_on_contiguous_input(rms_norm: cpu_ops.RmsNo
 
 def test_runner_routes_rms_norm_and_env_switches_it_off(
     tiny_model_dir: Callable[[str], Path], build_runner: Callable[..., Any], rt: SimpleNamespace,
-    rms_norm: cpu_ops.RmsNorm, monkeypatch: pytest.MonkeyPatch,
+    rms_norm: NormKernel, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     def logits(runner: Any) -> torch.Tensor:
         blocks = rt.ScatteredBlocks(runner.kv_pool.num_blocks, runner.block_size, seed=2)
@@ -83,7 +84,7 @@ def test_runner_routes_rms_norm_and_env_switches_it_off(
     monkeypatch.setenv(cpu_ops.DISABLE_ENV, "1")
     without = build_runner(tiny_model_dir("qwen3"), num_blocks=16)
     assert all(m.kernel is None for m in without.model.modules() if isinstance(m, RMSNorm))
-    assert without.small_m_linear is None  # the same extension
+    assert without.few_row_linear is None  # the same extension
     # float32 on CPU: the hidden-size norms take the fused residual add + norm, the MLP the fused SiLU x up.
     layer = with_ops.model.model.layers[0]
     assert layer.input_layernorm.fused is not None and layer.mlp.act_mul is not None
@@ -93,7 +94,7 @@ def test_runner_routes_rms_norm_and_env_switches_it_off(
 
 
 @pytest.mark.parametrize("rows", [1, 3, 70])
-def test_fused_add_norm_and_silu_mul_equal_the_separate_ops(rms_norm: cpu_ops.RmsNorm, rows: int) -> None:
+def test_fused_add_norm_and_silu_mul_equal_the_separate_ops(rms_norm: NormKernel, rows: int) -> None:
     ops = cpu_ops.fused_ops()
     assert ops is not None
     add_rms_norm, silu_mul = ops
@@ -112,7 +113,7 @@ def test_fused_add_norm_and_silu_mul_equal_the_separate_ops(rms_norm: cpu_ops.Rm
 
 
 @pytest.mark.parametrize("shape", [(1, 576), (3, 64), (70, 576), (2, 7, 17)])
-def test_rms_norm_bfloat16_rounds_like_hugging_face(rms_norm: cpu_ops.RmsNorm, shape: tuple[int, ...]) -> None:
+def test_rms_norm_bfloat16_rounds_like_hugging_face(rms_norm: NormKernel, shape: tuple[int, ...]) -> None:
     g = torch.Generator().manual_seed(sum(shape) + 1)
     x = (torch.randn(*shape, generator=g) * 3).bfloat16()
     w = torch.randn(shape[-1], generator=g).bfloat16()

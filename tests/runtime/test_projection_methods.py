@@ -29,7 +29,7 @@ def _cpu_base(quantized: bool) -> tuple[str, str]:
     if not cpu_linear.onednn_linear_available(torch.float32):
         return "dense", "dense+tall-skinny"
     kernels = cpu_linear.quantized_kernels() if quantized else {}
-    few_row = not kernels and cpu_linear.small_m_kernel(torch.float32) is not None
+    few_row = not kernels and cpu_linear.few_row_kernel(torch.float32) is not None
     name = "onednn+few-row" if few_row else "onednn"
     return name, name
 

@@ -160,7 +160,7 @@ def test_grouped_kernels_refuse_what_they_cannot_read() -> None:
 
 
 def _int8_kernel() -> Any:
-    kernel = cpu_linear.small_m_int8_kernel()
+    kernel = cpu_linear.few_row_int8_kernel()
     if kernel is None:
         pytest.skip("the CPU ops cannot be built here (no AVX-512 or no compiler)")
     return kernel[0]

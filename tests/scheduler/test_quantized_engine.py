@@ -22,7 +22,7 @@ def _chat(engine: Engine, text: str) -> list[int]:
 
 
 def test_int8_engine_answers_and_batching_does_not_change_its_tokens() -> None:
-    if cpu_linear.small_m_int8_kernel() is None:
+    if cpu_linear.few_row_int8_kernel() is None:
         pytest.skip("no int8 kernel here (the dequantized path is covered by tests/runtime/test_quantization.py)")
     engine = Engine(EngineConfig(quantization="int8", kv_cache_memory=128 * 2**20, max_model_len=1024))
     assert engine.runner.weight_bytes < 0.3 * 538_060_032  # a quarter of the float32 weights, plus scales

@@ -1,10 +1,10 @@
 // Small CPU ops of the decode step, float32, AVX-512:
-//   * linear_small_m: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for a few rows (M <= 4); float32, or
+//   * linear_few_row: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for a few rows (M <= 4); float32, or
 //     bfloat16 with float32 accumulation where the CPU has AVX512-BF16;
-//   * linear_small_m_int8: the same with int8 weights and a float32 scale per output row
+//   * linear_few_row_int8: the same with int8 weights and a float32 scale per output row
 //     (weight-only quantization): y[m, n] = scale[n] * sum_k x[m, k] * q[n, k] (+ bias), float32 x,
 //     up to 8 rows;
-//   * linear_small_m_int4 / linear_small_m_int8_grouped: the same over weights quantized in groups of
+//   * linear_few_row_int4 / linear_few_row_int8_grouped: the same over weights quantized in groups of
 //     32 along K (int4 with an fp16 scale and minimum a group, int8 with an fp16 scale a group);
 //   * add_rms_norm / silu_mul: the residual add and the norm after it, and SiLU x up, one call each;
 //   * rms_norm: y = x * rsqrt(mean(x^2) + eps) * w over the last dimension (float32, or bfloat16 with
@@ -12,7 +12,7 @@
 //   * apply_token_bitmask: structured outputs' mask, -inf for every token whose bit is clear;
 //   * lora_apply: LoRA adapters' updates of a few rows, each row with its own adapter (or none).
 //
-// linear_small_m is the decode-latency matmul.
+// linear_few_row is the decode-latency matmul.
 // With one to four rows a projection is a pass over the weight: it is memory-bound, and what matters
 // is streaming W at the machine's read bandwidth. BLAS libraries tune for larger M; here MKL's sgemm
 // reads W at ~12 GB/s and oneDNN at ~20, while this loop reaches ~30 GB/s of the ~32 a plain AVX-512
@@ -412,7 +412,7 @@ void run_bf16(const uint16_t* x, const uint16_t* w, c10::BFloat16* y, const c10:
 #endif
 
 // What both few-row entry points check of x [M, K] and weight [N, K].
-void check_small_m(const at::Tensor& x, const at::Tensor& weight, int64_t max_rows = kMaxM) {
+void check_few_row(const at::Tensor& x, const at::Tensor& weight, int64_t max_rows = kMaxM) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "x [M, K] and weight [N, K] expected");
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "contiguous x and weight expected");
   TORCH_CHECK(weight.size(1) == x.size(1), "x has ", x.size(1), " columns, weight ", weight.size(1));
@@ -449,8 +449,8 @@ void with_rows(int64_t M, F&& f) {
   }
 }
 
-at::Tensor linear_small_m_bf16(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(SERVELM_HAVE_AVX512_BF16, "linear_small_m was built without AVX512-BF16");
+at::Tensor linear_few_row_bf16(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(SERVELM_HAVE_AVX512_BF16, "linear_few_row was built without AVX512-BF16");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   const c10::BFloat16* b = nullptr;
   if (bias.has_value() && bias->defined()) {
@@ -467,10 +467,10 @@ at::Tensor linear_small_m_bf16(const at::Tensor& x, const at::Tensor& weight, co
   return y;
 }
 
-at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(SERVELM_HAVE_AVX512, "linear_small_m was built without AVX-512");
-  check_small_m(x, weight);
-  if (x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16) return linear_small_m_bf16(x, weight, bias);
+at::Tensor linear_few_row(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(SERVELM_HAVE_AVX512, "linear_few_row was built without AVX-512");
+  check_few_row(x, weight);
+  if (x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16) return linear_few_row_bf16(x, weight, bias);
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "float32 or bfloat16 x and weight");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   const float* b = float_bias(bias, N);
@@ -484,10 +484,10 @@ at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight, const c
   return y;
 }
 
-at::Tensor linear_small_m_int8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+at::Tensor linear_few_row_int8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
                               const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(SERVELM_HAVE_AVX512, "linear_small_m_int8 was built without AVX-512");
-  check_small_m(x, weight, kMaxMInt8);
+  TORCH_CHECK(SERVELM_HAVE_AVX512, "linear_few_row_int8 was built without AVX-512");
+  check_few_row(x, weight, kMaxMInt8);
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat,
               "float32 x, int8 weight, float32 scale expected");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
@@ -520,9 +520,9 @@ void check_groups(const at::Tensor& x, const at::Tensor& weight, int64_t row_byt
 
 const uint16_t* halves(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); }
 
-at::Tensor linear_small_m_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+at::Tensor linear_few_row_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                                const at::Tensor& mins, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(SERVELM_HAVE_AVX512, "linear_small_m_int4 was built without AVX-512");
+  TORCH_CHECK(SERVELM_HAVE_AVX512, "linear_few_row_int4 was built without AVX-512");
   TORCH_CHECK(packed.scalar_type() == at::kByte, "int4 weights come packed two to a uint8");
   check_groups(x, packed, x.size(1) / 2, scales);
   TORCH_CHECK(mins.sizes() == scales.sizes() && mins.scalar_type() == at::kHalf && mins.is_contiguous(),
@@ -539,9 +539,9 @@ at::Tensor linear_small_m_int4(const at::Tensor& x, const at::Tensor& packed, co
   return y;
 }
 
-at::Tensor linear_small_m_int8_grouped(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+at::Tensor linear_few_row_int8_grouped(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
                                        const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(SERVELM_HAVE_AVX512, "linear_small_m_int8_grouped was built without AVX-512");
+  TORCH_CHECK(SERVELM_HAVE_AVX512, "linear_few_row_int8_grouped was built without AVX-512");
   TORCH_CHECK(q.scalar_type() == at::kChar, "int8 weights expected");
   check_groups(x, q, x.size(1), scales);
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
@@ -827,16 +827,16 @@ void lora_apply(const at::Tensor& x, at::Tensor& y, const std::vector<at::Tensor
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.doc() = "servelm small CPU ops of the decode step";
-  m.def("linear_small_m", &linear_small_m, "x [M<=4, K] @ W[N, K]^T (+ bias), float32 or bfloat16", py::arg("x"),
+  m.def("linear_few_row", &linear_few_row, "x [M<=4, K] @ W[N, K]^T (+ bias), float32 or bfloat16", py::arg("x"),
         py::arg("weight"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
-  m.def("linear_small_m_int8", &linear_small_m_int8, "x [M<=8, K] float32 @ (scale[:, None] * W[N, K] int8)^T (+ bias)",
+  m.def("linear_few_row_int8", &linear_few_row_int8, "x [M<=8, K] float32 @ (scale[:, None] * W[N, K] int8)^T (+ bias)",
         py::arg("x"), py::arg("weight"), py::arg("scale"), py::arg("bias") = py::none(),
         py::call_guard<py::gil_scoped_release>());
-  m.def("linear_small_m_int4", &linear_small_m_int4,
+  m.def("linear_few_row_int4", &linear_few_row_int4,
         "x [M<=8, K] float32 @ W^T, W int4 in groups of 32 (packed uint8 [N, K/2], fp16 scales and mins [N, K/32])",
         py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("mins"), py::arg("bias") = py::none(),
         py::call_guard<py::gil_scoped_release>());
-  m.def("linear_small_m_int8_grouped", &linear_small_m_int8_grouped,
+  m.def("linear_few_row_int8_grouped", &linear_few_row_int8_grouped,
         "x [M<=8, K] float32 @ W^T, W int8 [N, K] with an fp16 scale per group of 32 ([N, K/32])", py::arg("x"),
         py::arg("weight"), py::arg("scales"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("add_rms_norm", &add_rms_norm, "(rms_norm(x + residual) * weight, x + residual), the sum in place in residual",
