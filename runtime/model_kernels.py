@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -29,6 +29,15 @@ class LayerOps:
     rms_norm: NormKernel | None = None  # every RMS norm (CPU: float32, or bfloat16 where it rounds as HF)
     add_rms_norm: FusedRmsNorm | None = None  # the hidden-size norms, with the residual add before them
     silu_mul: Callable[[torch.Tensor], torch.Tensor] | None = None  # SiLU(gate) x up of a SiLU MLP
+
+
+class KernelHost(Protocol):
+    """What a device's ``install_kernels`` gives a loaded model (``models.llama.CausalLM``): the
+    base projection method made from each weight, and the fused few-row projections."""
+
+    def use_base_methods(self, make: Callable[[torch.Tensor], Any], keep_weights: bool) -> None: ...
+
+    def use_few_row_kernels(self, kernels: FewRowKernels) -> None: ...
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from servelm.runtime.attention.base import AttentionBackend
-from servelm.runtime.model_kernels import LayerOps, ModelKernels
+from servelm.runtime.model_kernels import KernelHost, LayerOps, ModelKernels
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ class Platform:
         """The norm and activation kernels a model in ``dtype`` is built with here (none: torch's)."""
         return LayerOps()
 
-    def install_kernels(self, model: Any, dtype: torch.dtype, quant_rows: int) -> ModelKernels:
+    def install_kernels(self, model: KernelHost, dtype: torch.dtype, quant_rows: int) -> ModelKernels:
         """Put this device's kernels into a loaded (and quantized) model."""
         return ModelKernels()
 

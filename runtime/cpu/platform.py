@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from servelm.runtime.attention.base import AttentionBackend
-from servelm.runtime.model_kernels import LayerOps, ModelKernels
+from servelm.runtime.model_kernels import KernelHost, LayerOps, ModelKernels
 from servelm.runtime.platform_interface import DeviceDefaults, Platform
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class CpuPlatform(Platform):
         fused = ops.fused_ops() if dtype == torch.float32 else None
         return LayerOps(rms_norm, *(fused or (None, None)))
 
-    def install_kernels(self, model: Any, dtype: torch.dtype, quant_rows: int) -> ModelKernels:
+    def install_kernels(self, model: KernelHost, dtype: torch.dtype, quant_rows: int) -> ModelKernels:
         """Packing for oneDNN and the compiled norm and fused ops (``cpu.setup``)."""
         from servelm.runtime.cpu import setup
 

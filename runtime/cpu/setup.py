@@ -3,16 +3,14 @@ the compiled RMSNorm and the fused residual-add + norm and SiLU x up ops."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from servelm.runtime.cpu import linear as cpu_linear
 from servelm.runtime.cpu.packed import packed_methods
-from servelm.runtime.model_kernels import ModelKernels
+from servelm.runtime.model_kernels import KernelHost, ModelKernels
 
 
-def install_kernels(model: Any, dtype: torch.dtype, quant_rows: int) -> ModelKernels:
+def install_kernels(model: KernelHost, dtype: torch.dtype, quant_rows: int) -> ModelKernels:
     """Pack the dense projections for oneDNN where this torch build can (the norms and activations
     were built with the compiled ops: ``CpuPlatform.layer_ops``); ``quant_rows``: the rows a quantized
     kernel already serves."""

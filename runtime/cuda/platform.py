@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from servelm.runtime.attention.base import AttentionBackend
-from servelm.runtime.model_kernels import LayerOps, ModelKernels
+from servelm.runtime.model_kernels import KernelHost, LayerOps, ModelKernels
 from servelm.runtime.platform_interface import DeviceDefaults, Platform
 
 # Memory kept out of the KV budget for the decode graphs' private pool (outputs and intermediates of
@@ -69,7 +69,7 @@ class CudaPlatform(Platform):
 
         return setup.layer_ops()
 
-    def install_kernels(self, model: Any, dtype: torch.dtype, quant_rows: int) -> ModelKernels:
+    def install_kernels(self, model: KernelHost, dtype: torch.dtype, quant_rows: int) -> ModelKernels:
         """Fused Triton ops and few-row projections (``cuda.setup``)."""
         from servelm.runtime.cuda import setup
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from servelm.runtime.cuda import pdl
 from servelm.runtime.cuda.graphs import CudaGraphRunner
-from servelm.runtime.model_kernels import FewRowKernels, LayerOps, ModelKernels
+from servelm.runtime.model_kernels import FewRowKernels, KernelHost, LayerOps, ModelKernels
 
 if TYPE_CHECKING:
     import torch
@@ -44,7 +44,7 @@ def layer_ops() -> LayerOps:
     return LayerOps(add_rms_norm=triton_ops.rms_norm, silu_mul=triton_ops.silu_mul)
 
 
-def install_kernels(model: Any) -> ModelKernels:
+def install_kernels(model: KernelHost) -> ModelKernels:
     """The fused few-row projections, as their environment switch asks (``decode_gemv_mode``; the
     model was built with the fused Triton norms and activation where ``fused_ops_enabled``:
     ``layer_ops``)."""
