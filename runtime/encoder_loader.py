@@ -180,7 +180,7 @@ def _gguf_state(reader: Any, cfg: EncoderConfig) -> dict[str, torch.Tensor]:
 
     def w(name: str) -> torch.Tensor:
         x = t[name]
-        return torch.from_numpy(np.ascontiguousarray(dequantize(x.data, x.tensor_type), dtype=np.float32)).reshape(
+        return torch.from_numpy(np.array(dequantize(x.data, x.tensor_type), dtype=np.float32)).reshape(
             [int(d) for d in reversed(x.shape)]
         )
 

@@ -50,7 +50,7 @@ def gguf_bert_tokenizer(path: Path) -> Any:
     )
     tok.decoder = decoders.WordPiece()
     pad = tokens[int(fields.get("tokenizer.ggml.padding_token_id", 0))]
-    return PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok, unk_token=unk, cls_token=cls, sep_token=sep, pad_token=pad, mask_token="[MASK]"
     )
 

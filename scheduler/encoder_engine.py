@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from servelm.metrics.observer import NullObserver, Observer
+from servelm.runtime.encoder_loader import is_encoder_model
 from servelm.runtime.encoder_runner import EncoderRunner
 from servelm.runtime.encoder_tokenizer import load_encoder_tokenizer
 from servelm.runtime.platform import platform_of, resolve_device
@@ -34,6 +35,8 @@ from servelm.scheduler.scheduler import Scheduler
 from servelm.scheduler.startup import DTYPE_NAMES, resolve_dtype
 
 log = logging.getLogger(__name__)
+
+__all__ = ["EncoderEngine", "PoolingParams", "is_encoder_model"]
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,7 @@ class EncoderEngine:
         num_blocks = -(-budget // bs) + config.max_num_seqs
         self.config = dataclasses.replace(
             config, device=str(self.device), dtype=DTYPE_NAMES.get(self.dtype, str(self.dtype)), block_size=bs,
-            max_model_len=max_len, max_num_batched_tokens=budget, enable_prefix_caching=False, kv_cache_memory=0,
+            max_model_len=max_len, max_num_batched_tokens=budget, enable_prefix_caching=False, kv_cache_memory=0, quantization=None,
         )  # fmt: skip
         self.capacity = EncoderCapacity(bs, num_blocks, max_len, self.runner.weight_bytes)
         self.served_model_name = config.served_model_name or self.encoder.name
@@ -214,7 +217,7 @@ class EncoderEngine:
                 ttfts.append(now - req.arrival_time)
                 status = RequestStatus.FINISHED_STOPPED if vectors is not None else RequestStatus.FINISHED_ERROR
                 self._finish(req, status, now)
-                outputs.append(self._output(req, None if vectors is None else vectors[i]))
+                outputs.append(self._output(req, None if vectors is None else vectors[i].tolist()))
         if sched.items or outputs:
             tokens = sched.num_prompt_tokens
             cost = (self._flops_per_token * tokens, float(self.runner.weight_bytes if tokens else 0))
@@ -226,7 +229,7 @@ class EncoderEngine:
         self.scheduler.finish(req, status, now)
         self.observer.on_request_finished(req.stats())
 
-    def _output(self, req: Request, vector: torch.Tensor | None) -> RequestOutput:
+    def _output(self, req: Request, vector: list[float] | None) -> RequestOutput:
         self._requests.pop(req.request_id, None)
         return RequestOutput(req.request_id, req.prompt_token_ids, finished=True, error=req.error, embedding=vector)
 
@@ -244,4 +247,4 @@ class EncoderEngine:
         failed = [done[n].error for n in names if done[n].embedding is None]
         if failed:
             raise RuntimeError(f"embedding failed: {failed[0]}")
-        return torch.stack([done[n].embedding for n in names])  # type: ignore[misc]
+        return torch.tensor([done[n].embedding for n in names], dtype=torch.float32)

@@ -164,7 +164,8 @@ class EncoderLayer(nn.Module):
         o = o.transpose(1, 2).reshape(b * longest, nh * hd)
         if batch.pad_rows is not None:
             o = o.index_select(0, batch.pad_rows)
-        return self.out(o)
+        out: torch.Tensor = self.out(o)
+        return out
 
     def forward(
         self,
@@ -180,7 +181,8 @@ class EncoderLayer(nn.Module):
             h = F.silu(gate) * up
         else:
             h = F.gelu(h)
-        return self.ffn_norm(x + self.down(h))
+        out: torch.Tensor = self.ffn_norm(x + self.down(h))
+        return out
 
 
 class Encoder(nn.Module):
@@ -210,7 +212,8 @@ class Encoder(nn.Module):
             return None
         pos = torch.arange(longest, device=device)
         buckets = relative_position_bucket(pos[None, :] - pos[:, None], self.cfg.relative_buckets)
-        return self.relative(buckets).permute(2, 0, 1)[None]  # [1, heads, L, L]
+        bias: torch.Tensor = self.relative(buckets)
+        return bias.permute(2, 0, 1)[None]  # [1, heads, L, L]
 
     def forward(self, batch: EncoderBatch) -> torch.Tensor:
         x = self.embed(batch.input_ids)
@@ -225,4 +228,4 @@ class Encoder(nn.Module):
         rope = self._rope(batch.positions)
         for layer in self.layers:
             x = layer(x, batch, bias, rope)
-        return x
+        return x  # type: ignore[no-any-return]  # (nn.Module calls are untyped)
