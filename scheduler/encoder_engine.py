@@ -54,11 +54,12 @@ class EncoderCapacity:
     num_blocks: int
     max_model_len: int
     weight_bytes: int
+    max_num_batched_tokens: int
 
     def describe(self) -> str:
         return (
             f"weights {self.weight_bytes / 2**20:.1f} MiB; encoder: no KV cache; steps of up to "
-            f"{self.num_blocks * self.block_size} tokens; inputs up to max_model_len={self.max_model_len} tokens"
+            f"{self.max_num_batched_tokens} tokens; inputs up to max_model_len={self.max_model_len} tokens"
         )
 
 
@@ -104,7 +105,7 @@ class EncoderEngine:
             config, device=str(self.device), dtype=DTYPE_NAMES.get(self.dtype, str(self.dtype)), block_size=bs,
             max_model_len=max_len, max_num_batched_tokens=budget, enable_prefix_caching=False, kv_cache_memory=0, quantization=None,
         )  # fmt: skip
-        self.capacity = EncoderCapacity(bs, num_blocks, max_len, self.runner.weight_bytes)
+        self.capacity = EncoderCapacity(bs, num_blocks, max_len, self.runner.weight_bytes, budget)
         self.served_model_name = config.served_model_name or self.encoder.name
         self.tokenizer = load_encoder_tokenizer(config.model)
         self.block_manager = BlockManager(num_blocks, bs, False)

@@ -92,3 +92,14 @@ def test_abort_frees_the_request(engine: EncoderEngine) -> None:
     [out] = engine.step()
     assert out.finished and out.embedding is None and out.request_id == "a"
     assert engine.block_manager.num_used_blocks == 0 and not engine.has_unfinished_requests()
+
+
+@pytest.mark.slow  # all-mpnet-base-v2 is a 438 MB model fetched for this test alone (not by `make model`)
+def test_mpnet_equals_sentence_transformers() -> None:
+    folder = ensure("mpnet")
+    engine = EncoderEngine(EngineConfig(model=str(folder), max_num_seqs=8))
+    assert engine.max_model_len == 384  # sentence_bert_config.json's max_seq_length
+    texts = [*TEXTS, text_of_tokens(engine.tokenizer, engine.max_model_len)]
+    got = engine.embed(texts)
+    assert got.shape == (len(texts), 768)
+    assert min(cosines(got, st_encode(folder, texts))) >= 0.9999

@@ -189,3 +189,11 @@ def test_embeddings_on_a_generative_model_are_refused(fake_server: Any) -> None:
     srv, _, _ = fake_server()
     r = httpx.post(f"{srv.url}/v1/embeddings", json={"input": "hello"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_embedding"
+
+
+def test_servelm_serve_detects_an_encoder(serve_app: Any, minilm: Path) -> None:
+    app = serve_app("--model", str(minilm), "--max-model-len", "128")
+    engine = app.state.serving.async_engine.engine
+    assert isinstance(engine, EncoderEngine)
+    assert engine.served_model_name == "all-MiniLM-L6-v2" and app.state.serving.max_model_len == 128
+    assert serve_app("--model", str(minilm), "--max-model-len", "1024", status=1) is None  # past its 512 positions
