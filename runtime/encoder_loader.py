@@ -258,7 +258,8 @@ def pool(hidden: torch.Tensor, batch: EncoderBatch, spec: PoolingSpec) -> torch.
     else:
         seq = torch.repeat_interleave(torch.arange(len(lens), device=hidden.device), lens)
         if spec.mode == "max":
-            out = hidden.new_full((len(lens), hidden.shape[1]), float("-inf")).index_reduce_(0, seq, hidden, "amax")
+            index = seq[:, None].expand_as(hidden)
+            out = hidden.new_full((len(lens), hidden.shape[1]), float("-inf")).scatter_reduce_(0, index, hidden, "amax")
         else:
             out = hidden.new_zeros(len(lens), hidden.shape[1]).index_add_(0, seq, hidden)
             out = out / (lens[:, None].float() if spec.mode == "mean" else lens[:, None].float().sqrt())

@@ -78,7 +78,7 @@ class EncoderBatch:
     positions: torch.Tensor  # [T], from 0 within each sequence
     seq_lens: list[int]
     starts: torch.Tensor  # [B] first row of each sequence
-    pad_rows: torch.Tensor | None  # [T] row of each token in the padded [B * L] layout (None: one sequence)
+    pad_rows: torch.Tensor | None  # [T] row of each token in the padded [B * L] layout (None: no padding)
     key_mask: torch.Tensor | None  # [B, 1, 1, L] additive: -inf on padded keys
 
     @property
@@ -91,7 +91,7 @@ class EncoderBatch:
         ids = torch.tensor([t for s in sequences for t in s], dtype=torch.int64, device=device)
         positions = torch.cat([torch.arange(n, device=device) for n in lens])
         starts = torch.tensor([0, *lens[:-1]], device=device).cumsum(0)
-        if len(lens) == 1:
+        if len(set(lens)) == 1:  # nothing to pad (one sequence, or all of one length)
             return cls(ids, positions, lens, starts, None, None)
         longest = max(lens)
         seq = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.tensor(lens, device=device))
@@ -150,7 +150,7 @@ class EncoderLayer(nn.Module):
             q, k = rotate_neox(q, *rope), rotate_neox(k, *rope)
         b, longest = len(batch.seq_lens), batch.max_len
         if batch.pad_rows is None:
-            q, k, v = (y.transpose(0, 1)[None] for y in (q, k, v))
+            q, k, v = (y.view(b, longest, nh, hd).transpose(1, 2) for y in (q, k, v))
         else:
             padded = []
             for y in (q, k, v):
