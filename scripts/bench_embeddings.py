@@ -123,7 +123,11 @@ def run_sentence_transformers(folder: Path, inputs: list[list[int]], rounds: int
         input=json.dumps(inputs), capture_output=True, text=True, check=True,
     )  # fmt: skip
     res = json.loads(done.stdout.strip().splitlines()[-1])
-    return {"name": "sentence-transformers encode", "seconds": {int(k): v for k, v in res["seconds"].items()}, "peak_rss": res["peak_rss"]}
+    return {
+        "name": "sentence-transformers encode",
+        "seconds": {int(k): v for k, v in res["seconds"].items()},
+        "peak_rss": res["peak_rss"],
+    }
 
 
 def main() -> None:
@@ -145,7 +149,11 @@ def main() -> None:
     url = f"http://127.0.0.1:{args.port}"
     rows = []
     serve = [sys.executable, "-m", "servelm.server.cli", "serve", "--model", str(path), "--port", str(args.port)]
-    rows.append(run_server("servelm", [*serve, "--max-num-seqs", "64", "--max-num-batched-tokens", "8192"], url, inputs, args.rounds))
+    rows.append(
+        run_server(
+            "servelm", [*serve, "--max-num-seqs", "64", "--max-num-batched-tokens", "8192"], url, inputs, args.rounds
+        )
+    )
     if path.suffix == ".gguf":
         llama = [args.llama_server, "-m", str(path), "--embedding", "-nr", "-t", "2", "--port", str(args.port)]
         llama += ["-c", "8192", "-b", "8192", "-ub", "8192", "-np", "64"]
@@ -154,7 +162,9 @@ def main() -> None:
         rows.append(run_sentence_transformers(path, inputs, args.rounds))
 
     n, total = len(inputs), sum(map(len, inputs))
-    print(f"\n{path.name}: {n} texts x {args.tokens} tokens, median of {args.rounds} rounds ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})\n")
+    print(
+        f"\n{path.name}: {n} texts x {args.tokens} tokens, median of {args.rounds} rounds ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})\n"
+    )
     print("| | batch 1 texts/s | batch 1 tokens/s | batch 64 texts/s | batch 64 tokens/s | peak RSS |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:

@@ -197,3 +197,22 @@ def test_servelm_serve_detects_an_encoder(serve_app: Any, minilm: Path) -> None:
     assert isinstance(engine, EncoderEngine)
     assert engine.served_model_name == "all-MiniLM-L6-v2" and app.state.serving.max_model_len == 128
     assert serve_app("--model", str(minilm), "--max-model-len", "1024", status=1) is None  # past its 512 positions
+
+
+@pytest.mark.slow  # loads the 274 MB nomic-embed-text-v1.5 GGUF file
+def test_matryoshka_dimensions_on_nomic() -> None:
+    engine = EncoderEngine(EngineConfig(model=str(ensure("nomic")), max_num_seqs=8))
+    app = build_app(AsyncEngine(engine), playground=False)
+    with ServerThread(app) as srv:
+        c = client(srv)
+        texts = [f"search_document: {t}" for t in TEXTS[:4]]
+        full = as_tensor(c.embeddings.create(model=engine.served_model_name, input=texts).data)
+        for dims in (512, 256, 64):
+            short = as_tensor(c.embeddings.create(model=engine.served_model_name, input=texts, dimensions=dims).data)
+            assert short.shape == (4, dims)
+            torch.testing.assert_close(
+                short, torch.nn.functional.normalize(full[:, :dims], dim=-1), atol=1e-6, rtol=1e-5
+            )
+        with pytest.raises(openai.BadRequestError) as e:
+            c.embeddings.create(model=engine.served_model_name, input="x", dimensions=1024)
+        assert e.value.body["param"] == "dimensions"  # type: ignore[index]
