@@ -29,7 +29,9 @@ class EncoderRunner:
 
     @property
     def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.encoder.model.parameters())
+        """Parameters a token multiplies through (the embedding tables are looked up, not multiplied)."""
+        tables = ("embed.", "position.", "token_type.", "relative.")
+        return sum(p.numel() for n, p in self.encoder.model.named_parameters() if not n.startswith(tables))
 
     @torch.inference_mode()
     def embed(self, sequences: list[list[int]]) -> torch.Tensor:
