@@ -20,6 +20,7 @@ import torch
 
 from servelm.runtime.config import UnsupportedModelError
 from servelm.runtime.models.encoder import Encoder, EncoderBatch, EncoderConfig
+from servelm.runtime.models.gemma_encoder import GemmaEncoder, GemmaEncoderConfig
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +64,9 @@ def is_encoder_model(model: str | None) -> bool:
 def _st_pooling(folder: Path, name: str) -> PoolingSpec:
     modules = json.loads((folder / "modules.json").read_text())
     types = [m["type"].rsplit(".", 1)[-1] for m in modules]
-    if types[0] != "Transformer" or any(t not in ("Transformer", "Pooling", "Normalize") for t in types):
+    if types[0] != "Transformer" or any(t not in ("Transformer", "Pooling", "Dense", "Normalize") for t in types):
         raise UnsupportedModelError(
-            f"{folder}: sentence-transformers modules {types} (served: Transformer, Pooling, Normalize)"
+            f"{folder}: sentence-transformers modules {types} (served: Transformer, Pooling, Dense, Normalize)"
         )
     mode = "mean"
     for m in modules:
@@ -91,12 +92,26 @@ def _st_pooling(folder: Path, name: str) -> PoolingSpec:
     return PoolingSpec(mode, "Normalize" in types, int(max_len or positions), matryoshka)
 
 
+def _st_dense(folder: Path) -> tuple[torch.Tensor, ...]:
+    """The weights of the folder's Dense modules, in order (linear maps: an identity activation, no bias)."""
+    from safetensors.torch import load_file
+
+    out = []
+    for m in json.loads((folder / "modules.json").read_text()):
+        if m["type"].endswith("Dense"):
+            cfg = json.loads((folder / m["path"] / "config.json").read_text())
+            if cfg.get("bias") or not str(cfg.get("activation_function", "")).endswith("Identity"):
+                raise UnsupportedModelError(f"{folder}/{m['path']}: a Dense module with a bias or an activation")
+            out.append(load_file(str(folder / m["path"] / "model.safetensors"))["linear.weight"])
+    return tuple(out)
+
+
 def _strip_prefix(state: dict[str, torch.Tensor], arch: str) -> dict[str, torch.Tensor]:
     prefix = f"{arch}."
     return {k.removeprefix(prefix): v for k, v in state.items()}
 
 
-def _hf_state(folder: Path, cfg: EncoderConfig) -> dict[str, torch.Tensor]:
+def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     files = sorted(folder.glob("*.safetensors"))
@@ -105,7 +120,11 @@ def _hf_state(folder: Path, cfg: EncoderConfig) -> dict[str, torch.Tensor]:
     src: dict[str, torch.Tensor] = {}
     for f in files:
         src.update(load_file(str(f)))
-    src = _strip_prefix(src, cfg.architecture)
+    return src
+
+
+def _hf_state(folder: Path, cfg: EncoderConfig) -> dict[str, torch.Tensor]:
+    src = _strip_prefix(_read_safetensors(folder), cfg.architecture)
     out = {
         "embed.weight": src["embeddings.word_embeddings.weight"],
         "position.weight": src["embeddings.position_embeddings.weight"],
@@ -211,20 +230,35 @@ def gguf_vocabulary(path: Path) -> tuple[list[str], dict[str, Any]]:
 class LoadedEncoder:
     """An encoder ready to run: its network, its pooling, and what it is called."""
 
-    config: EncoderConfig
-    model: Encoder
+    config: EncoderConfig | GemmaEncoderConfig
+    model: Encoder | GemmaEncoder
     pooling: PoolingSpec
     name: str
+    dense: tuple[torch.Tensor, ...] = ()  # sentence-transformers Dense modules after pooling
 
     @property
     def dimensions(self) -> int:
-        return self.config.hidden_size
+        return self.dense[-1].shape[0] if self.dense else self.config.hidden_size
+
+    def embed(self, batch: EncoderBatch) -> torch.Tensor:
+        """The step's pooled (and, where the model says so, normalised) vectors, float32."""
+        return pool(self.model(batch), batch, self.pooling, self.dense)
 
 
 def load_encoder(model: str, device: torch.device, dtype: torch.dtype) -> LoadedEncoder:
     """Read ``--model`` (a sentence-transformers folder or a nomic-bert GGUF file) onto ``device``."""
     path = Path(model).expanduser()
-    if is_sentence_transformers_folder(path):
+    cfg: EncoderConfig | GemmaEncoderConfig
+    dense: tuple[torch.Tensor, ...] = ()
+    if (
+        is_sentence_transformers_folder(path)
+        and json.loads((path / "config.json").read_text()).get("model_type") == "gemma3_text"
+    ):
+        cfg = GemmaEncoderConfig.from_hf(json.loads((path / "config.json").read_text()))
+        pooling, dense, name = _st_pooling(path, path.name), _st_dense(path), path.name
+        flat = {k.replace(".self_attn.", ".").replace(".mlp.", "."): v for k, v in _read_safetensors(path).items()}
+        state = _strip_prefix(flat, "model")
+    elif is_sentence_transformers_folder(path):
         cfg = EncoderConfig.from_hf(json.loads((path / "config.json").read_text()))
         pooling = _st_pooling(path, path.name)
         state, name = _hf_state(path, cfg), path.name
@@ -239,16 +273,19 @@ def load_encoder(model: str, device: torch.device, dtype: torch.dtype) -> Loaded
     if pooling.max_seq_length > cfg.max_tokens:
         pooling = PoolingSpec(pooling.mode, pooling.normalize, cfg.max_tokens, pooling.matryoshka)
     with torch.device("meta"):
-        net = Encoder(cfg)
+        net = GemmaEncoder(cfg) if isinstance(cfg, GemmaEncoderConfig) else Encoder(cfg)
     net.load_state_dict(state, assign=True, strict=True)
     net = net.to(device=device, dtype=dtype).eval()
+    dense = tuple(d.to(device=device, dtype=torch.float32) for d in dense)
     log.info("encoder %s: %s, %d layers, %d dimensions, %s pooling%s, up to %d tokens", name, cfg.architecture,
              cfg.num_layers, cfg.hidden_size, pooling.mode, " + normalize" if pooling.normalize else "", pooling.max_seq_length)  # fmt: skip
-    return LoadedEncoder(cfg, net, pooling, name or path.stem)
+    return LoadedEncoder(cfg, net, pooling, name or path.stem, dense)
 
 
-def pool(hidden: torch.Tensor, batch: EncoderBatch, spec: PoolingSpec) -> torch.Tensor:
-    """One float32 vector per sequence from its tokens' last hidden states ``[T, H]``."""
+def pool(
+    hidden: torch.Tensor, batch: EncoderBatch, spec: PoolingSpec, dense: tuple[torch.Tensor, ...] = ()
+) -> torch.Tensor:
+    """One float32 vector per sequence from its tokens' last hidden states ``[T, H]`` (then ``dense``'s maps)."""
     hidden = hidden.float()
     lens = torch.tensor(batch.seq_lens, device=hidden.device)
     if spec.mode == "cls":
@@ -263,4 +300,6 @@ def pool(hidden: torch.Tensor, batch: EncoderBatch, spec: PoolingSpec) -> torch.
         else:
             out = hidden.new_zeros(len(lens), hidden.shape[1]).index_add_(0, seq, hidden)
             out = out / (lens[:, None].float() if spec.mode == "mean" else lens[:, None].float().sqrt())
+    for w in dense:
+        out = out @ w.T
     return torch.nn.functional.normalize(out, dim=-1) if spec.normalize else out

@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from servelm.runtime.encoder_loader import LoadedEncoder, load_encoder, pool
+from servelm.runtime.encoder_loader import LoadedEncoder, load_encoder
 from servelm.runtime.models.encoder import EncoderBatch
 
 log = logging.getLogger(__name__)
@@ -30,11 +30,10 @@ class EncoderRunner:
     @property
     def num_parameters(self) -> int:
         """Parameters a token multiplies through (the embedding tables are looked up, not multiplied)."""
-        tables = ("embed.", "position.", "token_type.", "relative.")
+        tables = ("embed.", "embed_tokens.", "position.", "token_type.", "relative.")
         return sum(p.numel() for n, p in self.encoder.model.named_parameters() if not n.startswith(tables))
 
     @torch.inference_mode()
     def embed(self, sequences: list[list[int]]) -> torch.Tensor:
         """``[len(sequences), dimensions]`` float32 on the host, in order."""
-        batch = EncoderBatch.build(sequences, self.device)
-        return pool(self.encoder.model(batch), batch, self.encoder.pooling).cpu()
+        return self.encoder.embed(EncoderBatch.build(sequences, self.device)).cpu()

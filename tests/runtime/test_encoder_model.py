@@ -8,6 +8,7 @@ import torch
 
 from servelm.runtime.encoder_loader import PoolingSpec, pool
 from servelm.runtime.models.encoder import Encoder, EncoderBatch, EncoderConfig
+from servelm.runtime.models.gemma_encoder import GemmaEncoder, GemmaEncoderConfig
 
 SHAPES = {
     "bert": {"type_vocab_size": 2},
@@ -16,17 +17,21 @@ SHAPES = {
 }
 
 
-def tiny(arch: str) -> Encoder:
+def tiny(arch: str) -> Encoder | GemmaEncoder:
     torch.manual_seed(0)
-    cfg = EncoderConfig(arch, 100, 32, 2, 4, 64, 160, 1e-12, **SHAPES[arch])  # type: ignore[arg-type]
-    net = Encoder(cfg).eval()
+    net: Encoder | GemmaEncoder
+    if arch == "gemma3_text":  # a sliding window of 8 positions either way on two of its three layers
+        gcfg = GemmaEncoderConfig(100, 32, 3, 4, 2, 16, 64, 160, 1e-6, 8, (True, False, True), 1e6, 1e4, 16.0)
+        net = GemmaEncoder(gcfg).eval()
+    else:
+        net = Encoder(EncoderConfig(arch, 100, 32, 2, 4, 64, 160, 1e-12, **SHAPES[arch])).eval()  # type: ignore[arg-type]
     with torch.no_grad():
         for p in net.parameters():
             p.normal_(0, 0.3)
     return net
 
 
-@pytest.mark.parametrize("arch", sorted(SHAPES))
+@pytest.mark.parametrize("arch", [*sorted(SHAPES), "gemma3_text"])
 def test_a_sequence_is_the_same_alone_or_batched(arch: str) -> None:
     net = tiny(arch)
     g = torch.Generator().manual_seed(1)

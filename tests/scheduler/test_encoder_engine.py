@@ -103,3 +103,15 @@ def test_mpnet_equals_sentence_transformers() -> None:
     got = engine.embed(texts)
     assert got.shape == (len(texts), 768)
     assert min(cosines(got, st_encode(folder, texts))) >= 0.9999
+
+
+@pytest.mark.slow  # EmbeddingGemma-300M is a 1.2 GB float32 model fetched for this test alone
+def test_embeddinggemma_equals_sentence_transformers() -> None:
+    folder = ensure("egemma")
+    engine = EncoderEngine(EngineConfig(model=str(folder), max_num_seqs=8))
+    assert engine.max_model_len == 2048 and engine.dimensions == 768  # after its two Dense modules
+    # A document past the 512-token sliding window of its local layers, and one at the limit.
+    texts = [*TEXTS, text_of_tokens(engine.tokenizer, 700), text_of_tokens(engine.tokenizer, engine.max_model_len)]
+    got = engine.embed(texts)
+    # One text at a time: a batch would pad every short text to 2,048 tokens in the reference.
+    assert min(cosines(got, st_encode(folder, texts, batch_size=1))) >= 0.9999
