@@ -39,6 +39,8 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     # Prompt tokens served from the prefix cache (choice 0's, known once it is first scheduled).
     num_cached_tokens: int = 0
+    # An encoder's request (``scheduler.encoder_engine``): the pooled vector (float32 values).
+    embedding: list[float] | None = None
 
 
 @dataclass

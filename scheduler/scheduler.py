@@ -80,6 +80,8 @@ class Scheduler:
 
     ``max_request_share``: while other requests wait, one client request's sequences (``Request.group``)
     hold at most this share of the slots and KV blocks (``FairShare``; 1 turns it off; not with ``static``).
+
+    ``whole_prompts`` (encoders): a prompt is admitted only when all of it fits the step, never chunked.
     """
 
     def __init__(
@@ -92,6 +94,7 @@ class Scheduler:
         proposer: NgramProposer | None = None,
         max_loras: int | None = None,
         max_request_share: float = DEFAULT_MAX_REQUEST_SHARE,
+        whole_prompts: bool = False,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r} ({', '.join(POLICIES)})")
@@ -103,6 +106,7 @@ class Scheduler:
         self.policy = policy
         self.proposer = proposer  # speculative decoding: drafts for eligible decodes
         self.max_loras = max_loras
+        self.whole_prompts = whole_prompts
         self.fair = FairShare(max_request_share, max_num_seqs, block_manager.num_blocks)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
@@ -264,7 +268,7 @@ class Scheduler:
                     prefix = self.bm.lookup(req)
             num_cached = prefix.num_cached_tokens if prefix is not None else 0
             num_new = min(len(req.token_ids) - req.num_computed_tokens - num_cached, budget)
-            if not self.bm.allocate_slots(req, num_new, prefix):
+            if (self.whole_prompts and num_new < len(req.token_ids) - num_cached) or not self.bm.allocate_slots(req, num_new, prefix):
                 if fork_from is not None:
                     self.bm.free(req)
                     req.num_computed_tokens = 0

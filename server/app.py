@@ -37,6 +37,7 @@ from servelm.server.response_store import ResponseStore
 from servelm.server.serving_chat import create_chat_completion
 from servelm.server.serving_common import ServingContext
 from servelm.server.serving_completions import create_completion
+from servelm.server.serving_embeddings import install_embeddings, wrong_model_kind
 from servelm.server.serving_fields import RequestHeadersMiddleware
 from servelm.server.serving_lora import (
     LoadLoRAAdapterRequest,
@@ -207,7 +208,7 @@ class GateMiddleware:
             err = unavailable("The server is shutting down and accepts no new requests.", code="shutting_down")
             err.headers = {"Retry-After": str(RETRY_AFTER_S)}  # (another replica takes the retry)
             return err
-        return None
+        return wrong_model_kind(scope["path"], ae.engine)  # generation on an embedding model, and the converse
 
 
 async def _read_body(scope: Scope, receive: Receive, limit: int) -> tuple[Receive, APIError | None]:
@@ -261,8 +262,7 @@ def build_app(
     allow_runtime_lora_updating: bool = False,
     playground: bool = True,
 ) -> FastAPI:
-    """The OpenAI-compatible app over ``async_engine`` (started and drained by the app's lifespan).
-    ``max_request_bytes``: the largest /v1 POST body (default ``DEFAULT_MAX_REQUEST_BYTES``).
+    """The OpenAI-compatible app over ``async_engine`` (started and drained by the app's lifespan); ``max_request_bytes``: the largest /v1 POST body (default ``DEFAULT_MAX_REQUEST_BYTES``).
     ``allow_runtime_lora_updating``: serve ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``.
     ``playground``: serve the chat page at ``/`` and ``/playground`` (server/serving_playground.py)."""
 
@@ -391,6 +391,7 @@ def build_app(
         return Response(body, media_type=None, headers={"Content-Type": content_type})
 
     install_props(app, ctx)
+    install_embeddings(app, ctx)
     if playground:
         install_playground(app)
     return app

@@ -221,6 +221,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from servelm.runtime.capacity import CapacityError
     from servelm.runtime.config import UnsupportedModelError
     from servelm.runtime.platform import platform_of
+    from servelm.scheduler.encoder_engine import EncoderEngine, is_encoder_model
     from servelm.scheduler.engine import Engine
     from servelm.server.app import ObserverProxy, build_app, create_prometheus_observer
     from servelm.server.async_engine import AsyncEngine
@@ -244,7 +245,8 @@ def run_serve(args: argparse.Namespace) -> int:
     proxy = ObserverProxy()
 
     def build() -> tuple[Any, Any]:
-        engine = Engine(config, observer=proxy)
+        # An encoder (a sentence-transformers folder, an embedding GGUF file) serves embeddings, rerank and score.
+        engine = (EncoderEngine if is_encoder_model(config.model) else Engine)(config, observer=proxy)
         return engine, create_prometheus_observer(engine)  # (measures the CPU peaks)
 
     try:
