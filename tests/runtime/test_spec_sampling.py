@@ -16,7 +16,6 @@ from servelm.runtime.batch import SamplingOptions
 from servelm.runtime.spec_sampling import draw, final_probs, rejection_sample, row_tokens
 
 
-
 @dataclass
 class Seq:
     """A ``runtime.batch.SequenceView`` with nothing but its sampling parameters."""
@@ -84,7 +83,9 @@ def _two_tokens(rule: Rule, p: torch.Tensor, q: torch.Tensor, k: int, seed: int)
 
 # Target and draft rows that disagree in every way that matters: tokens only one of them allows, a
 # token the draft favours, and rows that differ by position.
-P = torch.tensor([[0.30, 0.25, 0.20, 0.15, 0.10, 0.00], [0.05, 0.05, 0.40, 0.30, 0.10, 0.10], [0.2, 0.2, 0.2, 0.2, 0.1, 0.1]])
+P = torch.tensor(
+    [[0.30, 0.25, 0.20, 0.15, 0.10, 0.00], [0.05, 0.05, 0.40, 0.30, 0.10, 0.10], [0.2, 0.2, 0.2, 0.2, 0.1, 0.1]]
+)
 Q = torch.tensor([[0.10, 0.40, 0.05, 0.05, 0.20, 0.20], [0.30, 0.30, 0.10, 0.10, 0.10, 0.10]])
 
 
@@ -104,7 +105,9 @@ def test_verified_tokens_are_distributed_as_the_target(rule: Rule, keeps_distrib
         chi2 = float(((counts[cells] - expected[cells]) ** 2 / expected[cells]).sum())
         critical = _chi2_critical(int(cells.sum()) - 1)
         passed.append(chi2 < critical and counts[~cells].sum() == 0)
-        print(f"k={k}: chi-square {chi2:.1f} (critical {critical:.1f}), outside the support {int(counts[~cells].sum())}")
+        print(
+            f"k={k}: chi-square {chi2:.1f} (critical {critical:.1f}), outside the support {int(counts[~cells].sum())}"
+        )
     assert all(passed) == keeps_distribution, f"{'the rule' if keeps_distribution else 'a wrong rule'} gave {passed}"
 
 
@@ -133,8 +136,13 @@ def test_final_probs_is_the_samplers_distribution() -> None:
 
     torch.manual_seed(0)
     logits = torch.randn(1, 64) * 2
-    for opts in (SamplingOptions(temperature=0.7), SamplingOptions(top_k=5), SamplingOptions(top_p=0.8, temperature=1.3),
-                 SamplingOptions(min_p=0.1), SamplingOptions(logit_bias={3: 5.0}, top_k=10)):
+    for opts in (
+        SamplingOptions(temperature=0.7),
+        SamplingOptions(top_k=5),
+        SamplingOptions(top_p=0.8, temperature=1.3),
+        SamplingOptions(min_p=0.1),
+        SamplingOptions(logit_bias={3: 5.0}, top_k=10),
+    ):
         seq = Seq(opts)
         probs = final_probs(logits.clone(), [seq])[0]  # type: ignore[list-item]
         assert abs(float(probs.sum()) - 1) < 1e-5
