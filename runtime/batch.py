@@ -133,6 +133,9 @@ class BatchItem:
     # its last token (counted in ``num_new_tokens``); each of their positions is sampled too, and the
     # caller keeps the drafts that equal what was sampled before them.
     draft: list[int] | None = None
+    # A draft model's drafts for a sampled sequence: the distribution each was drawn from [k, V]; the
+    # drafts are then verified by speculative sampling's accept/reject rule (``runtime.spec_sampling``).
+    draft_probs: torch.Tensor | None = None
 
 
 @dataclass

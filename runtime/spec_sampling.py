@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from servelm.runtime.batch import SequenceView
+from servelm.runtime.batch import BatchItem, SequenceView
 from servelm.runtime.logits_processing import process_logits
 from servelm.runtime.platform import platform_of
 from servelm.runtime.sampler import GREEDY_TEMPERATURE, tempered_softmax
@@ -82,3 +82,21 @@ def row_tokens(draft: Sequence[int], kept: int, token: int) -> list[int]:
     that are never read (the engine stops at the first draft unlike the row before it)."""
     rows = [*draft[:kept], token]
     return rows + [token] * (len(draft) + 1 - len(rows))
+
+
+def verify_sampled_drafts(
+    logits: torch.Tensor, items: Sequence[BatchItem], sample_items: Sequence[int], generator: torch.Generator | None
+) -> list[tuple[int, list[int]]]:
+    """Verify the drafts of every item with ``draft_probs`` against the step's ``logits`` (one row per
+    sampled position, ``sample_items`` naming each row's item; not modified): (first row, the tokens of
+    its rows) for each."""
+    out: list[tuple[int, list[int]]] = []
+    for idx, item in enumerate(items):
+        if item.draft_probs is None or not item.draft:
+            continue
+        at = sample_items.index(idx)  # an item's rows are consecutive
+        k = len(item.draft)
+        p = final_probs(logits[at : at + k + 1].float().clone(), [item.seq] * (k + 1))
+        kept, token = rejection_sample(p, item.draft_probs.to(p.device), item.draft, generator)
+        out.append((at, row_tokens(item.draft, kept, token)))
+    return out
