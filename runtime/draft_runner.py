@@ -15,14 +15,28 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from servelm.runtime.batch import BatchItem, SamplingOptions, TokenMask
+from servelm.runtime.logits_processing import process_logits
 from servelm.runtime.runner import ModelRunner
 from servelm.runtime.sampler import GREEDY_TEMPERATURE
 from servelm.runtime.spec_sampling import draw, final_probs
 from servelm.runtime.truncation import argmax_rows
+
+
+class DraftGrammar(TokenMask, Protocol):
+    """A structured output's state that drafting advances (``scheduler.structured_output.GrammarMatcher``)."""
+
+    def accept(self, token: int) -> bool:
+        """Advance past ``token`` (``ValueError`` if the grammar does not allow it)."""
+        ...
+
+    def copy(self) -> DraftGrammar:
+        """An independent copy of this state."""
+        ...
 
 
 @dataclass
@@ -36,13 +50,15 @@ class DraftView:
     num_computed_tokens: int  # draft K/V in the pool: positions before this
     block_table: list[int]  # the target's, covering every draft's position
     params: SamplingOptions  # the target's truncation and temperature, so q resembles p
-    num_drafts: int  # to propose
+    num_drafts: int  # to propose (fewer where a structured output completes)
     drafts: list[int] = field(default_factory=list)
     probs: list[torch.Tensor] = field(default_factory=list)  # [V] each: what each draft was drawn from
     generator: torch.Generator | None = None
     lora_id: int = 0
     stop_token_ids_for_min_tokens: tuple[int, ...] = ()
-    grammar: TokenMask | None = None
+    grammar: DraftGrammar | None = None  # a structured output's state (a copy), advanced past each draft
+    grammars: list[TokenMask] = field(default_factory=list)  # its state after each draft
+    refused: bool = False  # the grammar refused a draft: the target rejects it there, later rows are not read
 
     @property
     def greedy(self) -> bool:
@@ -88,8 +104,9 @@ class DraftRunner:
             item.seq.num_computed_tokens += item.num_new_tokens
         if not inputs.sample_items:
             return
-        logits = self.runner.sampled_logits(inputs, launched.hidden, launched.logits)
+        logits = self.runner.sampled_logits(inputs, launched.hidden, launched.logits).contiguous()
         views: list[DraftView] = [batch[i].seq for i in inputs.sample_items]  # type: ignore[misc]
+        process_logits(logits, views)  # the structured output's mask and logit_bias, as the target's rows get them
         tokens: list[int] = [0] * len(views)
         greedy = [r for r, v in enumerate(views) if v.greedy]
         if greedy:
@@ -98,10 +115,24 @@ class DraftRunner:
                 tokens[r] = t
         sampled = [r for r, v in enumerate(views) if not v.greedy]
         if sampled:
-            probs = final_probs(logits[sampled].float().contiguous(), [views[r] for r in sampled])
+            probs = final_probs(logits[sampled].float().contiguous(), [views[r] for r in sampled], processed=True)
             for r, t, row in zip(sampled, draw(probs, self.generator).tolist(), probs):
                 tokens[r] = t
                 views[r].probs.append(row)
         for v, t in zip(views, tokens):
             v.drafts.append(t)
             v.token_ids.append(t)
+            if v.grammar is not None:
+                self._advance(v, t)
+
+    @staticmethod
+    def _advance(v: DraftView, token: int) -> None:
+        """Move a view's grammar past its new draft and keep the state for the target's row after it."""
+        assert v.grammar is not None
+        if not v.refused:
+            try:
+                if v.grammar.accept(token):  # complete: the sequence ends with this draft if it is kept
+                    v.num_drafts = len(v.drafts)
+            except ValueError:  # the mask allowed no token here: the target rejects this draft
+                v.refused = True
+        v.grammars.append(v.grammar.copy())

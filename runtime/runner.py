@@ -34,7 +34,7 @@ from servelm.runtime.quantization import AUTO, NONE, QUANTIZATION_LABELS, check_
 from servelm.runtime.quantization_setup import check_quantization, quantize_model
 from servelm.runtime.sampled_rows import LogprobTensors, logprob_tensors
 from servelm.runtime.sampler import Sampler
-from servelm.runtime.spec_sampling import verify_sampled_drafts
+from servelm.runtime.spec_sampling import row_seqs, verify_sampled_drafts
 from servelm.runtime.step import LaunchedStep, PromptScoring, StepInputs, StepOutput
 from servelm.runtime.step_builder import build_step
 from servelm.runtime.weights import load_model
@@ -300,8 +300,8 @@ class ModelRunner:
             logits = self.sampled_logits(inputs, step.hidden, step.logits)
             if step.logits and logits.data_ptr() == step.hidden.data_ptr():
                 logits = logits.clone()  # the sampler edits its logits: keep the graph's output for a retry
-            seqs = [step.items[i].seq for i in inputs.sample_items]
-            verified = verify_sampled_drafts(logits, step.items, inputs.sample_items, self.spec_generator)
+            seqs = row_seqs(step.items, inputs.sample_items)
+            verified = verify_sampled_drafts(logits, step.items, inputs.sample_items, seqs, self.spec_generator)
             rows = self.sampler.sample_rows(
                 logits, seqs, reload=lambda: self.sampled_logits(inputs, step.hidden, step.logits)
             )

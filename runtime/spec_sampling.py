@@ -12,24 +12,26 @@ greedy ones (p and q one-hot) keep exactly the target's tokens.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from servelm.runtime.batch import BatchItem, SequenceView
+from servelm.runtime.batch import BatchItem, SequenceView, TokenMask
 from servelm.runtime.logits_processing import process_logits
 from servelm.runtime.platform import platform_of
 from servelm.runtime.sampler import GREEDY_TEMPERATURE, tempered_softmax
 from servelm.runtime.truncation import truncate
 
 
-def final_probs(logits: torch.Tensor, seqs: Sequence[SequenceView]) -> torch.Tensor:
-    """The distribution ``Sampler`` draws each row from: the processed logits (mask, bias, min_tokens),
-    the temperature, then top-k, top-p and min-p, renormalised. ``logits`` [n, V] float32 is modified;
-    no row may be greedy."""
+def final_probs(logits: torch.Tensor, seqs: Sequence[SequenceView], processed: bool = False) -> torch.Tensor:
+    """The distribution ``Sampler`` draws each row from: the processed logits (mask, bias, min_tokens;
+    already applied if ``processed``), the temperature, then top-k, top-p and min-p, renormalised.
+    ``logits`` [n, V] float32 is modified; no row may be greedy."""
     params = [s.params for s in seqs]
     if any(p.temperature < GREEDY_TEMPERATURE for p in params):
         raise ValueError("final_probs is for sampled rows; greedy rows take the argmax")
-    process_logits(logits, seqs)
+    if not processed:
+        process_logits(logits, seqs)
     probs = tempered_softmax(logits, params)
     n, vocab = probs.shape
     device = probs.device
@@ -84,19 +86,49 @@ def row_tokens(draft: Sequence[int], kept: int, token: int) -> list[int]:
     return rows + [token] * (len(draft) + 1 - len(rows))
 
 
+class MaskedRow:
+    """A sequence as one of its draft rows sees it: the structured output's state after the drafts
+    before the row (``BatchItem.draft_grammars``); everything else is the sequence's."""
+
+    def __init__(self, seq: SequenceView, grammar: TokenMask) -> None:
+        self._seq = seq
+        self.grammar = grammar
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._seq, name)
+
+
+def row_seqs(items: Sequence[BatchItem], sample_items: Sequence[int]) -> list[SequenceView]:
+    """The sequence of each sampled row (``sample_items`` names each row's item; an item's rows are
+    consecutive), draft rows under a structured output seeing its state after the drafts before them."""
+    seqs: list[SequenceView] = []
+    last, j = -1, 0
+    for i in sample_items:
+        item = items[i]
+        j = j + 1 if i == last else 0
+        last = i
+        grammars = item.draft_grammars
+        seqs.append(MaskedRow(item.seq, grammars[j - 1]) if grammars and j else item.seq)
+    return seqs
+
+
 def verify_sampled_drafts(
-    logits: torch.Tensor, items: Sequence[BatchItem], sample_items: Sequence[int], generator: torch.Generator | None
+    logits: torch.Tensor,
+    items: Sequence[BatchItem],
+    sample_items: Sequence[int],
+    seqs: Sequence[SequenceView],
+    generator: torch.Generator | None,
 ) -> list[tuple[int, list[int]]]:
     """Verify the drafts of every item with ``draft_probs`` against the step's ``logits`` (one row per
-    sampled position, ``sample_items`` naming each row's item; not modified): (first row, the tokens of
-    its rows) for each."""
+    sampled position, ``sample_items`` naming each row's item, ``seqs`` its sequence; not modified):
+    (first row, the tokens of its rows) for each."""
     out: list[tuple[int, list[int]]] = []
     for idx, item in enumerate(items):
         if item.draft_probs is None or not item.draft:
             continue
         at = sample_items.index(idx)  # an item's rows are consecutive
         k = len(item.draft)
-        p = final_probs(logits[at : at + k + 1].float().clone(), [item.seq] * (k + 1))
+        p = final_probs(logits[at : at + k + 1].float().clone(), seqs[at : at + k + 1])
         kept, token = rejection_sample(p, item.draft_probs.to(p.device), item.draft, generator)
         out.append((at, row_tokens(item.draft, kept, token)))
     return out

@@ -56,7 +56,7 @@ class DraftModelProposer:
     def eligible(req: Request) -> bool:
         """Greedy requests, and sampled ones without a seed (their draws would depend on the load) or
         logprobs (the verification draws the token itself); none with penalties, which depend on
-        the tokens before each position, nor a structured output, nor before ``min_tokens``."""
+        the tokens before each position, nor before ``min_tokens``."""
         p = req.params
         greedy = p.temperature < GREEDY_TEMPERATURE
         return (
@@ -64,7 +64,6 @@ class DraftModelProposer:
             and p.repetition_penalty == 1.0
             and p.presence_penalty == 0.0
             and p.frequency_penalty == 0.0
-            and req.grammar is None
             and req.num_output_tokens >= p.min_tokens
         )
 
@@ -79,8 +78,9 @@ class DraftModelProposer:
             req.drafting = DraftProgress(0, req.num_preemptions)
         return [0] * k
 
-    def fill(self, items: list[BatchItem]) -> None:
-        """Run the draft model for every item with drafts and write them (and their distributions) in."""
+    def fill(self, items: list[BatchItem]) -> int:
+        """Run the draft model for every item with drafts and write them (and their distributions) in;
+        returns how many of the drafts scheduled were dropped (after a structured output completes)."""
         views: list[tuple[BatchItem, DraftView]] = []
         for item in items:
             if not item.draft:
@@ -98,13 +98,21 @@ class DraftModelProposer:
                 block_table=req.block_table,
                 params=params,
                 num_drafts=len(item.draft),
+                grammar=req.grammar.copy() if req.grammar is not None else None,
             )
             views.append((item, view))
         self.runner.propose([v for _, v in views])
+        dropped = 0
         for item, view in views:
+            n = len(item.draft) - len(view.drafts)  # type: ignore[arg-type]
+            item.num_new_tokens -= n  # (their slots stay reserved until the request uses or frees them)
+            dropped += n
             item.draft = view.drafts
             if view.probs:
                 item.draft_probs = torch.stack(view.probs)
+            if view.grammar is not None:
+                item.draft_grammars = view.grammars
+        return dropped
 
     def observe(self, req: Request, kept: int, proposed: int) -> None:
         """The draft's K/V is right up to the last draft kept that it computed (it never computes its

@@ -212,7 +212,7 @@ class Engine:
         accepted_before = self.num_accepted_drafts
         sched = self.scheduler.schedule()
         if sched.num_draft_tokens:  # a draft model computes its drafts now that the step is planned
-            self.scheduler.proposer.fill(sched.items)  # type: ignore[union-attr]
+            sched.num_draft_tokens -= self.scheduler.proposer.fill(sched.items)  # type: ignore[union-attr]
         self.drafts_verified += sched.num_draft_tokens
         cost = self._step_cost(sched.items)  # before the counts below move on
         if released := self.block_manager.take_released():  # before the forward, which may write them again

@@ -146,8 +146,9 @@ class Proposer(Protocol):
         """Up to ``limit`` drafts for ``req`` (placeholders where ``fill`` computes them)."""
         ...
 
-    def fill(self, items: list[BatchItem]) -> None:
-        """Compute the drafts of a scheduled step's items before it launches."""
+    def fill(self, items: list[BatchItem]) -> int:
+        """Compute the drafts of a scheduled step's items before it launches; returns how many of the
+        drafts scheduled were dropped (their items' ``num_new_tokens`` lowered to match)."""
         ...
 
     def observe(self, req: Request, kept: int, proposed: int) -> None:
@@ -263,8 +264,9 @@ class NgramProposer:
             k = 1
         return state.index.propose(req.token_ids, k)
 
-    def fill(self, items: list[BatchItem]) -> None:
+    def fill(self, items: list[BatchItem]) -> int:
         """Nothing to compute: the drafts are the request's own tokens."""
+        return 0
 
     def observe(self, req: Request, kept: int, proposed: int) -> None:
         """After a step verified ``proposed`` drafts of ``req`` and kept ``kept``."""

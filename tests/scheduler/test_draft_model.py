@@ -220,3 +220,39 @@ def test_start_up_refuses_what_a_draft_cannot_serve(
         _engine(tiny_llama_dir, _spec(tiny_model_dir("mistral_window")))
     with pytest.raises((ValueError, FileNotFoundError)):
         _engine(tiny_llama_dir, _spec(tmp_path / "missing"))
+
+
+def test_structured_outputs_mask_the_drafts_and_every_verified_position(
+    tiny_llama_dir: Path, near_draft: Path, prompts: list[list[int]]
+) -> None:
+    """The draft proposes under the grammar and each verified position is masked by the grammar's state
+    after the drafts before it: greedy tokens equal the target's alone, and the target drafting for
+    itself keeps every draft, greedy and sampled, every output matching the structure."""
+    import json
+    import re
+
+    from servelm.scheduler.structured_output import StructuredOutput
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10}, "n": {"type": "integer"}},
+              "required": ["name", "n"], "additionalProperties": False}  # fmt: skip
+    regex = r"[a-z]{3,8}( [a-z]{3,8}){4,6}\."
+
+    def params(kind: str, value: str, temperature: float = 0.0) -> SamplingParams:
+        return SamplingParams(max_tokens=48, temperature=temperature, structured_output=StructuredOutput(kind, value))  # type: ignore[arg-type]
+
+    plain, near, itself = (_engine(tiny_llama_dir, s) for s in (None, _spec(near_draft), _spec(tiny_llama_dir)))
+    for kind, value in (("json", json.dumps(schema)), ("regex", regex)):
+        want = [r.outputs[0].token_ids for r in plain.generate(prompts, params(kind, value))]
+        for e in (near, itself):
+            assert [r.outputs[0].token_ids for r in e.generate(prompts, params(kind, value))] == want, kind
+    assert near.drafts_verified > near.num_accepted_drafts > 0
+    # Every draft kept but, at most, each request's last: the structure completes on it, and the request
+    # ends before the row after it is read (and the draft proposes nothing past a complete structure).
+    assert itself.drafts_verified - len(prompts) * 2 <= itself.num_accepted_drafts < itself.drafts_verified
+    assert itself.drafts_verified > 100
+    before = itself.drafts_verified, itself.num_accepted_drafts
+    for r in itself.generate(prompts, params("regex", regex, temperature=1.0)):
+        assert re.fullmatch(regex, r.outputs[0].text), r.outputs[0].text
+    verified, kept = itself.drafts_verified - before[0], itself.num_accepted_drafts - before[1]
+    assert verified > 20 and kept >= 0.97 * verified - len(prompts)
+    assert near.block_manager.num_used_blocks == itself.block_manager.num_used_blocks == 0
