@@ -152,9 +152,12 @@ def test_stops_and_logprobs_inside_the_drafts_end_as_plain_decoding(
         SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[free.token_ids[25]]),
         SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[free.text[len(free.text) // 2 :][:6]]),
         SamplingParams(max_tokens=13, temperature=0, ignore_eos=True),
-        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=2),
+        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=2),
     ):
-        x, y = plain.generate([prompts[1]], p)[0].outputs[0], spec.generate([prompts[1]], p)[0].outputs[0]
+        a, b = plain.generate([prompts[1]], p)[0], spec.generate([prompts[1]], p)[0]
+        if p.prompt_logprobs:  # scored by the prefill, which the draft does not touch
+            assert [(e.token_id, e.rank) for e in b.prompt_logprobs[1:]] == [(e.token_id, e.rank) for e in a.prompt_logprobs[1:]]
+        x, y = a.outputs[0], b.outputs[0]
         assert (y.token_ids, y.text, y.finish_reason, y.stop_reason) == (
             x.token_ids,
             x.text,
