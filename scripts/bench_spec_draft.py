@@ -4,13 +4,15 @@ few code prompts.
 
     .venv/bin/python scripts/bench_spec_draft.py [--tokens 128] [--rounds 1] [--ks 3,4,5]
                                                  [--target FILE] [--draft FILE] [--num-threads 2]
+    .venv/bin/python scripts/bench_spec_draft.py --llama-server http://127.0.0.1:18441 [--tokens 128]
 
 Both engines are loaded side by side; one engine with the draft serves every K (its proposer's
 ``num_speculative_tokens`` is set between runs). Each run's inter-token latency is (last token - first
 token) / (tokens - 1), from the engine's own timestamps (the prefill is not in it); tok/s is its
 inverse. Printed per prompt and K: medians over rounds, the speed-up, the acceptance rate (drafts kept
 / drafts verified), the mean accepted length (tokens a step: 1 + kept / verifications), and whether the
-tokens equal the target's alone (they must: greedy verification is exact).
+tokens equal the target's alone (they must: greedy verification is exact). With ``--llama-server``, the
+same prompts against a llama-server already started on the same files (``-md DRAFT`` for its draft).
 """
 
 from __future__ import annotations
@@ -69,6 +71,32 @@ class _Timestamps:
         pass
 
 
+def llama_server(url: str, tokens: int) -> None:
+    """The same prompts against a running llama-server (with or without ``-md``), from the ``timings`` it
+    returns: time per generated token after the prompt, and its drafts accepted."""
+    import urllib.request
+
+    print(f"llama-server at {url}: {tokens} tokens, greedy, one stream")
+    print(f"{'prompt':<11} {'ITL ms':>8} {'tok/s':>7} {'accepted':>9} tokens")
+    for pname, text in PROMPTS.items():
+        body = {
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": tokens,
+            "temperature": 0,
+            "cache_prompt": False,
+        }
+        for _ in range(2):  # the first warms up
+            req = urllib.request.Request(
+                f"{url}/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+            )
+            with urllib.request.urlopen(req, timeout=600) as r:
+                t = json.load(r)["timings"]
+        drafted = t.get("draft_n", 0)
+        rate = f"{t.get('draft_n_accepted', 0) / drafted:.0%}" if drafted else "-"
+        ms = t["predicted_ms"] / t["predicted_n"]
+        print(f"{pname:<11} {ms:>8.1f} {1000 / ms:>7.1f} {rate:>9} {t['predicted_n']}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=128)
@@ -77,7 +105,16 @@ def main() -> None:
     ap.add_argument("--target", type=Path, default=TARGET)
     ap.add_argument("--draft", type=Path, default=DRAFT)
     ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument(
+        "--llama-server", metavar="URL", help="measure a running llama-server instead (e.g. http://127.0.0.1:18441)"
+    )
+    ap.add_argument(
+        "--concurrency", metavar="N,N", help="then: this many requests at once, each count in turn (e.g. 1,2,4)"
+    )
     args = ap.parse_args()
+    if args.llama_server:
+        llama_server(args.llama_server, args.tokens)
+        return
     ks = [int(k) for k in args.ks.split(",")]
     spec = json.dumps({"method": "draft_model", "model": str(args.draft), "num_speculative_tokens": ks[0]})
     engines: dict[str, tuple[Engine, _Timestamps]] = {}
@@ -134,6 +171,33 @@ def main() -> None:
             mean_len = 1 + a / n if n else 1.0  # drafts kept per verification, + the target's own token
             print(f"{pname:<11} {k:>2} {itl * 1000:>8.1f} {1 / itl:>7.1f} {base * 1000:>10.1f} {base / itl:>8.2f}x "
                   f"{rate:>8.0%} {mean_len:>9.2f} {outs[name] == outs['target']}")  # fmt: skip
+    if args.concurrency:
+        concurrent(engines, [int(c) for c in args.concurrency.split(",")], ks[0], args.tokens)
+
+
+def concurrent(engines: dict[str, tuple[Engine, _Timestamps]], counts: list[int], k: int, tokens: int) -> None:
+    """Where drafting stops paying: ``c`` requests at once (the prompts in turn), output tok/s over the
+    batch's wall time, the target alone and with the draft (K = ``k``, drafting whatever the batch)."""
+    plain, spec_engine = engines["target"][0], engines["draft"][0]
+    proposer: Any = spec_engine.proposer
+    proposer.config = dataclasses.replace(proposer.config, num_speculative_tokens=k, max_running=max(counts))
+    tok = plain.tokenizer
+    asks = [
+        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)
+        for t in PROMPTS.values()
+    ]
+    ids = [list(a["input_ids"] if hasattr(a, "keys") else a) for a in asks]
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    print(f"concurrent requests, {tokens} tokens each (ignore_eos), output tok/s over the batch, K={k}")
+    print(f"{'requests':>8} {'target':>8} {'drafted':>8} {'ratio':>6}")
+    for c in counts:
+        batch = [ids[i % len(ids)] for i in range(c)]
+        rates = []
+        for e in (plain, spec_engine):
+            t0 = time.perf_counter()
+            out = e.generate(batch, params)
+            rates.append(sum(len(r.outputs[0].token_ids) for r in out) / (time.perf_counter() - t0))
+        print(f"{c:>8} {rates[0]:>8.1f} {rates[1]:>8.1f} {rates[1] / rates[0]:>5.2f}x")
 
 
 if __name__ == "__main__":
