@@ -156,7 +156,9 @@ def test_stops_and_logprobs_inside_the_drafts_end_as_plain_decoding(
     ):
         a, b = plain.generate([prompts[1]], p)[0], spec.generate([prompts[1]], p)[0]
         if p.prompt_logprobs:  # scored by the prefill, which the draft does not touch
-            assert [(e.token_id, e.rank) for e in b.prompt_logprobs[1:]] == [(e.token_id, e.rank) for e in a.prompt_logprobs[1:]]
+            assert [(e.token_id, e.rank) for e in b.prompt_logprobs[1:]] == [
+                (e.token_id, e.rank) for e in a.prompt_logprobs[1:]
+            ]
         x, y = a.outputs[0], b.outputs[0]
         assert (y.token_ids, y.text, y.finish_reason, y.stop_reason) == (
             x.token_ids,
@@ -259,3 +261,29 @@ def test_structured_outputs_mask_the_drafts_and_every_verified_position(
     verified, kept = itself.drafts_verified - before[0], itself.num_accepted_drafts - before[1]
     assert verified > 20 and kept >= 0.97 * verified - len(prompts)
     assert near.block_manager.num_used_blocks == itself.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.slow  # 1,600 sampled requests through two engines: over 3 s (the rule itself is tested fast in tests/runtime/test_spec_sampling.py)
+def test_sampled_tokens_are_distributed_as_the_targets_alone(
+    tiny_llama_dir: Path, near_draft: Path, prompts: list[list[int]]
+) -> None:
+    """Through the whole engine, with a draft that often disagrees: the first two generated tokens (the
+    second verified against one draft) are distributed as the target's alone (a two-sample chi-square)."""
+    import math
+    from collections import Counter
+
+    n = 800
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=3, ignore_eos=True)
+    counts = []
+    for spec in (None, _spec(near_draft, k=2, max_running=64)):
+        e = _engine(tiny_llama_dir, spec, kv_cache_memory=32 * MiB)
+        counts.append(Counter(tuple(r.outputs[0].token_ids[:2]) for r in e.generate([prompts[2]] * n, params)))
+        verified, kept = e.drafts_verified, e.num_accepted_drafts
+    a, b = counts
+    cells = [c for c in set(a) | set(b) if a[c] + b[c] >= 10]
+    rest = (sum(a.values()) - sum(a[c] for c in cells), sum(b.values()) - sum(b[c] for c in cells))
+    chi2 = sum((a[c] - b[c]) ** 2 / (a[c] + b[c]) for c in cells) + (rest[0] - rest[1]) ** 2 / max(1, sum(rest))
+    df = len(cells)
+    critical = df * (1 - 2 / (9 * df) + 3.719 * math.sqrt(2 / (9 * df))) ** 3  # upper tail ~1e-4
+    assert chi2 < critical, (chi2, critical, sorted(a.items()), sorted(b.items()))
+    assert verified > 0.9 * n and 0.1 * n < kept < 0.9 * n  # drafts kept, and others rejected
