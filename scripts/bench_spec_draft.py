@@ -162,6 +162,7 @@ def main() -> None:
                         n + obs.drafts - before[2],
                     )
         base = statistics.median(runs["target"])
+        print(f"{pname:<11} best of rounds: " + ", ".join(f"{n} {min(r) * 1000:.1f} ms" for n, r in runs.items()))
         print(f"{pname:<11} {'-':>2} {base * 1000:>8.1f} {1 / base:>7.1f} {base * 1000:>10.1f} {'':>9} {'':>9} {'':>9}")
         for k in ks:
             name = f"K={k}"
