@@ -81,6 +81,19 @@ def test_config_parses_vllms_draft_model_json() -> None:
             parse_speculative_config(bad)
 
 
+def test_the_cli_takes_a_draft_model_and_refuses_a_broken_one() -> None:
+    from servelm.server.cli import build_parser, engine_config_from_args
+
+    spec = '{"method": "draft_model", "model": "/m/d.gguf", "num_speculative_tokens": 4}'
+    assert (
+        engine_config_from_args(build_parser().parse_args(["serve", "--speculative-config", spec])).speculative_config
+        == spec
+    )
+    for bad in ('{"method": "draft_model"}', '{"method": "draft_model", "model": "d", "prompt_lookup_min": 1}'):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--speculative-config", bad])
+
+
 @pytest.mark.parametrize(
     "cfg",
     [
