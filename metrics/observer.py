@@ -25,6 +25,8 @@ class StepStats:
     inter_token_latencies: list[float] = field(default_factory=list)  # one gap per later delivery
     num_draft_tokens: int = 0  # speculative drafts verified this step
     num_accepted_draft_tokens: int = 0  # of which were kept
+    num_drafts: int = 0  # sequences whose drafts were verified this step
+    accepted_per_pos: list[int] = field(default_factory=list)  # drafts kept at each position (0: the first)
     # LoRA serving on: the names of the adapters of running and of waiting requests (None: LoRA off)
     lora_adapters: tuple[list[str], list[str]] | None = None
 

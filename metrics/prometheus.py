@@ -251,12 +251,13 @@ class PrometheusObserver:
         self.prefix_cache_queries = counter(
             "servelm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
         ).labels(m)
-        self.spec_draft_tokens = counter(
-            "servelm_spec_decode_num_draft_tokens", "Speculative draft tokens verified (n-gram lookup)."
-        ).labels(m)
-        self.spec_accepted_tokens = counter(
-            "servelm_spec_decode_num_accepted_tokens", "Speculative draft tokens kept (equal to the model's own)."
-        ).labels(m)
+        # Speculative decoding, vLLM's spec_decode counters: acceptance rate = accepted / draft tokens,
+        # mean accepted length = 1 + accepted / drafts.
+        self.spec_drafts = counter("servelm_spec_decode_num_drafts", "Sequences whose drafts were verified.").labels(m)
+        self.spec_draft_tokens = counter("servelm_spec_decode_num_draft_tokens", "Speculative draft tokens verified.").labels(m)
+        self.spec_accepted_tokens = counter("servelm_spec_decode_num_accepted_tokens", "Speculative draft tokens kept.").labels(m)
+        self.spec_per_pos = Counter("servelm_spec_decode_num_accepted_tokens_per_pos", "Draft tokens kept at each "
+                                    "position (0: the first draft).", labels + ["position"], registry=reg)  # fmt: skip
         self.prefix_cache_hits = counter(
             "servelm_prefix_cache_hits", "Prompt tokens found in the prefix cache."
         ).labels(m)
@@ -317,9 +318,11 @@ class PrometheusObserver:
         if stats.prefix_cache_hits:
             self.prefix_cache_hits.inc(stats.prefix_cache_hits)
         if stats.num_draft_tokens:
+            self.spec_drafts.inc(stats.num_drafts)
             self.spec_draft_tokens.inc(stats.num_draft_tokens)
-        if stats.num_accepted_draft_tokens:
             self.spec_accepted_tokens.inc(stats.num_accepted_draft_tokens)
+            for j, n in enumerate(stats.accepted_per_pos):
+                self.spec_per_pos.labels(self.model_name, str(j)).inc(n)
         self.ttft.observe_many(stats.time_to_first_tokens)
         self.itl.observe_many(stats.inter_token_latencies)
         self.num_running.set(stats.num_running)

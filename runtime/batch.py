@@ -133,6 +133,12 @@ class BatchItem:
     # its last token (counted in ``num_new_tokens``); each of their positions is sampled too, and the
     # caller keeps the drafts that equal what was sampled before them.
     draft: list[int] | None = None
+    # A draft model's drafts for a sampled sequence: the distribution each was drawn from [k, V]; the
+    # drafts are then verified by speculative sampling's accept/reject rule (``runtime.spec_sampling``).
+    draft_probs: torch.Tensor | None = None
+    # A structured output's state after each draft (row j + 1 of the drafts' rows is masked by entry j):
+    # the grammar masks every position the target verifies, as it would have masked it decoding.
+    draft_grammars: list[TokenMask] | None = None
 
 
 @dataclass

@@ -34,6 +34,7 @@ from servelm.runtime.quantization import AUTO, NONE, QUANTIZATION_LABELS, check_
 from servelm.runtime.quantization_setup import check_quantization, quantize_model
 from servelm.runtime.sampled_rows import LogprobTensors, logprob_tensors
 from servelm.runtime.sampler import Sampler
+from servelm.runtime.spec_sampling import row_seqs, verify_sampled_drafts
 from servelm.runtime.step import LaunchedStep, PromptScoring, StepInputs, StepOutput
 from servelm.runtime.step_builder import CapturedSteps, build_step
 from servelm.runtime.weights import load_model
@@ -152,6 +153,7 @@ class ModelRunner:
         if num_blocks is not None:
             self.allocate_kv_pool(num_blocks)
         self.sampler = Sampler(seed)
+        self.spec_generator = torch.Generator().manual_seed(seed + 1) if seed is not None else None  # draft verification
         self.lora_context: LoRAContext | None = None  # set when the first adapter is added
         self.lora_ids: set[int] = set()
         # The last sampling step's tokens (where they were drawn) and its sequences, row by row: what
@@ -303,10 +305,13 @@ class ModelRunner:
             logits = self.sampled_logits(inputs, step.hidden, step.logits)
             if step.logits and logits.data_ptr() == step.hidden.data_ptr():
                 logits = logits.clone()  # the sampler edits its logits: keep the graph's output for a retry
-            seqs = [step.items[i].seq for i in inputs.sample_items]
+            seqs = row_seqs(step.items, inputs.sample_items)
+            verified = verify_sampled_drafts(logits, step.items, inputs.sample_items, seqs, self.spec_generator)
             rows = self.sampler.sample_rows(
                 logits, seqs, reload=lambda: self.sampled_logits(inputs, step.hidden, step.logits)
             )
+            for at, tokens in verified:  # a draft model's sampled drafts: verification chose these rows' tokens
+                rows.tokens[at : at + len(tokens)] = torch.tensor(tokens, device=rows.tokens.device)
             self.last_tokens, self.last_seqs, self.last_rows = rows.tokens, seqs, None
         else:
             self.last_tokens, self.last_seqs, self.last_rows = None, [], None

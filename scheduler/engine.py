@@ -88,8 +88,7 @@ class Engine:
         self._seq_ids = itertools.count()
         self._generate_ids = itertools.count()
         self._pending_groups: dict[str, ChoiceGroup] = {}  # groups with outputs made outside step()
-        self.drafts_verified = 0  # speculative decoding, cumulative: drafts computed ...
-        self.num_accepted_drafts = 0  # ... and kept
+        self.drafts_verified = self.num_accepted_drafts = 0  # speculative decoding, cumulative: drafts computed, and kept
 
         self.loras = LoRARegistry(self.runner, config, enabled=self.enable_lora, base_name=self.served_model_name)
         for name, path in config.lora_modules:
@@ -118,8 +117,7 @@ class Engine:
         return self.loras.adapters
 
     def read_lora_adapter(self, path: str) -> LoRAAdapter:
-        """Read and check an adapter folder (``LoRAError`` if it cannot be served); may run outside the
-        engine thread."""
+        """Read and check an adapter folder (``LoRAError`` if it cannot be served); may run off the engine thread."""
         return self.loras.read(path)
 
     def add_lora(self, name: str, adapter: str | LoRAAdapter) -> int:
@@ -213,6 +211,8 @@ class Engine:
         self.scheduler.proposer = None if self.async_scheduling else self.proposer
         accepted_before = self.num_accepted_drafts
         sched = self.scheduler.schedule()
+        if sched.num_draft_tokens:  # a draft model computes its drafts now that the step is planned
+            sched.num_draft_tokens -= self.scheduler.proposer.fill(sched.items)  # type: ignore[union-attr]
         self.drafts_verified += sched.num_draft_tokens
         cost = self._step_cost(sched.items)  # before the counts below move on
         if released := self.block_manager.take_released():  # before the forward, which may write them again
@@ -336,8 +336,8 @@ class Engine:
             kept += 1
         if not req.is_finished:
             self.block_manager.cache_full_blocks(req)
-            if self.proposer is not None:
-                self.proposer.observe(req, kept, len(draft))
+        if self.proposer is not None:
+            self.proposer.observe(req, kept, len(draft))
         return kept, "".join(texts)
 
     def _fail(self, req: Request, e: Exception, changed: dict[str, ChoiceGroup]) -> None:

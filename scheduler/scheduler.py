@@ -16,7 +16,7 @@ from servelm.runtime.batch import PENDING_TOKEN, BatchItem
 from servelm.scheduler.block_manager import BlockManager, PrefixMatch
 from servelm.scheduler.fair_share import DEFAULT_MAX_REQUEST_SHARE, FairShare, GroupUsage
 from servelm.scheduler.request import Request, RequestStatus
-from servelm.scheduler.speculative import NgramProposer
+from servelm.scheduler.speculative import Proposer
 
 
 @dataclass
@@ -91,7 +91,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         policy: str = "fcfs",
-        proposer: NgramProposer | None = None,
+        proposer: Proposer | None = None,
         max_loras: int | None = None,
         max_request_share: float = DEFAULT_MAX_REQUEST_SHARE,
         whole_prompts: bool = False,
@@ -362,6 +362,7 @@ class Scheduler:
     ) -> StepStats:
         """The metrics of the step that scheduled ``out``, with what the engine measured of it."""
         flops, moved = cost
+        num_drafts, per_pos = self.proposer.counts.take() if self.proposer is not None else (0, [])
         return StepStats(
             duration_s=duration,
             num_running=self.num_running,
@@ -378,6 +379,8 @@ class Scheduler:
             inter_token_latencies=itls,
             num_draft_tokens=out.num_draft_tokens,
             num_accepted_draft_tokens=num_accepted_drafts,
+            num_drafts=num_drafts,
+            accepted_per_pos=per_pos,
             lora_adapters=lora_adapters,
         )
 

@@ -17,16 +17,34 @@ p(d), else redraw without d, keeps d just as often and gives the same distributi
 penalties (they depend on the tokens before each position) or a structured output do not speculate,
 nor seeded sampled ones: their draws would depend on whether drafts were made, i.e. on the load.
 vLLM's equivalent: ``--speculative-config '{"method": "ngram", ...}'``; the same JSON is accepted here.
+A draft model (``{"method": "draft_model", "model": PATH, ...}``) proposes through ``scheduler.draft_model``.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from servelm.runtime.batch import BatchItem
     from servelm.scheduler.request import Request
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        raw: Any = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError("--speculative-config must be a JSON object")
+    return dict(raw)
+
+
+def _max_running(raw: dict[str, Any]) -> None:
+    """vLLM's ``disable_by_batch_size`` (no drafts from that many running requests) as ``max_running``."""
+    if "disable_by_batch_size" in raw:
+        raw["max_running"] = int(raw.pop("disable_by_batch_size")) - 1
 
 
 @dataclass(frozen=True)
@@ -53,18 +71,13 @@ class SpeculativeConfig:
         """From vLLM-style JSON: ``{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max":
         4, "prompt_lookup_min": 2, "max_running": 1}`` (only ``method`` "ngram"; ``disable_by_batch_size``,
         vLLM's name, sets ``max_running`` to one less)."""
-        try:
-            raw: Any = json.loads(text)
-        except ValueError as e:
-            raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
-        if not isinstance(raw, dict):
-            raise ValueError("--speculative-config must be a JSON object")
-        raw = dict(raw)
+        raw = _json_object(text)
         method = raw.pop("method", "ngram")
         if method not in ("ngram", "prompt_lookup"):
-            raise ValueError(f"--speculative-config: method {method!r} is not supported (only 'ngram': no draft model is served)")
-        if "disable_by_batch_size" in raw:
-            raw["max_running"] = int(raw.pop("disable_by_batch_size")) - 1
+            raise ValueError(f"--speculative-config: method {method!r} is not supported (only 'ngram' and 'draft_model')")
+        if "model" in raw:
+            raise ValueError("--speculative-config: n-gram lookup takes no 'model'; a draft model is method 'draft_model' (not both)")
+        _max_running(raw)
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(raw) - known)
         if unknown:
@@ -72,6 +85,97 @@ class SpeculativeConfig:
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in raw.values()):
             raise ValueError("--speculative-config: values must be integers")
         return cls(**raw)
+
+
+@dataclass(frozen=True)
+class DraftModelConfig:
+    """``--speculative-config`` with a draft model: a smaller model of the same vocabulary proposes."""
+
+    model: str  # a folder or a GGUF file, loaded as the served model is
+    num_speculative_tokens: int = 3  # drafts per step (fewer only near max_tokens)
+    # No drafts in a step with more running requests than this: every running request's drafts are
+    # computed by the draft model and verified by the target, which pays while the batch is small.
+    max_running: int = 4
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("speculative config: a draft model needs 'model', a folder or a GGUF file")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError("speculative config: num_speculative_tokens must be at least 1")
+        if not isinstance(self.max_running, int) or self.max_running < 1:
+            raise ValueError("speculative config: max_running must be at least 1")
+
+    @classmethod
+    def parse(cls, text: str) -> DraftModelConfig:
+        """From vLLM-style JSON: ``{"method": "draft_model", "model": PATH, "num_speculative_tokens": 3,
+        "max_running": 4}`` (``disable_by_batch_size`` as for n-gram lookup)."""
+        raw = _json_object(text)
+        raw.pop("method", None)
+        ngram = sorted(k for k in raw if k.startswith("prompt_lookup"))
+        if ngram:
+            raise ValueError(f"--speculative-config: {ngram} are n-gram lookup's; a draft model and n-gram lookup are not both served")
+        _max_running(raw)
+        unknown = sorted(set(raw) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"--speculative-config: unknown keys {unknown} (known: method, model, num_speculative_tokens, max_running, disable_by_batch_size)")
+        if "model" not in raw:
+            raise ValueError("--speculative-config: a draft model needs 'model', a folder or a GGUF file")
+        return cls(**raw)
+
+
+def parse_speculative_config(text: str) -> SpeculativeConfig | DraftModelConfig:
+    """``--speculative-config``: method ``draft_model`` (or a ``model`` without a method, as vLLM reads
+    it) is a draft model, anything else n-gram lookup."""
+    raw = _json_object(text)
+    method = raw.get("method")
+    if method in ("draft_model", "draft") or (method is None and "model" in raw):
+        return DraftModelConfig.parse(text)
+    return SpeculativeConfig.parse(text)
+
+
+class Proposer(Protocol):
+    """What the scheduler and the engine ask of a drafting method."""
+
+    @property
+    def config(self) -> SpeculativeConfig | DraftModelConfig: ...
+
+    @property
+    def counts(self) -> DraftCounts: ...
+
+    def propose(self, req: Request, limit: int) -> list[int]:
+        """Up to ``limit`` drafts for ``req`` (placeholders where ``fill`` computes them)."""
+        ...
+
+    def fill(self, items: list[BatchItem]) -> int:
+        """Compute the drafts of a scheduled step's items before it launches; returns how many of the
+        drafts scheduled were dropped (their items' ``num_new_tokens`` lowered to match)."""
+        ...
+
+    def observe(self, req: Request, kept: int, proposed: int) -> None:
+        """After a step verified ``proposed`` drafts of ``req`` and kept ``kept``."""
+        ...
+
+
+@dataclass
+class DraftCounts:
+    """Verifications since the metrics last took them: vLLM's ``spec_decode_num_drafts`` and
+    ``..._num_accepted_tokens_per_pos`` (position 0 is the first draft)."""
+
+    num_drafts: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def add(self, kept: int, proposed: int) -> None:
+        if proposed:
+            self.num_drafts += 1
+            if len(self.accepted_per_pos) < proposed:
+                self.accepted_per_pos += [0] * (proposed - len(self.accepted_per_pos))
+            for j in range(kept):
+                self.accepted_per_pos[j] += 1
+
+    def take(self) -> tuple[int, list[int]]:
+        out = (self.num_drafts, self.accepted_per_pos)
+        self.num_drafts, self.accepted_per_pos = 0, []
+        return out
 
 
 class NgramIndex:
@@ -127,6 +231,7 @@ class NgramProposer:
 
         self.config = config
         self.greedy_below = GREEDY_TEMPERATURE
+        self.counts = DraftCounts()
 
     def eligible(self, req: Request) -> bool:
         p = req.params
@@ -159,9 +264,13 @@ class NgramProposer:
             k = 1
         return state.index.propose(req.token_ids, k)
 
-    @staticmethod
-    def observe(req: Request, kept: int, proposed: int) -> None:
+    def fill(self, items: list[BatchItem]) -> int:
+        """Nothing to compute: the drafts are the request's own tokens."""
+        return 0
+
+    def observe(self, req: Request, kept: int, proposed: int) -> None:
         """After a step verified ``proposed`` drafts of ``req`` and kept ``kept``."""
+        self.counts.add(kept, proposed)
         state = req.drafting
         if state is not None and proposed:
             state.kept_rate = (1 - RATE_WEIGHT) * state.kept_rate + RATE_WEIGHT * kept / proposed

@@ -22,9 +22,10 @@ from servelm.runtime.runner import ModelRunner, serves_as_stored
 from servelm.runtime.tokenizer import load_tokenizer
 from servelm.scheduler.block_manager import BlockManager
 from servelm.scheduler.config import EngineConfig
+from servelm.scheduler.draft_model import check_draft_serving, load_draft_config, new_draft_proposer, target_share
 from servelm.scheduler.kv_events import KVEventsConfig, ZmqEventPublisher, make_publisher
 from servelm.scheduler.scheduler import Scheduler
-from servelm.scheduler.speculative import NgramProposer, SpeculativeConfig
+from servelm.scheduler.speculative import DraftModelConfig, NgramProposer, Proposer, parse_speculative_config
 
 if TYPE_CHECKING:
     from servelm.runtime.kv_cache import KVPool
@@ -98,7 +99,7 @@ class StartUp:
     async_scheduling: bool
     enable_lora: bool
     block_manager: BlockManager
-    proposer: NgramProposer | None
+    proposer: Proposer | None
     scheduler: Scheduler
     kv_events: ZmqEventPublisher | None = None
 
@@ -117,7 +118,7 @@ def start_up(config: EngineConfig, runner: RunnerLike | None = None) -> StartUp:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     # Refused before the weights are loaded.
-    speculative = SpeculativeConfig.parse(config.speculative_config) if config.speculative_config else None
+    speculative = parse_speculative_config(config.speculative_config) if config.speculative_config else None
     kv_events = KVEventsConfig.parse(config.kv_events_config, host=config.host) if config.kv_events_config else None
     if kv_events is not None and kv_events.active and not config.enable_prefix_caching:
         log.warning("KV events describe the prefix cache, which is off: only AllBlocksCleared can be published")
@@ -126,6 +127,10 @@ def start_up(config: EngineConfig, runner: RunnerLike | None = None) -> StartUp:
         raise ValueError("max_loras and max_lora_rank must be at least 1")
     if enable_lora and config.max_cpu_loras is not None and config.max_cpu_loras < config.max_loras:
         raise ValueError(f"max_cpu_loras ({config.max_cpu_loras}) must be at least max_loras ({config.max_loras})")
+    draft = None
+    if isinstance(speculative, DraftModelConfig):
+        check_draft_serving(config, enable_lora)
+        draft = load_draft_config(speculative, mc)
     tp = config.tensor_parallel_size
     if tp != 1:
         check_tensor_parallel_serving(config, mc, model_dir, device, enable_lora, injected=runner is not None)
@@ -155,13 +160,14 @@ def start_up(config: EngineConfig, runner: RunnerLike | None = None) -> StartUp:
         if runner is None or runner.kv_pool is None:
             raise ValueError(f"an injected runner on {device} needs kv_cache_memory or a kv_pool")
         kv_memory = runner.kv_pool.nbytes
+    target_kv = kv_memory if draft is None else target_share(kv_memory, mc, draft[1], kv_dtype)  # the draft's pool has as many blocks
     if config.max_model_len is None and not defaults.sizes_kv_from_memory:
         # The pool's size is known before any weights: serve the model's whole context when it fits (a
         # 16k-token prompt to a 32k model is not a 400 by default), as vLLM does on a GPU.
-        pool_tokens = kv_memory // (kv_bytes_per_token(mc, kv_dtype) // tp * block_size) * block_size
+        pool_tokens = target_kv // (kv_bytes_per_token(mc, kv_dtype) // tp * block_size) * block_size
         max_model_len = resolve_max_model_len(mc, None, defaults.sliding_window, pool_tokens)
     # Under tensor parallelism the budget is each rank's, as vLLM's memory settings are per GPU.
-    capacity = plan_capacity(mc, dtype, kv_memory, block_size, max_model_len, stored_weight_bytes(model_dir), kv_dtype, tp)
+    capacity = plan_capacity(mc, dtype, target_kv, block_size, max_model_len, stored_weight_bytes(model_dir), kv_dtype, tp)
     log.info("KV capacity: %s", capacity.describe())
 
     resolved = dataclasses.replace(
@@ -197,8 +203,13 @@ def start_up(config: EngineConfig, runner: RunnerLike | None = None) -> StartUp:
         num_blocks, block_size, config.enable_prefix_caching, kv_events=bool(kv_events and kv_events.active),
         window=released_window(mc, runner, config),
     )
-    proposer = NgramProposer(speculative) if speculative is not None else None
-    if proposer is not None:
+    proposer: Proposer | None = None
+    if draft is not None:
+        draft_config = dataclasses.replace(config, gguf_activations=config.gguf_activations if serves_as_stored(draft[0], config.quantization, device, dtype) else "float32")
+        draft_runner = new_runner(draft[0], draft[1], device, dtype, block_size, num_blocks, max_batched, max_model_len, draft_config)
+        proposer = new_draft_proposer(speculative, *draft, draft_runner, config.seed, max_model_len)  # type: ignore[arg-type]
+    elif speculative is not None:
+        proposer = NgramProposer(speculative)  # type: ignore[arg-type]
         log.info("speculative decoding: %s", proposer.config)
     scheduler = Scheduler(
         block_manager,

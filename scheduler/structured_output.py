@@ -152,6 +152,10 @@ class GrammarMatcher:
         v = bitmask[row]
         self._m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
 
+    def copy(self) -> GrammarMatcher:
+        """An independent copy of this state (speculative decoding masks each draft's position with one)."""
+        return GrammarMatcher(self._m.deep_copy())
+
     def accept(self, token: int) -> bool:
         """Advance past ``token``; returns whether the grammar is complete (no token but EOS may follow).
 

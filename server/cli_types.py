@@ -62,9 +62,9 @@ def parsed_by(parse: Callable[[str], object]) -> Callable[[str], str]:
 
 
 def speculative_config(text: str) -> str:
-    from servelm.scheduler.speculative import SpeculativeConfig
+    from servelm.scheduler.speculative import parse_speculative_config
 
-    return parsed_by(SpeculativeConfig.parse)(text)
+    return parsed_by(parse_speculative_config)(text)
 
 
 def kv_events_config(text: str) -> str:

@@ -246,3 +246,18 @@ def test_exposition_passes_promtool(clock: FakeClock, max_loras: int | None) -> 
     body, _ = render_metrics(obs.registry)
     r = subprocess.run(["promtool", "check", "metrics"], input=body, capture_output=True, timeout=30)
     assert r.returncode == 0, r.stdout.decode() + r.stderr.decode()
+
+
+def test_speculative_decoding_counters_carry_vllms_names(obs: PrometheusObserver) -> None:
+    """vLLM's spec_decode counters under servelm's prefix: drafts (sequences verified), draft tokens,
+    accepted tokens, and accepted tokens per position (label ``position``, 0 the first draft)."""
+    obs.on_step(StepStats(0.1, 2, 0, 0.1, 0, 5, num_draft_tokens=6, num_accepted_draft_tokens=3, num_drafts=2,
+                          accepted_per_pos=[2, 1]))  # fmt: skip
+    obs.on_step(StepStats(0.1, 1, 0, 0.1, 0, 4, num_draft_tokens=3, num_accepted_draft_tokens=3, num_drafts=1,
+                          accepted_per_pos=[1, 1, 1]))  # fmt: skip
+    s = samples(obs)
+    assert value(s, "servelm_spec_decode_num_drafts_total") == 3
+    assert value(s, "servelm_spec_decode_num_draft_tokens_total") == 9
+    assert value(s, "servelm_spec_decode_num_accepted_tokens_total") == 6
+    per_pos = [value(s, "servelm_spec_decode_num_accepted_tokens_per_pos_total", position=str(j)) for j in range(3)]
+    assert per_pos == [3, 2, 1]
