@@ -186,7 +186,7 @@ class CausalLM(nn.Module):
 
     def quantize(self, quantization_name: str, kernels: dict[str, tuple[quantization.QuantizedKernel, int]]) -> None:
         """Weight-only quantization (``runtime.quantization``: ``int8`` or ``int4``) of every projection
-        and the vocabulary head, after loading and before ``pack_cpu_weights``. ``kernels`` maps a scheme
+        and the vocabulary head, after loading and before ``use_base_methods``. ``kernels`` maps a scheme
         to its few-row kernel and row limit: steps of that many rows use it, larger ones the dequantized
         weights."""
         for module in self.modules():
@@ -230,7 +230,7 @@ class CausalLM(nn.Module):
 
     def weight_bytes_read(self) -> int:
         """Bytes of weight a decode step reads: every parameter once (a tied embedding as the head),
-        quantized projections and head as their codes plus scales. Call before ``pack_cpu_weights``
+        quantized projections and head as their codes plus scales. Call before ``use_base_methods``
         (which may drop dense weights)."""
         total = sum(p.numel() * p.element_size() for p in self.parameters())
         # Weights kept in their file's blocks: their bytes (a tied head reads the embedding's).
