@@ -98,3 +98,24 @@ def test_the_real_encoders_are_prepared_once() -> None:
         assert pinned.stat().st_size == spec.size
         mtime = pinned.stat().st_mtime_ns
         assert ensure(name) == path and pinned.stat().st_mtime_ns == mtime  # not unpacked again
+
+
+# Slow: the reference, gguf-py's reader, parses three files' whole metadata (~18 s).
+@pytest.mark.slow
+def test_gguf_architecture_reads_the_header_alone(gemma3_gguf: Path, qwen05_gguf: Path) -> None:
+    # `servelm serve --model FILE` asks every file whether it is an encoder: gguf-py's reader parsed the
+    # whole metadata for it (Gemma 3's vocabulary: ~230 MiB more at the server's peak memory).
+    import tracemalloc
+
+    from gguf import GGUFReader
+
+    from servelm.runtime.encoder_loader import gguf_architecture
+
+    for path in (gemma3_gguf, qwen05_gguf, ensure("nomic")):
+        field = GGUFReader(path).fields["general.architecture"]
+        tracemalloc.start()
+        arch = gguf_architecture(path)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert arch == bytes(field.parts[field.data[0]]).decode()
+        assert peak < 1 << 20, f"{path.name}: {peak} bytes"
