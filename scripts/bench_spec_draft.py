@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # checkout.py, also when imported as a module
+import bench_speculative
 import checkout
 
 checkout.use_checkout()
@@ -38,17 +39,7 @@ from servelm.scheduler.sampling_params import SamplingParams  # noqa: E402
 MODELS = Path.home() / ".cache" / "servelm" / "models"
 TARGET = MODELS / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
 DRAFT = MODELS / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-CODE = """def moving_average(values, window):
-    result = []
-    total = 0.0
-    for i, value in enumerate(values):
-        total += value
-        if i >= window:
-            total -= values[i - window]
-        if i >= window - 1:
-            result.append(total / window)
-    return result
-"""
+CODE = bench_speculative.CODE  # the same function the n-gram benchmark edits
 PROMPTS = {
     "write": "Write a Python function that checks whether a string is a palindrome, ignoring case and punctuation.",
     "type-hints": f"Add type hints to this Python function. Answer with the whole function only.\n\n{CODE}",
