@@ -22,7 +22,9 @@ class ServeProcess:
     """
 
     def __init__(self, *args: str) -> None:
-        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+        # A PYTHONPATH already set comes first: a worktree's shim package then serves its own code.
+        path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""), str(REPO)) if p)
+        env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
         env.pop("SERVELM_API_KEY", None)
         self.argv = [sys.executable, "-m", "servelm.server.cli", "serve", "--port", "0", *args]
         self.env = env
