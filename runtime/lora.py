@@ -204,8 +204,7 @@ def attach(model: CausalLM, kernel: LoRAKernel | None = None) -> LoRAContext:
     ctx = LoRAContext(kernel)
     for module in model.modules():
         if isinstance(module, Linear):
-            module.lora = LoRAProjection(ctx)
-            module.choose_method()
+            module.use_parts(lora=LoRAProjection(ctx))
         elif isinstance(module, DecoderLayer):
             module.lora_ctx = ctx
     return ctx
@@ -214,7 +213,7 @@ def attach(model: CausalLM, kernel: LoRAKernel | None = None) -> LoRAContext:
 def add_adapter(model: CausalLM, adapter_id: int, adapter: LoRAAdapter) -> None:
     """Install a loaded adapter (already on the model's device and dtype) under ``adapter_id``."""
     for name, update in adapter.modules.items():
-        proj = model.get_submodule(name).lora
+        proj = model.get_submodule(name).method.parts.lora
         if proj is None:
             raise RuntimeError("attach() the model before adding adapters")
         proj.updates[adapter_id] = update
@@ -224,5 +223,5 @@ def remove_adapter(model: CausalLM, adapter_id: int) -> None:
     from servelm.runtime.models.layers import Linear
 
     for module in model.modules():
-        if isinstance(module, Linear) and module.lora is not None:
-            module.lora.updates.pop(adapter_id, None)
+        if isinstance(module, Linear) and module.method.parts.lora is not None:
+            module.method.parts.lora.updates.pop(adapter_id, None)

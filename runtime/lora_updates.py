@@ -81,7 +81,7 @@ _NO_UPDATE = (torch.empty(0), torch.empty(0), torch.empty(0, 3, dtype=torch.int6
 
 
 class LoRAProjection:
-    """The adapters' updates of one projection (``Linear.lora``), applied to its output in place."""
+    """The adapters' updates of one projection (``MethodParts.lora`` of a ``Linear``'s method), applied to its output in place."""
 
     __slots__ = ("ctx", "updates")
 

@@ -17,6 +17,7 @@ Each method reads its row limits at every call (tests and the CUDA-graph A/B cha
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
 from typing import Any, Protocol
 
 import torch
@@ -118,6 +119,37 @@ WEIGHT_FORMATS: dict[str, Callable[[Any, ProjectionMethod], ProjectionMethod]] =
     "int4": QuantizedMethod,
     "int8_groups": QuantizedMethod,
 }
+
+
+@dataclass(frozen=True)
+class MethodParts:
+    """What a projection's method is built from: a weight kept in its file's format (``stored``), or
+    the device's own base method (``base``; else dense, tall-skinny for ``tall_skinny_rows`` > 1), with
+    the fused few-row projections and the weight format's quantized copy around it, then the ranks'
+    sum and the LoRA updates."""
+
+    stored: ProjectionMethod | None = None
+    base: ProjectionMethod | None = None
+    quant: Any = None  # quantization.QuantizedWeight
+    few_rows: Any = None  # model_kernels.FewRowKernels
+    tall_skinny_rows: int = 0
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    lora: Any = None  # lora_updates.LoRAProjection
+
+
+class MethodChain:
+    """A projection's method and the parts it was built from: a projection holds its weight and one of
+    these, and a part given at load (or an adapter context) builds a new chain, never a step."""
+
+    def __init__(self, parts: MethodParts | None = None) -> None:
+        self.parts = parts or MethodParts()
+        top = select_method(**{f.name: getattr(self.parts, f.name) for f in fields(self.parts)})
+        self.name = top.name
+        # The built method's own apply, bound: the chain adds no call to a projection's step.
+        self.apply: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor] = top.apply
+
+    def with_parts(self, **changes: Any) -> MethodChain:
+        return MethodChain(replace(self.parts, **changes))
 
 
 def select_method(

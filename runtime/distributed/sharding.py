@@ -82,8 +82,7 @@ def shard_config(cfg: ModelConfig, world_size: int) -> ModelConfig:
 def reduce_output(linear: Linear, comm: Communicator) -> None:
     """Make a row-parallel projection sum its partial products over the ranks after whichever
     projection method computes them (``projection.ReducedMethod``)."""
-    linear.all_reduce = comm.all_reduce
-    linear.choose_method()
+    linear.use_parts(all_reduce=comm.all_reduce)
 
 
 class TensorParallelCausalLM(CausalLM):

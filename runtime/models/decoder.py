@@ -139,8 +139,8 @@ class MLP(nn.Module):
         proj = self.gate_up_proj
         if (
             proj.weight is not None
-            and proj.base is None
-            and proj.lora is None
+            and proj.method.parts.base is None
+            and proj.method.parts.lora is None
             and proj.quant_rows < x.shape[0] <= self.split_max_rows
         ):
             w = proj.weight

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -16,11 +16,8 @@ from torch import nn
 
 from servelm.runtime import quantization
 from servelm.runtime.config import ModelConfig, UnsupportedModelError
-from servelm.runtime.model_kernels import FewRowKernels, FusedRmsNorm, LayerOps, NormKernel
-from servelm.runtime.projection import DenseMethod, ProjectionMethod, select_method
-
-if TYPE_CHECKING:
-    from servelm.runtime.lora_updates import LoRAProjection
+from servelm.runtime.model_kernels import FusedRmsNorm, LayerOps, NormKernel
+from servelm.runtime.projection import MethodChain, ProjectionMethod
 
 
 def empty_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -167,17 +164,9 @@ class Linear(nn.Module):
         self.out_features = sum(n for _, n in shards)
         self.in_features = in_features
         self.weight: nn.Parameter | None = empty_param((self.out_features, in_features), dtype, device)
-        self.base: ProjectionMethod | None = None  # the device's own method (the CPU's packed copy), once given
-        # --quantization: the quantized copy and the few-row kernel over it
-        self.quant: quantization.QuantizedWeight | None = None
         self.bias = empty_param((self.out_features,), dtype, device) if bias else None
-        self.few_rows: FewRowKernels | None = None
-        self.method: ProjectionMethod = DenseMethod()  # how forward computes (``choose_method``)
-        self.lora: LoRAProjection | None = None  # LoRA adapters' updates (runtime.lora.attach)
-        # A row-parallel shard's sum over the ranks (``distributed.sharding.reduce_output``).
-        self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
-        # A weight kept in the blocks of the file it came from (``runtime.gguf``): the method over them
-        self.stored: ProjectionMethod | None = None
+        # How forward computes, and from what (a packed copy, a quantized one, a file's blocks, LoRA...).
+        self.method = MethodChain()
         # checkpoint shard name -> our output rows (kept here too: packing may drop the weight)
         self.shard_rows: dict[str, slice] = {}
         if len(shards) > 1:
@@ -189,47 +178,39 @@ class Linear(nn.Module):
             if self.bias is not None:
                 self.bias.shard_slices = self.shard_rows  # type: ignore[attr-defined]
 
+    def use_parts(self, **changes: Any) -> None:
+        """Rebuild the method with these parts changed (``projection.MethodParts``): at load, or when
+        LoRA or the ranks' sum is given, never per step."""
+        self.method = self.method.with_parts(**changes)
+
     def use_base(self, make: Callable[[torch.Tensor], ProjectionMethod], keep_weight: bool) -> None:
         """Multiply through the device's own method, made from the weight (``cpu.packed``: a packed
         copy); irreversible. Without ``keep_weight`` the dense weight is dropped."""
-        assert self.weight is not None and self.base is None, "already given its base method"
-        self.base = make(self.weight)
+        assert self.weight is not None and self.method.parts.base is None, "already given its base method"
+        self.use_parts(base=make(self.weight))
         if not keep_weight:
             self.weight = None
-        self.choose_method()
 
     def use_stored(self, method: ProjectionMethod) -> None:
         """Compute from a weight kept in its file's format (``runtime.gguf.projection``): the dense
         parameter is dropped, and packing and quantization leave this projection alone."""
         self.weight = None
-        self.stored = method
-        self.choose_method()
+        self.use_parts(stored=method)
 
     @property
     def quant_rows(self) -> int:
         """Most rows the quantized few-row kernel takes (0: not quantized, or no kernel)."""
-        return self.quant.max_rows if self.quant is not None else 0
+        quant = self.method.parts.quant
+        return quant.max_rows if quant is not None else 0
 
     def quantize(self, scheme: str, kernels: dict[str, tuple[quantization.QuantizedKernel, int]]) -> None:
         """Quantize the weight (``runtime.quantization``): the parameter becomes its dequantized value,
         and steps of up to the scheme's kernel's rows run that kernel over the quantized copy."""
-        assert self.weight is not None and self.base is None, "quantize before packing"
-        self.quant = quantization.quantize(self.weight, scheme, kernels)
+        assert self.weight is not None and self.method.parts.base is None, "quantize before packing"
+        quant = quantization.quantize(self.weight, scheme, kernels)
         with torch.no_grad():
-            self.weight.copy_(self.quant.dequantize(self.weight.dtype))
-        self.choose_method()
-
-    def choose_method(self) -> None:
-        """Pick the projection method for the weight's present form (``runtime.projection``): called
-        whenever packing, quantization or the few-row kernels change it, never per step."""
-        self.method = select_method(
-            stored=self.stored,
-            base=self.base,
-            quant=self.quant,
-            few_rows=self.few_rows,
-            all_reduce=self.all_reduce,
-            lora=self.lora,
-        )
+            self.weight.copy_(quant.dequantize(self.weight.dtype))
+        self.use_parts(quant=quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The projection, by the method chosen for its present form (LoRA's updates and a shard's

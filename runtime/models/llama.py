@@ -35,7 +35,7 @@ from servelm.runtime.models.layers import (
     empty_param,
 )
 from servelm.runtime.platform import platform_of
-from servelm.runtime.projection import ProjectionMethod, select_method
+from servelm.runtime.projection import MethodChain, MethodParts, ProjectionMethod
 
 
 class CausalLM(nn.Module):
@@ -71,18 +71,13 @@ class CausalLM(nn.Module):
         # Gemma rounds its embedding multiplier to the weights' dtype first (bfloat16: sqrt(1152) -> 34.0)
         scale = cfg.embedding_multiplier
         self.embed_scale = float(torch.tensor(scale, dtype=torch.float32).to(dtype)) if cfg.embedding_multiplier_in_dtype else scale
-        self.tall_skinny_head_max_rows = platform_of(device).small_batch_splits[1]
-        self.lm_head_base: ProjectionMethod | None = None  # the device's own head method, once given
-        # --quantization: the head's quantized copy and kernel; and, for a tied head, its dequantized
-        # float copy (the embedding itself stays as loaded)
-        self.lm_head_quant: quantization.QuantizedWeight | None = None
+        # --quantization: a tied head's dequantized float copy (the embedding itself stays as loaded)
         self._lm_head_dequantized: torch.Tensor | None = None
-        self.few_rows: FewRowKernels | None = None  # the head of a few rows too (CUDA graphs)
-        # Weights kept in their GGUF blocks (``runtime.gguf.loader``): the token lookup and the head
+        # The token lookup kept in its GGUF blocks (``runtime.gguf.loader``)
         self.stored_embedding: Any = None  # gguf.projection.GGUFEmbedding
-        self.stored_head: ProjectionMethod | None = None
         self.decode_stack: Any = None  # gguf.layer.DecodeStack: a decode step's layers in one compiled call
-        self.head_method: ProjectionMethod = select_method(tall_skinny_rows=self.tall_skinny_head_max_rows)
+        # The vocabulary head's method and its parts (the device's, a quantized copy, a file's blocks).
+        self.head_method = MethodChain(MethodParts(tall_skinny_rows=platform_of(device).small_batch_splits[1]))
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Module()
             self.lm_head.weight = empty_param((cfg.vocab_size, cfg.hidden_size), dtype, device)
@@ -149,24 +144,13 @@ class CausalLM(nn.Module):
         the dense projection weights are dropped. The tied embedding stays dense either way (the token
         lookup reads it), so a tied head costs one extra vocab x hidden copy."""
         for module in self.modules():
-            if isinstance(module, Linear) and module.base is None and module.stored is None:
+            if isinstance(module, Linear) and module.method.parts.base is None and module.method.parts.stored is None:
                 module.use_base(make, keep_weights)
-        if self.stored_head is not None:
+        if self.head_method.parts.stored is not None:
             return  # the head stays in its file's blocks
-        self.lm_head_base = make(self.lm_head_weight)
+        self.head_method = self.head_method.with_parts(base=make(self.lm_head_weight))
         if not keep_weights and not self.config.tie_word_embeddings:
             self.lm_head.weight = None
-        self.choose_head_method()
-
-    def choose_head_method(self) -> None:
-        """Pick the vocabulary head's projection method for its present form (``runtime.projection``)."""
-        self.head_method = select_method(
-            stored=self.stored_head,
-            base=self.lm_head_base,
-            quant=self.lm_head_quant,
-            few_rows=self.few_rows,
-            tall_skinny_rows=self.tall_skinny_head_max_rows,
-        )
 
     def use_stored_embedding(self, embedding: Any) -> None:
         """Read tokens from the embedding's GGUF blocks (``gguf.projection.GGUFEmbedding``); a tied head
@@ -181,8 +165,7 @@ class CausalLM(nn.Module):
         """Compute the vocabulary head from a weight kept in its file's blocks; its dense copy is dropped."""
         if not self.config.tie_word_embeddings:
             self.lm_head.weight = None
-        self.stored_head = method
-        self.choose_head_method()
+        self.head_method = self.head_method.with_parts(stored=method)
 
     def quantize(self, quantization_name: str, kernels: dict[str, tuple[quantization.QuantizedKernel, int]]) -> None:
         """Weight-only quantization (``runtime.quantization``: ``int8`` or ``int4``) of every projection
@@ -192,14 +175,14 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.quantize(quantization_name, kernels)
-        self.lm_head_quant = quantization.quantize(self.lm_head_weight, quantization.head_scheme(quantization_name), kernels)
-        head = self.lm_head_quant.dequantize(self.lm_head_weight.dtype)
+        quant = quantization.quantize(self.lm_head_weight, quantization.head_scheme(quantization_name), kernels)
+        head = quant.dequantize(self.lm_head_weight.dtype)
         if self.config.tie_word_embeddings:
             self._lm_head_dequantized = head
         else:
             with torch.no_grad():
                 self.lm_head.weight.copy_(head)
-        self.choose_head_method()
+        self.head_method = self.head_method.with_parts(quant=quant)
 
     def quantize_if_exact(self, kernels: dict[str, tuple[quantization.QuantizedKernel, int]]) -> str | None:
         """``--quantization auto``: int4 (``quantize("int4", ...)``) only if it is lossless here, that is
@@ -208,7 +191,7 @@ class CausalLM(nn.Module):
         plan: list[tuple[Linear, quantization.QuantizedWeight]] = []
         for name, module in self.named_modules():
             if isinstance(module, Linear):
-                assert module.weight is not None and module.base is None, "quantize before packing"
+                assert module.weight is not None and module.method.parts.base is None, "quantize before packing"
                 quant = quantization.quantize(module.weight, "int4", kernels)
                 if not torch.equal(quant.dequantize(module.weight.dtype), module.weight):
                     return name
@@ -217,16 +200,14 @@ class CausalLM(nn.Module):
         if not torch.equal(head.dequantize(self.lm_head_weight.dtype), self.lm_head_weight):
             return "lm_head"
         for module, quant in plan:
-            module.quant = quant  # its weight already equals the dequantized values
-            module.choose_method()
-        self.lm_head_quant = head  # likewise the head (for a tied one, the embedding itself)
-        self.choose_head_method()
+            module.use_parts(quant=quant)  # its weight already equals the dequantized values
+        self.head_method = self.head_method.with_parts(quant=head)  # likewise the head (a tied one: the embedding)
         return None
 
     def stored_methods(self) -> list[ProjectionMethod]:
         """Every projection computed from a file's stored blocks (``use_stored``), the head included."""
-        stored = [m.stored for m in self.modules() if isinstance(m, Linear) and m.stored is not None]
-        return stored + ([self.stored_head] if self.stored_head is not None else [])
+        chains = [m.method for m in self.modules() if isinstance(m, Linear)] + [self.head_method]
+        return [c.parts.stored for c in chains if c.parts.stored is not None]
 
     def weight_bytes_read(self) -> int:
         """Bytes of weight a decode step reads: every parameter once (a tied embedding as the head),
@@ -237,9 +218,9 @@ class CausalLM(nn.Module):
         total += sum(int(getattr(s, "nbytes", 0)) for s in self.stored_methods())
         # (dense weight, its quantized copy) of every projection and the head
         weights: list[tuple[torch.Tensor, quantization.QuantizedWeight | None]] = [
-            (m.weight, m.quant) for m in self.modules() if isinstance(m, Linear) and m.weight is not None
+            (m.weight, m.method.parts.quant) for m in self.modules() if isinstance(m, Linear) and m.weight is not None
         ]
-        weights.append((self.lm_head_weight, self.lm_head_quant))
+        weights.append((self.lm_head_weight, self.head_method.parts.quant))
         for dense, quant in weights:
             if quant is not None:
                 total += quant.nbytes - dense.numel() * dense.element_size()
@@ -249,13 +230,11 @@ class CausalLM(nn.Module):
         """Give every layer and projection the fused few-row kernels (one shared ``kernels``: its
         ``max_rows`` switches them for the whole model)."""
         for module in self.modules():
-            if isinstance(module, (Linear, CausalLM)):
-                module.few_rows = kernels
             if isinstance(module, Linear):
-                module.choose_method()
+                module.use_parts(few_rows=kernels)
             if isinstance(module, DecoderLayer):
                 module.fused_step = FewRowStep(module, kernels)
-        self.choose_head_method()
+        self.head_method = self.head_method.with_parts(few_rows=kernels)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[R, hidden]`` -> ``[R, vocab]``; the runner passes only the rows it samples."""

@@ -56,7 +56,7 @@ def test_linear_module_packs_and_drops_dense_weight() -> None:
     x = torch.randn(7, 16)
     expected = F.linear(x, lin.weight, lin.bias)
     lin.use_base(packed_methods(None), keep_weight=False)
-    assert lin.weight is None and lin.base is not None and lin.method.name == "onednn"
+    assert lin.weight is None and lin.method.parts.base is not None and lin.method.name == "onednn"
     assert "weight" not in dict(lin.named_parameters())
     torch.testing.assert_close(lin(x), expected, atol=1e-5, rtol=1e-5)
 
@@ -92,8 +92,8 @@ def test_runner_packs_by_default_and_env_switches_it_off(
     ids = list(range(5, 45))
     packed = build_runner(model_dir, num_blocks=16)
     assert packed.packed_linears
-    assert packed.model.lm_head_base is not None
-    assert packed.model.model.layers[0].mlp.down_proj.base is not None
+    assert packed.model.head_method.parts.base is not None
+    assert packed.model.model.layers[0].mlp.down_proj.method.parts.base is not None
     assert packed.weight_bytes > 0  # counted before packing
 
     monkeypatch.setenv("SERVELM_CPU_LINEAR", "onednn")  # packed only: dense weights dropped
@@ -104,7 +104,7 @@ def test_runner_packs_by_default_and_env_switches_it_off(
 
     monkeypatch.setenv("SERVELM_CPU_LINEAR", "torch")
     dense = build_runner(model_dir, num_blocks=16)
-    assert not dense.packed_linears and dense.model.lm_head_base is None
+    assert not dense.packed_linears and dense.model.head_method.parts.base is None
     assert dense.model.model.layers[0].self_attn.qkv_proj.weight is not None
     assert dense.weight_bytes == packed.weight_bytes
     got = {name: _logits(r, rt, ids) for name, r in (("packed", packed), ("onednn", onednn), ("torch", dense))}
@@ -177,15 +177,16 @@ def test_runner_uses_few_row_kernel_for_few_rows(
     runner = build_runner(tiny_model_dir("qwen2"), num_blocks=16)  # q/k/v bias too
     assert runner.few_row_linear is not None
     qkv = runner.model.model.layers[0].self_attn.qkv_proj
-    assert qkv.weight is not None and qkv.base is not None and qkv.base.few_row_max_rows == 4  # type: ignore[attr-defined]
+    assert qkv.weight is not None and qkv.method.parts.base is not None and qkv.method.parts.base.few_row_max_rows == 4  # type: ignore[attr-defined]
     calls: list[int] = []
-    inner = qkv.method.few_row  # the kernel lives in the projection's method (runtime.cpu.packed)
+    base = qkv.method.parts.base
+    inner = base.few_row  # type: ignore[attr-defined]  # the kernel lives in the projection's base method (runtime.cpu.packed)
 
     def spy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         calls.append(x.shape[0])
         return inner(x, w, b)
 
-    monkeypatch.setattr(qkv.method, "few_row", spy)
+    monkeypatch.setattr(base, "few_row", spy)
     few = _logits(runner, rt, list(range(5, 9)))  # 4 rows: the kernel
     many = _logits(runner, rt, list(range(5, 15)))  # 10 rows: oneDNN
     assert calls == [4]

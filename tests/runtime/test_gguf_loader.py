@@ -80,16 +80,16 @@ def test_quantized_weights_are_views_of_the_file(stored_runner, gguf_folder: Pat
         return any(lo <= ptr < hi for lo, hi in mapped)
 
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.weight is None and m.stored is not None for m in linears)
+    assert linears and all(m.weight is None and m.method.parts.stored is not None for m in linears)
     methods: list[GGUFMethod] = []
     for m in linears:
-        methods += [part for _, part in m.stored.parts] if isinstance(m.stored, GGUFShardedMethod) else [m.stored]
+        methods += [part for _, part in m.method.parts.stored.parts] if isinstance(m.method.parts.stored, GGUFShardedMethod) else [m.method.parts.stored]
     # llama.cpp permuted q and k rows: those two are copies in HF row order; everything else is the file.
-    q_k = {id(m.stored.parts[i][1]) for m in linears if isinstance(m.stored, GGUFShardedMethod) and len(m.stored.parts) == 3 for i in (0, 1)}
+    q_k = {id(m.method.parts.stored.parts[i][1]) for m in linears if isinstance(m.method.parts.stored, GGUFShardedMethod) and len(m.method.parts.stored.parts) == 3 for i in (0, 1)}
     assert all(in_file(meth.blocks) for meth in methods if id(meth) not in q_k)
     assert isinstance(model.stored_embedding, GGUFEmbedding) and in_file(model.stored_embedding.tensor.raw)
     assert model.model.embed_tokens.weight.numel() == 0  # no dense embedding alongside
-    assert model.head_method is model.stored_embedding.head  # tied: the head reads the embedding's blocks
+    assert model.head_method.parts.stored is model.stored_embedding.head  # tied: the head reads the embedding's blocks
 
 
 def test_logits_equal_the_dequantized_model(stored_runner, build_runner, rt) -> None:  # type: ignore[no-untyped-def]
@@ -105,7 +105,7 @@ def test_logits_equal_the_dequantized_model(stored_runner, build_runner, rt) -> 
 def test_quantization_none_dequantizes_into_dense_weights(build_runner, gguf_folder: Path, rt) -> None:  # type: ignore[no-untyped-def]
     dense = build_runner(gguf_folder, num_blocks=64, quantization="none")
     assert not dense.weights_as_stored
-    assert all(m.stored is None for m in dense.model.modules() if isinstance(m, Linear))
+    assert all(m.method.parts.stored is None for m in dense.model.modules() if isinstance(m, Linear))
     reference = build_runner(default_model_dir(), num_blocks=64)
     a = rt.prefill_then_decode(dense, [9], [[0]])
     b = rt.prefill_then_decode(reference, [9], [[0]])

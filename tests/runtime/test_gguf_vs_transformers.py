@@ -232,7 +232,7 @@ def test_served_as_stored_equals_transformers(case_id: str, served, build_runner
     runner = build_runner(s.folder, num_blocks=8)
     assert runner.weights_as_stored
     linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
-    assert sum(m.stored is not None for m in linears) >= len(linears) // 2  # the block formats stay blocks
+    assert sum(m.method.parts.stored is not None for m in linears) >= len(linears) // 2  # the block formats stay blocks
     if s.case.qtype["token_embd"] not in (Q.F16, Q.BF16):
         assert runner.model.stored_embedding is not None  # rows read from the file's blocks
     assert_logits_match(run_ours(runner, rt, s.seqs), s.reference, f"{case_id} as stored")
@@ -243,7 +243,7 @@ def test_dequantized_equals_transformers(case_id: str, served, build_runner, rt)
     s = served(case_id)
     runner = build_runner(s.folder, num_blocks=8, quantization="none")
     assert not runner.weights_as_stored
-    assert all(m.stored is None for m in runner.model.modules() if isinstance(m, Linear))
+    assert all(m.method.parts.stored is None for m in runner.model.modules() if isinstance(m, Linear))
     assert_logits_match(run_ours(runner, rt, s.seqs), s.reference, f"{case_id} dequantized")
 
 
@@ -370,7 +370,7 @@ def test_compiled_layer_step_equals_the_layers_own_forward(case_id: str, activat
     layers = runner.model.model.layers
     steps = [layer.fused_step for layer in layers]
     stored = all(
-        lin.stored is not None
+        lin.method.parts.stored is not None
         for layer in layers
         for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
     )

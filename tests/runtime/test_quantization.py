@@ -196,7 +196,7 @@ def _count_int8_calls(runner: Any) -> list[int]:
 
         return call
 
-    quants = [m.quant for m in model.modules() if isinstance(m, Linear)] + [model.lm_head_quant]
+    quants = [m.method.parts.quant for m in model.modules() if isinstance(m, Linear)] + [model.head_method.parts.quant]
     for q in quants:
         if q is not None and q.kernel is not None:
             q.kernel = counted(q.kernel)
@@ -213,9 +213,9 @@ def test_quantized_steps_of_few_rows_agree_with_the_dequantized_model(
     _int8_kernel()
     model_dir = tiny_llama_dir if tied else tiny_llama_untied_dir
     q8 = build_runner(model_dir, quantization=scheme)
-    head = q8.model.lm_head_quant
+    head = q8.model.head_method.parts.quant
     assert head is not None and head.scheme == ("int8_groups" if scheme == "int4" else "int8")
-    assert all(m.quant.scheme == scheme for m in q8.model.modules() if isinstance(m, Linear))
+    assert all(m.method.parts.quant.scheme == scheme for m in q8.model.modules() if isinstance(m, Linear))
     calls = _count_int8_calls(q8)
     steps = [[0, 1, 2], [1]]
     got = rt.prefill_then_decode(q8, [8, 9, 10], steps)
@@ -226,8 +226,8 @@ def test_quantized_steps_of_few_rows_agree_with_the_dequantized_model(
     plain = build_runner(model_dir, quantization=scheme)
     for m in plain.model.modules():
         if isinstance(m, Linear):
-            m.quant.max_rows = 0
-    plain.model.lm_head_quant.max_rows = 0
+            m.method.parts.quant.max_rows = 0
+    plain.model.head_method.parts.quant.max_rows = 0
     torch.testing.assert_close(got, rt.prefill_then_decode(plain, [8, 9, 10], steps), atol=1e-4, rtol=1e-4)
     # The float32 model is a different (nearby) function.
     f32 = rt.prefill_then_decode(build_runner(model_dir), [8, 9, 10], steps)
@@ -251,8 +251,8 @@ def test_a_quantized_step_reads_a_quarter_of_the_projection_bytes(tiny_llama_dir
     q8 = build_runner(tiny_llama_dir, quantization="int8")
     cfg = ModelConfig.from_dir(tiny_llama_dir)
     emb = cfg.vocab_size * cfg.hidden_size
-    projections = sum(m.quant.tensors[0].numel() for m in q8.model.modules() if isinstance(m, Linear))
-    rows = sum(m.quant.tensors[0].shape[0] for m in q8.model.modules() if isinstance(m, Linear)) + cfg.vocab_size
+    projections = sum(m.method.parts.quant.tensors[0].numel() for m in q8.model.modules() if isinstance(m, Linear))
+    rows = sum(m.method.parts.quant.tensors[0].shape[0] for m in q8.model.modules() if isinstance(m, Linear)) + cfg.vocab_size
     # float32: every parameter once (the tied embedding as the head); int8: the projections and the
     # head at one byte a weight plus a float32 scale a row, the rest (norms) unchanged.
     norms = f32.weight_bytes - 4 * (projections + emb)
@@ -310,14 +310,14 @@ def test_auto_takes_int4_only_where_it_is_exact(
     with caplog.at_level("INFO", logger="servelm.runtime.quantization_setup"):
         plain = build_runner(tiny_llama_dir, quantization="auto")
     assert plain.quantization is None and plain.quantized_kernels == {}
-    assert all(m.quant is None for m in plain.model.modules() if isinstance(m, Linear))
+    assert all(m.method.parts.quant is None for m in plain.model.modules() if isinstance(m, Linear))
     assert "int4 would not be exact" in caplog.text
     exact_dir = _on_the_int4_grid(tiny_llama_dir, tmp_path / "on-grid")
     auto = build_runner(exact_dir, quantization="auto")
     f32 = build_runner(exact_dir)
     assert auto.quantization == "int4" and auto.quantized_kernels == kernels
-    assert all(m.quant.scheme == "int4" for m in auto.model.modules() if isinstance(m, Linear))
-    assert auto.model.lm_head_quant.scheme == "int8_groups"
+    assert all(m.method.parts.quant.scheme == "int4" for m in auto.model.modules() if isinstance(m, Linear))
+    assert auto.model.head_method.parts.quant.scheme == "int8_groups"
     assert auto.weight_bytes < f32.weight_bytes / 3  # the tiny model is mostly its int8-group head
     calls = _count_int8_calls(auto)
     steps = [[0, 1, 2], [1]]
@@ -338,4 +338,4 @@ def test_auto_stays_unquantized_where_int4_cannot_run(
     monkeypatch.setattr(cpu_linear, "quantized_kernels", lambda: {})
     runner = build_runner(exact_dir, quantization="auto")
     assert runner.quantization is None
-    assert all(m.quant is None for m in runner.model.modules() if isinstance(m, Linear))
+    assert all(m.method.parts.quant is None for m in runner.model.modules() if isinstance(m, Linear))

@@ -48,7 +48,7 @@ def run(engine: Engine, rid: str, name: str | None, adapter: Any = None) -> list
 
 def installed_ids(engine: Engine) -> set[int]:
     """Adapter ids whose weights some projection of the model holds (what memory is really spent on)."""
-    return {i for m in engine.runner.model.modules() if isinstance(m, Linear) and m.lora is not None for i in m.lora.updates}
+    return {i for m in engine.runner.model.modules() if isinstance(m, Linear) and m.method.parts.lora is not None for i in m.method.parts.lora.updates}
 
 
 def test_loading_many_adapters_keeps_at_most_max_cpu_loras(tiny_llama_dir: Path, folders: list[Path]) -> None:

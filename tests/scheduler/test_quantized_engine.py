@@ -65,10 +65,10 @@ def test_int4_is_the_default_models_own_precision_same_weights_and_tokens_as_flo
     quantized = {n: m for n, m in q4.runner.model.named_modules() if isinstance(m, Linear)}
     assert dense.keys() == quantized.keys() and len(quantized) == 4 * 30
     for name, module in quantized.items():
-        assert module.quant is not None and module.quant.scheme == "int4"
+        assert module.method.parts.quant is not None and module.method.parts.quant.scheme == "int4"
         reference = dense[name].weight  # kept beside the packed copy for the few-row kernel
-        assert reference is not None and torch.equal(module.quant.dequantize(), reference), name
-    head = q4.runner.model.lm_head_quant
+        assert reference is not None and torch.equal(module.method.parts.quant.dequantize(), reference), name
+    head = q4.runner.model.head_method.parts.quant
     assert head is not None and head.scheme == "int8_groups"
     assert torch.equal(head.dequantize(), f32.runner.model.model.embed_tokens.weight)
     prompts = [_chat(q4, q) for q in QUESTIONS]
