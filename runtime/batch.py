@@ -139,6 +139,10 @@ class BatchItem:
     # A structured output's state after each draft (row j + 1 of the drafts' rows is masked by entry j):
     # the grammar masks every position the target verifies, as it would have masked it decoding.
     draft_grammars: list[TokenMask] | None = None
+    # A few tokens of a sequence with a cached context, laid out as one decode row per position (each
+    # attending up to itself, as drafts are): the decode kernels serve them where a prefill chunk would
+    # gather the whole context every layer. Only the last row is sampled (if ``sample``).
+    decode_rows: bool = False
 
 
 @dataclass

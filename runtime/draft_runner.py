@@ -26,6 +26,9 @@ from servelm.runtime.sampler import GREEDY_TEMPERATURE
 from servelm.runtime.spec_sampling import draw, final_probs
 from servelm.runtime.truncation import argmax_rows
 
+# Most tokens a catch-up lays out as decode rows rather than a prefill chunk (a full acceptance leaves two).
+CATCH_UP_DECODE_ROWS = 8
+
 
 class DraftGrammar(TokenMask, Protocol):
     """A structured output's state that drafting advances (``scheduler.structured_output.GrammarMatcher``)."""
@@ -92,7 +95,10 @@ class DraftRunner:
                 n = min(behind, left)
                 if n <= 0:
                     break
-                batch.append(BatchItem(v, n, sample=n == behind))
+                # A few tokens past a computed context (the last draft kept and the target's own
+                # token) go as decode rows, which the fused decode path serves.
+                rows = v.num_computed_tokens > 0 and n <= CATCH_UP_DECODE_ROWS
+                batch.append(BatchItem(v, n, sample=n == behind, decode_rows=rows))
                 left -= n
             self._step(batch)
 

@@ -62,8 +62,8 @@ def build_step(runner: ModelRunner, items: list[BatchItem]) -> StepInputs:
     decodes: list[int] = []
     prefills: list[int] = []
     for i, it in enumerate(items):
-        # Drafts are verified as decodes: one row per position (see below).
-        (decodes if is_decode(it) or it.draft else prefills).append(i)
+        # Drafts are verified as decodes: one row per position (see below); so are decode_rows chunks.
+        (decodes if is_decode(it) or it.draft or it.decode_rows else prefills).append(i)
     order = decodes + prefills
     if len(order) > runner.max_num_seqs:
         raise ValueError(f"step has {len(order)} sequences, max_num_seqs is {runner.max_num_seqs}")
@@ -100,11 +100,14 @@ def build_step(runner: ModelRunner, items: list[BatchItem]) -> StepInputs:
         used = -(-end // bs)
         if len(table) < used:
             raise ValueError(f"seq {seq.seq_id}: {len(table)} blocks cannot hold {end} tokens")
-        if draft:
+        if draft or item.decode_rows:
             # Its uncomputed tokens, then the drafts: one decode row per position, each attending up
             # to itself, so the decode kernels serve them (the prefill path would gather the whole
             # context every layer).
-            for pos, token in enumerate([*token_ids[start:], *draft], start):
+            rows = [*token_ids[start:end], *(draft or ())] if draft else token_ids[start:end]
+            if PENDING_TOKEN in rows:
+                raise ValueError(f"seq {seq.seq_id}: a pending token among its decode rows")
+            for pos, token in enumerate(rows, start):
                 input_ids.append(token)
                 positions.append(pos)
                 slots.append(table[pos // bs] * bs + pos % bs)
@@ -114,8 +117,9 @@ def build_step(runner: ModelRunner, items: list[BatchItem]) -> StepInputs:
                 tables.append(table)
                 used_blocks.append(-(-(pos + 1) // bs))
             num_decode_rows += n
-            sample_rows.extend(range(len(input_ids) - n, len(input_ids)))
-            sample_items.extend([idx] * n)
+            sampled = n if draft else int(item.sample)  # a decode_rows chunk samples its last row only
+            sample_rows.extend(range(len(input_ids) - sampled, len(input_ids)))
+            sample_items.extend([idx] * sampled)
             continue
         if n == 1:  # a decode (or a one-token chunk): no ranges to build
             token = token_ids[start]

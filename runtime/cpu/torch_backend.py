@@ -142,13 +142,13 @@ class TorchAttentionBackend(AttentionBackend):
     def fused_decode_args(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
         """The step's slot mapping, block tables, sequence lengths and longest sequence for the fused
         decode call (``rope_write_decode``), or None where the step has no such path: it must be
-        decode-only, write every row, and give each row a sequence of its own."""
+        decode-only and write every row. Rows may share a sequence (drafts, a draft model's catch-up):
+        the call writes every row's K/V before any row attends, each up to its own length."""
         if (
             self.rope_decode is None
             or meta.num_decode_tokens != meta.num_tokens
             or not isinstance(meta, TorchAttentionMetadata)
             or meta.write_rows is not None
-            or meta.decode_rows_share_sequences
         ):
             return None
         assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None

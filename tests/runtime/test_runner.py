@@ -502,3 +502,43 @@ def test_drafts_are_verified_as_one_decode_row_per_position(
     assert [t for t, _ in out.draft_samples[1]] == want[1:].argmax(-1).tolist()
     assert out.draft_samples[0] is None and out.draft_samples[2] is None
     assert spec.token_ids == ids  # the drafts are not written into the sequence
+
+
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["cpp-decode", "torch-decode"])
+def test_decode_only_step_of_shared_rows(
+    tiny_llama_dir: Path, build_runner: Callable[..., ModelRunner], rt: SimpleNamespace, use_kernel: bool
+) -> None:
+    """Drafts and a ``decode_rows`` catch-up (4 tokens past a cached context, as a draft model catches
+    up) beside a plain decode, with no prefill in the step: the fused decode call takes the rows that
+    share a sequence, every row's logits equal feeding its tokens one step at a time, and the catch-up
+    samples its last row only."""
+    runner = build_runner(tiny_llama_dir, num_blocks=64, backend=TorchAttentionBackend(16, use_kernel=use_kernel))
+    ids, extra = random_ids(40, seed=7), [11, 4000, 11, 7]
+    blocks = rt.ScatteredBlocks(runner.kv_pool.num_blocks, runner.block_size, seed=9)
+
+    def seq(i: int, tokens: list[int], computed: int) -> Any:
+        s = rt.FakeSeq(seq_id=i, token_ids=list(tokens))
+        blocks.grow(s, len(tokens) + len(extra))
+        rt.step_logits(runner, [BatchItem(s, computed, sample=False)])
+        return s
+
+    alone = seq(0, ids, 39)
+    want = [rt.step_logits(runner, [BatchItem(alone, 1, sample=True)])[0]]
+    for t in extra:  # one decode step at a time
+        alone.token_ids.append(t)
+        want.append(rt.step_logits(runner, [BatchItem(alone, 1, sample=True)])[0])
+    one_by_one = torch.cat(want)
+
+    spec, other, catch = seq(1, ids, 39), seq(2, ids[:20], 19), seq(3, ids + extra[:3], 40)
+    items = [
+        BatchItem(other, 1, sample=True),
+        BatchItem(spec, 1 + len(extra), sample=True, draft=list(extra)),
+        BatchItem(catch, 3, sample=True, decode_rows=True),
+    ]
+    inputs = runner.prepare(items)
+    assert inputs.meta.num_decodes == inputs.meta.num_tokens == 1 + 5 + 3 and inputs.meta.decode_rows_share_sequences
+    assert inputs.sample_items == [0, 1, 1, 1, 1, 1, 2]
+    assert (runner.backend.fused_decode_args(inputs.meta) is not None) == use_kernel
+    got = rt.step_logits(runner, items)
+    torch.testing.assert_close(got[1], one_by_one, atol=1e-4, rtol=0)
+    torch.testing.assert_close(got[2], one_by_one[1:4], atol=1e-4, rtol=0)  # after ids + extra[:1], [:2], [:3]
