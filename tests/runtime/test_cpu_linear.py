@@ -177,10 +177,10 @@ def test_runner_uses_few_row_kernel_for_few_rows(
     runner = build_runner(tiny_model_dir("qwen2"), num_blocks=16)  # q/k/v bias too
     assert runner.few_row_linear is not None
     qkv = runner.model.model.layers[0].self_attn.qkv_proj
-    assert qkv.weight is not None and qkv.method.parts.base is not None and qkv.method.parts.base.few_row_max_rows == 4  # type: ignore[attr-defined]
+    assert qkv.weight is not None and qkv.method.parts.base is not None and qkv.method.parts.base.few_row_max_rows == 4
     calls: list[int] = []
     base = qkv.method.parts.base
-    inner = base.few_row  # type: ignore[attr-defined]  # the kernel lives in the projection's base method (runtime.cpu.packed)
+    inner = base.few_row  # the kernel lives in the projection's base method (runtime.cpu.packed)
 
     def spy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         calls.append(x.shape[0])

@@ -59,7 +59,7 @@ def test_module_uses_the_kernel_only_on_contiguous_input(rms_norm: NormKernel) -
     norm = RMSNorm(16, 1e-6, torch.float32, torch.device("cpu"))
     torch.nn.init.normal_(norm.weight)
     calls: list[tuple[int, ...]] = []
-    norm.kernel = lambda x, w, eps: calls.append(tuple(x.shape)) or rms_norm(x, w, eps)  # type: ignore[func-returns-value]
+    norm.kernel = lambda x, w, eps: calls.append(tuple(x.shape)) or rms_norm(x, w, eps)
     x = torch.randn(4, 2, 16)
     want = F.rms_norm(x, (16,), norm.weight, 1e-6)
     torch.testing.assert_close(norm(x), want, atol=1e-5, rtol=1e-5)
@@ -186,7 +186,7 @@ def test_lora_apply_equals_the_torch_path(rows: int) -> None:
     want = y.clone()
     for t, s in enumerate(which.tolist()):
         if s >= 0 and mods[s] is not None:
-            mods[s].add_to(x[t : t + 1], want[t : t + 1])  # type: ignore[union-attr]
+            mods[s].add_to(x[t : t + 1], want[t : t + 1])
     empty = (torch.empty(0), torch.empty(0), torch.empty(0, 3, dtype=torch.int64))
     args = [(m.a, m.bt, m.shards) if m is not None else empty for m in mods]
     kernel(x, y, [a for a, _, _ in args], [b for _, b, _ in args], [s for _, _, s in args], which)

@@ -114,17 +114,17 @@ def test_the_agreement_needed_scales_with_the_activation_dtype() -> None:
 
 
 class _Backend:
-    def build_metadata(self, meta):  # type: ignore[no-untyped-def]
+    def build_metadata(self, meta):
         return meta
 
 
-def _graph_runner(kernels, few_rows_max: int, ab: bool, captures: list, compare=None, fail_fused: bool = False,  # type: ignore[no-untyped-def]
+def _graph_runner(kernels, few_rows_max: int, ab: bool, captures: list, compare=None, fail_fused: bool = False,
                   pdl: bool = False, fail_pdl: bool = False):
     """A CudaGraphRunner on CPU whose capture and timing are recorded instead of run."""
-    g = CudaGraphRunner(lambda *a: None, _Backend(), 8, 4, 16, torch.device("cpu"),  # type: ignore[arg-type]
+    g = CudaGraphRunner(lambda *a: None, _Backend(), 8, 4, 16, torch.device("cpu"),
                         few_rows=kernels, few_rows_max=few_rows_max, few_rows_ab=ab, pdl=pdl)
 
-    def capture_one(bs, meta):  # type: ignore[no-untyped-def]
+    def capture_one(bs, meta):
         launched = pdl_state.active()
         captures.append((bs, kernels.max_rows, "pdl") if launched else (bs, kernels.max_rows))
         if fail_fused and kernels.max_rows:
@@ -133,15 +133,15 @@ def _graph_runner(kernels, few_rows_max: int, ab: bool, captures: list, compare=
             raise RuntimeError("operation not permitted when stream is capturing")
         return (f"graph {bs} max_rows {kernels.max_rows}" + (" pdl" if launched else ""), None)
 
-    g._capture_one = capture_one  # type: ignore[method-assign]
-    g._compare = compare or (lambda fused, plain, with_pdl, bs: VariantTiming(1.0, 2.0, 1e-3, 1e-2))  # type: ignore[method-assign]
+    g._capture_one = capture_one
+    g._compare = compare or (lambda fused, plain, with_pdl, bs: VariantTiming(1.0, 2.0, 1e-3, 1e-2))
     return g
 
 
 def test_each_small_size_is_captured_both_ways_and_the_faster_kept() -> None:
     from servelm.runtime.model_kernels import FewRowKernels
 
-    kernels = FewRowKernels(None, None, None, max_rows=0)  # type: ignore[arg-type]
+    kernels = FewRowKernels(None, None, None, max_rows=0)
     captures: list = []
     g = _graph_runner(kernels, 4, True, captures)
     for bs in (8, 4, 2, 1):
@@ -156,7 +156,7 @@ def test_each_small_size_is_captured_both_ways_and_the_faster_kept() -> None:
     slow = {2}
     state = {"bs": 0}
 
-    def compare(fused, plain, with_pdl, bs):  # type: ignore[no-untyped-def]
+    def compare(fused, plain, with_pdl, bs):
         return VariantTiming(3.0, 2.0, 1e-3, 1e-2) if state["bs"] in slow else VariantTiming(1.0, 2.0, 1e-3, 1e-2)
 
     g = _graph_runner(kernels, 4, True, captures, compare)
@@ -171,7 +171,7 @@ def test_each_small_size_is_captured_both_ways_and_the_faster_kept() -> None:
 def test_forced_fused_graphs_skip_the_ab_and_a_failing_kernel_falls_back_to_plain() -> None:
     from servelm.runtime.model_kernels import FewRowKernels
 
-    kernels = FewRowKernels(None, None, None, max_rows=4)  # type: ignore[arg-type]
+    kernels = FewRowKernels(None, None, None, max_rows=4)
     captures: list = []
     g = _graph_runner(kernels, 4, False, captures)
     assert g._capture_size(2, g.static_metadata(2))[0] == "graph 2 max_rows 2"
@@ -216,11 +216,11 @@ def test_the_pdl_graph_is_kept_only_when_faster_and_bit_identical() -> None:
 def test_with_pdl_each_fused_size_is_also_captured_launched_with_it() -> None:
     from servelm.runtime.model_kernels import FewRowKernels
 
-    kernels = FewRowKernels(None, None, None, max_rows=0)  # type: ignore[arg-type]
+    kernels = FewRowKernels(None, None, None, max_rows=0)
     captures: list = []
     seen: list = []
 
-    def compare(fused, plain, with_pdl, bs):  # type: ignore[no-untyped-def]
+    def compare(fused, plain, with_pdl, bs):
         seen.append((fused[0], plain[0] if plain else None, with_pdl[0] if with_pdl else None))
         return VariantTiming(4.0, 4.4, 1e-2, 0.1, 3.8, True)
 
@@ -243,11 +243,11 @@ def test_with_pdl_each_fused_size_is_also_captured_launched_with_it() -> None:
 def test_a_pdl_capture_that_fails_leaves_the_fused_and_plain_a_b() -> None:
     from servelm.runtime.model_kernels import FewRowKernels
 
-    kernels = FewRowKernels(None, None, None, max_rows=0)  # type: ignore[arg-type]
+    kernels = FewRowKernels(None, None, None, max_rows=0)
     captures: list = []
     seen: list = []
 
-    def compare(fused, plain, with_pdl, bs):  # type: ignore[no-untyped-def]
+    def compare(fused, plain, with_pdl, bs):
         seen.append(with_pdl)
         return VariantTiming(4.0, 4.4, 1e-2, 0.1)
 
@@ -259,7 +259,7 @@ def test_a_pdl_capture_that_fails_leaves_the_fused_and_plain_a_b() -> None:
 
 
 def test_the_a_b_decodes_write_fresh_slots_of_the_first_blocks_then_the_rows_pad_again() -> None:
-    g = CudaGraphRunner(lambda *a: None, _Backend(), 4, 4, 16, torch.device("cpu"), num_kv_blocks=3)  # type: ignore[arg-type]
+    g = CudaGraphRunner(lambda *a: None, _Backend(), 4, 4, 16, torch.device("cpu"), num_kv_blocks=3)
     b = g.inputs
     assert g._decode_inputs(2, 5)
     assert b.slot_mapping[:2].tolist() == [5, 16 + 5] and b.block_tables[:2, 0].tolist() == [0, 1]
@@ -276,7 +276,7 @@ def test_the_a_b_decodes_write_fresh_slots_of_the_first_blocks_then_the_rows_pad
 def test_pdl_is_tried_only_where_it_can_run(monkeypatch: pytest.MonkeyPatch) -> None:
     assert pdl_state.unavailable_reason(torch.device("cpu")) == "not a CUDA device"
     monkeypatch.setenv("SERVELM_PDL", "0")
-    assert "SERVELM_PDL" in pdl_state.unavailable_reason(torch.device("cuda"))  # type: ignore[operator]
+    assert "SERVELM_PDL" in pdl_state.unavailable_reason(torch.device("cuda"))
     assert pdl_state.launch_kwargs() == {"PDL": False}
     with pdl_state.launching(True):
         assert pdl_state.launch_kwargs() == {"PDL": True, "launch_pdl": True}
@@ -331,11 +331,11 @@ def test_the_a_b_times_each_graph_and_catches_a_pdl_graph_that_reads_ahead(monke
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     for racy in (False, True):
-        g = CudaGraphRunner(lambda *a: None, _Backend(), 2, 4, 16, torch.device("cpu"), num_kv_blocks=8)  # type: ignore[arg-type]
+        g = CudaGraphRunner(lambda *a: None, _Backend(), 2, 4, 16, torch.device("cpu"), num_kv_blocks=8)
         pool = torch.zeros(8 * 16)
         graphs = [_Graph(g, pool, ms, scale, r) for ms, scale, r in ((4.0, 1.0, False), (4.4, 1.001, False), (3.8, 1.0, racy))]
         fused, plain, with_pdl = ((gr, gr.out) for gr in graphs)
-        v = g._compare(fused, plain, with_pdl, 1)  # type: ignore[arg-type]
+        v = g._compare(fused, plain, with_pdl, 1)
         assert (v.fused_ms, v.plain_ms, v.pdl_ms) == pytest.approx((4.0, 4.4, 3.8))
         assert 1e-4 < v.rel_diff < 2e-3  # the plain graph's 0.1% difference, measured on real decodes
         assert v.pdl_identical is not racy
@@ -346,10 +346,10 @@ def test_the_a_b_times_each_graph_and_catches_a_pdl_graph_that_reads_ahead(monke
 def test_the_head_runs_inside_the_graphs_of_the_a_b_sizes_only() -> None:
     from servelm.runtime.model_kernels import FewRowKernels
 
-    kernels = FewRowKernels(None, None, None, max_rows=0)  # type: ignore[arg-type]
+    kernels = FewRowKernels(None, None, None, max_rows=0)
 
-    def build(**kw):  # type: ignore[no-untyped-def]
-        return CudaGraphRunner(lambda *a: None, _Backend(), 8, 4, 16, torch.device("cpu"), few_rows=kernels, **kw)  # type: ignore[arg-type]
+    def build(**kw):
+        return CudaGraphRunner(lambda *a: None, _Backend(), 8, 4, 16, torch.device("cpu"), few_rows=kernels, **kw)
 
     g = build(few_rows_max=1, head=lambda h: h)
     assert g.returns_logits(1) and not g.returns_logits(2) and not g.returns_logits(9)

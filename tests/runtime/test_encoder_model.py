@@ -24,7 +24,7 @@ def tiny(arch: str) -> Encoder | GemmaEncoder:
         gcfg = GemmaEncoderConfig(100, 32, 3, 4, 2, 16, 64, 160, 1e-6, 8, (True, False, True), 1e6, 1e4, 16.0)
         net = GemmaEncoder(gcfg).eval()
     else:
-        net = Encoder(EncoderConfig(arch, 100, 32, 2, 4, 64, 160, 1e-12, **SHAPES[arch])).eval()  # type: ignore[arg-type]
+        net = Encoder(EncoderConfig(arch, 100, 32, 2, 4, 64, 160, 1e-12, **SHAPES[arch])).eval()
     with torch.no_grad():
         for p in net.parameters():
             p.normal_(0, 0.3)

@@ -266,7 +266,7 @@ def test_sharded_method_fuses_parts(module, m: int, monkeypatch: pytest.MonkeyPa
 
 
 @pytest.fixture
-def two_threads():  # type: ignore[no-untyped-def]
+def two_threads():
     """Two torch threads, so a prefill's rows are split over both (the per-row loops' parallel path)."""
     before = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -26,7 +26,7 @@ def gguf_folder() -> Path:
 
 
 @pytest.fixture(scope="module")
-def stored_runner(build_runner, gguf_folder: Path):  # type: ignore[no-untyped-def]
+def stored_runner(build_runner, gguf_folder: Path):
     return build_runner(gguf_folder, num_blocks=64)
 
 
@@ -69,10 +69,10 @@ def test_a_changed_file_makes_the_folder_stale(gguf_folder: Path, tmp_path: Path
     assert not folder_is_current(folder)
 
 
-def test_quantized_weights_are_views_of_the_file(stored_runner, gguf_folder: Path) -> None:  # type: ignore[no-untyped-def]
+def test_quantized_weights_are_views_of_the_file(stored_runner, gguf_folder: Path) -> None:
     model = stored_runner.model
     assert stored_runner.weights_as_stored
-    mapped = file_mappings(gguf_source(gguf_folder))  # type: ignore[arg-type]
+    mapped = file_mappings(gguf_source(gguf_folder))
     assert mapped, "the GGUF file is not memory-mapped"
 
     def in_file(t: torch.Tensor) -> bool:
@@ -92,7 +92,7 @@ def test_quantized_weights_are_views_of_the_file(stored_runner, gguf_folder: Pat
     assert model.head_method.parts.stored is model.stored_embedding.head  # tied: the head reads the embedding's blocks
 
 
-def test_logits_equal_the_dequantized_model(stored_runner, build_runner, rt) -> None:  # type: ignore[no-untyped-def]
+def test_logits_equal_the_dequantized_model(stored_runner, build_runner, rt) -> None:
     # The float32 folder is transformers' own dequantization of this file (runtime.model_files).
     reference = build_runner(default_model_dir(), num_blocks=64)
     steps = [[0, 1, 2], [0, 2], [1]]
@@ -102,7 +102,7 @@ def test_logits_equal_the_dequantized_model(stored_runner, build_runner, rt) -> 
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
 
 
-def test_quantization_none_dequantizes_into_dense_weights(build_runner, gguf_folder: Path, rt) -> None:  # type: ignore[no-untyped-def]
+def test_quantization_none_dequantizes_into_dense_weights(build_runner, gguf_folder: Path, rt) -> None:
     dense = build_runner(gguf_folder, num_blocks=64, quantization="none")
     assert not dense.weights_as_stored
     assert all(m.method.parts.stored is None for m in dense.model.modules() if isinstance(m, Linear))
@@ -112,7 +112,7 @@ def test_quantization_none_dequantizes_into_dense_weights(build_runner, gguf_fol
     torch.testing.assert_close(a, b, rtol=0, atol=1e-4 * b.abs().max().item())
 
 
-def test_a_file_that_does_not_fit_the_model_is_refused(build_runner, gguf_folder: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_file_that_does_not_fit_the_model_is_refused(build_runner, gguf_folder: Path, tmp_path: Path) -> None:
     broken = tmp_path / "broken"
     broken.mkdir()
     for f in gguf_folder.iterdir():
@@ -124,7 +124,7 @@ def test_a_file_that_does_not_fit_the_model_is_refused(build_runner, gguf_folder
         build_runner(broken, num_blocks=8)
 
 
-def test_weight_bytes_are_the_files_tensors(stored_runner, gguf_folder: Path) -> None:  # type: ignore[no-untyped-def]
+def test_weight_bytes_are_the_files_tensors(stored_runner, gguf_folder: Path) -> None:
     stored = stored_weight_bytes(gguf_folder)
     size = default_gguf_file().stat().st_size
     assert stored is not None and 0.9 * size < stored < size, (stored, size)  # the rest is metadata

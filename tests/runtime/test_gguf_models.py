@@ -96,7 +96,7 @@ def _plain_array_gguf_reader():
 
     fake_np = types.ModuleType("numpy_plain_map")
     fake_np.__dict__.update(np.__dict__)
-    fake_np.memmap = lambda path, mode="r", **_: np.fromfile(path, dtype=np.uint8)  # type: ignore[attr-defined]
+    fake_np.memmap = lambda path, mode="r", **_: np.fromfile(path, dtype=np.uint8)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gguf_reader, "np", fake_np)
         yield

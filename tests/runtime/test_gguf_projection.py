@@ -127,7 +127,7 @@ def test_a_linear_layer_serves_its_projection_through_the_method(gguf_weights: d
     linear = Linear(IN, OUT, bias=True, dtype=torch.float32, device=torch.device("cpu"))
     linear.weight = None  # the blocks are the weight: no dense parameter stays behind
     with torch.no_grad():
-        linear.bias.copy_(torch.linspace(-1, 1, OUT))  # type: ignore[union-attr]
+        linear.bias.copy_(torch.linspace(-1, 1, OUT))
     method: ProjectionMethod = gguf_method(tensor)
     linear.method = method
     x = torch.randn(4, IN, generator=torch.Generator().manual_seed(2))

@@ -72,12 +72,12 @@ def test_the_file_carries_the_scaling_into_the_config(files: dict[str, Any]) -> 
     assert factors[0] == 1.0 and factors[-1] == pytest.approx(8.0) and any(1.0 < f < 8.0 for f in factors)
 
 
-def test_served_as_stored_equals_the_source_model(files: dict[str, Any], build_runner, rt) -> None:  # type: ignore[no-untyped-def]
+def test_served_as_stored_equals_the_source_model(files: dict[str, Any], build_runner, rt) -> None:
     runner = build_runner(files["folder"], num_blocks=8)
     assert_logits_match(run_ours(runner, rt, files["seqs"]), files["reference"], files["case"])
 
 
-def test_without_the_scaling_the_logits_differ(files: dict[str, Any], build_runner, rt, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_without_the_scaling_the_logits_differ(files: dict[str, Any], build_runner, rt, tmp_path: Path) -> None:
     import shutil
 
     plain = tmp_path / "plain"

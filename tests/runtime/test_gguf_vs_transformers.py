@@ -94,7 +94,7 @@ def _fast_gguf_parsing() -> Iterator[None]:
 
     fake_np = types.ModuleType("numpy_plain_map")
     fake_np.__dict__.update(np.__dict__)
-    fake_np.memmap = lambda path, mode="r", **_: np.fromfile(path, dtype=np.uint8)  # type: ignore[attr-defined]
+    fake_np.memmap = lambda path, mode="r", **_: np.fromfile(path, dtype=np.uint8)
     real_reader = gguf.GGUFReader
     readers: dict[tuple[str, int, int], Any] = {}
 
@@ -227,7 +227,7 @@ def test_cases_cover_every_architecture_and_format() -> None:
 
 
 @pytest.mark.parametrize("case_id", list(CASES))
-def test_served_as_stored_equals_transformers(case_id: str, served, build_runner, rt) -> None:  # type: ignore[no-untyped-def]
+def test_served_as_stored_equals_transformers(case_id: str, served, build_runner, rt) -> None:
     s = served(case_id)
     runner = build_runner(s.folder, num_blocks=8)
     assert runner.weights_as_stored
@@ -239,7 +239,7 @@ def test_served_as_stored_equals_transformers(case_id: str, served, build_runner
 
 
 @pytest.mark.parametrize("case_id", list(CASES))
-def test_dequantized_equals_transformers(case_id: str, served, build_runner, rt) -> None:  # type: ignore[no-untyped-def]
+def test_dequantized_equals_transformers(case_id: str, served, build_runner, rt) -> None:
     s = served(case_id)
     runner = build_runner(s.folder, num_blocks=8, quantization="none")
     assert not runner.weights_as_stored
@@ -295,7 +295,7 @@ def rounded_linear(m: torch.nn.Linear, x: torch.Tensor, block: int, amx: bool) -
 
 
 @pytest.fixture(params=("int8", "amx"))
-def int8_mode_path(request):  # type: ignore[no-untyped-def]
+def int8_mode_path(request):
     """The int8 mode's many-row steps through the int8 kernels (AMX off), or where the CPU has AMX,
     its bfloat16 tiles as by default."""
     from servelm.runtime.cpu import gguf_kernels as kernels
@@ -311,7 +311,7 @@ def int8_mode_path(request):  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("case_id", list(CASES))
-def test_int8_activations_equal_transformers_with_rounded_inputs(case_id: str, int8_mode_path: str, served, build_runner, rt) -> None:  # type: ignore[no-untyped-def]
+def test_int8_activations_equal_transformers_with_rounded_inputs(case_id: str, int8_mode_path: str, served, build_runner, rt) -> None:
     s = served(case_id)
     runner = build_runner(s.folder, num_blocks=8, gguf_activations="int8")
     assert runner.gguf_activations == "int8"
@@ -334,14 +334,14 @@ def test_int8_activations_equal_transformers_with_rounded_inputs(case_id: str, i
         ({"quantization": "none"}, ("float32", torch.float32)),  # dequantized: no stored weights to round for
     ],
 )
-def test_a_gguf_file_runs_llama_cpps_arithmetic_unless_asked_otherwise(flags: dict[str, Any], expected: tuple[str, torch.dtype], served, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_gguf_file_runs_llama_cpps_arithmetic_unless_asked_otherwise(flags: dict[str, Any], expected: tuple[str, torch.dtype], served, tmp_path, monkeypatch) -> None:
     from servelm.scheduler.config import EngineConfig
     from servelm.scheduler.engine import Engine
 
     s = served(next(iter(CASES)))
     monkeypatch.setenv("SERVELM_CACHE", str(tmp_path))  # (the file's prepared folder goes there)
     engine = Engine(EngineConfig(model=str(s.path), kv_cache_memory=2 * 2**20, max_model_len=128, **flags))
-    assert (engine.runner.gguf_activations, engine.runner.kv_dtype) == expected  # type: ignore[attr-defined]
+    assert (engine.runner.gguf_activations, engine.runner.kv_dtype) == expected
     assert (engine.config.gguf_activations, engine.config.kv_cache_dtype) == (expected[0], str(expected[1]).removeprefix("torch."))
 
 
@@ -350,10 +350,10 @@ def test_a_plain_folder_is_exact_by_default(tiny_llama_dir: Path) -> None:
     from servelm.scheduler.engine import Engine
 
     engine = Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=2 * 2**20, max_model_len=128))
-    assert (engine.runner.gguf_activations, engine.runner.kv_dtype) == ("float32", torch.float32)  # type: ignore[attr-defined]
+    assert (engine.runner.gguf_activations, engine.runner.kv_dtype) == ("float32", torch.float32)
 
 
-def test_int8_activations_need_a_gguf_file_as_stored(served, build_runner) -> None:  # type: ignore[no-untyped-def]
+def test_int8_activations_need_a_gguf_file_as_stored(served, build_runner) -> None:
     s = served(next(iter(CASES)))
     with pytest.raises(ValueError, match="gguf-activations int8 applies to a GGUF file served as stored"):
         build_runner(s.folder, num_blocks=8, gguf_activations="int8", quantization="none")
@@ -361,7 +361,7 @@ def test_int8_activations_need_a_gguf_file_as_stored(served, build_runner) -> No
 
 @pytest.mark.parametrize("activations", ["float32", "int8"])
 @pytest.mark.parametrize("case_id", list(CASES))
-def test_compiled_layer_step_equals_the_layers_own_forward(case_id: str, activations: str, served, build_runner, rt) -> None:  # type: ignore[no-untyped-def]
+def test_compiled_layer_step_equals_the_layers_own_forward(case_id: str, activations: str, served, build_runner, rt) -> None:
     """The few-row step in compiled calls (``runtime.gguf.layer``: each norm inside the projection after
     it, the activation and Gemma 3's post-feedforward norm inside the down projection) gives the
     layer's own forward's logits within float32 rounding, on every architecture and format mix."""
@@ -409,7 +409,7 @@ def test_compiled_layer_step_equals_the_layers_own_forward(case_id: str, activat
 
 @pytest.mark.parametrize("activations", ["float32", "int8"])
 @pytest.mark.parametrize("case_id", list(CASES))
-def test_decode_stack_equals_the_layer_steps(case_id: str, activations: str, served, build_runner, rt) -> None:  # type: ignore[no-untyped-def]
+def test_decode_stack_equals_the_layer_steps(case_id: str, activations: str, served, build_runner, rt) -> None:
     """A decode step through every layer in one compiled call (``runtime.gguf.layer.DecodeStack``) makes
     the layers' compiled calls in the same order: the same logits, bit for bit, on every architecture
     (Gemma 3's sliding layers and local RoPE, Qwen3's q/k norms, Qwen2's biases)."""

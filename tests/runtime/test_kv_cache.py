@@ -47,7 +47,7 @@ def test_empty_pool_is_refused() -> None:
 def resident_mib(kind: str) -> float:
     """``RssAnon`` (private) or ``RssShmem`` of this process, in MiB."""
     text = Path("/proc/self/status").read_text()
-    return int(re.search(rf"^{kind}:\s+(\d+) kB", text, re.M).group(1)) / 1024  # type: ignore[union-attr]
+    return int(re.search(rf"^{kind}:\s+(\d+) kB", text, re.M).group(1)) / 1024
 
 
 def test_a_cpu_pool_is_resident_only_where_written() -> None:

@@ -179,7 +179,7 @@ def test_int8_kernel_equals_the_dequantized_product(k: int, rows: int) -> None:
         want = F.linear(x.double(), dequantize_rows(q, scale).double(), None if b is None else b.double())
         torch.testing.assert_close(kernel(x, q, scale, b), want.float(), atol=1e-4, rtol=1e-5)
     with pytest.raises(RuntimeError, match="rows"):
-        kernel(torch.randn(cpu_ops.load().int8_max_rows + 1, k), q, scale, None)  # type: ignore[union-attr]
+        kernel(torch.randn(cpu_ops.load().int8_max_rows + 1, k), q, scale, None)
     with pytest.raises(RuntimeError, match="int8"):
         kernel(x, q.float(), scale, None)
 

@@ -157,10 +157,10 @@ def test_pending_tokens_come_from_the_last_sampling_step(tiny_runner: ModelRunne
     runner = tiny_runner
     try:
         if graphs != "eager":
-            runner.graph_runner = _EagerGraphStandIn(runner, 4, 64, head_max=4 if "head" in graphs else 0)  # type: ignore[assignment]
+            runner.graph_runner = _EagerGraphStandIn(runner, 4, 64, head_max=4 if "head" in graphs else 0)
         _check_pending_tokens(runner, rt)
         if graphs != "eager":
-            assert runner.graph_runner.replayed  # type: ignore[union-attr]
+            assert runner.graph_runner.replayed
     finally:
         runner.graph_runner = None
 
@@ -186,7 +186,7 @@ def _check_pending_tokens(runner: ModelRunner, rt: SimpleNamespace) -> None:
         out = runner.execute(items)
         advance(items)
         for s, tok in zip(known, out.sampled_token_ids):
-            s.token_ids.append(tok)  # type: ignore[arg-type]
+            s.token_ids.append(tok)
 
     # The engine's order when scheduling ahead: launch step k with step k-1's tokens pending, then read
     # step k-1's tokens, then sample step k. Rows are reversed every other step, so a pending token is
@@ -206,7 +206,7 @@ def _check_pending_tokens(runner: ModelRunner, rt: SimpleNamespace) -> None:
         advance(items)
         for it in items:
             it.seq.token_ids.append(PENDING_TOKEN)
-    for it, tok in zip(in_flight[0], in_flight[1].result().sampled_token_ids):  # type: ignore[index]
+    for it, tok in zip(in_flight[0], in_flight[1].result().sampled_token_ids):
         it.seq.token_ids[-1] = tok
     assert [s.token_ids for s in ahead] == [s.token_ids for s in known]
 
@@ -308,11 +308,11 @@ def test_decode_only_steps_replay_graphs_others_run_eager(tiny_runner: ModelRunn
     too_small = _EagerGraphStandIn(tiny_runner, max_bs=2, max_blocks=8)
     with_head = _EagerGraphStandIn(tiny_runner, max_bs=4, max_blocks=8, head_max=4)  # returns logits
     try:
-        tiny_runner.graph_runner = fits  # type: ignore[assignment]
+        tiny_runner.graph_runner = fits
         graphed = greedy_loop(tiny_runner, rt, prompts, **run)
-        tiny_runner.graph_runner = too_small  # type: ignore[assignment]
+        tiny_runner.graph_runner = too_small
         unfit = greedy_loop(tiny_runner, rt, prompts, **run)
-        tiny_runner.graph_runner = with_head  # type: ignore[assignment]
+        tiny_runner.graph_runner = with_head
         headed = greedy_loop(tiny_runner, rt, prompts, **run)
     finally:
         tiny_runner.graph_runner = None
@@ -394,11 +394,11 @@ def test_the_real_graph_runner_with_capture_emulated_gives_the_eager_tokens(
     from servelm.runtime.cuda.graphs import CudaGraphRunner
     from servelm.runtime.model_kernels import FewRowKernels
 
-    def norm_linear(x, residual, nw, eps, w, b=None):  # type: ignore[no-untyped-def]
+    def norm_linear(x, residual, nw, eps, w, b=None):
         h = x if residual is None else x + residual
         return F.linear(F.rms_norm(h, nw.shape, nw, eps), w, b), h
 
-    def silu_linear(gu, w, b=None):  # type: ignore[no-untyped-def]
+    def silu_linear(gu, w, b=None):
         g, u = gu.chunk(2, dim=-1)
         return F.linear(F.silu(g) * u, w, b)
 
@@ -413,7 +413,7 @@ def test_the_real_graph_runner_with_capture_emulated_gives_the_eager_tokens(
     runner.model.use_few_row_kernels(kernels)
     replays: list[tuple[int, int, bool]] = []
 
-    def capture_one(self, bs, meta):  # type: ignore[no-untyped-def]
+    def capture_one(self, bs, meta):
         ids, pos = self.inputs.input_ids[:bs], self.inputs.positions[:bs]
         head = self.head if bs <= self.head_max else None
         frozen_rows, frozen_pdl = kernels.max_rows, pdl.active()

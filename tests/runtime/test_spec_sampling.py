@@ -144,13 +144,13 @@ def test_final_probs_is_the_samplers_distribution() -> None:
         SamplingOptions(logit_bias={3: 5.0}, top_k=10),
     ):
         seq = Seq(opts)
-        probs = final_probs(logits.clone(), [seq])[0]  # type: ignore[list-item]
+        probs = final_probs(logits.clone(), [seq])[0]
         assert abs(float(probs.sum()) - 1) < 1e-5
         sampler = Sampler(seed=1)
         n = 4000
-        tokens, _ = sampler.sample(logits.repeat(n, 1), [seq] * n)  # type: ignore[list-item]
+        tokens, _ = sampler.sample(logits.repeat(n, 1), [seq] * n)
         freq = torch.bincount(torch.tensor(tokens), minlength=64).float() / n
         assert bool((freq[probs == 0] == 0).all()), opts  # nothing outside the support
         assert float((freq - probs).abs().max()) < 0.04, opts
     with pytest.raises(ValueError, match="greedy"):
-        final_probs(logits.clone(), [Seq(SamplingOptions(temperature=0))])  # type: ignore[list-item]
+        final_probs(logits.clone(), [Seq(SamplingOptions(temperature=0))])

@@ -164,7 +164,7 @@ def drive(spec: dict[str, Any]) -> dict[str, Any]:
             tp = group.load(Path(spec["variants"]["llama"]), **RUNNER_KW)
             try:  # refused by name on a live group, which stays usable afterwards
                 try:
-                    tp.add_lora(1, None)  # type: ignore[arg-type]
+                    tp.add_lora(1, None)
                 except UnsupportedModelError as e:
                     out["refused"].append(str(e))
             finally:

@@ -110,7 +110,7 @@ def test_a_dead_worker_is_reported_with_its_exit_status_when_it_is_reaped_late()
     deaths: list[BaseException] = []
     group = types.SimpleNamespace(workers=[worker], _closing=threading.Event(), failure=None, on_worker_death=deaths.append)
     try:
-        TensorParallelGroup._watch(group)  # type: ignore[arg-type]
+        TensorParallelGroup._watch(group)
     finally:
         os.close(worker.sentinel)
     assert deaths and "tensor-parallel worker rank 1 (pid 4242) died (killed by signal 9)" in str(deaths[0]), deaths

@@ -105,7 +105,7 @@ def test_few_row_kernels_refuse_more_rows_than_they_tile() -> None:
         gemv.linear(x[:2], torch.zeros(8, 65))
 
 
-def test_model_with_few_row_kernels_equals_the_eager_model(tiny_model_dir, build_runner, rt, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_model_with_few_row_kernels_equals_the_eager_model(tiny_model_dir, build_runner, rt, monkeypatch) -> None:
     """The CUDA-path model (Triton backend, fused ops) with the few-row projections on decode steps of
     1-4 rows and off for longer steps (prefill), against the plain torch path."""
     tiny_llama_dir = tiny_model_dir("llama_small_vocab")  # the head runs through the interpreter too
@@ -120,8 +120,8 @@ def test_model_with_few_row_kernels_equals_the_eager_model(tiny_model_dir, build
     assert not fused.packed_linears
     calls = {"linear": [], "rms_norm_linear": [], "silu_mul_linear": []}
 
-    def counted(name):  # type: ignore[no-untyped-def]
-        def call(x, *a):  # type: ignore[no-untyped-def]
+    def counted(name):
+        def call(x, *a):
             calls[name].append(x.shape[0])
             return getattr(gemv, name)(x, *a)
 
@@ -152,7 +152,7 @@ def test_model_with_few_row_kernels_equals_the_eager_model(tiny_model_dir, build
 
 
 @pytest.mark.slow  # over 3 s: 4 s
-def test_device_check_compares_few_row_and_plain_projections(tiny_llama_dir, build_runner, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_device_check_compares_few_row_and_plain_projections(tiny_llama_dir, build_runner, monkeypatch) -> None:
     """The device check's few-row section, on CPU: it passes on the real kernels, fails on a wrong one,
     and leaves the runner's setting as it found it."""
     from pathlib import Path
@@ -178,7 +178,7 @@ def test_device_check_compares_few_row_and_plain_projections(tiny_llama_dir, bui
     check_few_row_kernels(runner, plan, 2000, 1e-3, report)
     assert [c["ok"] for c in report.checks] == [True, True] and runner.few_rows.max_rows == 0
 
-    def wrong(x, w, b):  # type: ignore[no-untyped-def]
+    def wrong(x, w, b):
         return gemv.linear(x, w, b) * 1.1
 
     runner.few_rows.linear = wrong
@@ -187,13 +187,13 @@ def test_device_check_compares_few_row_and_plain_projections(tiny_llama_dir, bui
     assert [c["ok"] for c in report.checks] == [False, False]
 
 
-def test_the_autotuner_is_wired_to_the_row_count_s_tiles(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_the_autotuner_is_wired_to_the_row_count_s_tiles(monkeypatch) -> None:
     """The CUDA path's autotuned launch, run by the interpreter with a stand-in timer: one row tries
     element-wise and dot tiles, more rows only dot tiles, each key is tuned once, and the result is right."""
     tried: list[tuple[int, bool]] = []
     current = {}
 
-    def bench(fn, quantiles=None):  # type: ignore[no-untyped-def]
+    def bench(fn, quantiles=None):
         fn()
         cfg = current["config"]
         tried.append((rows_now, cfg.kwargs["USE_DOT"]))
@@ -201,7 +201,7 @@ def test_the_autotuner_is_wired_to_the_row_count_s_tiles(monkeypatch) -> None:  
 
     orig_bench = gemv._tuned._bench
 
-    def track(*args, config, **meta):  # type: ignore[no-untyped-def]
+    def track(*args, config, **meta):
         current["config"] = config
         return orig_bench(*args, config=config, **meta)
 
@@ -226,7 +226,7 @@ def test_the_autotuner_is_wired_to_the_row_count_s_tiles(monkeypatch) -> None:  
     ]
 
 
-def test_device_check_gemv_probe_compares_like_with_like(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_device_check_gemv_probe_compares_like_with_like(monkeypatch) -> None:
     """``scripts/device_checks/gemv_probe.py`` on small shapes, its CUDA-graph timer stood in for: each
     fused op agrees with the unfused ops it is timed against."""
     from pathlib import Path
@@ -235,7 +235,7 @@ def test_device_check_gemv_probe_compares_like_with_like(monkeypatch) -> None:  
     probe = importlib.import_module("device_checks.gemv_probe")
     calls = []
 
-    def fake_graph_ms(fns, device, iters=10):  # type: ignore[no-untyped-def]
+    def fake_graph_ms(fns, device, iters=10):
         calls.append(len(fns))
         for fn in fns:
             fn()
@@ -259,7 +259,7 @@ def test_device_check_gemv_probe_compares_like_with_like(monkeypatch) -> None:  
 
     launched = []
 
-    def fake_graph_ms_pdl(fns, device, iters=10):  # type: ignore[no-untyped-def]
+    def fake_graph_ms_pdl(fns, device, iters=10):
         launched.append(pdl.active())
         if not pdl.active():
             for fn in fns:
@@ -273,7 +273,7 @@ def test_device_check_gemv_probe_compares_like_with_like(monkeypatch) -> None:  
     assert all(r["pdl_us"] == 500.0 and r["fused_us"] == 1000.0 for r in rows)
 
 
-def test_device_check_gemv_sweep_times_each_tile_on_each_projection(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_device_check_gemv_sweep_times_each_tile_on_each_projection(monkeypatch) -> None:
     """The one-row tile sweep on small shapes: every tile it forces computes the fused op (checked
     against the unfused ops), the cuBLAS path is timed as tile None, and results come fastest first."""
     from pathlib import Path
@@ -282,7 +282,7 @@ def test_device_check_gemv_sweep_times_each_tile_on_each_projection(monkeypatch)
     probe = importlib.import_module("device_checks.gemv_probe")
     calls: list = []
 
-    def fake_graph_ms(fns, device, iters=10):  # type: ignore[no-untyped-def]
+    def fake_graph_ms(fns, device, iters=10):
         calls.append(fns[0]())
         return 1.0 + 0.01 * len(calls)  # later calls slower
 
@@ -304,7 +304,7 @@ def test_device_check_gemv_sweep_times_each_tile_on_each_projection(monkeypatch)
             torch.testing.assert_close(calls[4 * t + j].float(), calls[j].float(), rtol=2e-2, atol=2e-2)
 
 
-def test_the_rerun_adds_only_sweep_tiles_that_beat_the_autotuner_s(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_the_rerun_adds_only_sweep_tiles_that_beat_the_autotuner_s(monkeypatch) -> None:
     """``tiles_to_add``: per projection, the sweep's fastest tile when it beats the autotuner's tiles and
     cuBLAS by more than the margin; each added once, as a prefetch-aware element-wise ``Tile``."""
     from pathlib import Path
@@ -325,7 +325,7 @@ def test_the_rerun_adds_only_sweep_tiles_that_beat_the_autotuner_s(monkeypatch) 
     assert perf.tiles_to_add({"gate_up_proj": results["gate_up_proj"], "down_proj": results["down_proj"]}) == []
 
 
-def test_the_batch1_rerun_offers_the_tiles_then_restores_the_list(tiny_llama_dir, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_the_batch1_rerun_offers_the_tiles_then_restores_the_list(tiny_llama_dir, monkeypatch) -> None:
     """``batch1_with_tiles`` on CPU (plumbing: no graphs, no tuning here): it reports the batch-1 row,
     the autotuner's list holds the added tile while the engine is built, and is restored after."""
     from pathlib import Path
@@ -340,7 +340,7 @@ def test_the_batch1_rerun_offers_the_tiles_then_restores_the_list(tiny_llama_dir
     seen = []
     real_engine = servelm.scheduler.engine.Engine
 
-    def engine(*a, **kw):  # type: ignore[no-untyped-def]
+    def engine(*a, **kw):
         seen.append(list(gemv.ELEMENTWISE_TILES))
         return real_engine(*a, **kw)
 

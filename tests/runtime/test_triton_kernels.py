@@ -27,7 +27,7 @@ from servelm.runtime.attention.base import AttentionMetadata
 # ----------------------------------------------------------------------------- references
 
 
-def reference_attention(q, k_cache, v_cache, block_tables, seq_lens, query_lens, scale):  # type: ignore[no-untyped-def]
+def reference_attention(q, k_cache, v_cache, block_tables, seq_lens, query_lens, scale):
     """Per-sequence causal attention over the gathered context, in float64, GQA by repeating heads."""
     block_size = k_cache.shape[1]
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
@@ -47,7 +47,7 @@ def reference_attention(q, k_cache, v_cache, block_tables, seq_lens, query_lens,
     return torch.cat(outs)
 
 
-def scattered_tables(num_blocks, block_size, seq_lens, width, gen):  # type: ignore[no-untyped-def]
+def scattered_tables(num_blocks, block_size, seq_lens, width, gen):
     """Block tables drawing distinct, shuffled pool blocks; unused entries hold garbage ids."""
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     table = torch.randint(0, num_blocks, (len(seq_lens), width), generator=gen, dtype=torch.int32)
@@ -57,7 +57,7 @@ def scattered_tables(num_blocks, block_size, seq_lens, width, gen):  # type: ign
     return table
 
 
-def attention_inputs(seq_lens, query_lens, *, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):  # type: ignore[no-untyped-def]
+def attention_inputs(seq_lens, query_lens, *, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
     gen = torch.Generator().manual_seed(seed)
     num_blocks = 64
     width = max(-(-n // block_size) for n in seq_lens) + 1
@@ -178,7 +178,7 @@ def test_half_precision_inputs() -> None:
 # ----------------------------------------------------------------------------- the Triton backend
 
 
-def mixed_step(block_size: int, *, num_heads: int = 6, num_kv_heads: int = 2, head_dim: int = 16):  # type: ignore[no-untyped-def]
+def mixed_step(block_size: int, *, num_heads: int = 6, num_kv_heads: int = 2, head_dim: int = 16):
     """Two decodes then two prefill chunks (one over a cached context), as the runner lays them out."""
     gen = torch.Generator().manual_seed(7)
     seq_lens = [10, 5, 6, 13]
@@ -215,7 +215,7 @@ def mixed_step(block_size: int, *, num_heads: int = 6, num_kv_heads: int = 2, he
     return q, k, v, k_cache, v_cache, meta
 
 
-def expected_step(q, k, v, k_cache, v_cache, meta, scale):  # type: ignore[no-untyped-def]
+def expected_step(q, k, v, k_cache, v_cache, meta, scale):
     kc, vc = k_cache.clone(), v_cache.clone()
     bs = kc.shape[1]
     for t, s in enumerate(meta.slot_mapping.tolist()):
@@ -297,7 +297,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 '''
 
 
-def test_flash_backend_passes_flash_attn_the_documented_arguments(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_flash_backend_passes_flash_attn_the_documented_arguments(monkeypatch) -> None:
     fake = types.ModuleType("flash_attn")
     exec(FAKE_FLASH_ATTN, fake.__dict__)
     monkeypatch.setitem(sys.modules, "flash_attn", fake)  # removed again after the test
@@ -328,8 +328,8 @@ def test_padded_static_decode_batch_equals_the_plain_step() -> None:
     emb_kv = torch.randn(vocab, 2, kvh, d, generator=gen)
     backend = flash_backend.TritonPagedBackend()
 
-    def make_model(kc, vc):  # type: ignore[no-untyped-def]
-        def model(ids, positions, meta):  # type: ignore[no-untyped-def]
+    def make_model(kc, vc):
+        def model(ids, positions, meta):
             kv = emb_kv[ids] + positions[:, None, None, None]
             return backend.forward(emb_q[ids], kv[:, 0], kv[:, 1], kc, vc, meta, 0.25)
 
@@ -432,7 +432,7 @@ def test_rope_store_equals_rotation_then_store(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("splits", [1, 4], ids=["decode unsplit", "split-KV decode"])
-def test_model_with_fused_ops_equals_the_eager_model(tiny_llama_dir, build_runner, rt, monkeypatch, splits) -> None:  # type: ignore[no-untyped-def]
+def test_model_with_fused_ops_equals_the_eager_model(tiny_llama_dir, build_runner, rt, monkeypatch, splits) -> None:
     """The whole CUDA-path model structure on CPU tensors: Triton backend + fused norms, activation and
     RoPE/store against the plain torch path, prefill then decode steps. With split-KV decode (as on a
     GPU a small batch gets) the decode step's RoPE and K/V store run inside the attention kernel."""

@@ -25,7 +25,7 @@ from triton.runtime import interpreter as _interpreter
 _orig_patch = _interpreter._patch_lang_tensor
 
 
-def _patch_lang_tensor(tensor, scope):  # type: ignore[no-untyped-def]
+def _patch_lang_tensor(tensor, scope):
     _orig_patch(tensor, scope)
     scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
@@ -33,7 +33,7 @@ def _patch_lang_tensor(tensor, scope):  # type: ignore[no-untyped-def]
 _interpreter._patch_lang_tensor = _patch_lang_tensor
 
 
-def load(name: str):  # type: ignore[no-untyped-def]
+def load(name: str):
     mod = importlib.import_module(name)
     # Imported earlier in this process without the interpreter: re-decorate the kernels under it.
     first_kernel = {
@@ -56,7 +56,7 @@ gemv = load("servelm.runtime.cuda.triton_gemv")
 flash_backend = importlib.import_module("servelm.runtime.cuda.flash_backend")
 
 
-def torch_rms_norm(x, w, eps):  # type: ignore[no-untyped-def]
+def torch_rms_norm(x, w, eps):
     """The eager model's RMSNorm (``runtime.models.layers.RMSNorm`` without kernels)."""
     from servelm.runtime.models.layers import RMSNorm
 
@@ -65,11 +65,11 @@ def torch_rms_norm(x, w, eps):  # type: ignore[no-untyped-def]
     return norm(x)
 
 
-def prefill_then_decode(runner, rt, lengths: list[int], decode_steps: list[list[int]]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def prefill_then_decode(runner, rt, lengths: list[int], decode_steps: list[list[int]]) -> torch.Tensor:
     return rt.prefill_then_decode(runner, lengths, decode_steps)
 
 
-def build_with_triton_ops(build_runner, monkeypatch, *args, **kwargs):  # type: ignore[no-untyped-def]
+def build_with_triton_ops(build_runner, monkeypatch, *args, **kwargs):
     """``build_runner(*args, **kwargs)`` with the model built from Triton's fused norm and activation
     (as ``CudaPlatform.layer_ops`` gives them), looked up at each call so a test may count them."""
     from servelm.runtime.cpu.platform import CpuPlatform

@@ -40,7 +40,7 @@ def fast_gguf_reader() -> Iterator[None]:
 
     plain_np = types.ModuleType("numpy_plain_map")
     plain_np.__dict__.update(np.__dict__)
-    plain_np.memmap = lambda path, mode="r", **_: np.fromfile(path, dtype=np.uint8)  # type: ignore[attr-defined]
+    plain_np.memmap = lambda path, mode="r", **_: np.fromfile(path, dtype=np.uint8)
     real_reader = gguf.GGUFReader
     readers: dict[tuple[str, int, int], Any] = {}
 
@@ -53,11 +53,11 @@ def fast_gguf_reader() -> Iterator[None]:
         return readers[key]
 
     saved = (gguf_reader.np, gguf.GGUFReader)
-    gguf_reader.np, gguf.GGUFReader = plain_np, cached_reader  # type: ignore[misc]
+    gguf_reader.np, gguf.GGUFReader = plain_np, cached_reader
     try:
         yield
     finally:
-        gguf_reader.np, gguf.GGUFReader = saved  # type: ignore[misc]
+        gguf_reader.np, gguf.GGUFReader = saved
         readers.clear()
 
 
@@ -104,7 +104,7 @@ def hf_greedy_references(
                 refs.append(
                     GreedyReference(
                         tokens,
-                        [tuple(x) for x in top.indices.tolist()],  # type: ignore[misc]
+                        [tuple(x) for x in top.indices.tolist()],
                         (top.values[:, 0] - top.values[:, 1]).tolist(),
                     )
                 )

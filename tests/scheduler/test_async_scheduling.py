@@ -124,7 +124,7 @@ def test_steps_computed_ahead(tiny_llama_dir: Path, prompts: list[list[int]]) ->
         launched.append({it.seq.request_id: it.num_new_tokens for it in items})
         return launch(items)
 
-    e.runner.launch = spy  # type: ignore[method-assign]
+    e.runner.launch = spy
     e.add_request("stop", prompts[1], SamplingParams(max_tokens=50, stop_token_ids=[stop_token_id], temperature=0.0))
     e.add_request("len", prompts[2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     per_step = []

@@ -256,7 +256,7 @@ def test_structured_outputs_mask_the_drafts_and_every_verified_position(
     regex = r"[a-z]{3,8}( [a-z]{3,8}){4,6}\."
 
     def params(kind: str, value: str, temperature: float = 0.0) -> SamplingParams:
-        return SamplingParams(max_tokens=48, temperature=temperature, structured_output=StructuredOutput(kind, value))  # type: ignore[arg-type]
+        return SamplingParams(max_tokens=48, temperature=temperature, structured_output=StructuredOutput(kind, value))
 
     plain, near, itself = (_engine(tiny_llama_dir, s) for s in (None, _spec(near_draft), _spec(tiny_llama_dir)))
     for kind, value in (("json", json.dumps(schema)), ("regex", regex)):

@@ -58,7 +58,7 @@ def test_embeddings_equal_sentence_transformers(engine: EncoderEngine, minilm: P
 
 
 def test_steps_batch_under_the_budget_and_are_observed(engine: EncoderEngine) -> None:
-    rec: Recorder = engine.observer  # type: ignore[assignment]
+    rec: Recorder = engine.observer
     before_steps, before_done = len(rec.steps), len(rec.finished)
     ids = [engine.tokenizer(t)["input_ids"] for t in TEXTS[:6]]
     engine.embed(ids)

@@ -342,10 +342,10 @@ def test_failure_while_processing_one_request_spares_the_others(tiny_llama_dir: 
         raise RuntimeError(f"{where} exploded")
 
     if where == "detokenizer":
-        bad.detokenizer.step = boom  # type: ignore[union-attr,method-assign]
+        bad.detokenizer.step = boom
     else:
         cache = e.block_manager.cache_full_blocks
-        e.block_manager.cache_full_blocks = lambda seq: boom() if seq is bad else cache(seq)  # type: ignore[method-assign]
+        e.block_manager.cache_full_blocks = lambda seq: boom() if seq is bad else cache(seq)
     outs = drain(e)
     b = [o for o in outs if o.request_id == "bad"]
     assert b[-1].finished and b[-1].error and "exploded" in b[-1].error
@@ -408,7 +408,7 @@ def test_step_and_request_metrics(tiny_llama_dir: Path) -> None:
     assert sorted((r.finish_reason, r.num_generation_tokens) for r in obs.finished) == [("length", 3), ("length", 5)]
     for r in obs.finished:
         times = [r.arrival_time, r.first_scheduled_time, r.first_token_time, r.last_token_time, r.finished_time]
-        assert times == sorted(times)  # type: ignore[type-var]
+        assert times == sorted(times)
     assert e.block_manager.num_used_blocks == 0
 
 

@@ -90,7 +90,7 @@ def run_case(gguf_path: Path, prompts: list[tuple[str, int]], *, kv_blocks: int,
         )
     )
     try:
-        assert engine.runner.weights_as_stored  # type: ignore[attr-defined]
+        assert engine.runner.weights_as_stored
         assert engine.capacity.num_blocks == kv_blocks
         demand = sum(-(-(len(p) + n) // BLOCK) for p, (_, n) in zip(ids, prompts))
         assert demand > 3 * kv_blocks // 2, (demand, kv_blocks)  # the pool cannot hold them all at once

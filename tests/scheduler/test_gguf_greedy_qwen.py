@@ -80,8 +80,8 @@ def test_qwen05_q4_k_m_file_exact_mode(qwen05_gguf: Path) -> None:
         )
     )
     try:
-        assert engine.runner.weights_as_stored  # type: ignore[attr-defined]
-        assert engine.runner.gguf_activations == "float32"  # type: ignore[attr-defined]
+        assert engine.runner.weights_as_stored
+        assert engine.runner.gguf_activations == "float32"
         params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in PROMPTS]
         started = time.perf_counter()
         results = engine.generate(ids, params)
@@ -114,13 +114,13 @@ def test_qwen05_q4_k_m_file_exact_mode(qwen05_gguf: Path) -> None:
     )
 
 
-def default_mode_agreement(path: Path, ids: list[list[int]], refs: list) -> tuple[int, int, float]:  # type: ignore[type-arg]
+def default_mode_agreement(path: Path, ids: list[list[int]], refs: list) -> tuple[int, int, float]:
     """The file with no flags runs llama.cpp's arithmetic (int8 activations, float16 KV); fed
     transformers' greedy sequences, at how many positions its own top-1 is transformers' token, and the
     largest top-two gap transformers had where it is not (so the figure says how close those calls were)."""
     engine = Engine(EngineConfig(model=str(path), max_model_len=256, kv_cache_memory=64 * 2**20, max_num_batched_tokens=64))
     try:
-        assert engine.runner.gguf_activations == "int8" and engine.runner.kv_dtype == torch.float16  # type: ignore[attr-defined]
+        assert engine.runner.gguf_activations == "int8" and engine.runner.kv_dtype == torch.float16
         seqs = [p + ref.tokens[:n] for p, ref, (_, n) in zip(ids, refs, PROMPTS)]
         scored = engine.generate(seqs, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1))
     finally:

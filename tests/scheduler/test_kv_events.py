@@ -301,7 +301,7 @@ def test_events_bind_the_http_host_by_default() -> None:
     try:
         assert listening_addresses(port) == {"127.0.0.1"}
     finally:
-        pub.shutdown()  # type: ignore[union-attr]
+        pub.shutdown()
 
 
 def test_a_non_loopback_endpoint_is_logged_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
@@ -311,7 +311,7 @@ def test_a_non_loopback_endpoint_is_logged_with_a_warning(caplog: pytest.LogCapt
     )
     with caplog.at_level("INFO", logger="servelm.scheduler.kv_events"):
         pub = make_publisher(cfg)
-        pub.shutdown()  # type: ignore[union-attr]
+        pub.shutdown()
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any(f"tcp://*:{port}" in m and "all interfaces" in m for m in warned), warned
     assert any(f"tcp://*:{replay}" in m for m in warned), warned
@@ -319,7 +319,7 @@ def test_a_non_loopback_endpoint_is_logged_with_a_warning(caplog: pytest.LogCapt
     caplog.clear()
     with caplog.at_level("INFO", logger="servelm.scheduler.kv_events"):
         pub = make_publisher(KVEventsConfig.parse('{"enable_kv_cache_events": true}', host="127.0.0.1"))
-        pub.shutdown()  # type: ignore[union-attr]
+        pub.shutdown()
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
     assert any("tcp://127.0.0.1:5557" in r.getMessage() for r in caplog.records)
 

@@ -108,7 +108,7 @@ def test_max_loras_bounds_the_adapters_of_a_step(
         seen.append({it.seq.lora_id for it in items})
         return execute(items)
 
-    engine.runner.launch = spy  # type: ignore[method-assign]
+    engine.runner.launch = spy
     order = ["a", "b", None, "b", "a", None]
     results = engine.generate([PROMPTS[i % 3] for i in range(len(order))], GREEDY, lora_names=order)
     for i, (name, res) in enumerate(zip(order, results)):
@@ -187,7 +187,7 @@ def test_step_stats_name_running_and_waiting_adapters(tiny_llama_dir: Path, adap
     assert stats[0] == (["a"], ["b"])
     assert (["b"], []) in stats
     plain_stats: list[Any] = []
-    Obs.on_step = lambda self, s: plain_stats.append(s.lora_adapters)  # type: ignore[method-assign]
+    Obs.on_step = lambda self, s: plain_stats.append(s.lora_adapters)
     Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=2 * MiB, max_model_len=256), observer=Obs()).generate(
         [PROMPTS[0]], SamplingParams(max_tokens=2)
     )

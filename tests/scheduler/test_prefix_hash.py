@@ -57,7 +57,7 @@ def test_seeds_are_distinct_for_every_adapter_and_salt() -> None:
 
 def test_requests_seed_their_chain_from_the_adapter_and_salt() -> None:
     def seed(**kw: object) -> bytes | None:
-        return Request(0, "r", [1, 2, 3], SamplingParams(), **kw).hash_seed  # type: ignore[arg-type]
+        return Request(0, "r", [1, 2, 3], SamplingParams(), **kw).hash_seed
 
     assert seed() is None  # the base model without salt: the manager's default root
     assert seed(lora_id=1) == block_hash_seed(1, None)

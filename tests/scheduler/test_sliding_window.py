@@ -76,7 +76,7 @@ def test_blocks_every_window_left_are_handed_back_and_tokens_stay_exact(
             pool.k_cache[layer][blocks] = 1e3
             pool.v_cache[layer][blocks] = -1e3
 
-    pool.release = poison  # type: ignore[method-assign]
+    pool.release = poison
     results = engine.generate(PROMPTS, GREEDY)
     for p, res in enumerate(results):
         assert_matches_reference(res.outputs[0].token_ids, refs[p], f"{case} prompt {p}")

@@ -44,7 +44,7 @@ def spec(kind: str) -> StructuredOutput:
         "gbnf": GBNF,
         "lark": LARK,
     }
-    return StructuredOutput("grammar" if kind in ("gbnf", "lark") else kind, values[kind])  # type: ignore[arg-type]
+    return StructuredOutput("grammar" if kind in ("gbnf", "lark") else kind, values[kind])
 
 
 def check(kind: str, text: str) -> None:

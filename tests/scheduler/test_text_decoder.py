@@ -38,7 +38,7 @@ def test_equals_tokenizer_decode(tokenizer, skip: bool) -> None:
 
 
 def test_falls_back_to_decode_when_it_does_more(tokenizer) -> None:
-    class Shouting(type(tokenizer)):  # type: ignore[misc]
+    class Shouting(type(tokenizer)):
         def decode(self, token_ids, skip_special_tokens=False, **kwargs):
             return super().decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs).upper()
 

@@ -30,7 +30,7 @@ def decode(bm: BlockManager, s: Seq, n: int, tok: int = 7) -> None:
 
 def released(bm: BlockManager, s: Seq) -> list[int]:
     """The indices of ``s``'s blocks whose windowed K/V were handed back."""
-    return [i for i, b in enumerate(s.block_table) if bm.windows.released[b]]  # type: ignore[union-attr]
+    return [i for i, b in enumerate(s.block_table) if bm.windows.released[b]]
 
 
 def test_a_sequence_releases_the_blocks_its_window_left_but_its_prompts_last_window() -> None:
@@ -154,7 +154,7 @@ class WindowedBlockManagerMachine(BlockManagerMachine):
             self._step_begins()
             return lookup(seq)
 
-        bm.lookup = lookup_in_a_step  # type: ignore[method-assign]
+        bm.lookup = lookup_in_a_step
 
     def _step_begins(self) -> None:
         """What the scheduler does first in a step, before any lookup or allocation."""
@@ -186,7 +186,7 @@ class WindowedBlockManagerMachine(BlockManagerMachine):
         windows = self.bm.windows
         for s in self.live.values():
             first = self._first_read(s.num_computed_tokens)
-            assert not any(windows.released[b] for b in s.block_table[first:]), (s, windows)  # type: ignore[union-attr]
+            assert not any(windows.released[b] for b in s.block_table[first:]), (s, windows)
 
 
 TestWindowedBlockManagerMachine = WindowedBlockManagerMachine.TestCase

@@ -45,7 +45,7 @@ def _make(
     engine = FakeEngine(tokenizer, **engine_kwargs)
     observer = RecordingObserver()
     ae = AsyncEngine(engine, observer=ObserverProxy(observer))
-    ae.test_observer = observer  # type: ignore[attr-defined]
+    ae.test_observer = observer
     app = build_app(ae, api_key=api_key, drain_timeout_s=drain_timeout_s, max_request_bytes=max_request_bytes)
     srv = ServerThread(app).start()
     started.append(srv)

@@ -188,7 +188,7 @@ def test_langchain_loop(srv: ServerThread, stream: bool) -> None:
         whole = chunks[0]
         for c in chunks[1:]:
             whole = whole + c
-        return whole  # type: ignore[return-value]
+        return whole
 
     messages: list[Any] = [HumanMessage(ASK)]
     first = ask(messages)

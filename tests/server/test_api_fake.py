@@ -567,7 +567,7 @@ async def test_a_client_gone_before_the_result_is_a_499_not_a_server_error() -> 
 
     group = Group()
     with pytest.raises(APIError) as err:
-        await until_disconnect(Request(), work(), group)  # type: ignore[arg-type]
+        await until_disconnect(Request(), work(), group)
     assert err.value.status_code == 499 and err.value.code == "client_closed"
     assert group.closed == 1
 
@@ -580,7 +580,7 @@ async def test_a_client_gone_before_the_result_is_a_499_not_a_server_error() -> 
     async def quick() -> str:
         return "done"
 
-    assert await until_disconnect(Staying(), quick(), group) == "done"  # type: ignore[arg-type]
+    assert await until_disconnect(Staying(), quick(), group) == "done"
     assert group.closed == 1
 
 

@@ -89,7 +89,7 @@ async def test_queue_bound_counts_sequences(fake: FakeEngine) -> None:
     fake.config.max_num_seqs = 1
     rejected: list[int] = []
     observer = type("O", (), {"on_request_rejected": lambda self: rejected.append(1)})()
-    ae = AsyncEngine(fake, max_waiting_requests=3, observer=observer)  # type: ignore[arg-type]
+    ae = AsyncEngine(fake, max_waiting_requests=3, observer=observer)
     ae.start()
     running = await ae.add([("run", [1], SamplingParams(max_tokens=100))])
     waiting = await ae.add([("wait", [1], SamplingParams(max_tokens=100, n=2))])

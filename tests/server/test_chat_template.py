@@ -45,15 +45,15 @@ def test_every_chat_endpoint_renders_the_served_template(served: tuple[ServerThr
     srv, eng, _ = served
     want = "[user] Hi\n[assistant] "
     oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
-    oai.chat.completions.create(model="fake-model", messages=HI, max_tokens=1)  # type: ignore[arg-type]
+    oai.chat.completions.create(model="fake-model", messages=HI, max_tokens=1)
     assert prompt_text(eng) == want
     oai.responses.create(model="fake-model", input="Hi", max_output_tokens=1)
     assert prompt_text(eng) == want
     claude = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0)
-    claude.messages.create(model="fake-model", messages=HI, max_tokens=1)  # type: ignore[arg-type]
+    claude.messages.create(model="fake-model", messages=HI, max_tokens=1)
     assert prompt_text(eng) == want
     # What a prompt costs is counted through the same template.
-    assert claude.messages.count_tokens(model="fake-model", messages=HI).input_tokens == len(eng.prompts[-1])  # type: ignore[arg-type]
+    assert claude.messages.count_tokens(model="fake-model", messages=HI).input_tokens == len(eng.prompts[-1])
     ids = eng.tokenizer.encode(want, add_special_tokens=False)
     assert http.post(srv.url + "/tokenize", json={"messages": HI}).json()["tokens"] == ids
     assert http.post(srv.url + "/v1/chat/completions/render", json={"messages": HI}).json()["token_ids"] == ids
@@ -90,13 +90,13 @@ def test_a_trusted_request_template_renders_with_its_kwargs(served: tuple[Server
     srv.server.config.app.state.serving.trust_request_chat_template = True
     oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
     extra = {"chat_template": ASKED, "chat_template_kwargs": {"greeting": "Bonjour"}}
-    oai.chat.completions.create(model="fake-model", messages=HI, max_tokens=1, extra_body=extra)  # type: ignore[arg-type]
+    oai.chat.completions.create(model="fake-model", messages=HI, max_tokens=1, extra_body=extra)
     assert prompt_text(eng) == "<user|Hi>Bonjour"
     ids = eng.tokenizer.encode("<user|Hi>Bonjour", add_special_tokens=False)
     assert http.post(srv.url + "/tokenize", json={"messages": HI, **extra}).json()["tokens"] == ids
     assert http.post(srv.url + "/v1/chat/completions/render", json={"messages": HI, **extra}).json()["token_ids"] == ids
     # The next request without one gets the served template again.
-    oai.chat.completions.create(model="fake-model", messages=HI, max_tokens=1)  # type: ignore[arg-type]
+    oai.chat.completions.create(model="fake-model", messages=HI, max_tokens=1)
     assert prompt_text(eng) == "[user] Hi\n[assistant] "
 
 

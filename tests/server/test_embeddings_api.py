@@ -102,7 +102,7 @@ def test_length_limit_and_truncation(served: tuple[ServerThread, EncoderEngine],
     assert ok.usage.prompt_tokens == 256
     with pytest.raises(openai.BadRequestError) as e:
         c.embeddings.create(model=engine.served_model_name, input=[TEXTS[0], over])
-    assert e.value.body["param"] == "input" and "256" in e.value.body["message"]  # type: ignore[index]
+    assert e.value.body["param"] == "input" and "256" in e.value.body["message"]
     # Truncated as sentence-transformers truncates: the first tokens and the closing [SEP].
     cut = c.embeddings.create(
         model=engine.served_model_name, input=[over], encoding_format="float", extra_body={"truncate_prompt_tokens": 64}
@@ -215,4 +215,4 @@ def test_matryoshka_dimensions_on_nomic() -> None:
             )
         with pytest.raises(openai.BadRequestError) as e:
             c.embeddings.create(model=engine.served_model_name, input="x", dimensions=1024)
-        assert e.value.body["param"] == "dimensions"  # type: ignore[index]
+        assert e.value.body["param"] == "dimensions"

@@ -34,7 +34,7 @@ FLOAT32_WEIGHTS_MIB = 1022
 def status(pid: int) -> dict[str, int]:
     """The process's memory counters in MiB."""
     text = Path(f"/proc/{pid}/status").read_text()
-    return {k: int(re.search(rf"^{k}:\s+(\d+) kB", text, re.M).group(1)) // 1024 for k in ("VmHWM", "VmRSS", "RssAnon", "RssFile")}  # type: ignore[union-attr]
+    return {k: int(re.search(rf"^{k}:\s+(\d+) kB", text, re.M).group(1)) // 1024 for k in ("VmHWM", "VmRSS", "RssAnon", "RssFile")}
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def test_gemma3_q4_k_m_is_served_in_its_file_size(gemma3_gguf: Path, server: Ser
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         texts = list(pool.map(complete, range(4)))
     assert all(texts)
-    mem = status(server.proc.pid)  # type: ignore[union-attr]
+    mem = status(server.proc.pid)
     bound = file_mib + KV_MIB + WORKING_SET_MIB
     message = (
         f"servelm serving {gemma3_gguf.name} ({file_mib} MiB): VmHWM {mem['VmHWM']} MiB, VmRSS {mem['VmRSS']} MiB "
@@ -76,7 +76,7 @@ def test_sliding_window_layers_keep_only_their_windows(server: ServeProcess) -> 
     local ones, not 6,000 positions of every layer."""
     def anon() -> int:
         time.sleep(1.0)  # the engine thread hands freed heap back once idle
-        return status(server.proc.pid)["RssAnon"]  # type: ignore[union-attr]
+        return status(server.proc.pid)["RssAnon"]
 
     random.seed(0)
     prompt = [random.randrange(1000, 200_000) for _ in range(6000)]

@@ -46,7 +46,7 @@ def test_trims_at_most_once_an_interval_while_stepping_and_once_on_going_idle() 
 
 
 def rss_anon_kib() -> int:
-    return int(re.search(r"^RssAnon:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M).group(1))  # type: ignore[union-attr]
+    return int(re.search(r"^RssAnon:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M).group(1))
 
 
 def test_return_free_heap_gives_freed_chunks_back() -> None:

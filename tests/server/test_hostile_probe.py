@@ -194,7 +194,7 @@ def test_an_80_byte_request_of_many_choices_leaves_room_for_others(share: str | 
 
 def _rss_mib(pid: int) -> float:
     status = Path(f"/proc/{pid}/status").read_text()
-    return int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.M).group(1)) / 1024  # type: ignore[union-attr]
+    return int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.M).group(1)) / 1024
 
 
 @pytest.mark.slow  # a servelm serve process

@@ -95,7 +95,7 @@ def served(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
             time.sleep(0.05)
         return launch(items)
 
-    engine.runner.launch = slowed  # type: ignore[method-assign]
+    engine.runner.launch = slowed
     ae = AsyncEngine(engine)
     app = build_app(ae, allow_runtime_lora_updating=True)
     srv = ServerThread(app).start()

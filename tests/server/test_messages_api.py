@@ -181,15 +181,15 @@ def test_errors_raise_the_sdk_exception_classes(fake_server: Any) -> None:
     assert bearer.messages.count_tokens(model="fake-model", messages=ASK).input_tokens == ok.usage.input_tokens
     with pytest.raises(anthropic.AuthenticationError) as auth:
         client(srv, api_key="wrong").messages.create(model="fake-model", max_tokens=2, messages=ASK)
-    assert auth.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+    assert auth.value.body["error"]["type"] == "authentication_error"
     good = client(srv, api_key="sk-test")
     with pytest.raises(anthropic.NotFoundError) as missing:
         good.messages.create(model="no-such-model", max_tokens=2, messages=ASK)
-    assert missing.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+    assert missing.value.body["error"]["type"] == "not_found_error"
     with pytest.raises(anthropic.BadRequestError):
         good.messages.create(model="fake-model", max_tokens=2, messages=ASK, extra_body={"top_p": 3.0})
     with pytest.raises(anthropic.BadRequestError):
-        good.messages.count_tokens(model="fake-model", messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}])  # type: ignore[list-item]
+        good.messages.count_tokens(model="fake-model", messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}])
     # A request failing inside the engine mid-stream ends with Anthropic's error event, which the SDK raises.
     headers = {"x-api-key": "sk-test"}
     evs = typed_sse_events(post(srv, headers=headers, stream=True, messages=[{"role": "user", "content": "FAIL_ME"}]))
@@ -220,7 +220,7 @@ def test_a_full_queue_is_529_overloaded(fake_server: Any) -> None:
     with pytest.raises(anthropic.OverloadedError) as full:
         client(srv).messages.create(model="fake-model", max_tokens=1, messages=ASK)
     assert full.value.status_code == 529 and full.value.response.headers["retry-after"] == "1"
-    assert full.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
+    assert full.value.body["error"]["type"] == "overloaded_error"
     for t in threads:
         t.join()
     assert results == [200, 200]
@@ -281,7 +281,7 @@ def test_tools_across_two_turns(live: ServerThread) -> None:
     first = sdk.messages.create(model="SmolLM2-135M-Instruct", max_tokens=40, extra_body=GREEDY, messages=ASK, tools=[WEATHER], tool_choice=one)
     assert first.stop_reason == "tool_use", first
     (call,) = [b for b in first.content if b.type == "tool_use"]
-    assert call.id.startswith("toolu_") and call.name == "get_weather" and isinstance(call.input["city"], str)  # type: ignore[index]
+    assert call.id.startswith("toolu_") and call.name == "get_weather" and isinstance(call.input["city"], str)
     # The same call, streamed: the SDK assembles the input from input_json_delta events.
     with sdk.messages.stream(model="SmolLM2-135M-Instruct", max_tokens=40, extra_body=GREEDY, messages=ASK, tools=[WEATHER],
                              tool_choice={"type": "tool", "name": "get_weather"}) as stream:  # fmt: skip
@@ -290,10 +290,10 @@ def test_tools_across_two_turns(live: ServerThread) -> None:
     assert isinstance(streamed.content[0].input, dict) and "city" in streamed.content[0].input
     # Calls to any tool are announced whole once the output parses: the same call as unstreamed.
     with sdk.messages.stream(model="SmolLM2-135M-Instruct", max_tokens=40, extra_body=GREEDY, messages=ASK, tools=[WEATHER], tool_choice=one) as stream:
-        assert [(b.name, b.input) for b in stream.get_final_message().content] == [(call.name, call.input)]  # type: ignore[union-attr]
+        assert [(b.name, b.input) for b in stream.get_final_message().content] == [(call.name, call.input)]
     second = sdk.messages.create(
         model="SmolLM2-135M-Instruct", max_tokens=16, extra_body=GREEDY, tools=[WEATHER],
-        messages=[*ASK, {"role": "assistant", "content": first.content},  # type: ignore[list-item]
+        messages=[*ASK, {"role": "assistant", "content": first.content},
                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "12 C and cloudy"}]}],
     )  # fmt: skip
     assert second.content[0].type == "text" and second.content[0].text and second.stop_reason in ("end_turn", "max_tokens")

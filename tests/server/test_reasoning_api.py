@@ -57,10 +57,10 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
 
 
 def test_chat_splits_thinking_from_the_answer_streamed_as_unstreamed(srv: ServerThread) -> None:
-    c = openai_client(srv).chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0)  # type: ignore[arg-type]
+    c = openai_client(srv).chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0)
     m = c.choices[0].message
     assert (sdk_extra(m, "reasoning_content"), m.content, c.choices[0].finish_reason) == (THINKING, ANSWER, "stop")
-    chunks = list(openai_client(srv).chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0, stream=True))  # type: ignore[arg-type]
+    chunks = list(openai_client(srv).chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0, stream=True))
     deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
     thinking = "".join(sdk_extra(d, "reasoning_content") or "" for d in deltas)
     content = "".join(d.content or "" for d in deltas)
@@ -70,7 +70,7 @@ def test_chat_splits_thinking_from_the_answer_streamed_as_unstreamed(srv: Server
     kinds = [k for k in kinds if k]
     assert "rc" not in kinds and kinds == sorted(kinds, key=lambda k: k != "r") and kinds.count("r") > 1
     # Each of n choices is split on its own.
-    chunks = list(openai_client(srv).chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0, stream=True, n=2))  # type: ignore[arg-type]
+    chunks = list(openai_client(srv).chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0, stream=True, n=2))
     for i in range(2):
         deltas = [c.delta for ch in chunks for c in ch.choices if c.index == i]
         assert "".join(sdk_extra(d, "reasoning_content") or "" for d in deltas) == THINKING
@@ -78,11 +78,11 @@ def test_chat_splits_thinking_from_the_answer_streamed_as_unstreamed(srv: Server
 
 
 def test_thinking_cut_by_max_tokens_is_all_reasoning(srv: ServerThread) -> None:
-    c = openai_client(srv).chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, temperature=0)  # type: ignore[arg-type]
+    c = openai_client(srv).chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, temperature=0)
     m = c.choices[0].message
     assert c.choices[0].finish_reason == "length" and m.content is None
     assert THINKING.startswith(sdk_extra(m, "reasoning_content")) and len(sdk_extra(m, "reasoning_content")) > 3
-    chunks = list(openai_client(srv).chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, temperature=0, stream=True))  # type: ignore[arg-type]
+    chunks = list(openai_client(srv).chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, temperature=0, stream=True))
     deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
     assert "".join(sdk_extra(d, "reasoning_content") or "" for d in deltas) == sdk_extra(m, "reasoning_content")
     assert not "".join(d.content or "" for d in deltas)
@@ -90,7 +90,7 @@ def test_thinking_cut_by_max_tokens_is_all_reasoning(srv: ServerThread) -> None:
 
 def test_enable_thinking_false_reaches_the_template(srv: ServerThread) -> None:
     c = openai_client(srv).chat.completions.create(
-        model=MODEL, messages=ASK, max_tokens=40, temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": False}}  # type: ignore[arg-type]
+        model=MODEL, messages=ASK, max_tokens=40, temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
     )
     m = c.choices[0].message
     assert (m.content, sdk_extra(m, "reasoning_content")) == (PLAIN, None)
@@ -110,10 +110,10 @@ def test_include_and_separate_reasoning(srv: ServerThread) -> None:
 
 
 def test_without_a_parser_the_text_is_all_answer(srv: ServerThread) -> None:
-    ctx = srv.ctx  # type: ignore[attr-defined]
+    ctx = srv.ctx
     ctx.reasoning_parser = None
     try:
-        m = openai_client(srv).chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0).choices[0].message  # type: ignore[arg-type]
+        m = openai_client(srv).chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0).choices[0].message
         assert m.content == f"<think>{THINKING}</think>{ANSWER}" and sdk_extra(m, "reasoning_content") is None
         r = http.post(srv.url + "/v1/messages", json={"model": MODEL, "max_tokens": 5, "messages": ASK, "thinking": {"type": "enabled", "budget_tokens": 1024}})
         assert r.status_code == 400 and "thinking" in r.json()["error"]["message"]
@@ -149,7 +149,7 @@ def test_responses_reasoning_item_then_the_message(srv: ServerThread) -> None:
     Response.model_validate(resp.model_dump())
     assert [o.type for o in resp.output] == ["reasoning", "message"]
     reasoning = resp.output[0]
-    assert reasoning.content is not None and [c.text for c in reasoning.content] == [THINKING]  # type: ignore[union-attr]
+    assert reasoning.content is not None and [c.text for c in reasoning.content] == [THINKING]
     assert resp.output_text == ANSWER
     r = http.post(srv.url + "/v1/responses", json={"model": MODEL, "input": "What is two and two?", "max_output_tokens": 40,
                                                    "temperature": 0, "stream": True})  # fmt: skip
@@ -172,7 +172,7 @@ def test_responses_reasoning_item_then_the_message(srv: ServerThread) -> None:
     assert [o.type for o in done.output] == ["reasoning", "message"] and done.output_text == ANSWER
     follow = openai_client(srv).responses.create(
         model=MODEL, max_output_tokens=40, temperature=0, reasoning={"effort": "low"},
-        input=[*ASK, *[o.model_dump(exclude_none=True) for o in done.output], {"role": "user", "content": "And three?"}],  # type: ignore[list-item]
+        input=[*ASK, *[o.model_dump(exclude_none=True) for o in done.output], {"role": "user", "content": "And three?"}],
     )  # fmt: skip
     assert follow.output_text == ANSWER
 
@@ -181,21 +181,21 @@ def test_responses_reasoning_item_then_the_message(srv: ServerThread) -> None:
 
 
 def test_messages_thinking_block_then_the_text(srv: ServerThread) -> None:
-    msg = anthropic_client(srv).messages.create(model=MODEL, max_tokens=40, messages=ASK, extra_body={"temperature": 0},  # type: ignore[arg-type]
+    msg = anthropic_client(srv).messages.create(model=MODEL, max_tokens=40, messages=ASK, extra_body={"temperature": 0},
                                       thinking={"type": "enabled", "budget_tokens": 1024})  # fmt: skip
     assert [b.type for b in msg.content] == ["thinking", "text"] and msg.stop_reason == "end_turn"
-    assert (msg.content[0].thinking, msg.content[1].text) == (THINKING, ANSWER)  # type: ignore[union-attr]
-    with anthropic_client(srv).messages.stream(model=MODEL, max_tokens=40, messages=ASK, extra_body={"temperature": 0}) as s:  # type: ignore[arg-type]
+    assert (msg.content[0].thinking, msg.content[1].text) == (THINKING, ANSWER)
+    with anthropic_client(srv).messages.stream(model=MODEL, max_tokens=40, messages=ASK, extra_body={"temperature": 0}) as s:
         kinds = [e.delta.type for e in s if e.type == "content_block_delta"]
         final = s.get_final_message()
     assert [b.model_dump() for b in final.content] == [b.model_dump() for b in msg.content]
     assert "thinking_delta" in kinds and "signature_delta" in kinds and kinds.index("signature_delta") < kinds.index("text_delta")
     # Disabled thinking is Qwen3's enable_thinking=false; thinking blocks in the history are accepted.
-    off = anthropic_client(srv).messages.create(model=MODEL, max_tokens=40, messages=ASK, extra_body={"temperature": 0},  # type: ignore[arg-type]
+    off = anthropic_client(srv).messages.create(model=MODEL, max_tokens=40, messages=ASK, extra_body={"temperature": 0},
                                       thinking={"type": "disabled"})  # fmt: skip
-    assert [(b.type, b.text) for b in off.content] == [("text", PLAIN)]  # type: ignore[union-attr]
+    assert [(b.type, b.text) for b in off.content] == [("text", PLAIN)]
     history = [*ASK, {"role": "assistant", "content": [b.model_dump() for b in msg.content]}, {"role": "user", "content": "And three?"}]
-    again = anthropic_client(srv).messages.create(model=MODEL, max_tokens=40, messages=history, extra_body={"temperature": 0})  # type: ignore[arg-type]
+    again = anthropic_client(srv).messages.create(model=MODEL, max_tokens=40, messages=history, extra_body={"temperature": 0})
     assert [b.type for b in again.content] == ["thinking", "text"]
 
 
@@ -204,7 +204,7 @@ def test_scripted_model_is_what_transformers_generates(srv: ServerThread, tmp_pa
     from scripted_model import scripted_greedy
 
     tok = scripted_tokenizer()
-    ctx = srv.ctx  # type: ignore[attr-defined]
+    ctx = srv.ctx
     prompt = tok.apply_chat_template(ASK, add_generation_prompt=True, tokenize=False)
     ids = tok.encode(prompt, add_special_tokens=False)
     out = scripted_greedy(Path(ctx.model_path), ids)
@@ -216,23 +216,23 @@ def test_a_named_tool_call_follows_the_thinking(srv: ServerThread) -> None:
     tool = {"type": "function", "function": {"name": "report", "parameters": params}}
     body = {"model": MODEL, "messages": ASK, "max_tokens": 40, "temperature": 0, "tools": [tool],
             "tool_choice": {"type": "function", "function": {"name": "report"}}}  # fmt: skip
-    c = openai_client(srv).chat.completions.create(**body)  # type: ignore[arg-type]
+    c = openai_client(srv).chat.completions.create(**body)
     m = c.choices[0].message
     assert sdk_extra(m, "reasoning_content") == THINKING and m.tool_calls is not None and m.tool_calls[0].function.name == "report"
     assert json.loads(m.tool_calls[0].function.arguments) in SCHEMA_ANSWERS
-    chunks = list(openai_client(srv).chat.completions.create(**body, stream=True))  # type: ignore[arg-type]
+    chunks = list(openai_client(srv).chat.completions.create(**body, stream=True))
     deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
     calls = [d for d in deltas if d.tool_calls]
     # The call's first delta (its id and name) comes once the thinking is over.
     assert "".join(sdk_extra(d, "reasoning_content") or "" for d in deltas[: deltas.index(calls[0])]) == THINKING
     assert not any(sdk_extra(d, "reasoning_content") for d in deltas[deltas.index(calls[0]) :])
-    arguments = "".join(d.tool_calls[0].function.arguments or "" for d in calls)  # type: ignore[index, union-attr]
+    arguments = "".join(d.tool_calls[0].function.arguments or "" for d in calls)
     assert json.loads(arguments) == json.loads(m.tool_calls[0].function.arguments)
 
 
 def test_template_variables_count_against_the_prompt_bound(srv: ServerThread) -> None:
     # Refused before tokenizing, as long messages are: a template may render any variable it is given.
-    big = {"chat_template_kwargs": {"notes": "x" * (srv.ctx.max_prompt_chars + 1)}}  # type: ignore[attr-defined]
+    big = {"chat_template_kwargs": {"notes": "x" * (srv.ctx.max_prompt_chars + 1)}}
     for path in ("/v1/chat/completions", "/v1/chat/completions/render"):
         r = http.post(srv.url + path, json={"model": MODEL, "messages": ASK, "max_tokens": 5, **big})
         assert "maximum context length" in assert_error(r, 400, "messages")["message"]
@@ -258,9 +258,9 @@ def opened(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
 def test_thinking_opened_by_the_prompt(opened: ServerThread) -> None:
     ids = http.post(opened.url + "/v1/chat/completions/render", json={"messages": ASK}).json()["token_ids"]
     assert scripted_tokenizer().decode(ids).endswith("<think>\n")
-    c = openai_client(opened).chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0)  # type: ignore[arg-type]
+    c = openai_client(opened).chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0)
     assert (sdk_extra(c.choices[0].message, "reasoning_content"), c.choices[0].message.content) == (THINKING, ANSWER)
-    chunks = list(openai_client(opened).chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0, stream=True))  # type: ignore[arg-type]
+    chunks = list(openai_client(opened).chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0, stream=True))
     deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
     assert "".join(sdk_extra(d, "reasoning_content") or "" for d in deltas) == THINKING
     assert "".join(d.content or "" for d in deltas) == ANSWER
