@@ -103,8 +103,8 @@ def main() -> None:
     folders = [Path(p) for p in args.adapters] if args.adapters else [write_adapter(Path(tmp.name) / f"a{k}", cfg, args.rank, k) for k in range(4)]
     common = dict(kv_cache_memory=512 * 2**20, max_model_len=1024, max_num_seqs=max(args.batches), quantization=args.quantization)
     plain_times, lora_times = StepTimes(), StepTimes()
-    plain = Engine(EngineConfig(**common), observer=plain_times)  # type: ignore[arg-type]
-    lora = Engine(EngineConfig(**common, max_loras=4, max_lora_rank=max(args.rank, 64), lora_modules=tuple((f"a{k}", str(f)) for k, f in enumerate(folders))), observer=lora_times)  # type: ignore[arg-type]
+    plain = Engine(EngineConfig(**common), observer=plain_times)
+    lora = Engine(EngineConfig(**common, max_loras=4, max_lora_rank=max(args.rank, 64), lora_modules=tuple((f"a{k}", str(f)) for k, f in enumerate(folders))), observer=lora_times)
     workloads: dict[str, tuple[Engine, StepTimes, list[str | None]]] = {
         "off": (plain, plain_times, [None]),
         "base": (lora, lora_times, [None]),

@@ -65,7 +65,7 @@ class Steps:
 
 def chat(engine: Engine, text: str) -> list[int]:
     rendered = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
-    return engine.tokenizer.encode(rendered, add_special_tokens=False)  # type: ignore[no-any-return]
+    return engine.tokenizer.encode(rendered, add_special_tokens=False)
 
 
 def decode_ms(engine: Engine, obs: Steps, batch: int, tokens: int) -> float:
@@ -92,7 +92,7 @@ def prefill_logits(engine: Engine, token_ids: list[int]) -> torch.Tensor:
     blocks = list(range(runner.kv_pool.num_blocks - need, runner.kv_pool.num_blocks))
     seq = SeqView(10**9, list(token_ids), len(token_ids), 0, blocks, SamplingParams(temperature=0.0))
     with torch.inference_mode():
-        inputs = runner.prepare([BatchItem(seq, len(token_ids), True)])  # type: ignore[arg-type]
+        inputs = runner.prepare([BatchItem(seq, len(token_ids), True)])
         hidden = runner.forward(inputs)
         return torch.log_softmax(runner.model.compute_logits(hidden).float(), dim=-1)
 

@@ -173,17 +173,17 @@ class ContiguousBaseline:
         model = self.runner.model
         saved = [layer.self_attn.backend for layer in model.model.layers]
         for layer in model.model.layers:
-            layer.self_attn.backend = self  # type: ignore[assignment]
+            layer.self_attn.backend = self
         try:
             b, n = len(seqs), seqs[0].num_prompt_tokens
             ids = torch.tensor([s.token_ids[:n] for s in seqs]).reshape(-1)
             pos = torch.arange(n).repeat(b)
-            h = model(ids, pos, None)  # type: ignore[arg-type]
+            h = model(ids, pos, None)
             nxt = model.compute_logits(h.view(b, n, -1)[:, -1]).argmax(-1)
             times = []
             for _ in range(steps):
                 t = clock()
-                h = model(nxt, torch.full((b,), self.length), None)  # type: ignore[arg-type]
+                h = model(nxt, torch.full((b,), self.length), None)
                 nxt = model.compute_logits(h).argmax(-1)
                 times.append(clock() - t)
             return times
@@ -211,7 +211,7 @@ def bench_decode(
         times.append(clock() - t)
         for s, tok in zip(seqs, out.sampled_token_ids):
             s.num_computed_tokens += 1
-            s.token_ids.append(tok)  # type: ignore[arg-type]
+            s.token_ids.append(tok)
         if hf is not None:
             t = clock()
             hf.step()

@@ -83,7 +83,7 @@ def decode_steps(runner: ModelRunner, batch: int, context: int, steps: int, cloc
             calls.append(clock.calls)
         for s, tok in zip(seqs, out.sampled_token_ids):
             s.num_computed_tokens += 1
-            s.token_ids.append(tok)  # type: ignore[arg-type]
+            s.token_ids.append(tok)
     result = {"step_ms": statistics.median(step_ms)}
     if clock is not None:
         result |= {"collectives_ms": statistics.median(coll_ms), "collectives": statistics.median(calls)}

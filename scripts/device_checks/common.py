@@ -139,7 +139,7 @@ class CountingObserver:
         pass
 
     def reset(self) -> None:
-        self.__init__()  # type: ignore[misc]
+        self.__init__()
 
 
 @dataclass
@@ -304,7 +304,7 @@ def engine_config(model_dir: Path, device: torch.device, dtype_name: str, plan: 
 
 def run_requests(engine: Any, prompts: list[list[int]], max_tokens: int) -> float:
     """Add every request at once and step until all finish; returns wall seconds."""
-    params = greedy_params(max_tokens, logprobs=None)  # type: ignore[arg-type]
+    params = greedy_params(max_tokens, logprobs=None)
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.add_request(f"tp-{time.monotonic_ns()}-{i}", p, params)

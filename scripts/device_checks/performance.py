@@ -131,7 +131,7 @@ def profile_decode(runner: Any, plan: Plan, vocab: int, report: Report) -> None:
         per_seq = -(-ctx // runner.block_size)
         blocks = torch.randperm(runner.kv_pool.num_blocks, generator=torch.Generator().manual_seed(7))[: batch * per_seq].tolist()
         ids = torch.randint(3, vocab, (batch, ctx), generator=torch.Generator().manual_seed(8)).tolist()
-        params = greedy_params(1, logprobs=None)  # type: ignore[arg-type]
+        params = greedy_params(1, logprobs=None)
         items = [
             BatchItem(SeqView(i, ids[i], ctx - 1, ctx - 1, blocks[i * per_seq : (i + 1) * per_seq], params), 1, True)
             for i in range(batch)
