@@ -25,6 +25,7 @@ from servelm.runtime.encoder_loader import is_encoder_model
 from servelm.runtime.encoder_runner import EncoderRunner
 from servelm.runtime.encoder_tokenizer import load_encoder_tokenizer
 from servelm.runtime.platform import platform_of, resolve_device
+from servelm.runtime.serving_defaults import DTYPE_NAMES, resolve_dtype
 from servelm.scheduler.block_manager import BlockManager
 from servelm.scheduler.config import EngineConfig
 from servelm.scheduler.errors import InvalidParameterError
@@ -32,7 +33,6 @@ from servelm.scheduler.outputs import RequestOutput
 from servelm.scheduler.request import Request, RequestStatus
 from servelm.scheduler.sampling_params import SamplingParams
 from servelm.scheduler.scheduler import Scheduler
-from servelm.scheduler.startup import DTYPE_NAMES, resolve_dtype
 
 log = logging.getLogger(__name__)
 

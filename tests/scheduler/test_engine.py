@@ -158,7 +158,7 @@ def test_sliding_window_is_served_on_cpu_and_capped_elsewhere(
     import json
     import shutil
 
-    from servelm.scheduler.startup import resolve_max_model_len
+    from servelm.runtime.serving_defaults import resolve_max_model_len
 
     src = tiny_model_dir("mistral" if arch.startswith("Mistral") else "qwen2")
     model = tmp_path / "m"
