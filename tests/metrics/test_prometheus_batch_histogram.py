@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from servelm.metrics.observer import StepStats
 from servelm.metrics.batch_histogram import BatchHistogram
+from servelm.metrics.observer import StepStats
 from servelm.metrics.prometheus import REQUEST_LATENCY_BUCKETS, TOKEN_LATENCY_BUCKETS, PrometheusObserver
 
 TTFT = "servelm_time_to_first_token_seconds"
