@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from servelm.metrics.observer import StepStats
 from servelm.runtime.batch import PENDING_TOKEN, BatchItem
@@ -17,49 +16,7 @@ from servelm.scheduler.block_manager import BlockManager, PrefixMatch
 from servelm.scheduler.fair_share import DEFAULT_MAX_REQUEST_SHARE, FairShare, GroupUsage
 from servelm.scheduler.request import Request, RequestStatus
 from servelm.scheduler.speculative import Proposer
-
-
-@dataclass
-class SchedulerOutput:
-    """One step's plan: what to run, and what the scheduler did to make it fit."""
-
-    items: list[BatchItem] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)  # sent back to waiting this step
-    errored: list[Request] = field(default_factory=list)  # finished with an error (can never fit)
-    num_prompt_tokens: int = 0  # prefill / chunk / recompute tokens scheduled
-    num_decode_tokens: int = 0  # single generated tokens scheduled (and the drafts verified with them)
-    num_draft_tokens: int = 0  # speculative drafts scheduled for verification
-    prefix_cache_queries: int = 0  # tokens looked up on admission this step
-    prefix_cache_hits: int = 0  # of which were cached
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return self.num_prompt_tokens + self.num_decode_tokens
-
-    @property
-    def num_preemptions(self) -> int:
-        return len(self.preempted)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.items
-
-
-POLICIES = ("fcfs", "priority", "static")
-
-
-def priority_key(req: Request) -> tuple[int, float, int]:
-    """The ``priority`` policy's order: lower value first, then earlier arrival."""
-    return (req.priority, req.arrival_time, req.seq_id)
-
-
-def _insert_by_priority(queue: deque[Request] | list[Request], req: Request) -> None:
-    # From the back: a request of the default priority, newest of all, is appended at once.
-    key = priority_key(req)
-    i = len(queue)
-    while i > 0 and priority_key(queue[i - 1]) > key:
-        i -= 1
-    queue.insert(i, req)
+from servelm.scheduler.step_plan import POLICIES, SchedulerOutput, insert_by_priority
 
 
 class Scheduler:
@@ -138,7 +95,7 @@ class Scheduler:
 
     def _enqueue(self, req: Request) -> None:
         if self.policy == "priority":
-            _insert_by_priority(self.waiting, req)
+            insert_by_priority(self.waiting, req)
         else:
             self.waiting.append(req)
 
@@ -286,7 +243,7 @@ class Scheduler:
                 req.first_scheduled_time = time.monotonic()
                 req.num_cached_tokens = num_cached
             if self.policy == "priority":
-                _insert_by_priority(self.running, req)
+                insert_by_priority(self.running, req)
             else:
                 self.running.append(req)
             self._schedule(req, num_new, out)

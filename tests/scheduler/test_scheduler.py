@@ -11,7 +11,8 @@ from servelm.runtime.batch import PENDING_TOKEN
 from servelm.scheduler.block_manager import BlockManager
 from servelm.scheduler.request import Request, RequestStatus
 from servelm.scheduler.sampling_params import SamplingParams
-from servelm.scheduler.scheduler import Scheduler, SchedulerOutput
+from servelm.scheduler.scheduler import Scheduler
+from servelm.scheduler.step_plan import SchedulerOutput
 
 
 def fake_token(req: Request) -> int:
