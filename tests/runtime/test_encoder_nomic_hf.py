@@ -122,6 +122,10 @@ def test_reads_the_files_metadata(engine: EncoderEngine) -> None:
     assert (enc.pooling.mode, enc.pooling.normalize, enc.pooling.max_seq_length) == ("mean", True, 2048)
     assert enc.pooling.matryoshka is not None and 256 in enc.pooling.matryoshka
     assert engine.max_model_len == 2048 and engine.dimensions == 768
+    # The file's float16 matrices are held as stored (half the bytes of float32), its norms in float32.
+    assert enc.model.layers[0].qkv.weight.dtype == torch.float16 and enc.model.embed.weight.dtype == torch.float16
+    assert enc.model.layers[0].attn_norm.weight.dtype == torch.float32
+    assert engine.runner.weight_bytes < 0.55 * sum(p.numel() * 4 for p in enc.model.parameters())
 
 
 def test_the_file_maps_whole_onto_transformers_nomic_bert(reference: tuple[Any, set[str]]) -> None:
