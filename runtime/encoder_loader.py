@@ -225,15 +225,16 @@ def _gguf_fields(reader: Any) -> dict[str, Any]:
 
 
 def _gguf_state(reader: Any, cfg: EncoderConfig) -> dict[str, torch.Tensor]:
-    from gguf import dequantize
+    """The file's tensors under the encoder's names: float16 and float32 as stored, others dequantized."""
+    from gguf import GGMLQuantizationType, dequantize
 
     t = {x.name: x for x in reader.tensors}
+    as_stored = (GGMLQuantizationType.F16, GGMLQuantizationType.F32)
 
     def w(name: str) -> torch.Tensor:
         x = t[name]
-        return torch.from_numpy(np.array(dequantize(x.data, x.tensor_type), dtype=np.float32)).reshape(
-            [int(d) for d in reversed(x.shape)]
-        )
+        data = np.array(x.data) if x.tensor_type in as_stored else dequantize(x.data, x.tensor_type).astype(np.float32)
+        return torch.from_numpy(data).reshape([int(d) for d in reversed(x.shape)])
 
     out = {"embed.weight": w("token_embd.weight"), "token_type.weight": w("token_types.weight")}
     for p in ("weight", "bias"):
@@ -267,6 +268,7 @@ class LoadedEncoder:
     pooling: PoolingSpec
     name: str
     dense: tuple[torch.Tensor, ...] = ()  # sentence-transformers Dense modules after pooling
+    gguf_fields: dict[str, Any] | None = None  # a GGUF file's metadata (its tokenizer is built from it)
 
     @property
     def dimensions(self) -> int:
@@ -282,6 +284,7 @@ def load_encoder(model: str, device: torch.device, dtype: torch.dtype) -> Loaded
     path = Path(model).expanduser()
     cfg: EncoderConfig | GemmaEncoderConfig
     dense: tuple[torch.Tensor, ...] = ()
+    fields: dict[str, Any] | None = None
     if (
         is_sentence_transformers_folder(path)
         and json.loads((path / "config.json").read_text()).get("model_type") == "gemma3_text"
@@ -298,7 +301,8 @@ def load_encoder(model: str, device: torch.device, dtype: torch.dtype) -> Loaded
         from gguf import GGUFReader
 
         reader = GGUFReader(path)
-        cfg, pooling, name = _gguf_config(_gguf_fields(reader), "nomic-bert")
+        fields = _gguf_fields(reader)
+        cfg, pooling, name = _gguf_config(fields, "nomic-bert")
         state = _gguf_state(reader, cfg)
     else:
         raise UnsupportedModelError(f"--model {model}: not a sentence-transformers folder or a nomic-bert GGUF file")
@@ -307,11 +311,24 @@ def load_encoder(model: str, device: torch.device, dtype: torch.dtype) -> Loaded
     with torch.device("meta"):
         net = GemmaEncoder(cfg) if isinstance(cfg, GemmaEncoderConfig) else Encoder(cfg)
     net.load_state_dict(state, assign=True, strict=True)
-    net = net.to(device=device, dtype=dtype).eval()
+    net = _place(net, device, dtype)
     dense = tuple(d.to(device=device, dtype=torch.float32) for d in dense)
     log.info("encoder %s: %s, %d layers, %d dimensions, %s pooling%s, up to %d tokens", name, cfg.architecture,
              cfg.num_layers, cfg.hidden_size, pooling.mode, " + normalize" if pooling.normalize else "", pooling.max_seq_length)  # fmt: skip
-    return LoadedEncoder(cfg, net, pooling, name or path.stem, dense)
+    return LoadedEncoder(cfg, net, pooling, name or path.stem, dense, fields)
+
+
+def _place(net: Encoder | GemmaEncoder, device: torch.device, dtype: torch.dtype) -> Encoder | GemmaEncoder:
+    """``net`` on ``device`` in ``dtype``, but for the matrices of an ``Encoder`` stored in 16 bits under a
+    wider ``dtype`` (a GGUF file's float16): they stay as stored and are widened per use, which holds half
+    the bytes and computes the same (every float16 value is exactly a float32 one)."""
+    net = net.to(device=device)
+    narrow = (torch.float16, torch.bfloat16)
+    with torch.no_grad():
+        for p in net.parameters():
+            if not (isinstance(net, Encoder) and p.dim() == 2 and p.dtype in narrow and dtype.itemsize > 2):
+                p.data = p.data.to(dtype)
+    return net.eval()
 
 
 def pool(

@@ -26,7 +26,7 @@ def wordpiece_vocabulary(tokens: list[str]) -> dict[str, int]:
     return vocab
 
 
-def gguf_bert_tokenizer(path: Path) -> Any:
+def gguf_bert_tokenizer(path: Path, fields: dict[str, Any] | None = None) -> Any:
     """A fast tokenizer equal to the uncased BERT one the GGUF file's vocabulary was converted from
     (lower-casing and accent stripping as llama.cpp's WPM tokenizer does; ``[CLS] text [SEP]``)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
@@ -34,7 +34,9 @@ def gguf_bert_tokenizer(path: Path) -> Any:
 
     from servelm.runtime.encoder_loader import gguf_vocabulary
 
-    tokens, fields = gguf_vocabulary(path)
+    if fields is None:  # the file's metadata, unless its loader has read it already
+        fields = gguf_vocabulary(path)[1]
+    tokens = fields["tokenizer.ggml.tokens"]
     if fields.get("tokenizer.ggml.model") != "bert":
         raise UnsupportedModelError(f"{path}: tokenizer {fields.get('tokenizer.ggml.model')!r} (served: bert)")
     vocab = wordpiece_vocabulary(tokens)
@@ -55,10 +57,10 @@ def gguf_bert_tokenizer(path: Path) -> Any:
     )
 
 
-def load_encoder_tokenizer(model: str) -> Any:
+def load_encoder_tokenizer(model: str, gguf_fields: dict[str, Any] | None = None) -> Any:
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
-        return gguf_bert_tokenizer(path)
+        return gguf_bert_tokenizer(path, gguf_fields)
     from servelm.runtime.tokenizer import load_tokenizer
 
     return load_tokenizer(path)

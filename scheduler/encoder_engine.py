@@ -107,7 +107,7 @@ class EncoderEngine:
         )  # fmt: skip
         self.capacity = EncoderCapacity(bs, num_blocks, max_len, self.runner.weight_bytes, budget)
         self.served_model_name = config.served_model_name or self.encoder.name
-        self.tokenizer = load_encoder_tokenizer(config.model)
+        self.tokenizer = load_encoder_tokenizer(config.model, self.encoder.gguf_fields)
         self.block_manager = BlockManager(num_blocks, bs, False)
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget,

@@ -121,6 +121,15 @@ def rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
 
 
+class Linear(nn.Linear):
+    """A projection whose weight may be stored narrower than the activations (a GGUF file's float16),
+    widened for each call."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.weight.to(x.dtype), bias)
+
+
 class EncoderLayer(nn.Module):
     """Post-norm transformer layer: x = LN(x + attn(x)); x = LN(x + ffn(x))."""
 
@@ -128,12 +137,12 @@ class EncoderLayer(nn.Module):
         super().__init__()
         h = cfg.hidden_size
         self.cfg = cfg
-        self.qkv = nn.Linear(h, 3 * h, bias=bias)
-        self.out = nn.Linear(h, h, bias=bias)
+        self.qkv = Linear(h, 3 * h, bias=bias)
+        self.out = Linear(h, h, bias=bias)
         self.attn_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
         up = 2 * cfg.intermediate_size if cfg.gated else cfg.intermediate_size
-        self.up = nn.Linear(h, up, bias=bias)  # gated: [gate; up]
-        self.down = nn.Linear(cfg.intermediate_size, h, bias=bias)
+        self.up = Linear(h, up, bias=bias)  # gated: [gate; up]
+        self.down = Linear(cfg.intermediate_size, h, bias=bias)
         self.ffn_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
 
     def attention(
@@ -216,11 +225,12 @@ class Encoder(nn.Module):
         return bias.permute(2, 0, 1)[None]  # [1, heads, L, L]
 
     def forward(self, batch: EncoderBatch) -> torch.Tensor:
-        x = self.embed(batch.input_ids)
+        dtype = self.embed_norm.weight.dtype  # the activations' (a table may be stored narrower)
+        x = self.embed(batch.input_ids).to(dtype)
         if self.position is not None:
-            x = x + self.position(batch.positions + self.cfg.position_offset)
+            x = x + self.position(batch.positions + self.cfg.position_offset).to(dtype)
         if self.token_type is not None:
-            x = x + self.token_type.weight[0]
+            x = x + self.token_type.weight[0].to(dtype)
         x = self.embed_norm(x)
         bias = self._relative_bias(batch.max_len, x.device)
         if bias is not None:

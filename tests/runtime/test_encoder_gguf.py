@@ -82,14 +82,6 @@ def llama(nomic: Path) -> Iterator[str]:
         proc.wait(30)
 
 
-def test_reads_the_files_metadata(engine: EncoderEngine) -> None:
-    enc = engine.encoder
-    assert enc.config.architecture == "nomic-bert" and enc.config.rope_theta == 1000.0 and enc.config.gated
-    assert (enc.pooling.mode, enc.pooling.normalize, enc.pooling.max_seq_length) == ("mean", True, 2048)
-    assert enc.pooling.matryoshka is not None and 256 in enc.pooling.matryoshka
-    assert engine.max_model_len == 2048 and engine.dimensions == 768
-
-
 def test_equals_llama_cpp(engine: EncoderEngine, llama: str) -> None:
     tok = engine.tokenizer
     texts = [f"search_query: {t}" for t in TEXTS] + [f"search_document: {TEXTS[1]}", text_of_tokens(tok, 2048)]

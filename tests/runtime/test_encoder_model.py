@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from servelm.runtime.encoder_loader import PoolingSpec, pool
+from servelm.runtime.encoder_loader import PoolingSpec, _place, pool
 from servelm.runtime.models.encoder import Encoder, EncoderBatch, EncoderConfig
 from servelm.runtime.models.gemma_encoder import GemmaEncoder, GemmaEncoderConfig
 
@@ -63,3 +63,22 @@ def test_pooling_modes() -> None:
         torch.testing.assert_close(pool(h, b, PoolingSpec(mode, False, 8)), expected)
     normed = pool(h, b, PoolingSpec("mean", True, 8))
     torch.testing.assert_close(normed, torch.nn.functional.normalize(want["mean"], dim=-1))
+
+
+def test_float16_matrices_stay_as_stored_and_compute_as_float32() -> None:
+    """A GGUF file's float16 matrices under float32 activations: held in float16, the same outputs bit for bit
+    as the float32 network holding the same values (every float16 is exactly a float32)."""
+    wide = tiny("nomic-bert")
+    with torch.no_grad():
+        for p in wide.parameters():
+            p.copy_(p.half().float())
+    narrow = tiny("nomic-bert")
+    narrow.load_state_dict({k: v.half() if v.dim() == 2 else v for k, v in wide.state_dict().items()}, assign=True)
+    narrow = _place(narrow, torch.device("cpu"), torch.float32)
+    kept = {n: p.dtype for n, p in narrow.named_parameters()}
+    assert all(kept[n] == (torch.float16 if p.dim() == 2 else torch.float32) for n, p in wide.named_parameters())
+    batch = EncoderBatch.build([[1, 5, 9, 2], [3, 4]], torch.device("cpu"))
+    with torch.inference_mode():
+        assert torch.equal(narrow(batch), wide(batch))
+    as_bf16 = _place(narrow, torch.device("cpu"), torch.bfloat16)  # a 16-bit run converts every weight to it
+    assert {p.dtype for p in as_bf16.parameters()} == {torch.bfloat16}
