@@ -94,8 +94,9 @@ class DraftModelConfig:
     model: str  # a folder or a GGUF file, loaded as the served model is
     num_speculative_tokens: int = 3  # drafts per step (fewer only near max_tokens)
     # No drafts in a step with more running requests than this: every running request's drafts are
-    # computed by the draft model and verified by the target, which pays while the batch is small.
-    max_running: int = 4
+    # computed by the draft model and verified by the target, which paid for one request on this CPU but
+    # cost more than it saved from two (docs/speculative-decoding.md).
+    max_running: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -108,7 +109,7 @@ class DraftModelConfig:
     @classmethod
     def parse(cls, text: str) -> DraftModelConfig:
         """From vLLM-style JSON: ``{"method": "draft_model", "model": PATH, "num_speculative_tokens": 3,
-        "max_running": 4}`` (``disable_by_batch_size`` as for n-gram lookup)."""
+        "max_running": 1}`` (``disable_by_batch_size`` as for n-gram lookup)."""
         raw = _json_object(text)
         raw.pop("method", None)
         ngram = sorted(k for k in raw if k.startswith("prompt_lookup"))

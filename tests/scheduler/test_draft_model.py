@@ -66,7 +66,7 @@ def prompts(tiny_llama_dir: Path) -> list[list[int]]:
 
 def test_config_parses_vllms_draft_model_json() -> None:
     c = parse_speculative_config('{"method": "draft_model", "model": "/m/draft.gguf", "num_speculative_tokens": 5}')
-    assert c == DraftModelConfig("/m/draft.gguf", 5, 4)
+    assert c == DraftModelConfig("/m/draft.gguf", 5, 1)  # drafts while one request runs: two already lose
     assert parse_speculative_config('{"model": "d", "disable_by_batch_size": 3}') == DraftModelConfig("d", 3, 2)
     assert isinstance(parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 2}'), SpeculativeConfig)
     for bad, words in [
