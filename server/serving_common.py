@@ -67,6 +67,7 @@ class ServingContext:
     split_special_tokens_in_content: bool = True
     chat_template: str | None = None  # --chat-template: rendered instead of the model's own
     trust_request_chat_template: bool = False  # --trust-request-chat-template: a request may send its own
+    aliases: tuple[str, ...] = ()  # other names of the model (a models file's aliases)
 
     def __post_init__(self) -> None:
         self.token_strings = TokenStrings(self.tokenizer)
@@ -158,7 +159,7 @@ class ServingContext:
 
     def resolve_model(self, model: str | None) -> str | None:
         """The LoRA adapter a request's ``model`` names, None for the base model; 404 for anything else."""
-        if model is None or model == self.served_model_name:
+        if model is None or model == self.served_model_name or model in self.aliases:
             return None
         if model in self.loras:
             return model
