@@ -294,17 +294,24 @@ class ModelRegistry:
 
         assert self.build is not None
         build, spec, proxy = self.build, handle.spec, handle.proxy
-        # In a thread that exits: its OpenMP team must not live beside the engine threads' (engine_thread.py).
-        engine, observer = await asyncio.to_thread(run_in_transient_thread, lambda: build(spec, proxy), f"servelm-load-{spec.id}")
-        if handle.observer is None:
-            handle.observer = observer
+
+        def start() -> ServingContext:
+            engine, observer = build(spec, proxy)
+            if handle.observer is None:
+                handle.observer = observer
+            async_engine = AsyncEngine(engine, observer=proxy, max_waiting_requests=engine.config.max_waiting_requests)
+            # The context's tokenizer work (grammar vocabulary, prompt bound) is seconds for a large vocabulary.
+            ctx = ServingContext.from_engine(async_engine)
+            ctx.aliases = spec.aliases
+            if self.configure is not None:
+                self.configure(ctx, spec)
+            return ctx
+
+        # Off the event loop (the other models serve meanwhile), in a thread that exits: its OpenMP
+        # team must not live beside the engine threads' (engine_thread.py).
+        ctx = await asyncio.to_thread(run_in_transient_thread, start, f"servelm-load-{spec.id}")
         proxy.target = handle.observer
-        async_engine = AsyncEngine(engine, observer=proxy, max_waiting_requests=engine.config.max_waiting_requests)
-        async_engine.start()
-        ctx = ServingContext.from_engine(async_engine)
-        ctx.aliases = spec.aliases
-        if self.configure is not None:
-            self.configure(ctx, spec)
+        ctx.async_engine.start()
         return ctx
 
     async def _make_room(self, handle: ModelHandle) -> None:

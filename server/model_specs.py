@@ -91,7 +91,11 @@ def estimate_memory(config: EngineConfig, is_encoder: Callable[[str | None], boo
         path = default_model_dir()
     files: Iterable[Path] = [path] if path.is_file() else (p for p in path.rglob("*") if p.is_file()) if path.is_dir() else []
     weights = sum(p.stat().st_size for p in files if p.suffix in _WEIGHT_SUFFIXES)
-    if is_encoder(config.model):
+    try:
+        encoder = is_encoder(config.model)
+    except Exception:  # an unreadable file: its load will fail and say why; count it as generative
+        encoder = False
+    if encoder:
         return weights
     return weights + (config.kv_cache_memory or DEFAULT_KV_BYTES)
 
