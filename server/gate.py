@@ -111,7 +111,12 @@ class GateMiddleware:
 
         waited: float | None = None
         try:
-            name, keep_alive = _model_fields(body)
+            name, keep_alive, data = _model_fields(body)
+            if keep_alive == 0 and path in ("/api/generate", "/api/chat") and not data.get("prompt") and not data.get("messages"):
+                # Ollama's "unload this model": no lease (it would load it first); the handler answers.
+                await self.registry.unload(self.registry.resolve(name), reason="request")
+                await self.app(scope, receive, send_marked)
+                return
             async with self.registry.lease(name, keep_alive) as lease:
                 waited = lease.load_wait_s
                 if waited is not None and self.registry.metrics is not None:
@@ -161,17 +166,15 @@ def engine_error(ae: AsyncEngine | None, path: str) -> APIError | None:
     return wrong_model_kind(OLLAMA_KIND.get(path, path), ae.engine)
 
 
-def _model_fields(body: bytes) -> tuple[str | None, Any]:
-    """The ``model`` a request body names and its ``keep_alive`` ("model": the model's own). A body
-    that is not a JSON object names none: its handler answers it."""
-    if not body:
-        return None, "model"
+def _model_fields(body: bytes) -> tuple[str | None, Any, dict[str, Any]]:
+    """The ``model`` a request body names, its ``keep_alive`` ("model": the model's own), and the body.
+    A body that is not a JSON object names none: its handler answers it."""
     try:
-        data = json.loads(body)
+        data = json.loads(body) if body else {}
     except ValueError:
-        return None, "model"
+        data = {}
     if not isinstance(data, dict):
-        return None, "model"
+        data = {}
     name = data.get("model")
     keep: Any = "model"
     if data.get("keep_alive") is not None:
@@ -179,7 +182,7 @@ def _model_fields(body: bytes) -> tuple[str | None, Any]:
             keep = parse_keep_alive(data["keep_alive"])
         except ModelSpecError as e:
             raise bad_request(str(e), param="keep_alive") from None
-    return (name if isinstance(name, str) else None), keep
+    return (name if isinstance(name, str) else None), keep, data
 
 
 async def _read_body(scope: Scope, receive: Receive, limit: int) -> tuple[Receive, APIError | None, bytes]:

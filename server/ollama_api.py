@@ -190,16 +190,18 @@ def install_ollama(app: FastAPI, models: ModelRegistry, version: str) -> None:
 
     @app.post("/api/chat", response_class=JSONResponse)
     async def api_chat(body: OllamaChatRequest, raw: Request) -> Response:
-        ctx, name = target(raw, models, body.model)
         if not body.messages:
+            models.resolve(body.model)  # (404 for an unknown name)
             return _loaded_only("chat", body.model, body.keep_alive)
+        ctx, name = target(raw, models, body.model)
         return await _serve(ctx, raw, body.model, "chat", chat_request(body, name), create_chat_completion)
 
     @app.post("/api/generate", response_class=JSONResponse)
     async def api_generate(body: OllamaGenerateRequest, raw: Request) -> Response:
-        ctx, name = target(raw, models, body.model)
         if not body.prompt and not body.images:
+            models.resolve(body.model)
             return _loaded_only("generate", body.model, body.keep_alive)
+        ctx, name = target(raw, models, body.model)
         oreq = generate_request(body, name)
         create = create_chat_completion if isinstance(oreq, ChatCompletionRequest) else create_completion
         return await _serve(ctx, raw, body.model, "generate", oreq, create)

@@ -162,7 +162,7 @@ def test_a_model_with_a_request_in_flight_is_never_unloaded(models_server: Any) 
 
 
 def test_keep_alive_zero_unloads_after_the_request_and_minus_one_keeps(models_server: Any) -> None:
-    srv, _, _ = models_server(("a", "b"), keep={"a": 0.0})  # a: unloaded once idle
+    srv, _, builds = models_server(("a", "b"), keep={"a": 0.0})  # a: unloaded once idle
     assert _chat(srv.url, "a").status_code == 200
     _wait_for(lambda: _states(srv.url)["a"] == "unloaded")
     # A request's keep_alive (Ollama's field) comes before the model's: -1 keeps it.
@@ -177,6 +177,13 @@ def test_keep_alive_zero_unloads_after_the_request_and_minus_one_keeps(models_se
     assert _states(srv.url)["b"] == "loaded"
     _wait_for(lambda: _states(srv.url)["b"] == "unloaded")
     assert 'servelm_model_unloads_total{model_name="b",reason="keep_alive"} 1.0' in httpx.get(f"{srv.url}/metrics").text
+    # Ollama's "unload now": no prompt and keep_alive 0; an unloaded model is not loaded for it.
+    r = httpx.post(f"{srv.url}/api/generate", json={"model": "a", "keep_alive": 0}, timeout=30)
+    assert r.status_code == 200 and r.json()["done_reason"] == "unload"
+    assert _states(srv.url)["a"] == "unloaded"
+    loads = list(builds.loads)
+    assert httpx.post(f"{srv.url}/api/chat", json={"model": "b", "messages": [], "keep_alive": 0}, timeout=30).json()["done_reason"] == "unload"
+    assert builds.loads == loads
     bad = httpx.post(f"{srv.url}/api/generate", json={"model": "b", "prompt": "hi", "keep_alive": "soon"}, timeout=30)
     assert bad.status_code == 400 and "keep_alive" in bad.json()["error"]
 
