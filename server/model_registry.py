@@ -196,7 +196,8 @@ class ModelRegistry:
         unless a loaded model serves it as a LoRA adapter."""
         if name is None or name == "":
             return self.default
-        handle = self.names.get(name)
+        # Ollama's clients may add its default tag to a name.
+        handle = self.names.get(name) or self.names.get(name.removesuffix(":latest"))
         if handle is not None:
             return handle
         for h in self.handles.values():

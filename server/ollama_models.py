@@ -45,7 +45,9 @@ def _digest(handle: ModelHandle) -> str:
 def details(handle: ModelHandle) -> dict[str, Any]:
     path = _path(handle)
     engine = handle.engine
-    arch = getattr(getattr(engine, "model_config", None), "architecture", None) or getattr(getattr(engine, "model_config", None), "model_type", None)
+    arch = getattr(getattr(engine, "model_config", None), "architecture", None)
+    if arch:  # Ollama's family names: "llama" for LlamaForCausalLM, "gemma3", "qwen2"
+        arch = str(arch).removesuffix("ForCausalLM").lower()
     quant = getattr(getattr(engine, "runner", None), "quantization", None) or handle.spec.config.quantization
     return {
         "parent_model": "",

@@ -159,8 +159,8 @@ class ServingContext:
 
     def resolve_model(self, model: str | None) -> str | None:
         """The LoRA adapter a request's ``model`` names, None for the base model; 404 for anything else."""
-        if model is None or model == self.served_model_name or model in self.aliases:
-            return None
+        if model is None or model.removesuffix(":latest") in (self.served_model_name, *self.aliases):
+            return None  # (Ollama's clients may add its default tag)
         if model in self.loras:
             return model
         raise model_not_found(model)

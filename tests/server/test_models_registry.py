@@ -84,6 +84,7 @@ def test_models_load_on_demand_and_list_their_state(models_server: Any) -> None:
     assert _states(srv.url) == {"a": "unloaded", "b": "loaded", "c": "unloaded"}
     again = _chat(srv.url, "b-alias")  # an alias names the same engine
     assert again.status_code == 200 and LOAD not in again.headers
+    assert _chat(srv.url, "b:latest").json()["model"] == "b"  # Ollama's default tag
     assert builds.loads == ["b"]
     # No model named: the default (the first).
     r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
