@@ -217,3 +217,35 @@ def test_a_model_larger_than_the_budget_is_refused(models_server: Any) -> None:
     r = _chat(srv.url, "a")
     assert r.status_code == 507 and r.json()["error"]["code"] == "model_too_large"
     assert builds.loads == []
+
+
+def test_every_engine_series_is_one_per_model_in_one_exposition(server_tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from servelm.server.app import create_prometheus_observer
+
+    plain = Builds(server_tokenizer)
+    monkeypatch.setenv("SERVELM_PEAK_FLOPS", "2e11")  # (the utilization denominators pinned: no measurement per model)
+    monkeypatch.setenv("SERVELM_PEAK_BANDWIDTH", "2.6e10")
+
+    def build(spec: ModelSpec, observer: Any) -> tuple[Any, Any]:
+        engine, _ = plain(spec, observer)
+        return engine, create_prometheus_observer(engine, registry=CollectorRegistry())
+
+    registry = ModelRegistry(_specs("a", "b"), build, metrics=ModelMetrics())
+    with ServerThread(build_app(registry=registry)) as srv:
+        for model, n in (("a", 1), ("b", 2)):
+            for _ in range(n):
+                assert _chat(srv.url, model).status_code == 200
+        text = httpx.get(f"{srv.url}/metrics").text
+    families = list(text_string_to_metric_families(text))
+    names = [f.name for f in families]
+    assert len(names) == len(set(names))  # one family per name, each model a series of it
+    assert text.count("# HELP servelm_request_success_total ") == 1 and text.count("# HELP process_cpu_seconds_total ") == 1
+    by_family = {f.name: f for f in families}
+    # (The scripted engine reports no request to its observer: the counts are the slow tier's, on real engines.)
+    for name in ("servelm_request_success", "servelm_time_to_first_token_seconds", "servelm_kv_cache_usage_perc", "servelm_model_info"):
+        assert {s.labels["model_name"] for s in by_family[name].samples} == {"a", "b"}, name
+    loads = {s.labels["model_name"]: s.value for s in by_family["servelm_model_loads"].samples if s.name.endswith("_total")}
+    assert loads == {"a": 1.0, "b": 1.0}
