@@ -249,3 +249,22 @@ def test_every_engine_series_is_one_per_model_in_one_exposition(server_tokenizer
         assert {s.labels["model_name"] for s in by_family[name].samples} == {"a", "b"}, name
     loads = {s.labels["model_name"]: s.value for s in by_family["servelm_model_loads"].samples if s.name.endswith("_total")}
     assert loads == {"a": 1.0, "b": 1.0}
+
+
+def test_a_drain_refuses_new_requests_and_loads_and_lets_running_ones_finish(models_server: Any) -> None:
+    srv, registry, builds = models_server(("a", "b"))
+    assert _chat(srv.url, "a").status_code == 200
+    builds.engines[0].step_time = 0.05
+    with httpx.stream("POST", f"{srv.url}/v1/chat/completions", timeout=30, json={
+        "model": "a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10, "stream": True,
+    }) as stream:  # fmt: skip
+        chunks = stream.iter_raw()
+        first = next(chunks)
+        registry.begin_drain(10.0)  # (what SIGTERM does)
+        for model in ("a", "b"):
+            refused = _chat(srv.url, model)
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+        body = first + b"".join(chunks)
+    assert b'"finish_reason":"length"' in body and body.endswith(b"data: [DONE]\n\n")
+    assert builds.loads == ["a"]  # b was not loaded for a refused request
+    assert httpx.get(f"{srv.url}/health").status_code == 503
