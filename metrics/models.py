@@ -28,11 +28,28 @@ class ModelMetrics:
         labels = ["model_name"]
         self.loads = Counter("servelm_model_loads", "Models loaded (on demand or at start-up).", labels, registry=reg)
         self.load_failures = Counter("servelm_model_load_failures", "Model loads that failed.", labels, registry=reg)
-        self.load_seconds = Histogram("servelm_model_load_seconds", "Seconds a model took to load.", labels, registry=reg, buckets=LOAD_BUCKETS)
-        self.unloads = Counter("servelm_model_unloads", "Models unloaded, by reason (keep_alive, budget, request).", [*labels, "reason"], registry=reg)
-        self.waits = Counter("servelm_model_load_waits", "Requests that waited for their model to load.", labels, registry=reg)
-        self.wait_seconds = Histogram("servelm_model_load_wait_seconds", "Seconds a request waited for its model to load.", labels, registry=reg, buckets=LOAD_BUCKETS)
-        self.states = Gauge("servelm_model_state", "1 for the state each model is in.", [*labels, "state"], registry=reg)
+        self.load_seconds = Histogram(
+            "servelm_model_load_seconds", "Seconds a model took to load.", labels, registry=reg, buckets=LOAD_BUCKETS
+        )
+        self.unloads = Counter(
+            "servelm_model_unloads",
+            "Models unloaded, by reason (keep_alive, budget, request).",
+            [*labels, "reason"],
+            registry=reg,
+        )
+        self.waits = Counter(
+            "servelm_model_load_waits", "Requests that waited for their model to load.", labels, registry=reg
+        )
+        self.wait_seconds = Histogram(
+            "servelm_model_load_wait_seconds",
+            "Seconds a request waited for its model to load.",
+            labels,
+            registry=reg,
+            buckets=LOAD_BUCKETS,
+        )
+        self.states = Gauge(
+            "servelm_model_state", "1 for the state each model is in.", [*labels, "state"], registry=reg
+        )
 
     def state(self, model: str, state: str) -> None:
         for s in STATES:

@@ -31,7 +31,12 @@ def models_file(tmp: Path, budget: str) -> tuple[Path, dict[str, Path]]:
     from servelm.runtime.model_fetch import ensure
     from servelm.runtime.model_files import ensure_default_model
 
-    paths = {"smol": ensure_default_model(), "gemma": ensure("gemma3"), "qwen05": ensure("qwen05"), "minilm": ensure("minilm")}
+    paths = {
+        "smol": ensure_default_model(),
+        "gemma": ensure("gemma3"),
+        "qwen05": ensure("qwen05"),
+        "minilm": ensure("minilm"),
+    }
     gen = {"kv_cache_memory": "64MiB", "max_model_len": 1024}
     models = [
         {"id": "smol", "path": "default", **gen},
@@ -92,7 +97,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--budget", default="1200MiB")
     ap.add_argument("--port", type=int, default=18630)
-    ap.add_argument("--ttft-models", default="smol,gemma", help="the models whose load + TTFT is measured, comma-separated")
+    ap.add_argument(
+        "--ttft-models", default="smol,gemma", help="the models whose load + TTFT is measured, comma-separated"
+    )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "serve.log", "w") as log:
         path, paths = models_file(Path(tmp), args.budget)
@@ -119,14 +126,18 @@ def main() -> int:
                     time.sleep(0.5)
                     (evict_page_cache if cold else warm_page_cache)(paths[model])
                     ttft, wait = ask(url, model)
-                    print(f"load+TTFT {model:6s} page cache {'cold' if cold else 'warm'}: TTFT {ttft:.2f} s (load {wait or 0:.2f} s)")
+                    print(
+                        f"load+TTFT {model:6s} page cache {'cold' if cold else 'warm'}: TTFT {ttft:.2f} s (load {wait or 0:.2f} s)"
+                    )
             print("rotation: smol -> gemma -> qwen05 -> minilm, repeated")
             for r in range(args.rounds):
                 for model in ("smol", "gemma", "qwen05", "minilm"):
                     ttft, wait = ask(url, model)
                     loaded = [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"] if m["state"] == "loaded"]
                     load = f"waited {wait:.2f} s" if wait is not None else "loaded already"
-                    print(f"round {r + 1} {model:6s}: {load}, TTFT {ttft:.2f} s, loaded now {loaded}, VmRSS {rss_mib(proc.pid):.0f} MiB")
+                    print(
+                        f"round {r + 1} {model:6s}: {load}, TTFT {ttft:.2f} s, loaded now {loaded}, VmRSS {rss_mib(proc.pid):.0f} MiB"
+                    )
         finally:
             proc.terminate()
             proc.wait(60)

@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from servelm.metrics.observer import ObserverProxy
 from servelm.server.async_engine import AsyncEngine
 from servelm.server.errors import (
     document_validation_as_400,
@@ -20,7 +21,7 @@ from servelm.server.errors import (
     unavailable,
 )
 from servelm.server.gate import DEFAULT_MAX_REQUEST_BYTES, GateMiddleware, serving_of
-from servelm.server.model_registry import ModelRegistry, ObserverProxy
+from servelm.server.model_registry import ModelRegistry
 from servelm.server.ollama_api import install_ollama
 from servelm.server.protocol import ModelCard, ModelList
 from servelm.server.protocol_chat import ChatCompletionRequest, ChatCompletionResponse

@@ -87,7 +87,10 @@ def corrected_own_template(serving: Any) -> str | None:
     fixed, applied = fix_known_quirks(own)
     if not applied:
         return None
-    log.info("chat template: the model's own, with %s corrected (--chat-template-as-stored serves it as stored)", ", ".join(applied))
+    log.info(
+        "chat template: the model's own, with %s corrected (--chat-template-as-stored serves it as stored)",
+        ", ".join(applied),
+    )
     return fixed
 
 
@@ -106,7 +109,9 @@ def run_models(args: argparse.Namespace, base: EngineConfig, make_server: Callab
     except (ModelSpecError, ValueError) as e:
         log.error("cannot start: %s", e)
         return 1
-    bad = [s.id for s in specs if s.options.get("tool_call_parser") is None and s.options.get("enable_auto_tool_choice")]
+    bad = [
+        s.id for s in specs if s.options.get("tool_call_parser") is None and s.options.get("enable_auto_tool_choice")
+    ]
     if bad:
         log.error("cannot start: enable_auto_tool_choice needs tool_call_parser (models %s)", ", ".join(bad))
         return 1
@@ -116,11 +121,21 @@ def run_models(args: argparse.Namespace, base: EngineConfig, make_server: Callab
         return engine, app_module.create_prometheus_observer(engine, registry=CollectorRegistry())
 
     registry = ModelRegistry(
-        specs, build, memory_budget=budget, configure=lambda ctx, spec: configure_serving(ctx, spec, args), metrics=ModelMetrics()
+        specs,
+        build,
+        memory_budget=budget,
+        configure=lambda ctx, spec: configure_serving(ctx, spec, args),
+        metrics=ModelMetrics(),
     )
     for spec in specs:
         keep = "kept" if spec.keep_alive_s is None else f"{spec.keep_alive_s:g} s"
-        log.info("model %s (%s): ~%.0f MiB, keep-alive %s", spec.id, spec.config.model or "default", spec.memory_bytes / 2**20, keep)
+        log.info(
+            "model %s (%s): ~%.0f MiB, keep-alive %s",
+            spec.id,
+            spec.config.model or "default",
+            spec.memory_bytes / 2**20,
+            keep,
+        )
     if budget is not None:
         log.info("models memory budget: %.0f MiB", budget / 2**20)
     interval = platform_of(resolve_device(base.device)).gil_switch_interval

@@ -35,7 +35,12 @@ UNLEASED_PATHS = frozenset({
     "/api/version", "/api/pull", "/api/push", "/api/delete", "/api/create", "/api/copy",
 })  # fmt: skip
 # Ollama's paths by the OpenAI path that serves them (what a model of the wrong kind refuses).
-OLLAMA_KIND = {"/api/chat": "/v1/chat/completions", "/api/generate": "/v1/completions", "/api/embed": "/v1/embeddings", "/api/embeddings": "/v1/embeddings"}
+OLLAMA_KIND = {
+    "/api/chat": "/v1/chat/completions",
+    "/api/generate": "/v1/completions",
+    "/api/embed": "/v1/embeddings",
+    "/api/embeddings": "/v1/embeddings",
+}
 # The scope key the gate leaves the leased model's context under, for ``serving_of``.
 SERVING_KEY = "servelm.serving"
 # The scope key of the seconds a request waited for its model to load (Ollama's load_duration).
@@ -67,7 +72,13 @@ class GateMiddleware:
     response has been sent, streams included.
     """
 
-    def __init__(self, app: ASGIApp, registry: ModelRegistry, api_key: str | None, max_body_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        registry: ModelRegistry,
+        api_key: str | None,
+        max_body_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    ) -> None:
         self.app = app
         self.registry = registry
         self.api_key = api_key.encode() if api_key else None
@@ -112,7 +123,12 @@ class GateMiddleware:
         waited: float | None = None
         try:
             name, keep_alive, data = _model_fields(body)
-            if keep_alive == 0 and path in ("/api/generate", "/api/chat") and not data.get("prompt") and not data.get("messages"):
+            if (
+                keep_alive == 0
+                and path in ("/api/generate", "/api/chat")
+                and not data.get("prompt")
+                and not data.get("messages")
+            ):
                 # Ollama's "unload this model": no lease (it would load it first); the handler answers.
                 await self.registry.unload(self.registry.resolve(name), reason="request")
                 await self.app(scope, receive, send_marked)

@@ -22,7 +22,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from servelm.metrics.observer import Observer
+from servelm.metrics.observer import Observer, ObserverProxy
 from servelm.server.async_engine import AsyncEngine
 from servelm.server.errors import APIError, model_not_found, unavailable
 from servelm.server.model_specs import ModelSpec
@@ -35,27 +35,6 @@ RETRY_FAILED_S = 30.0
 
 # (spec, observer) -> (engine, its Prometheus observer or None); runs in a thread of its own.
 BuildEngine = Callable[[ModelSpec, Observer], tuple[Any, Any]]
-
-
-class ObserverProxy:
-    """An ``Observer`` whose target is set after the engine exists (the Prometheus observer wants
-    the engine's resolved facts as labels, the engine its observer at construction). Kept across a
-    model's loads, so its series continue after an unload."""
-
-    def __init__(self, target: Observer | None = None) -> None:
-        self.target = target
-
-    def on_step(self, stats: Any) -> None:
-        if self.target is not None:
-            self.target.on_step(stats)
-
-    def on_request_finished(self, stats: Any) -> None:
-        if self.target is not None:
-            self.target.on_request_finished(stats)
-
-    def on_request_rejected(self) -> None:
-        if self.target is not None:
-            self.target.on_request_rejected()
 
 
 @dataclass
@@ -174,7 +153,14 @@ class ModelRegistry:
     @property
     def dead_reason(self) -> str | None:
         """Why an engine died, if one did (the exit status of a one-model server says so)."""
-        return next((h.async_engine.dead_reason for h in self.handles.values() if h.async_engine and h.async_engine.dead_reason), None)
+        return next(
+            (
+                h.async_engine.dead_reason
+                for h in self.handles.values()
+                if h.async_engine and h.async_engine.dead_reason
+            ),
+            None,
+        )
 
     def dead_engine(self) -> str | None:
         """Why a loaded model's engine is not running (``/health``), None while all run."""
@@ -206,7 +192,9 @@ class ModelRegistry:
         raise model_not_found(name)
 
     def loaded_bytes(self, but: ModelHandle | None = None) -> int:
-        return sum(h.spec.memory_bytes for h in self.handles.values() if h.state in ("loaded", "loading") and h is not but)
+        return sum(
+            h.spec.memory_bytes for h in self.handles.values() if h.state in ("loaded", "loading") and h is not but
+        )
 
     # ----------------------------------------------------------------------------------- lease
 
@@ -272,7 +260,12 @@ class ModelRegistry:
             await self._make_room(handle)
             handle.state, handle.error = "loading", None
             self._report(handle)
-            log.info("loading model %s (%s; ~%.0f MiB)", handle.id, handle.spec.config.model or "default", handle.spec.memory_bytes / 2**20)
+            log.info(
+                "loading model %s (%s; ~%.0f MiB)",
+                handle.id,
+                handle.spec.config.model or "default",
+                handle.spec.memory_bytes / 2**20,
+            )
             started = time.monotonic()
             try:
                 ctx = await self._start_engine(handle)
@@ -329,7 +322,9 @@ class ModelRegistry:
         while self.loaded_bytes(but=handle) + need > budget:
             idle = [h for h in self.handles.values() if h.state == "loaded" and h.in_flight == 0 and h is not handle]
             if not idle:
-                busy = ", ".join(h.id for h in self.handles.values() if h.state in ("loaded", "loading") and h is not handle)
+                busy = ", ".join(
+                    h.id for h in self.handles.values() if h.state in ("loaded", "loading") and h is not handle
+                )
                 err = unavailable(
                     f"The model `{handle.id}` does not fit the memory budget while the models {busy} serve requests; retry.",
                     code="models_busy",
@@ -370,7 +365,12 @@ class ModelRegistry:
         """Every model with its state, as /v1/models and /api/ps show them."""
         out = []
         for h in self.handles.values():
-            item: dict[str, Any] = {"id": h.id, "state": h.state, "aliases": list(h.spec.aliases), "memory_bytes": h.spec.memory_bytes}
+            item: dict[str, Any] = {
+                "id": h.id,
+                "state": h.state,
+                "aliases": list(h.spec.aliases),
+                "memory_bytes": h.spec.memory_bytes,
+            }
             if h.error is not None and h.state == "failed":
                 item["error"] = h.error
             if h.expires_at is not None:
@@ -381,8 +381,12 @@ class ModelRegistry:
 
 def load_failed(handle: ModelHandle) -> APIError:
     return APIError(
-        500, f"The model `{handle.id}` failed to load: {handle.error}", type="server_error", param="model", code="model_load_failed"
+        500,
+        f"The model `{handle.id}` failed to load: {handle.error}",
+        type="server_error",
+        param="model",
+        code="model_load_failed",
     )
 
 
-__all__ = ["BuildEngine", "Lease", "ModelHandle", "ModelRegistry", "ObserverProxy", "load_failed"]
+__all__ = ["BuildEngine", "Lease", "ModelHandle", "ModelRegistry", "load_failed"]

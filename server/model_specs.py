@@ -18,7 +18,12 @@ SERVING_OPTIONS = ("tool_call_parser", "reasoning_parser", "enable_auto_tool_cho
 # Keys of a models-file entry that are not EngineConfig fields.
 _ENTRY_KEYS = {"id", "path", "aliases", "keep_alive", *SERVING_OPTIONS}
 # EngineConfig fields a models-file entry may set (the rest are the server's, or derived from the entry).
-_CONFIG_KEYS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "served_model_name", "host", "lora_modules"}
+_CONFIG_KEYS = {f.name for f in dataclasses.fields(EngineConfig)} - {
+    "model",
+    "served_model_name",
+    "host",
+    "lora_modules",
+}
 _SIZE_KEYS = {"kv_cache_memory"}
 # File names whose bytes are a model's weights (an HF folder's shards, or a GGUF file).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
@@ -65,7 +70,9 @@ def parse_keep_alive(value: Any) -> float | None:
         except ValueError:
             parts = _DURATION.findall(body)
             if not parts or "".join(n + u for n, u in parts) != body:
-                raise ModelSpecError(f"keep_alive {value!r} is not a duration (examples: 5m, 1h30m, 30s, 0, -1)") from None
+                raise ModelSpecError(
+                    f"keep_alive {value!r} is not a duration (examples: 5m, 1h30m, 30s, 0, -1)"
+                ) from None
             seconds = sign * sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
     return None if seconds < 0 else seconds
 
@@ -89,7 +96,9 @@ def estimate_memory(config: EngineConfig, is_encoder: Callable[[str | None], boo
         from servelm.runtime.model_files import default_model_dir
 
         path = default_model_dir()
-    files: Iterable[Path] = [path] if path.is_file() else (p for p in path.rglob("*") if p.is_file()) if path.is_dir() else []
+    files: Iterable[Path] = (
+        [path] if path.is_file() else (p for p in path.rglob("*") if p.is_file()) if path.is_dir() else []
+    )
     weights = sum(p.stat().st_size for p in files if p.suffix in _WEIGHT_SUFFIXES)
     try:
         encoder = is_encoder(config.model)
@@ -163,7 +172,9 @@ def read_models_file(path: str) -> tuple[list[Mapping[str, Any]], dict[str, Any]
         raise ModelSpecError(f"--models-file {path}: expected a list of models, or a mapping with a 'models' list")
     unknown = set(data) - {"models", "memory_budget"}
     if unknown:
-        raise ModelSpecError(f"--models-file {path}: unknown top-level key(s) {sorted(unknown)} (known: models, memory_budget)")
+        raise ModelSpecError(
+            f"--models-file {path}: unknown top-level key(s) {sorted(unknown)} (known: models, memory_budget)"
+        )
     return data["models"], {k: v for k, v in data.items() if k != "models"}
 
 

@@ -79,7 +79,9 @@ class _Timing:
         }  # fmt: skip
 
 
-def _answer(kind: str, text: str, thinking: str | None = None, calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def _answer(
+    kind: str, text: str, thinking: str | None = None, calls: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     """The answer fields of a chat line (``message``) or a generate line (``response``)."""
     if kind == "generate":
         out: dict[str, Any] = {"response": text}
@@ -105,7 +107,11 @@ async def _serve(
         msg = choice.get("message") or {}
         text = msg.get("content") if "message" in choice else choice.get("text")
         timing.first = timing.started  # no first-token time without a stream: the prompt is counted in eval
-        line = {"model": model, "created_at": now_iso(), **_answer(kind, text or "", msg.get("reasoning_content"), tool_calls(msg.get("tool_calls")))}
+        line = {
+            "model": model,
+            "created_at": now_iso(),
+            **_answer(kind, text or "", msg.get("reasoning_content"), tool_calls(msg.get("tool_calls"))),
+        }
         return JSONResponse({**line, **timing.final(body.get("usage"), choice.get("finish_reason"))})
     group = resp.group  # type: ignore[attr-defined]
     return NDJSONResponse(_lines(resp.body_iterator, model, kind, timing), group)  # type: ignore[attr-defined]
@@ -137,7 +143,9 @@ async def _lines(events: AsyncIterator[Any], model: str, kind: str, timing: _Tim
                     reason = choice.get("finish_reason") or reason
                     if text or thinking:
                         timing.token()
-                        yield _line({"model": model, "created_at": now_iso(), **_answer(kind, text, thinking), "done": False})
+                        yield _line(
+                            {"model": model, "created_at": now_iso(), **_answer(kind, text, thinking), "done": False}
+                        )
         if calls:
             timing.token()
             whole = tool_calls([{"function": calls[i]} for i in sorted(calls)])
@@ -181,7 +189,15 @@ class NDJSONResponse(StreamingResponse):
 def _loaded_only(kind: str, model: str, keep_alive: Any) -> JSONResponse:
     """Ollama's answer to a request without a prompt: the model is loaded (or, with keep_alive 0, unloaded)."""
     unload = keep_alive in (0, "0", "0s", "0m")
-    return JSONResponse({"model": model, "created_at": now_iso(), **_answer(kind, ""), "done": True, "done_reason": "unload" if unload else "load"})
+    return JSONResponse(
+        {
+            "model": model,
+            "created_at": now_iso(),
+            **_answer(kind, ""),
+            "done": True,
+            "done_reason": "unload" if unload else "load",
+        }
+    )
 
 
 def install_ollama(app: FastAPI, models: ModelRegistry, version: str) -> None:
@@ -222,7 +238,9 @@ def install_ollama(app: FastAPI, models: ModelRegistry, version: str) -> None:
     async def api_embeddings(body: OllamaEmbedRequest, raw: Request) -> JSONResponse:
         ctx, name = target(raw, models, body.model)
         if body.prompt is None:
-            raise APIError(400, "'prompt' is required by /api/embeddings (or use /api/embed with 'input').", param="prompt")
+            raise APIError(
+                400, "'prompt' is required by /api/embeddings (or use /api/embed with 'input').", param="prompt"
+            )
         out = await create_embeddings(ctx, embedding_request(body, name), raw)
         return JSONResponse({"embedding": out.data[0].embedding})
 

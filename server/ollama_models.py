@@ -97,7 +97,11 @@ def install_ollama_models(app: FastAPI, models: ModelRegistry, version: str) -> 
         for h in models.handles.values():
             if h.state != "loaded" or h.ctx is None:
                 continue
-            expires = FOREVER if h.expires_at is None else datetime.fromtimestamp(h.expires_at, timezone.utc).isoformat().replace("+00:00", "Z")
+            expires = (
+                FOREVER
+                if h.expires_at is None
+                else datetime.fromtimestamp(h.expires_at, timezone.utc).isoformat().replace("+00:00", "Z")
+            )
             loaded.append({**_entry(h), "expires_at": expires, "size_vram": 0, "context_length": h.ctx.max_model_len})
         return JSONResponse({"models": loaded})
 

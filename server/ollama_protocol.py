@@ -97,7 +97,9 @@ class OllamaShowRequest(_Body):
 
 def _refuse_images(images: list[Any] | None, param: str) -> None:
     if images:
-        raise bad_request("Images are not supported: servelm serves text models only.", param=param, code="images_not_supported")
+        raise bad_request(
+            "Images are not supported: servelm serves text models only.", param=param, code="images_not_supported"
+        )
 
 
 def sampling_fields(options: dict[str, Any] | None) -> dict[str, Any]:
@@ -162,7 +164,12 @@ def chat_request(req: OllamaChatRequest, model: str) -> ChatCompletionRequest:
         raise bad_request("'messages' must hold at least one message.", param="messages")
     call_ids: list[str] = []
     messages = [_openai_message(m, i, call_ids) for i, m in enumerate(req.messages)]
-    data: dict[str, Any] = {"model": model, "messages": messages, **sampling_fields(req.options), **format_fields(req.format)}
+    data: dict[str, Any] = {
+        "model": model,
+        "messages": messages,
+        **sampling_fields(req.options),
+        **format_fields(req.format),
+    }
     if req.tools:
         data["tools"] = req.tools
     if req.stream:
@@ -176,9 +183,14 @@ def generate_request(req: OllamaGenerateRequest, model: str) -> ChatCompletionRe
     if req.suffix:
         raise bad_request("'suffix' (fill-in-the-middle) is not supported.", param="suffix")
     if req.template:
-        raise bad_request("'template' (a Go template) is not supported: servelm renders with the model's chat template.", param="template")
+        raise bad_request(
+            "'template' (a Go template) is not supported: servelm renders with the model's chat template.",
+            param="template",
+        )
     if req.context:
-        raise bad_request("'context' (deprecated by Ollama) is not supported: send the conversation to /api/chat.", param="context")
+        raise bad_request(
+            "'context' (deprecated by Ollama) is not supported: send the conversation to /api/chat.", param="context"
+        )
     fields: dict[str, Any] = {"model": model, **sampling_fields(req.options), **format_fields(req.format)}
     if req.stream:
         fields.update(stream=True, stream_options={"include_usage": True})

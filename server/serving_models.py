@@ -19,14 +19,18 @@ def model_cards(models: ModelRegistry) -> list[ModelCard]:
     if not models.multi:
         ctx = models.default.ctx
         assert ctx is not None
-        own = ModelCard(id=ctx.served_model_name, created=ctx.created, root=ctx.model_path, max_model_len=ctx.max_model_len)
+        own = ModelCard(
+            id=ctx.served_model_name, created=ctx.created, root=ctx.model_path, max_model_len=ctx.max_model_len
+        )
         return [own, *lora_cards(ctx)]
     cards: list[ModelCard] = []
     for h, item in zip(models.handles.values(), models.describe(), strict=True):
         ctx = h.ctx
         extra = {k: item[k] for k in ("state", "aliases", "error", "expires_at") if k in item}
         if ctx is not None:
-            cards.append(ModelCard(id=h.id, created=ctx.created, root=ctx.model_path, max_model_len=ctx.max_model_len, **extra))
+            cards.append(
+                ModelCard(id=h.id, created=ctx.created, root=ctx.model_path, max_model_len=ctx.max_model_len, **extra)
+            )
             cards.extend(lora_cards(ctx))
         else:
             cards.append(ModelCard(id=h.id, created=_STARTED, root=h.spec.config.model, **extra))

@@ -52,7 +52,18 @@ def test_models_from_flags_and_file(tmp_path: Path) -> None:
         f"memory_budget: 3GiB\nmodels:\n  - id: cee\n    path: {folder}\n    aliases: [c1, 'c:latest']\n"
         "    keep_alive: 10m\n    kv_cache_memory: 1MiB\n    quantization: int8\n    tool_call_parser: hermes\n"
     )
-    args = _args("--model", "/a", "--model", str(gguf), "--models-file", str(file), "--keep-alive", "30s", "--kv-cache-memory", "2MiB")
+    args = _args(
+        "--model",
+        "/a",
+        "--model",
+        str(gguf),
+        "--models-file",
+        str(file),
+        "--keep-alive",
+        "30s",
+        "--kv-cache-memory",
+        "2MiB",
+    )
     assert args.model == "/a" and args.more_models == [str(gguf)]
     specs, budget = model_specs(args, engine_config_from_args(args))
     assert budget == 3 * 2**30

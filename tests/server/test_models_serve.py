@@ -39,7 +39,13 @@ def served(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) ->
         "memory_budget": f"{BUDGET_MIB}MiB",
         "models": [
             {"id": "smol", "path": "default", "kv_cache_memory": "64MiB", "max_model_len": 1024},
-            {"id": "gemma", "path": str(ensure("gemma3")), "kv_cache_memory": "64MiB", "max_model_len": 1024, "aliases": ["gemma3"]},
+            {
+                "id": "gemma",
+                "path": str(ensure("gemma3")),
+                "kv_cache_memory": "64MiB",
+                "max_model_len": 1024,
+                "aliases": ["gemma3"],
+            },
             {"id": "minilm", "path": str(ensure("minilm"))},
             {"id": "broken", "path": str(broken), "kv_cache_memory": "16MiB"},
         ],
@@ -77,7 +83,9 @@ def _transformers_greedy(model_dir: Path, messages: list[dict[str, str]], max_ne
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32)
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+        "input_ids"
+    ]
     out = model.generate(ids, max_new_tokens=max_new, do_sample=False)
     return str(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
 
@@ -95,7 +103,10 @@ def test_three_models_on_demand_under_a_budget(served: ServeProcess, default_mod
         t.start()
     for t in threads:
         t.join()
-    assert results["smol"].status_code == 200 and results["gemma"].status_code == 200, (results["smol"].text, results["gemma"].text)
+    assert results["smol"].status_code == 200 and results["gemma"].status_code == 200, (
+        results["smol"].text,
+        results["gemma"].text,
+    )
     assert results["smol"].json()["model"] == "smol" and results["gemma"].json()["model"] == "gemma"
     assert all(float(r.headers["x-servelm-model-load-seconds"]) > 0 for r in results.values())
     smol_text = results["smol"].json()["choices"][0]["message"]["content"]
@@ -133,7 +144,18 @@ def test_three_models_on_demand_under_a_budget(served: ServeProcess, default_mod
     assert r.status_code == 200 and r.json()["embeddings"][0] == pytest.approx(got, abs=1e-6)
     _wait_for(lambda: _states(srv)["minilm"] == "unloaded")
     # keep_alive -1: kept, with Ollama's far-future expiry.
-    r = httpx.post(f"{srv.url}/api/generate", json={"model": "gemma", "prompt": "Hi", "raw": True, "stream": False, "keep_alive": -1, "options": {"num_predict": 2}}, timeout=600)
+    r = httpx.post(
+        f"{srv.url}/api/generate",
+        json={
+            "model": "gemma",
+            "prompt": "Hi",
+            "raw": True,
+            "stream": False,
+            "keep_alive": -1,
+            "options": {"num_predict": 2},
+        },
+        timeout=600,
+    )
     assert r.status_code == 200, r.text
     ps = {m["model"]: m for m in httpx.get(f"{srv.url}/api/ps").json()["models"]}
     assert list(ps) == ["gemma"] and ps["gemma"]["expires_at"].startswith("2318")
@@ -156,24 +178,36 @@ def test_ollama_client_on_real_models(served: ServeProcess) -> None:
     client = ollama.Client(host=srv.url, timeout=600)
     openai = OpenAI(base_url=f"{srv.url}/v1", api_key="none", timeout=600)
     # Chat, not streamed and streamed: the OpenAI endpoint's greedy answer.
-    reference = openai.chat.completions.create(model="smol", messages=CHAT, temperature=0, max_tokens=12)  # type: ignore[arg-type]
+    reference = openai.chat.completions.create(model="smol", messages=CHAT, temperature=0, max_tokens=12)
     r = client.chat(model="smol", messages=CHAT, options={"temperature": 0, "num_predict": 12})
     assert r.message.content == reference.choices[0].message.content
-    assert r.prompt_eval_count == reference.usage.prompt_tokens  # type: ignore[union-attr]
-    streamed = "".join(p.message.content or "" for p in client.chat(model="smol", messages=CHAT, options={"temperature": 0, "num_predict": 12}, stream=True))
+    assert r.prompt_eval_count == reference.usage.prompt_tokens
+    streamed = "".join(
+        p.message.content or ""
+        for p in client.chat(model="smol", messages=CHAT, options={"temperature": 0, "num_predict": 12}, stream=True)
+    )
     assert streamed == r.message.content
     g = client.generate(model="smol", prompt=CHAT[0]["content"], options={"temperature": 0, "num_predict": 12})
     assert g.response == r.message.content  # the same chat turn, through the template
     # format: a JSON schema held by the grammar.
-    schema = {"type": "object", "properties": {"capital": {"type": "string"}, "country": {"type": "string"}}, "required": ["capital", "country"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"capital": {"type": "string"}, "country": {"type": "string"}},
+        "required": ["capital", "country"],
+        "additionalProperties": False,
+    }
     f = client.chat(model="smol", messages=CHAT, format=schema, options={"temperature": 0, "num_predict": 60})
     jsonschema.validate(json.loads(f.message.content or ""), schema)
     # tools: the same request as OpenAI's, the same call (or answer).
     tool = {"type": "function", "function": {"name": "get_capital", "description": "The capital city of a country.",
             "parameters": {"type": "object", "properties": {"country": {"type": "string"}}, "required": ["country"]}}}  # fmt: skip
-    ref = openai.chat.completions.create(model="smol", messages=CHAT, tools=[tool], temperature=0, max_tokens=60).choices[0].message  # type: ignore[arg-type, list-item]
+    ref = (
+        openai.chat.completions.create(model="smol", messages=CHAT, tools=[tool], temperature=0, max_tokens=60)
+        .choices[0]
+        .message
+    )
     t = client.chat(model="smol", messages=CHAT, tools=[tool], options={"temperature": 0, "num_predict": 60})
-    want_calls = [(c.function.name, json.loads(c.function.arguments)) for c in ref.tool_calls or []]  # type: ignore[union-attr]
+    want_calls = [(c.function.name, json.loads(c.function.arguments)) for c in ref.tool_calls or []]
     assert [(c.function.name, dict(c.function.arguments)) for c in t.message.tool_calls or []] == want_calls
     assert (t.message.content or "") == (ref.content or "")
     # tags: every model; embed through the client.

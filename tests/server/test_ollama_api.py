@@ -26,27 +26,41 @@ def engine(shared_fake_server: Any) -> FakeEngine:
     return shared_fake_server[1]
 
 
-def test_chat_answers_as_ollama_does_streamed_and_not(client: ollama.Client, engine: FakeEngine, shared_fake_server: Any) -> None:
+def test_chat_answers_as_ollama_does_streamed_and_not(
+    client: ollama.Client, engine: FakeEngine, shared_fake_server: Any
+) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
     r = client.chat(model=MODEL, messages=messages, options={"num_predict": 5}, stream=False)
     assert r.message.role == "assistant" and r.message.content == engine.expected_text(5)
     assert r.done and r.done_reason == "length" and r.eval_count == 5
     # The same conversation through the OpenAI endpoint: the same prompt tokens.
-    openai = httpx.post(f"{shared_fake_server[0].url}/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 5}).json()
+    openai = httpx.post(
+        f"{shared_fake_server[0].url}/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 5}
+    ).json()
     assert r.prompt_eval_count == openai["usage"]["prompt_tokens"]
     assert r.total_duration is not None and r.total_duration >= (r.eval_duration or 0) > 0
     parts = list(client.chat(model=MODEL, messages=messages, options={"num_predict": 6}, stream=True))
     assert "".join(p.message.content or "" for p in parts) == engine.expected_text(6)
     assert [p.done for p in parts] == [False] * (len(parts) - 1) + [True]
-    assert parts[-1].done_reason == "length" and parts[-1].eval_count == 6 and parts[-1].prompt_eval_count == openai["usage"]["prompt_tokens"]
+    assert (
+        parts[-1].done_reason == "length"
+        and parts[-1].eval_count == 6
+        and parts[-1].prompt_eval_count == openai["usage"]["prompt_tokens"]
+    )
 
 
 def test_generate_through_the_template_and_raw(client: ollama.Client, engine: FakeEngine) -> None:
-    r = client.generate(model=MODEL, prompt="Why is the sky blue?", system="Answer briefly.", options={"num_predict": 4})
+    r = client.generate(
+        model=MODEL, prompt="Why is the sky blue?", system="Answer briefly.", options={"num_predict": 4}
+    )
     assert r.response == engine.expected_text(4) and r.done_reason == "length"
     rendered = engine.tokenizer.decode(engine.prompts[-1])
-    assert "Answer briefly." in rendered and "<|im_start|>user\nWhy is the sky blue?" in rendered  # the chat template's turns
-    streamed = list(client.generate(model=MODEL, prompt="Plain text", raw=True, options={"num_predict": 3}, stream=True))
+    assert (
+        "Answer briefly." in rendered and "<|im_start|>user\nWhy is the sky blue?" in rendered
+    )  # the chat template's turns
+    streamed = list(
+        client.generate(model=MODEL, prompt="Plain text", raw=True, options={"num_predict": 3}, stream=True)
+    )
     assert "".join(p.response for p in streamed) == engine.expected_text(3)
     assert engine.prompts[-1] == engine.tokenizer.encode("Plain text")  # raw: the prompt as it is
     loaded = client.generate(model=MODEL, prompt="")  # no prompt: Ollama's "load the model"
@@ -58,7 +72,18 @@ def test_options_reach_sampling(client: ollama.Client, engine: FakeEngine) -> No
                "stop": ["zzz"], "repeat_penalty": 1.2, "presence_penalty": 0.1, "frequency_penalty": 0.2, "num_ctx": 4096}  # fmt: skip
     client.chat(model=MODEL, messages=[{"role": "user", "content": "x"}], options=options)
     p = engine.last_params
-    got = (p.temperature, p.top_p, p.top_k, p.min_p, p.seed, p.max_tokens, p.stop, p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
+    got = (
+        p.temperature,
+        p.top_p,
+        p.top_k,
+        p.min_p,
+        p.seed,
+        p.max_tokens,
+        p.stop,
+        p.repetition_penalty,
+        p.presence_penalty,
+        p.frequency_penalty,
+    )
     assert got == (0.3, 0.8, 7, 0.05, 11, 3, ["zzz"], 1.2, 0.1, 0.2)
     client.chat(model=MODEL, messages=[{"role": "user", "content": "x"}], options={"num_predict": -1, "temperature": 0})
     assert engine.last_params.max_tokens is None
@@ -83,7 +108,11 @@ def test_format_and_tools_reach_the_serving_path(client: ollama.Client, engine: 
 
     history = [
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+        },
         {"role": "tool", "content": "sunny", "tool_name": "get_weather"},
     ]
     client.chat(model=MODEL, messages=history, tools=[get_weather], options={"num_predict": 2})
