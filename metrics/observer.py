@@ -65,3 +65,24 @@ class NullObserver:
 
     def on_request_rejected(self) -> None:
         pass
+
+
+class ObserverProxy:
+    """An ``Observer`` whose target is set after the engine exists (the Prometheus observer wants
+    the engine's resolved facts as labels, the engine its observer at construction). Kept across a
+    model's loads, so its series continue after an unload."""
+
+    def __init__(self, target: Observer | None = None) -> None:
+        self.target = target
+
+    def on_step(self, stats: StepStats) -> None:
+        if self.target is not None:
+            self.target.on_step(stats)
+
+    def on_request_finished(self, stats: RequestStats) -> None:
+        if self.target is not None:
+            self.target.on_request_finished(stats)
+
+    def on_request_rejected(self) -> None:
+        if self.target is not None:
+            self.target.on_request_rejected()

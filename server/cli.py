@@ -57,7 +57,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     # One flag a line: the table of serve's flags, which docs/configuration.md is generated from.
     # fmt: off
     g = p.add_argument_group("model")
-    g.add_argument("--model", default=None, help="Hugging Face model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--model", default=None, action=ModelFlag, help="Hugging Face model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct); given again, each is one more model of the server, loaded when a request names it (the first is the default). See docs/models-several.md")
+    g.add_argument("--models-file", default=None, metavar="PATH", help="a YAML file of models to serve, each with its id, path, aliases, keep_alive and flags of its own (quantization, kv_cache_memory, tool_call_parser...), loaded when a request names them; after those of --model. See docs/models-several.md (default: none)")
+    g.add_argument("--models-memory-budget", type=parse_size, default=None, help="with several models: the memory the loaded ones may take together, e.g. 8GiB (each counted as its weight files plus its KV pool); the least recently used idle model is unloaded to load one that does not fit (default: no budget)")
+    g.add_argument("--keep-alive", default=None, metavar="DURATION", help="with several models: how long an idle model stays loaded, as Ollama's keep_alive (5m, 1h, 30s; 0: unloaded when its last request ends; -1: kept); a model's own keep_alive and a request's come first (default: kept)")
     g.add_argument("--served-model-name", default=None, help="model id clients send and /v1/models lists (default: the model folder name)")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model folder)")
     g.add_argument("--chat-template", default=None, metavar="PATH|TEMPLATE", help="render chat requests (chat, Responses, Messages, /tokenize) with this Jinja chat template instead of the model's own, as vLLM's flag: a file, or the template itself (a value holding {, } or a newline that names no file). Checked before the model loads: it must compile and render a one-message conversation. GET /props shows the template served. See docs/tools.md (default: the model's own)")
@@ -114,8 +117,19 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True, help="log one line per HTTP request (default: on)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity (default: %(default)s)")
     # fmt: on
-    p.set_defaults(func=run_serve)
+    p.set_defaults(func=run_serve, more_models=[])
     return p
+
+
+class ModelFlag(argparse.Action):
+    """``--model``: the first is ``args.model`` (the one-model server's, as it always was), the
+    others go to ``args.more_models``."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None) -> None:
+        if getattr(namespace, self.dest, None) is None:
+            setattr(namespace, self.dest, values)
+        else:
+            namespace.more_models = [*getattr(namespace, "more_models", []), values]
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -242,6 +256,10 @@ def run_serve(args: argparse.Namespace) -> int:
             log.error("cannot start: --chat-template: %s", e)
             return 1
     config = engine_config_from_args(args)
+    if args.more_models or args.models_file or args.models_memory_budget is not None or args.keep_alive is not None:
+        from servelm.server.cli_models import run_models
+
+        return run_models(args, config, _make_uvicorn_server)
     proxy = ObserverProxy()
 
     def build() -> tuple[Any, Any]:
@@ -275,7 +293,9 @@ def run_serve(args: argparse.Namespace) -> int:
     app.state.serving.auto_tool_choice = args.enable_auto_tool_choice
     app.state.serving.split_special_tokens_in_content = args.split_special_tokens_in_content
     if chat_template is None and not args.chat_template_as_stored:
-        chat_template = _corrected_own_template(app.state.serving)
+        from servelm.server.cli_models import corrected_own_template
+
+        chat_template = corrected_own_template(app.state.serving)
     app.state.serving.chat_template = chat_template
     app.state.serving.trust_request_chat_template = args.trust_request_chat_template
     # Loading's garbage (for Gemma 3 270M the tokenizer's, ~280 MiB) stays resident otherwise.
@@ -291,21 +311,6 @@ def run_serve(args: argparse.Namespace) -> int:
         return 1
     log.info("servelm stopped")
     return 1 if async_engine.dead_reason else 0  # an engine that died (a tensor-parallel worker lost): a supervisor restarts it
-
-
-def _corrected_own_template(serving: Any) -> str | None:
-    """The model's own template with its known quirks corrected (None: served as stored)."""
-    from servelm.server.chat_template import served_chat_template
-    from servelm.server.template_fixes import fix_known_quirks
-
-    own = served_chat_template(serving)
-    if own is None:
-        return None
-    fixed, applied = fix_known_quirks(own)
-    if not applied:
-        return None
-    log.info("chat template: the model's own, with %s corrected (--chat-template-as-stored serves it as stored)", ", ".join(applied))
-    return fixed
 
 
 # ----------------------------------------------------------------------------------------- main

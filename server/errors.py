@@ -69,7 +69,10 @@ def anthropic_error(err: APIError) -> tuple[int, dict[str, Any]]:
 
 
 def error_response(err: APIError, path: str) -> JSONResponse:
-    """The response for ``err`` on ``path``: Anthropic's shape on /v1/messages, OpenAI's elsewhere."""
+    """The response for ``err`` on ``path``: Anthropic's shape on /v1/messages, Ollama's ``{"error": ...}``
+    on /api/*, OpenAI's elsewhere."""
+    if path.startswith("/api/"):
+        return JSONResponse({"error": err.message}, status_code=err.status_code, headers=err.headers)
     if path == "/v1/messages" or path.startswith("/v1/messages/"):
         status, body = anthropic_error(err)
         return JSONResponse(body, status_code=status, headers=err.headers)

@@ -212,6 +212,9 @@ PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class ModelCard(BaseModel):
+    # A server of several models adds each model's state, aliases and load error.
+    model_config = ConfigDict(extra="allow")
+
     id: str
     object: Literal["model"] = "model"
     created: int

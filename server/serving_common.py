@@ -67,6 +67,7 @@ class ServingContext:
     split_special_tokens_in_content: bool = True
     chat_template: str | None = None  # --chat-template: rendered instead of the model's own
     trust_request_chat_template: bool = False  # --trust-request-chat-template: a request may send its own
+    aliases: tuple[str, ...] = ()  # other names of the model (a models file's aliases)
 
     def __post_init__(self) -> None:
         self.token_strings = TokenStrings(self.tokenizer)
@@ -158,8 +159,8 @@ class ServingContext:
 
     def resolve_model(self, model: str | None) -> str | None:
         """The LoRA adapter a request's ``model`` names, None for the base model; 404 for anything else."""
-        if model is None or model == self.served_model_name:
-            return None
+        if model is None or model.removesuffix(":latest") in (self.served_model_name, *self.aliases):
+            return None  # (Ollama's clients may add its default tag)
         if model in self.loras:
             return model
         raise model_not_found(model)

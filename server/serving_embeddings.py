@@ -14,6 +14,7 @@ import base64
 import math
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -227,21 +228,22 @@ async def create_score(ctx: ServingContext, body: ScoreRequest, raw: Request) ->
     )  # fmt: skip
 
 
-def install_embeddings(app: FastAPI, ctx: ServingContext) -> None:
-    """The three routes (under ``/v1/``, where the app's gate checks the API key)."""
+def install_embeddings(app: FastAPI, serving: Callable[[Request], ServingContext]) -> None:
+    """The three routes (under ``/v1/``, where the app's gate checks the API key); ``serving``: the
+    context of the model a request names."""
     errors = error_responses(400, 401, 404, 413, 500, 503)
 
     @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=errors)
     async def embeddings(body: EmbeddingRequest, raw: Request) -> EmbeddingResponse:
-        return await create_embeddings(ctx, body, raw)
+        return await create_embeddings(serving(raw), body, raw)
 
     @app.post("/v1/rerank", response_model=RerankResponse, responses=errors)
     async def rerank(body: RerankRequest, raw: Request) -> RerankResponse:
-        return await create_rerank(ctx, body, raw)
+        return await create_rerank(serving(raw), body, raw)
 
     @app.post("/v1/score", response_model=ScoreResponse, responses=errors)
     async def score(body: ScoreRequest, raw: Request) -> ScoreResponse:
-        return await create_score(ctx, body, raw)
+        return await create_score(serving(raw), body, raw)
 
 
 __all__ = ["GENERATION_PATHS", "POOLING_PATHS", "install_embeddings", "wrong_model_kind"]

@@ -142,6 +142,11 @@ class EventStreamResponse(StreamingResponse):
         super().__init__(body, media_type="text/event-stream", headers=SSE_HEADERS)
         self._group = group
 
+    @property
+    def group(self) -> RequestGroup:
+        """The engine requests behind the stream (a translating stream, Ollama's, releases them too)."""
+        return self._group
+
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)

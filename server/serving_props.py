@@ -3,9 +3,10 @@ read the text every chat request (chat, Responses, Messages) is rendered through
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 
 from servelm.server.chat_template import served_chat_template
 from servelm.server.errors import error_responses
@@ -28,7 +29,9 @@ def server_props(ctx: ServingContext) -> dict[str, Any]:
     }
 
 
-def install_props(app: FastAPI, ctx: ServingContext) -> None:
+def install_props(app: FastAPI, serving: Callable[[Request], ServingContext]) -> None:
+    """``serving``: the context of the model a request names (the default model's for /props)."""
+
     @app.get("/props", responses=error_responses(401, 503))
-    async def props() -> dict[str, Any]:
-        return server_props(ctx)
+    async def props(raw: Request) -> dict[str, Any]:
+        return server_props(serving(raw))

@@ -264,7 +264,10 @@ async function loadModels(preferred) {
     const options = data.map((card) => {
       const option = document.createElement("option");
       option.value = card.id;
-      option.textContent = card.parent ? `${card.id} (LoRA on ${card.parent})` : card.id;
+      // A server of several models says each one's state (loaded, loading, unloaded, failed).
+      const state = card.state && card.state !== "loaded" ? ` (${card.state})` : "";
+      option.textContent = card.parent ? `${card.id} (LoRA on ${card.parent})` : `${card.id}${state}`;
+      if (card.error) option.title = card.error;
       return option;
     });
     $("model").replaceChildren(...options);
@@ -310,6 +313,8 @@ function init() {
   for (const id of SETTING_IDS) $(id).addEventListener("change", saveSettings);
   for (const radio of document.querySelectorAll('input[name="mode"]')) radio.addEventListener("change", saveSettings);
   $("model").addEventListener("change", saveSettings);
+  // Models load and unload as requests come: their states are read again when the picker is opened.
+  $("model").addEventListener("focus", () => loadModels($("model").value));
   for (const button of document.querySelectorAll("[data-example]")) {
     button.addEventListener("click", () => {
       const example = EXAMPLES[button.dataset.example];
