@@ -68,6 +68,15 @@ class KVPool:
                 for lo, hi in runs:
                     self._forget(base + lo * block_bytes, (hi - lo) * block_bytes)
 
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy each (source, destination) block's K and V in every layer (copy on write of a beam's shared
+        block), one indexed copy on the pool's device, issued before the forward that writes the copies."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        self._storage.index_copy_(2, dst, self._storage.index_select(2, src))
+
     @property
     def bytes_per_token(self) -> int:
         """2 (K and V) x layers x kv_heads x head_dim x dtype bytes."""
