@@ -221,8 +221,9 @@ class BeamSearch:
         e = self.engine
         group.done = True
         now = time.monotonic()
-        for beam in group.beams:
-            e._finish(beam, RequestStatus.FINISHED_STOPPED, now)
+        status = RequestStatus.FINISHED_STOPPED if group.finished[0].stopped else RequestStatus.FINISHED_LENGTH
+        for beam in group.beams:  # (their status: how the best hypothesis ended, for the metrics)
+            e._finish(beam, status, now)
         choices = e._groups[group.request_id]
         skip = group.beams[0].params.skip_special_tokens
         choices.results = []
@@ -236,12 +237,13 @@ class BeamSearch:
             choices.results.append(out)
         changed[group.request_id] = choices
 
-    def on_finished(self, beam: Request) -> None:
-        """A beam ended before its search did (abort, error): every other beam ends the same way."""
+    def on_finished(self, beam: Request) -> bool:
+        """A beam has finished: when before its search did (abort, error), every other beam ends the same way.
+        True for all beams but the first, which alone stands for the request in the metrics."""
         group: BeamGroup = beam.beam
-        if group.done:
-            return
-        group.done = True
-        for other in group.beams:
-            if not other.is_finished:
-                self.engine._finish(other, beam.status, time.monotonic())
+        if not group.done:
+            group.done = True
+            for other in group.beams:
+                if not other.is_finished:
+                    self.engine._finish(other, beam.status, time.monotonic())
+        return beam.index > 0

@@ -359,8 +359,8 @@ class Engine:
             group.num_finished += 1
 
     def _on_finished(self, req: Request) -> None:
-        if req.beam is not None:
-            self.beams.on_finished(req)
+        if req.beam is not None and self.beams.on_finished(req):  # a search is one finished request: its first beam
+            return
         if req.lora_id:
             self.loras.release(req.lora_id)
         self.observer.on_request_finished(req.stats())

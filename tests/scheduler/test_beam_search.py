@@ -144,3 +144,21 @@ def test_unsupported_parameters_are_refused_by_name(kw: dict[str, Any], param: s
     with pytest.raises(InvalidParameterError) as e:
         SamplingParams(**{**base, **kw})
     assert e.value.param == param
+
+
+def test_a_search_is_one_finished_request_in_the_metrics(tiny_llama_dir: Path) -> None:
+    finished: list[Any] = []
+
+    class Observer:
+        def on_step(self, stats: Any) -> None:
+            pass
+
+        def on_request_finished(self, stats: Any) -> None:
+            finished.append(stats)
+
+        def on_request_rejected(self) -> None:
+            pass
+
+    e = Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=4 * MiB, max_model_len=256), observer=Observer())
+    res = e.generate(["The capital of France is"], beam_params(4))[0]
+    assert len(finished) == 1 and finished[0].finish_reason == res.outputs[0].finish_reason == "length"
