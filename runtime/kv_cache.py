@@ -68,6 +68,13 @@ class KVPool:
                 for lo, hi in runs:
                     self._forget(base + lo * block_bytes, (hi - lo) * block_bytes)
 
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy each (source, destination) block's K and V in every layer (copy on write of a beam's shared
+        block) on the pool's device, before the forward that writes the copies. One strided copy a block: a
+        step has a few, and one indexed copy of them all was slower on the CPU (scripts/bench_beam_search.py)."""
+        for src, dst in copies:
+            self._storage[:, :, dst].copy_(self._storage[:, :, src])
+
     @property
     def bytes_per_token(self) -> int:
         """2 (K and V) x layers x kv_heads x head_dim x dtype bytes."""

@@ -15,8 +15,8 @@ are handed out again (dropping their hash) only after every never-cached free bl
 With a sliding ``window`` (on a pool that can hand memory back) it also tracks the blocks every
 window has left (``window_blocks``): prefix hits and forks are cut back to where their window is whole.
 
-With ``kv_events`` the manager also records what enters and leaves the prefix cache (``kv_events``
-module: vLLM's BlockStored / BlockRemoved / AllBlocksCleared) for the engine to publish each step.
+Copy on write (beam search): ``share`` gives a fork every block, a partly filled one too, copied (``take_copies``)
+when a sharer writes into it. ``kv_events``: what enters and leaves the prefix cache (vLLM's BlockStored, ...).
 """
 
 from __future__ import annotations
@@ -111,6 +111,7 @@ class BlockManager:
         # KV-cache events since the last ``take_events`` (None: not recorded, so nothing is paid).
         self._events: list[KVCacheEvent] | None = [] if kv_events else None
         self.windows = WindowedBlocks(num_blocks, block_size, window, enable_prefix_caching) if window else None
+        self._copies: list[tuple[int, int]] = []  # (source, destination) block copies the next forward needs first
 
     # -- sizes ---------------------------------------------------------------------------------------
     @property
@@ -226,10 +227,6 @@ class BlockManager:
         self._events = []
         return events
 
-    def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
-        self.prefix_cache_queries += num_query_tokens
-        self.prefix_cache_hits += num_hit_tokens
-
     # -- allocation ----------------------------------------------------------------------------------
     def _pop_free(self) -> int:
         if self._free:
@@ -262,7 +259,8 @@ class BlockManager:
         first and ``seq.num_computed_tokens`` advances over them. Returns False, changing nothing, when
         the free blocks do not suffice.
         """
-        if prefix is None:
+        cow = self._shared_tail(seq) if prefix is None else None
+        if prefix is None and cow is None:
             # The common case, a running sequence growing: done when its last block has room.
             need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
             if need <= 0:
@@ -274,8 +272,14 @@ class BlockManager:
         need = self.blocks_needed(num_tokens) - len(seq.block_table) - len(cached)
         # Adopting an evictable cached block takes it off the free list too.
         reviving = sum(1 for b in cached if self.ref_counts[b] == 0)
-        if max(need, 0) + reviving > self.num_free_blocks:
+        if max(need, 0) + reviving + (cow is not None) > self.num_free_blocks:
             return False
+        if cow is not None:  # copy on write: this sequence's copy of the block it shares and writes into
+            old, new = seq.block_table[cow], self._pop_free()
+            self.ref_counts[old] -= 1
+            self.ref_counts[new] = 1
+            seq.block_table[cow] = new
+            self._copies.append((old, new))
         for b in cached:
             if self.ref_counts[b] == 0:
                 del self._evictable[b]
@@ -294,7 +298,8 @@ class BlockManager:
                 self.windows.fresh(b)
             seq.block_table.append(b)
         if prefix is not None:
-            self.record_prefix_query(prefix.num_query_tokens, prefix.num_cached_tokens)
+            self.prefix_cache_queries += prefix.num_query_tokens
+            self.prefix_cache_hits += prefix.num_cached_tokens
             if self.windows is not None:
                 self.windows.note_shared(seq, prefix.num_matched_blocks)
         return True
@@ -312,6 +317,28 @@ class BlockManager:
             if self.windows is not None:
                 self.windows.hold(b)
         return shared
+
+    def _shared_tail(self, seq: BlockSequence) -> int | None:
+        """The index of the partly filled block ``seq`` writes next when another sequence shares it (a beam's fork)."""
+        i, partial = divmod(seq.num_computed_tokens, self.block_size)
+        return i if partial and i < len(seq.block_table) and self.ref_counts[seq.block_table[i]] > 1 else None
+
+    def share(self, seq: BlockSequence) -> tuple[list[int], int]:
+        """``seq``'s blocks, each with one more reference (a partly filled one is copied on write), for ``adopt``."""
+        for b in seq.block_table:
+            self.ref_counts[b] += 1
+        return list(seq.block_table), self._num_registered.get(seq.seq_id, 0)
+
+    def adopt(self, seq: BlockSequence, shared: tuple[list[int], int]) -> None:
+        """Give ``seq``, which owns no blocks, the blocks ``share`` returned (their references are its now)."""
+        if seq.block_table:
+            raise ValueError("only a sequence that owns no blocks can adopt shared ones")
+        seq.block_table, self._num_registered[seq.seq_id] = shared
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The (source, destination) block copies made since the last call: the pool copies them before the forward."""
+        copies, self._copies = self._copies, []
+        return copies
 
     def free(self, seq: BlockSequence) -> None:
         """Release every block of ``seq`` (its table is emptied; ``num_computed_tokens`` is left alone)."""

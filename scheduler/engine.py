@@ -24,6 +24,7 @@ from servelm.runtime.batch import PENDING_TOKEN, BatchItem, TokenLogprobs
 from servelm.runtime.capacity import Capacity, StepCostModel
 from servelm.runtime.lora import LoRAAdapter
 from servelm.scheduler import offline
+from servelm.scheduler.beam_search import BeamSearch
 from servelm.scheduler.config import EngineConfig
 from servelm.scheduler.detokenizer import IncrementalDetokenizer, TextDecoder
 from servelm.scheduler.lora_registry import LoRARegistry
@@ -49,18 +50,11 @@ class _Sampled:
 class Engine:
     """Owns the tokenizer, the scheduler, the block manager and the model runner; ``step`` runs one iteration.
 
-    ``Engine(EngineConfig(model=str(folder), kv_cache_memory=..., max_model_len=...))`` is all a test
-    needs. ``runner`` (keyword) replaces the real ``ModelRunner`` with anything that implements
-    ``RunnerLike``.
+    ``Engine(EngineConfig(model=str(folder), kv_cache_memory=..., max_model_len=...))`` is all a test needs.
+    ``runner`` (keyword) replaces the real ``ModelRunner`` with anything that implements ``RunnerLike``.
     """
 
-    def __init__(
-        self,
-        config: EngineConfig,
-        observer: Observer | None = None,
-        *,
-        runner: RunnerLike | None = None,
-    ) -> None:
+    def __init__(self, config: EngineConfig, observer: Observer | None = None, *, runner: RunnerLike | None = None) -> None:
         self.observer: Observer = observer if observer is not None else NullObserver()
         settled = start_up(config, runner)
         self.config = settled.config
@@ -80,8 +74,7 @@ class Engine:
         self.block_manager, self.proposer, self.scheduler = settled.block_manager, settled.proposer, settled.scheduler
         self.kv_events = settled.kv_events  # publishes the block manager's events, one batch per step
         self._in_flight: _Sampled | None = None  # async: the step whose tokens the next step reads
-        # The bytes a step reads of the weights: the runner's count (quantized weights count their own
-        # bytes), else parameters x dtype.
+        # The bytes a step reads of the weights: the runner's count (quantized weights count their own), else parameters x dtype.
         self._step_cost = StepCostModel(self.model_config, self.dtype, self.runner.weight_bytes)
 
         self._groups: dict[str, ChoiceGroup] = {}
@@ -89,6 +82,7 @@ class Engine:
         self._generate_ids = itertools.count()
         self._pending_groups: dict[str, ChoiceGroup] = {}  # groups with outputs made outside step()
         self.drafts_verified = self.num_accepted_drafts = 0  # speculative decoding, cumulative: drafts computed, and kept
+        self.beams = BeamSearch(self)
 
         self.loras = LoRARegistry(self.runner, config, enabled=self.enable_lora, base_name=self.served_model_name)
         for name, path in config.lora_modules:
@@ -135,16 +129,9 @@ class Engine:
 
     # -- requests ------------------------------------------------------------------------------------
     def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        arrival_time: float | None = None,
-        lora_name: str | None = None,
-        cache_salt: str | None = None,
-        priority: int = 0,
-        lora_adapter: LoRAAdapter | None = None,
-        group: str | None = None,
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float | None = None,
+        lora_name: str | None = None, cache_salt: str | None = None, priority: int = 0,
+        lora_adapter: LoRAAdapter | None = None, group: str | None = None,
     ) -> None:
         """Queue a request (its ``params.n`` choices) with the LoRA adapter ``lora_name`` (``lora_adapter``: its
         weights, read by the caller after a ``LoRANotLoadedError``), sharing prefix-cache blocks only within its
@@ -157,6 +144,8 @@ class Engine:
             msg = f"'priority' is only taken with --scheduling-policy priority (this server: {self.scheduler.policy})"
             raise InvalidParameterError("priority", msg)
         max_tokens = check_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
+        if params.use_beam_search:  # its beams are made as the search goes (scheduler.beam_search)
+            return self.beams.add(request_id, prompt_token_ids, params, max_tokens, lora_name, arrival_time, cache_salt, priority, group)
         so = params.structured_output
         if so is not None and so.compiled is None:
             self.grammar_compiler.compile(so)
@@ -215,6 +204,8 @@ class Engine:
             sched.num_draft_tokens -= self.scheduler.proposer.fill(sched.items)  # type: ignore[union-attr]
         self.drafts_verified += sched.num_draft_tokens
         cost = self._step_cost(sched.items)  # before the counts below move on
+        if copies := self.block_manager.take_copies():  # beams' shared blocks, copied before the forward writes them
+            self.runner.kv_pool.copy_blocks(copies)  # type: ignore[union-attr]
         if released := self.block_manager.take_released():  # before the forward, which may write them again
             self.runner.kv_pool.release(released, self.model_config.window_layers)  # type: ignore[union-attr]
         launched = self.runner.launch(sched.items) if sched.items else None
@@ -271,7 +262,7 @@ class Engine:
             except Exception as e:  # one bad request must not take the batch down
                 self._fail(req, e, changed)
                 continue
-            if ahead and item.sample and not self._ends_by_length(req):
+            if ahead and item.sample and req.beam is None and not self._ends_by_length(req):
                 req.token_ids.append(PENDING_TOKEN)
         return _Sampled(items, output)
 
@@ -308,6 +299,9 @@ class Engine:
                 else:
                     itls.append(now - req.last_token_time)  # type: ignore[operator]
                 req.last_token_time = now
+                if req.beam is not None:  # a beam's candidates: its group extends every beam at once
+                    self.beams.collect(req, lps, changed)
+                    continue
                 text = self._process_token(req, token, lps, now)
                 if item.draft and draft_samples:
                     kept, more = self._accept_drafts(req, item.draft, draft_samples, now)
@@ -365,6 +359,8 @@ class Engine:
             group.num_finished += 1
 
     def _on_finished(self, req: Request) -> None:
+        if req.beam is not None and self.beams.on_finished(req):  # a search is one finished request: its first beam
+            return
         if req.lora_id:
             self.loras.release(req.lora_id)
         self.observer.on_request_finished(req.stats())

@@ -91,6 +91,13 @@ def _add(engine: Engine, rid: str, ids: list[int], params: SamplingParams, lora_
 
 
 def _result(group: ChoiceGroup) -> GenerationResult:
+    if group.results is not None:  # beam search: the finished hypotheses, not the beams that were running
+        choices = [
+            GeneratedChoice(c.index, c.new_text, c.new_token_ids, c.finish_reason, c.stop_reason, c.new_logprobs,
+                            cumulative_logprob=c.cumulative_logprob)
+            for c in group.results
+        ]
+        return GenerationResult(group.request_id, group.prompt_token_ids, choices)
     return GenerationResult(
         group.request_id,
         group.prompt_token_ids,

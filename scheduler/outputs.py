@@ -23,6 +23,7 @@ class CompletionOutput:
     num_output_tokens: int  # cumulative, including new_token_ids
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
+    cumulative_logprob: float | None = None  # beam search: the sum of the choice's token log-probabilities
 
 
 @dataclass
@@ -54,6 +55,7 @@ class GeneratedChoice:
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprobs] | None = None
     error: str | None = None
+    cumulative_logprob: float | None = None  # beam search: the sum of the choice's token log-probabilities
 
 
 @dataclass
@@ -76,6 +78,7 @@ class ChoiceGroup:
     num_finished: int = 0
     pending: dict[int, CompletionOutput] = field(default_factory=dict)  # by choice index, since the last output
     prompt_logprobs_sent: bool = False
+    results: list[CompletionOutput] | None = None  # beam search: the whole choices, once it is over
 
     @property
     def finished(self) -> bool:

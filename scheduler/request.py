@@ -144,6 +144,7 @@ class Request:
         # Prompt tokens the prefix cache held when the request was first scheduled (usage's cached_tokens).
         self.num_cached_tokens = 0
         self.drafting: Any = None  # speculative decoding: a scheduler.speculative.DraftState, made on first use
+        self.beam: Any = None  # beam search: the scheduler.beam_search.BeamGroup this sequence is a beam of
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.finished_time: float | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -106,6 +107,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # The output must match a JSON schema, regex, choice or grammar (compiled at the edge).
     structured_output: StructuredOutput | None = None
+    # Beam search (vLLM's extension): ``n`` beams, transformers' length penalty and early stopping.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False  # True, False or "never"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -154,10 +159,30 @@ class SamplingParams:
                     bad("logit_bias", f"logit_bias values must be in [-100, 100], got {bias} for token {tok}")
                 if tok < 0 or (vocab_size is not None and tok >= vocab_size):
                     bad("logit_bias", f"logit_bias token id {tok} is outside the vocabulary")
+        if self.use_beam_search:
+            self._validate_beam_search()
         if vocab_size is not None:
             for tok in self.stop_token_ids:
                 if not 0 <= tok < vocab_size:
                     bad("stop_token_ids", f"stop token id {tok} is outside the vocabulary")
+
+
+    def _validate_beam_search(self) -> None:
+        """Beams rank by the model's own log-probabilities: what would change them, or whose output differs
+        per beam (stop strings, grammars), is refused by name rather than ignored."""
+        if self.early_stopping not in (True, False, "never"):
+            raise InvalidParameterError("early_stopping", f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}")
+        if not math.isfinite(self.length_penalty):
+            raise InvalidParameterError("length_penalty", f"length_penalty must be a finite number, got {self.length_penalty}")
+        off = {"temperature": 0.0, "top_p": 1.0, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+               "repetition_penalty": 1.0, "min_tokens": 0, "prompt_logprobs": None}
+        bad = [name for name, value in off.items() if getattr(self, name) != value]
+        bad += [name for name in ("logit_bias", "stop", "structured_output") if getattr(self, name)]
+        if self.top_k not in (0, -1):
+            bad.append("top_k")
+        if bad:
+            hint = " (beams follow the model's log-probabilities: 0 or omitted)" if bad[0] == "temperature" else ""
+            raise InvalidParameterError(bad[0], f"'{bad[0]}' is not supported with use_beam_search{hint}")
 
 
 class PromptTooLongError(InvalidParameterError):

@@ -23,7 +23,11 @@ class CompletionRequest(GenerationRequest):
     echo: bool | None = False
     # Declared so they are refused by name (not as "unrecognized"):
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = None  # with use_beam_search: the beam width (n: how many of the best beams return)
+    # vLLM's beam search: transformers' semantics (``scheduler.beam_search``); both others only with it.
+    use_beam_search: bool | None = False
+    length_penalty: float | None = None
+    early_stopping: bool | Literal["never"] | None = None
 
     @field_validator("logprobs", mode="before")
     @classmethod
@@ -48,6 +52,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    cumulative_logprob: float | None = None  # beam search only: the sum of the choice's token log-probabilities
 
 
 class CompletionResponse(GenerationResponse):

@@ -48,6 +48,8 @@ def refuse_unsupported(req: ChatCompletionRequest) -> None:
         raise unsupported("return_hidden_states", "'return_hidden_states' is not supported by this server")
     if req.continue_final_message:
         raise unsupported("continue_final_message", "'continue_final_message' is not supported by this server")
+    if (req.model_extra or {}).get("use_beam_search"):
+        raise unsupported("use_beam_search", "'use_beam_search' is served on /v1/completions only")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
 

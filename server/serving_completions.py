@@ -16,6 +16,7 @@ from servelm.server.logprobs import completion_logprobs, join_logprobs, prompt_l
 from servelm.server.protocol import sse
 from servelm.server.protocol_completions import CompletionRequest
 from servelm.server.request_group import RequestGroup
+from servelm.server.serving_beam import beam_search_params
 from servelm.server.serving_common import (
     ServingContext,
     add_requests,
@@ -82,7 +83,7 @@ def refuse_unsupported(req: CompletionRequest, n: int) -> None:
         raise unsupported("suffix", "'suffix' (insertion) is not supported by this server")
     if req.return_hidden_states:
         raise unsupported("return_hidden_states", "'return_hidden_states' is not supported by this server")
-    if req.best_of is not None and req.best_of != n:
+    if req.best_of is not None and req.best_of != n and not req.use_beam_search:
         raise unsupported("best_of", f"'best_of' must equal 'n' ({n}) or be omitted: best-of-n selection is not supported")
     if req.max_tokens == 0 and not req.echo:
         raise bad_request(
@@ -106,11 +107,12 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         raise bad_request(f"min_tokens ({req.min_tokens}) must not exceed max_tokens (0).", param="min_tokens")
     max_tokens = 1 if prompt_only else req.max_tokens
     params = common_sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, vocab_size=ctx.vocab_size)
+    returned = beam_search_params(req, params, ctx.vocab_size) if req.use_beam_search else None
     if req.echo and req.logprobs is not None:
         # Scored once for both views (the echoed legacy object, vLLM's prompt_logprobs); ranges checked already.
         params.prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
     texts, given_ids = _split_prompt(req.prompt)
-    ctx.check_sequences(len(texts), n)
+    ctx.check_sequences(len(texts), params.n)
     _check_prompt_sizes(ctx, texts, given_ids)
     check_token_ids([t for t in given_ids if t is not None], ctx.vocab_size)
     await ctx.add_structured_output(req, params)
@@ -124,7 +126,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     sub_ids = [f"{request_id}-{i}" for i in range(len(prompt_ids))]
     requests = [(sid, ids, params) for sid, ids in zip(sub_ids, prompt_ids)]
     group = await add_requests(ctx, requests, arrival, lora_name=lora, cache_salt=req.cache_salt, priority=req.priority)
-    job = _Completion(ctx, req, params, request_id, created, sub_ids, prompt_ids, echo_texts, group, prompt_only, lora)
+    job = _Completion(ctx, req, params, request_id, created, sub_ids, prompt_ids, echo_texts, group, prompt_only, lora, returned)
     if req.stream:
         return event_stream(job.stream, group)
     body = await until_disconnect(raw, job.collect(), group)
@@ -147,12 +149,15 @@ class _Completion:
         group: RequestGroup,
         prompt_only: bool = False,
         model: str | None = None,
+        returned: int | None = None,
     ) -> None:
         self.ctx = ctx
         self.model = model or ctx.served_model_name
         self.req = req
         self.params = params
         self.n = params.n
+        self.returned = returned  # beam search: the best ``returned`` of each prompt's ``n`` beams are answered
+        self.cumulative: dict[int, float] = {}  # beam search: each choice's summed log-probability
         self.id = request_id
         self.created = created
         self.prompt_index = {sid: i for i, sid in enumerate(sub_ids)}
@@ -179,7 +184,7 @@ class _Completion:
 
     async def collect(self) -> dict[str, Any]:
         collected = await collect_choices(
-            self.group, self.usage, self._prompt_of, on_output=self._take_prompt_logprobs, keep_text=not self.prompt_only
+            self.group, self.usage, self._prompt_of, on_output=self._on_output, keep_text=not self.prompt_only
         )
         choices = []
         for i in range(len(self.usage.output)):
@@ -196,7 +201,16 @@ class _Completion:
                 choice["prompt_logprobs"] = (
                     None if entries is None else vllm_prompt_logprobs(self.ctx.token_strings, entries, self.req.prompt_logprobs)
                 )
+            if i in self.cumulative:
+                choice["cumulative_logprob"] = self.cumulative[i]
             choices.append(choice)
+        if self.returned is not None:  # the best beams, best first; the others neither answered nor counted
+            for i in range(len(choices)):
+                if i % self.n >= self.returned:
+                    self.usage.output[i] = 0
+            choices = [c for i, c in enumerate(choices) if i % self.n < self.returned]
+            for k, choice in enumerate(choices):
+                choice["index"] = k
         return {
             "id": self.id,
             "object": "text_completion",
@@ -210,6 +224,13 @@ class _Completion:
     def _finish_reason(self, reason: str | None) -> str | None:
         # max_tokens 0 ends by length, whatever stopped the token the engine made and we dropped.
         return "length" if self.prompt_only and reason == "stop" else reason
+
+    def _on_output(self, out: RequestOutput) -> None:
+        self._take_prompt_logprobs(out)
+        base = self._prompt_of(out) * self.n
+        for c in out.outputs:
+            if c.cumulative_logprob is not None:
+                self.cumulative[base + c.index] = c.cumulative_logprob
 
     def _take_prompt_logprobs(self, out: RequestOutput) -> None:
         if out.prompt_logprobs is None:

@@ -116,3 +116,16 @@ def test_a_release_never_touches_a_page_it_shares_with_a_kept_block() -> None:
     pool.release([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], layers=(0,))  # page 0 holds kept block 0, page 2 kept block 11
     assert resident_bytes(pool.k_cache[0]) == 64 * 1024 - 4096  # page 1 (blocks 4-7) only
     assert pool.k_cache[0][[0, 1, 2, 3, 8, 9, 10, 11]].eq(1.0).all() and not pool.k_cache[0][4:8].any()
+
+
+def test_copy_blocks_copies_k_and_v_of_every_layer_and_nothing_else() -> None:
+    pool = KVPool(3, 6, 4, 2, 2, torch.float32, "cpu")
+    for side in (pool.k_cache, pool.v_cache):
+        for t in side:
+            t.copy_(torch.randn_like(t))
+    before = [t.clone() for t in pool.k_cache + pool.v_cache]
+    pool.copy_blocks([(1, 4), (3, 0)])
+    for t, old in zip(pool.k_cache + pool.v_cache, before):
+        assert torch.equal(t[4], old[1]) and torch.equal(t[0], old[3])
+        assert all(torch.equal(t[b], old[b]) for b in (1, 2, 3, 5))
+    pool.copy_blocks([])  # nothing to copy: no op
