@@ -21,14 +21,12 @@ when a sharer writes into it. ``kv_events``: what enters and leaves the prefix c
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from servelm.scheduler.block_hash import BASE_HASH_SEED, hash_block
 from servelm.scheduler.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, external_hash
 from servelm.scheduler.window_blocks import WindowedBlocks
 
@@ -59,38 +57,16 @@ class PrefixMatch:
         return len(self.blocks) * self.block_size
 
 
-def block_hash_seed(lora_id: int = 0, cache_salt: str | None = None) -> bytes:
-    """The first block's parent for sequences of this adapter and salt.
-
-    The id has a fixed width and a flag byte precedes the salt, so no salt can encode as another
-    salt or as an adapter id; lone surrogates (valid in JSON strings) encode rather than raise.
-    """
-    salt = b"\x00" if cache_salt is None else b"\x01" + cache_salt.encode("utf-8", "surrogatepass")
-    return hashlib.sha256(b"servelm-prefix-seed\x00" + struct.pack("<q", lora_id) + salt).digest()
-
-
-# The base model's chain root, for sequences without a seed.
-BASE_HASH_SEED = block_hash_seed()
-
-
-@functools.cache
-def _int64s(n: int) -> struct.Struct:
-    """A packer of ``n`` token ids compiled once (one block size in practice); array('q', ids) is slower."""
-    return struct.Struct(f"<{n}q")
-
-
-def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
-    """A full block's key: sha256 of its parent's digest (the seed for the first block) and its token
-    ids as int64 little-endian. Kept as bytes; KV events wanting an int (as vLLM's can) take the last 8
-    bytes big-endian."""
-    return hashlib.sha256(parent + _int64s(len(token_ids)).pack(*token_ids)).digest()
-
-
 class BlockManager:
     """A free list of fixed-size KV blocks with ref counts and a hash-chained prefix cache."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, kv_events: bool = False, window: int | None = None
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        kv_events: bool = False,
+        window: int | None = None,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")

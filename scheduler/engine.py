@@ -16,7 +16,6 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from servelm.metrics.observer import NullObserver, Observer
@@ -31,20 +30,13 @@ from servelm.scheduler.lora_registry import LoRARegistry
 from servelm.scheduler.outputs import ChoiceGroup, GenerationResult, RequestOutput
 from servelm.scheduler.request import Request, RequestStatus
 from servelm.scheduler.sampling_params import InvalidParameterError, SamplingParams, check_request
-from servelm.scheduler.startup import RunnerLike, StepResult, start_up
+from servelm.scheduler.startup import RunnerLike, start_up
+from servelm.scheduler.step_plan import SampledStep
 from servelm.scheduler.stop import accept_token
 from servelm.scheduler.stop_strings import StopChecker
 from servelm.scheduler.structured_output import GrammarCompiler
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Sampled:
-    """A step whose sampling was issued: its items and its ``StepOutput`` (tokens not read yet)."""
-
-    items: list[BatchItem]
-    output: StepResult
 
 
 class Engine:
@@ -54,7 +46,9 @@ class Engine:
     ``runner`` (keyword) replaces the real ``ModelRunner`` with anything that implements ``RunnerLike``.
     """
 
-    def __init__(self, config: EngineConfig, observer: Observer | None = None, *, runner: RunnerLike | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, observer: Observer | None = None, *, runner: RunnerLike | None = None
+    ) -> None:
         self.observer: Observer = observer if observer is not None else NullObserver()
         settled = start_up(config, runner)
         self.config = settled.config
@@ -73,7 +67,7 @@ class Engine:
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.block_manager, self.proposer, self.scheduler = settled.block_manager, settled.proposer, settled.scheduler
         self.kv_events = settled.kv_events  # publishes the block manager's events, one batch per step
-        self._in_flight: _Sampled | None = None  # async: the step whose tokens the next step reads
+        self._in_flight: SampledStep | None = None  # async: the step whose tokens the next step reads
         # The bytes a step reads of the weights: the runner's count (quantized weights count their own), else parameters x dtype.
         self._step_cost = StepCostModel(self.model_config, self.dtype, self.runner.weight_bytes)
 
@@ -81,7 +75,8 @@ class Engine:
         self._seq_ids = itertools.count()
         self._generate_ids = itertools.count()
         self._pending_groups: dict[str, ChoiceGroup] = {}  # groups with outputs made outside step()
-        self.drafts_verified = self.num_accepted_drafts = 0  # speculative decoding, cumulative: drafts computed, and kept
+        # speculative decoding, cumulative: drafts computed, and kept
+        self.drafts_verified = self.num_accepted_drafts = 0
         self.beams = BeamSearch(self)
 
         self.loras = LoRARegistry(self.runner, config, enabled=self.enable_lora, base_name=self.served_model_name)
@@ -104,24 +99,7 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending_groups) or self._in_flight is not None
 
-    # -- LoRA adapters (scheduler.lora_registry) --------------------------------------------------------
-    @property
-    def lora_adapters(self) -> dict[str, str]:
-        """Served adapters: name -> path."""
-        return self.loras.adapters
-
-    def read_lora_adapter(self, path: str) -> LoRAAdapter:
-        """Read and check an adapter folder (``LoRAError`` if it cannot be served); may run off the engine thread."""
-        return self.loras.read(path)
-
-    def add_lora(self, name: str, adapter: str | LoRAAdapter) -> int:
-        """Serve an adapter (a folder, or one ``read_lora_adapter`` returned) to requests naming it."""
-        return self.loras.add(name, adapter)
-
-    def remove_lora(self, name: str) -> None:
-        """Stop serving an adapter; requests already queued with it finish with it."""
-        self.loras.remove(name)
-
+    # -- LoRA adapters: served through ``self.loras`` (scheduler.lora_registry) ----------------------
     def lora_request_names(self) -> tuple[list[str], list[str]]:
         """Names of the adapters of running and of waiting requests (metrics)."""
         running, waiting = self.scheduler.lora_ids()
@@ -129,9 +107,16 @@ class Engine:
 
     # -- requests ------------------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float | None = None,
-        lora_name: str | None = None, cache_salt: str | None = None, priority: int = 0,
-        lora_adapter: LoRAAdapter | None = None, group: str | None = None,
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        priority: int = 0,
+        lora_adapter: LoRAAdapter | None = None,
+        group: str | None = None,
     ) -> None:
         """Queue a request (its ``params.n`` choices) with the LoRA adapter ``lora_name`` (``lora_adapter``: its
         weights, read by the caller after a ``LoRANotLoadedError``), sharing prefix-cache blocks only within its
@@ -145,11 +130,14 @@ class Engine:
             raise InvalidParameterError("priority", msg)
         max_tokens = check_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
         if params.use_beam_search:  # its beams are made as the search goes (scheduler.beam_search)
-            return self.beams.add(request_id, prompt_token_ids, params, max_tokens, lora_name, arrival_time, cache_salt, priority, group)
+            return self.beams.add(
+                request_id, prompt_token_ids, params, max_tokens, lora_name, arrival_time, cache_salt, priority, group
+            )
         so = params.structured_output
         if so is not None and so.compiled is None:
             self.grammar_compiler.compile(so)
-        lora_id = self.loras.acquire(lora_name, params.n, lora_adapter) if lora_name is not None else 0  # last: it may load the adapter
+        # last: it may load the adapter
+        lora_id = self.loras.acquire(lora_name, params.n, lora_adapter) if lora_name is not None else 0
         arrival = time.monotonic() if arrival_time is None else arrival_time
         choices: list[Request] = []
         for i in range(params.n):
@@ -239,11 +227,13 @@ class Engine:
         if sched.items or changed:
             accepted = self.num_accepted_drafts - accepted_before
             loras = self.lora_request_names() if self.enable_lora else None
-            stats = self.scheduler.step_stats(sched, time.perf_counter() - t0, num_sampled, ttfts, itls, cost, accepted, loras)
+            stats = self.scheduler.step_stats(
+                sched, time.perf_counter() - t0, num_sampled, ttfts, itls, cost, accepted, loras
+            )
             self.observer.on_step(stats)
         return outputs
 
-    def _sample(self, items: list[BatchItem], launched: Any, changed: dict[str, ChoiceGroup]) -> _Sampled:
+    def _sample(self, items: list[BatchItem], launched: Any, changed: dict[str, ChoiceGroup]) -> SampledStep:
         """Issue a launched step's sampling and move its sequences on: their new tokens are computed
         (and full blocks cached); scheduling ahead, each sampled one that goes on gets a pending token."""
         output = self.runner.sample(launched)
@@ -264,13 +254,15 @@ class Engine:
                 continue
             if ahead and item.sample and req.beam is None and not self._ends_by_length(req):
                 req.token_ids.append(PENDING_TOKEN)
-        return _Sampled(items, output)
+        return SampledStep(items, output)
 
     def _ends_by_length(self, req: Request) -> bool:
         """Whether the token being sampled for ``req`` is its last (max_tokens or the context length)."""
         return req.num_output_tokens + 1 >= req.max_tokens or len(req.token_ids) + 1 >= self.max_model_len
 
-    def _process(self, done: _Sampled, changed: dict[str, ChoiceGroup], ttfts: list[float], itls: list[float]) -> int:
+    def _process(
+        self, done: SampledStep, changed: dict[str, ChoiceGroup], ttfts: list[float], itls: list[float]
+    ) -> int:
         """Read a step's tokens and hand each to its request; returns how many were read."""
         result = done.output.result()
         now = time.monotonic()

@@ -11,6 +11,12 @@ from servelm.scheduler.outputs import ChoiceGroup, GeneratedChoice, GenerationRe
 from servelm.scheduler.sampling_params import SamplingParams
 
 
+class LoRAReader(Protocol):
+    """Reads an adapter folder for a request that names an adapter not loaded (``LoRARegistry.read``)."""
+
+    def read(self, path: str) -> LoRAAdapter: ...
+
+
 class Engine(Protocol):
     """What ``generate`` drives (``scheduler.engine.Engine``)."""
 
@@ -21,7 +27,8 @@ class Engine(Protocol):
         lora_name: str | None = None, lora_adapter: LoRAAdapter | None = None,
     ) -> None: ...  # fmt: skip
 
-    def read_lora_adapter(self, path: str) -> LoRAAdapter: ...
+    @property
+    def loras(self) -> LoRAReader: ...
 
     def has_unfinished_requests(self) -> bool: ...
 
@@ -83,7 +90,7 @@ def _add(engine: Engine, rid: str, ids: list[int], params: SamplingParams, lora_
             engine.add_request(rid, ids, params, lora_name=lora_name, lora_adapter=adapter)
             return
         except LoRANotLoadedError as e:
-            adapter = engine.read_lora_adapter(e.path)
+            adapter = engine.loras.read(e.path)
         except LoRALimitError:
             if not engine.has_unfinished_requests():
                 raise
@@ -93,8 +100,15 @@ def _add(engine: Engine, rid: str, ids: list[int], params: SamplingParams, lora_
 def _result(group: ChoiceGroup) -> GenerationResult:
     if group.results is not None:  # beam search: the finished hypotheses, not the beams that were running
         choices = [
-            GeneratedChoice(c.index, c.new_text, c.new_token_ids, c.finish_reason, c.stop_reason, c.new_logprobs,
-                            cumulative_logprob=c.cumulative_logprob)
+            GeneratedChoice(
+                c.index,
+                c.new_text,
+                c.new_token_ids,
+                c.finish_reason,
+                c.stop_reason,
+                c.new_logprobs,
+                cumulative_logprob=c.cumulative_logprob,
+            )
             for c in group.results
         ]
         return GenerationResult(group.request_id, group.prompt_token_ids, choices)

@@ -11,7 +11,7 @@ import torch
 
 from servelm.metrics.observer import RequestStats
 from servelm.runtime.batch import PENDING_TOKEN, PromptLogprobs, TokenLogprobs
-from servelm.scheduler.block_manager import block_hash_seed
+from servelm.scheduler.block_hash import block_hash_seed
 from servelm.scheduler.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # runtime-free imports only for type checkers

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from servelm.runtime.batch import BatchItem, RunnerOutput
+from servelm.runtime.batch import BatchItem
 from servelm.runtime.capacity import Capacity, kv_bytes_per_token, plan_capacity
 from servelm.runtime.config import ModelConfig
 from servelm.runtime.gguf.folder import stored_weight_bytes
@@ -33,20 +33,12 @@ from servelm.scheduler.draft_model import check_draft_serving, load_draft_config
 from servelm.scheduler.kv_events import KVEventsConfig, ZmqEventPublisher, make_publisher
 from servelm.scheduler.scheduler import Scheduler
 from servelm.scheduler.speculative import DraftModelConfig, NgramProposer, Proposer, parse_speculative_config
+from servelm.scheduler.step_plan import StepResult
 
 if TYPE_CHECKING:
     from servelm.runtime.kv_cache import KVPool
 
 log = logging.getLogger(__name__)
-
-class StepResult(Protocol):
-    """A step's sampling on its way to the host (``runtime.step.StepOutput``)."""
-
-    errors: dict[int, Exception]  # items whose sampling raised, by item index (known at once)
-
-    def result(self) -> RunnerOutput:
-        """The step's tokens, one entry per item (waits for them)."""
-        ...
 
 
 class RunnerLike(Protocol):
@@ -104,9 +96,13 @@ def start_up(config: EngineConfig, runner: RunnerLike | None = None) -> StartUp:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     # A GGUF file served as stored runs llama.cpp's arithmetic unless asked otherwise: int8 activations, float16 KV.
-    activations = resolve_gguf_activations(config.gguf_activations, serves_as_stored(model_dir, config.quantization, device, dtype))
+    activations = resolve_gguf_activations(
+        config.gguf_activations, serves_as_stored(model_dir, config.quantization, device, dtype)
+    )
     kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype, device, like_llama_cpp=activations == "int8")
-    config = dataclasses.replace(config, gguf_activations=activations, kv_cache_dtype=DTYPE_NAMES.get(kv_dtype, config.kv_cache_dtype))
+    config = dataclasses.replace(
+        config, gguf_activations=activations, kv_cache_dtype=DTYPE_NAMES.get(kv_dtype, config.kv_cache_dtype)
+    )
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     # Refused before the weights are loaded.
@@ -152,14 +148,18 @@ def start_up(config: EngineConfig, runner: RunnerLike | None = None) -> StartUp:
         if runner is None or runner.kv_pool is None:
             raise ValueError(f"an injected runner on {device} needs kv_cache_memory or a kv_pool")
         kv_memory = runner.kv_pool.nbytes
-    target_kv = kv_memory if draft is None else target_share(kv_memory, mc, draft[1], kv_dtype)  # the draft's pool has as many blocks
+    target_kv = (
+        kv_memory if draft is None else target_share(kv_memory, mc, draft[1], kv_dtype)
+    )  # the draft's pool has as many blocks
     if config.max_model_len is None and not defaults.sizes_kv_from_memory:
         # The pool's size is known before any weights: serve the model's whole context when it fits (a
         # 16k-token prompt to a 32k model is not a 400 by default), as vLLM does on a GPU.
         pool_tokens = target_kv // (kv_bytes_per_token(mc, kv_dtype) // tp * block_size) * block_size
         max_model_len = resolve_max_model_len(mc, None, defaults.sliding_window, pool_tokens)
     # Under tensor parallelism the budget is each rank's, as vLLM's memory settings are per GPU.
-    capacity = plan_capacity(mc, dtype, target_kv, block_size, max_model_len, stored_weight_bytes(model_dir), kv_dtype, tp)
+    capacity = plan_capacity(
+        mc, dtype, target_kv, block_size, max_model_len, stored_weight_bytes(model_dir), kv_dtype, tp
+    )
     log.info("KV capacity: %s", capacity.describe())
 
     resolved = dataclasses.replace(
@@ -192,13 +192,23 @@ def start_up(config: EngineConfig, runner: RunnerLike | None = None) -> StartUp:
     elif runner is None:
         runner = new_runner(model_dir, mc, device, dtype, block_size, num_blocks, max_batched, max_model_len, config)
     block_manager = BlockManager(
-        num_blocks, block_size, config.enable_prefix_caching, kv_events=bool(kv_events and kv_events.active),
+        num_blocks,
+        block_size,
+        config.enable_prefix_caching,
+        kv_events=bool(kv_events and kv_events.active),
         window=released_window(mc, runner, config),
     )
     proposer: Proposer | None = None
     if draft is not None:
-        draft_config = dataclasses.replace(config, gguf_activations=config.gguf_activations if serves_as_stored(draft[0], config.quantization, device, dtype) else "float32")
-        draft_runner = new_runner(draft[0], draft[1], device, dtype, block_size, num_blocks, max_batched, max_model_len, draft_config)
+        draft_config = dataclasses.replace(
+            config,
+            gguf_activations=config.gguf_activations
+            if serves_as_stored(draft[0], config.quantization, device, dtype)
+            else "float32",
+        )
+        draft_runner = new_runner(
+            draft[0], draft[1], device, dtype, block_size, num_blocks, max_batched, max_model_len, draft_config
+        )
         proposer = new_draft_proposer(speculative, *draft, draft_runner, config.seed, max_model_len)  # type: ignore[arg-type]
     elif speculative is not None:
         proposer = NgramProposer(speculative)  # type: ignore[arg-type]
@@ -216,7 +226,9 @@ def start_up(config: EngineConfig, runner: RunnerLike | None = None) -> StartUp:
     # Default: on where the forward runs in the background (CUDA), off elsewhere.
     ahead = defaults.async_scheduling if config.async_scheduling is None else config.async_scheduling
     if ahead and speculative is not None:
-        log.warning("speculative decoding needs each step's tokens before the next is scheduled: off while scheduling ahead")
+        log.warning(
+            "speculative decoding needs each step's tokens before the next is scheduled: off while scheduling ahead"
+        )
     if ahead and not defaults.async_scheduling:
         log.warning(
             "--async-scheduling on %s: the forward does not run in the background here, so every token "
@@ -247,7 +259,13 @@ def released_window(mc: ModelConfig, runner: RunnerLike, config: EngineConfig) -
     """The sliding window whose left-behind blocks the pool hands back: where the model has windowed
     layers and the pool's memory can be handed back piecewise (one process's CPU pool)."""
     pool = runner.kv_pool
-    if config.swa_full or not mc.window_layers or pool is None or not pool.releases_pages or config.tensor_parallel_size > 1:
+    if (
+        config.swa_full
+        or not mc.window_layers
+        or pool is None
+        or not pool.releases_pages
+        or config.tensor_parallel_size > 1
+    ):
         return None
     return mc.sliding_window
 
@@ -306,5 +324,7 @@ def check_tensor_parallel_serving(
     if injected:
         raise ValueError("--tensor-parallel-size starts its own runners: it cannot be given an injected runner")
     if enable_lora:
-        raise UnsupportedModelError("LoRA adapters (--enable-lora, --lora-modules) are not supported with --tensor-parallel-size > 1 yet")
+        raise UnsupportedModelError(
+            "LoRA adapters (--enable-lora, --lora-modules) are not supported with --tensor-parallel-size > 1 yet"
+        )
     check_tensor_parallel(mc, n, device=device, model_dir=model_dir, quantization=config.quantization)

@@ -1,12 +1,13 @@
-"""One step's plan as the scheduler hands it to the engine (``SchedulerOutput``), and the waiting
-queue's orders (``POLICIES``)."""
+"""One step's plan as the scheduler hands it to the engine (``SchedulerOutput``), the waiting queue's
+orders (``POLICIES``), and a step whose sampling was issued (``SampledStep``, its ``StepResult``)."""
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from servelm.runtime.batch import BatchItem
+from servelm.runtime.batch import BatchItem, RunnerOutput
 from servelm.scheduler.request import Request
 
 
@@ -52,3 +53,21 @@ def insert_by_priority(queue: deque[Request] | list[Request], req: Request) -> N
     while i > 0 and priority_key(queue[i - 1]) > key:
         i -= 1
     queue.insert(i, req)
+
+
+class StepResult(Protocol):
+    """A step's sampling on its way to the host (``runtime.step.StepOutput``)."""
+
+    errors: dict[int, Exception]  # items whose sampling raised, by item index (known at once)
+
+    def result(self) -> RunnerOutput:
+        """The step's tokens, one entry per item (waits for them)."""
+        ...
+
+
+@dataclass
+class SampledStep:
+    """A step whose sampling was issued: its items and its ``StepOutput`` (tokens not read yet)."""
+
+    items: list[BatchItem]
+    output: StepResult

@@ -40,7 +40,9 @@ class UnloadLoRAAdapterRequest(RequestBody):
 
 def lora_cards(ctx: ServingContext) -> list[ModelCard]:
     return [
-        ModelCard(id=name, created=ctx.created, root=path, parent=ctx.served_model_name, max_model_len=ctx.max_model_len)
+        ModelCard(
+            id=name, created=ctx.created, root=path, parent=ctx.served_model_name, max_model_len=ctx.max_model_len
+        )
         for name, path in ctx.loras.items()
     ]
 
@@ -48,15 +50,19 @@ def lora_cards(ctx: ServingContext) -> list[ModelCard]:
 async def load_lora_adapter(ctx: ServingContext, req: LoadLoRAAdapterRequest) -> PlainTextResponse:
     name = req.lora_name
     if name == ctx.served_model_name or name in ctx.loras:
-        raise bad_request(f"The lora adapter '{name}' has already been loaded.", param="lora_name", code="lora_adapter_exists")
+        raise bad_request(
+            f"The lora adapter '{name}' has already been loaded.", param="lora_name", code="lora_adapter_exists"
+        )
     engine: Any = ctx.async_engine.engine
     try:
         async with ctx.lora_reads:  # one read at a time: each holds a whole adapter until the engine takes it
             # Files and checks off the event loop and off the engine thread: a big adapter takes seconds.
             adapter = await asyncio.to_thread(engine.read_lora_adapter, req.lora_path)
-            await ctx.async_engine.call(lambda e: e.add_lora(name, adapter))
+            await ctx.async_engine.call(lambda e: e.loras.add(name, adapter))
     except ValueError as e:  # runtime.lora.LoRAError: the folder, or the name, is not servable
-        raise bad_request(f"Cannot load LoRA adapter '{name}': {e}", param="lora_path", code="invalid_lora_adapter") from None
+        raise bad_request(
+            f"Cannot load LoRA adapter '{name}': {e}", param="lora_path", code="invalid_lora_adapter"
+        ) from None
     except LoRALimitError as e:
         raise lora_limit_reached(f"Cannot load LoRA adapter '{name}': {e}.", param="lora_name") from None
     except APIError:
@@ -70,10 +76,12 @@ async def load_lora_adapter(ctx: ServingContext, req: LoadLoRAAdapterRequest) ->
 async def unload_lora_adapter(ctx: ServingContext, req: UnloadLoRAAdapterRequest) -> PlainTextResponse:
     name = req.lora_name
     if name not in ctx.loras:
-        raise APIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name", code="lora_adapter_not_found")
+        raise APIError(
+            404, f"The lora adapter '{name}' cannot be found.", param="lora_name", code="lora_adapter_not_found"
+        )
     del ctx.loras[name]  # new requests naming it get 404 from now on
     try:
-        await ctx.async_engine.call(lambda e: e.remove_lora(name))
+        await ctx.async_engine.call(lambda e: e.loras.remove(name))
     except Exception as e:
         raise engine_error(e) from None
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")

@@ -8,7 +8,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from servelm.scheduler.block_manager import BlockManager, PrefixMatch, block_hash_seed
+from servelm.scheduler.block_hash import block_hash_seed
+from servelm.scheduler.block_manager import BlockManager, PrefixMatch
 
 
 def test_allocate_and_free_counts() -> None:

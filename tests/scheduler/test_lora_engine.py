@@ -32,7 +32,9 @@ def adapters(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     tmp = tmp_path_factory.mktemp("engine-lora")
     return {
         "a": save_lora_adapter(tiny_llama_dir, tmp / "a", seed=11),
-        "b": save_lora_adapter(tiny_llama_dir, tmp / "b", seed=12, r=4, target_modules=["q_proj", "v_proj", "down_proj"]),
+        "b": save_lora_adapter(
+            tiny_llama_dir, tmp / "b", seed=12, r=4, target_modules=["q_proj", "v_proj", "down_proj"]
+        ),
     }
 
 
@@ -50,7 +52,9 @@ def refs(tiny_llama_dir: Path, adapters: dict[str, Path]) -> dict[str | None, li
 
 def lora_engine(model: Path, adapters: dict[str, Path], **cfg: Any) -> Engine:
     cfg.setdefault("kv_cache_memory", 2 * MiB)
-    config = EngineConfig(model=str(model), max_model_len=256, lora_modules=tuple((k, str(v)) for k, v in adapters.items()), **cfg)
+    config = EngineConfig(
+        model=str(model), max_model_len=256, lora_modules=tuple((k, str(v)) for k, v in adapters.items()), **cfg
+    )
     return Engine(config)
 
 
@@ -78,7 +82,9 @@ def test_mixed_adapters_equal_peft_greedy(
     engine.block_manager.check_invariants()
 
 
-def test_prefix_cache_is_per_adapter(tiny_llama_dir: Path, adapters: dict[str, Path], refs: dict[str | None, list[GreedyReference]]) -> None:
+def test_prefix_cache_is_per_adapter(
+    tiny_llama_dir: Path, adapters: dict[str, Path], refs: dict[str | None, list[GreedyReference]]
+) -> None:
     """The same prompt under another adapter finds nothing cached (its K/V differ); under the same
     adapter it finds its own blocks, and the tokens stay PEFT's."""
     engine = lora_engine(tiny_llama_dir, adapters)
@@ -121,13 +127,15 @@ def test_max_loras_bounds_the_adapters_of_a_step(
     assert engine.block_manager.num_used_blocks == 0
 
 
-def test_unload_while_running_and_errors(tiny_llama_dir: Path, adapters: dict[str, Path], refs: dict[str | None, list[GreedyReference]]) -> None:
+def test_unload_while_running_and_errors(
+    tiny_llama_dir: Path, adapters: dict[str, Path], refs: dict[str | None, list[GreedyReference]]
+) -> None:
     engine = lora_engine(tiny_llama_dir, {"a": adapters["a"]})
-    assert engine.lora_adapters == {"a": str(adapters["a"])}
+    assert engine.loras.adapters == {"a": str(adapters["a"])}
     engine.add_request("r0", PROMPTS[1], GREEDY, lora_name="a")
     tokens = [t for o in engine.step() for c in o.outputs for t in c.new_token_ids]
     (adapter_id,) = engine.runner.lora_ids
-    engine.remove_lora("a")  # r0 keeps its adapter until it finishes
+    engine.loras.remove("a")  # r0 keeps its adapter until it finishes
     with pytest.raises(LoRANotFoundError):
         engine.add_request("r1", PROMPTS[1], GREEDY, lora_name="a")
     assert engine.runner.lora_ids == {adapter_id}
@@ -136,19 +144,27 @@ def test_unload_while_running_and_errors(tiny_llama_dir: Path, adapters: dict[st
     assert_matches_reference(tokens, refs["a"][1], "unloaded while running")
     assert engine.runner.lora_ids == set()
     # Loaded again under the same name: a new id, so nothing of the old one is reused.
-    new_id = engine.add_lora("a", str(adapters["a"]))
+    new_id = engine.loras.add("a", str(adapters["a"]))
     assert new_id != adapter_id
     with pytest.raises(LoRAError, match="already served"):
-        engine.add_lora("a", str(adapters["b"]))
+        engine.loras.add("a", str(adapters["b"]))
     with pytest.raises(LoRAError, match="already served"):
-        engine.add_lora(engine.served_model_name, str(adapters["b"]))
+        engine.loras.add(engine.served_model_name, str(adapters["b"]))
     with pytest.raises(LoRANotFoundError):
-        engine.remove_lora("nope")
+        engine.loras.remove("nope")
     with pytest.raises(LoRAError, match="rank 8, more than --max-lora-rank 4"):
-        Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=2 * MiB, max_model_len=256, lora_modules=(("a", str(adapters["a"])),), max_lora_rank=4))
+        Engine(
+            EngineConfig(
+                model=str(tiny_llama_dir),
+                kv_cache_memory=2 * MiB,
+                max_model_len=256,
+                lora_modules=(("a", str(adapters["a"])),),
+                max_lora_rank=4,
+            )
+        )
     plain = Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=2 * MiB, max_model_len=256))
     with pytest.raises(LoRAError, match="not enabled"):
-        plain.add_lora("a", str(adapters["a"]))
+        plain.loras.add("a", str(adapters["a"]))
     with pytest.raises(LoRANotFoundError):
         plain.add_request("r", PROMPTS[0], GREEDY, lora_name="a")
 
@@ -158,7 +174,7 @@ def test_aborted_and_failed_requests_release_their_adapter(tiny_llama_dir: Path,
     engine.add_request("r0", PROMPTS[0], SamplingParams(max_tokens=8, n=3, temperature=1.0, seed=1), lora_name="a")
     engine.add_request("r1", PROMPTS[1], GREEDY, lora_name="a")
     engine.step()
-    engine.remove_lora("a")
+    engine.loras.remove("a")
     engine.abort("r0")
     engine.abort("r1")
     engine.step()
@@ -188,9 +204,9 @@ def test_step_stats_name_running_and_waiting_adapters(tiny_llama_dir: Path, adap
     assert (["b"], []) in stats
     plain_stats: list[Any] = []
     Obs.on_step = lambda self, s: plain_stats.append(s.lora_adapters)
-    Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=2 * MiB, max_model_len=256), observer=Obs()).generate(
-        [PROMPTS[0]], SamplingParams(max_tokens=2)
-    )
+    Engine(
+        EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=2 * MiB, max_model_len=256), observer=Obs()
+    ).generate([PROMPTS[0]], SamplingParams(max_tokens=2))
     assert plain_stats and all(s is None for s in plain_stats)
 
 
@@ -199,11 +215,22 @@ def test_default_model_int4_with_an_adapter_equals_peft(default_model_dir: Path,
     """The embedded model served in its own 4-bit format (``--quantization auto``) with an adapter on
     every projection: greedy tokens equal PEFT's float32 ones, and the base model's stay HF's."""
     adapter = save_lora_adapter(default_model_dir, tmp_path / "smol", seed=5, r=8, std=0.05)
-    engine = Engine(EngineConfig(kv_cache_memory=64 * MiB, max_model_len=512, quantization="auto", lora_modules=(("smol", str(adapter)),)))
+    engine = Engine(
+        EngineConfig(
+            kv_cache_memory=64 * MiB, max_model_len=512, quantization="auto", lora_modules=(("smol", str(adapter)),)
+        )
+    )
     # auto takes int4 only where its kernels run (AVX-512); elsewhere the same weights stay float32.
     assert engine.runner.quantization == ("int4" if cpu_linear.quantized_kernels() else None)
     tok = engine.tokenizer
-    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Tell me a short story about a dragon."}], add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+    ids = tok.encode(
+        tok.apply_chat_template(
+            [{"role": "user", "content": "Tell me a short story about a dragon."}],
+            add_generation_prompt=True,
+            tokenize=False,
+        ),
+        add_special_tokens=False,
+    )
     n = 16
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
     ours = engine.generate([ids, ids], params, lora_names=["smol", None])
@@ -214,23 +241,37 @@ def test_default_model_int4_with_an_adapter_equals_peft(default_model_dir: Path,
     assert_matches_reference(ours[1].outputs[0].token_ids, ref_base, "base")
 
 
-def test_cache_salt_separates_prefix_caches(tiny_llama_dir: Path, adapters: dict[str, Path], refs: dict[str | None, list[GreedyReference]]) -> None:
+def test_cache_salt_separates_prefix_caches(
+    tiny_llama_dir: Path, adapters: dict[str, Path], refs: dict[str | None, list[GreedyReference]]
+) -> None:
     """vLLM's cache_salt: a request shares cached blocks only with requests of the same salt (and the
     same adapter); the tokens do not change."""
     engine = lora_engine(tiny_llama_dir, adapters)
     cached = []
-    for salt, name in ((None, None), ("tenant-1", None), ("tenant-1", None), ("tenant-2", None), (None, None), ("tenant-1", "a"), ("tenant-1", "a")):
+    for salt, name in (
+        (None, None),
+        ("tenant-1", None),
+        ("tenant-1", None),
+        ("tenant-2", None),
+        (None, None),
+        ("tenant-1", "a"),
+        ("tenant-1", "a"),
+    ):
         rid = f"r{len(cached)}"
         engine.add_request(rid, PROMPTS[0], GREEDY, lora_name=name, cache_salt=salt)
         outs = []
         while engine.has_unfinished_requests():
             outs += [o for o in engine.step() if o.request_id == rid]
         cached.append(outs[-1].num_cached_tokens)
-        assert_matches_reference([t for o in outs for c in o.outputs for t in c.new_token_ids], refs[name][0], f"{salt} {name}")
+        assert_matches_reference(
+            [t for o in outs for c in o.outputs for t in c.new_token_ids], refs[name][0], f"{salt} {name}"
+        )
     assert cached == [0, 0, 16, 0, 16, 0, 16]
 
 
-def test_priority_policy_keeps_tokens_exact(tiny_llama_dir: Path, adapters: dict[str, Path], refs: dict[str | None, list[GreedyReference]]) -> None:
+def test_priority_policy_keeps_tokens_exact(
+    tiny_llama_dir: Path, adapters: dict[str, Path], refs: dict[str | None, list[GreedyReference]]
+) -> None:
     """--scheduling-policy priority with adapters, under preemption: tokens are PEFT's, higher
     priorities start first; a priority under fcfs is refused by name."""
     engine = lora_engine(tiny_llama_dir, adapters, scheduling_policy="priority", **CASES["preempted"])
@@ -251,7 +292,9 @@ def test_priority_policy_keeps_tokens_exact(tiny_llama_dir: Path, adapters: dict
     assert e.value.param == "priority"
 
 
-def test_speculative_drafts_are_verified_with_the_adapter(tiny_llama_dir: Path, adapters: dict[str, Path], refs: dict[str | None, list[GreedyReference]]) -> None:
+def test_speculative_drafts_are_verified_with_the_adapter(
+    tiny_llama_dir: Path, adapters: dict[str, Path], refs: dict[str | None, list[GreedyReference]]
+) -> None:
     """n-gram drafts of an adapter's request are computed as its decode rows, with its update: the
     tokens stay PEFT's while drafts are kept and thrown away."""
     spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}'

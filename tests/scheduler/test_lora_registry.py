@@ -30,8 +30,12 @@ def folders(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> l
 
 def make_engine(model: Path, modules: list[tuple[str, Path]], **cfg: Any) -> Engine:
     config = EngineConfig(
-        model=str(model), kv_cache_memory=2 * MiB, max_model_len=256, enable_lora=True,
-        lora_modules=tuple((n, str(p)) for n, p in modules), **cfg,
+        model=str(model),
+        kv_cache_memory=2 * MiB,
+        max_model_len=256,
+        enable_lora=True,
+        lora_modules=tuple((n, str(p)) for n, p in modules),
+        **cfg,
     )
     return Engine(config)
 
@@ -48,7 +52,12 @@ def run(engine: Engine, rid: str, name: str | None, adapter: Any = None) -> list
 
 def installed_ids(engine: Engine) -> set[int]:
     """Adapter ids whose weights some projection of the model holds (what memory is really spent on)."""
-    return {i for m in engine.runner.model.modules() if isinstance(m, Linear) and m.method.parts.lora is not None for i in m.method.parts.lora.updates}
+    return {
+        i
+        for m in engine.runner.model.modules()
+        if isinstance(m, Linear) and m.method.parts.lora is not None
+        for i in m.method.parts.lora.updates
+    }
 
 
 def test_loading_many_adapters_keeps_at_most_max_cpu_loras(tiny_llama_dir: Path, folders: list[Path]) -> None:
@@ -57,14 +66,14 @@ def test_loading_many_adapters_keeps_at_most_max_cpu_loras(tiny_llama_dir: Path,
     is still served."""
     engine = make_engine(tiny_llama_dir, [], max_loras=2)
     for i in range(8):
-        engine.add_lora(f"n{i}", str(folders[0]))
+        engine.loras.add(f"n{i}", str(folders[0]))
         assert len(engine.runner.lora_ids) <= 2 and len(installed_ids(engine)) <= 2, i
-    assert set(engine.lora_adapters) == {f"n{i}" for i in range(8)}
+    assert set(engine.loras.adapters) == {f"n{i}" for i in range(8)}
     assert set(engine.loras.loaded) == {"n6", "n7"}
     assert installed_ids(engine) == engine.runner.lora_ids == set(engine.loras.loaded.values())
     # A request naming n6 makes it the most recently used: loading another unloads n7.
     run(engine, "r0", "n6")
-    engine.add_lora("x", str(folders[1]))
+    engine.loras.add("x", str(folders[1]))
     assert set(engine.loras.loaded) == {"n6", "x"}
 
 
@@ -73,7 +82,7 @@ def test_an_evicted_adapter_is_read_again_by_the_caller(tiny_llama_dir: Path, fo
     request for an unloaded one is refused by the engine until the caller hands it the weights read
     again from the folder, and it then gets the same tokens as a server that never unloaded it."""
     engine = make_engine(tiny_llama_dir, [("a", folders[0]), ("b", folders[1])], max_loras=1)
-    assert set(engine.lora_adapters) == {"a", "b"} and set(engine.loras.loaded) == {"b"}
+    assert set(engine.loras.adapters) == {"a", "b"} and set(engine.loras.loaded) == {"b"}
     tokens_b = run(engine, "r0", "b")
     from servelm.scheduler.lora_registry import LoRANotLoadedError
 
@@ -82,9 +91,9 @@ def test_an_evicted_adapter_is_read_again_by_the_caller(tiny_llama_dir: Path, fo
     assert e.value.path == str(folders[0]) and e.value.name == "a"
     assert not engine.has_unfinished_requests() and set(engine.loras.loaded) == {"b"}
     old_b = engine.loras.loaded["b"]
-    tokens_a = run(engine, "r1", "a", engine.read_lora_adapter(e.value.path))  # "b" is not in use: unloaded
+    tokens_a = run(engine, "r1", "a", engine.loras.read(e.value.path))  # "b" is not in use: unloaded
     assert set(engine.loras.loaded) == {"a"} and engine.runner.lora_ids == {engine.loras.loaded["a"]}
-    assert run(engine, "r2", "b", engine.read_lora_adapter(str(folders[1]))) == tokens_b
+    assert run(engine, "r2", "b", engine.loras.read(str(folders[1]))) == tokens_b
     assert engine.loras.loaded["b"] != old_b  # a new id: the old copy's prefix-cache blocks are never served
     # Offline, ``generate`` reads an unloaded adapter itself.
     assert engine.generate([PROMPT], GREEDY, lora_names="a")[0].outputs[0].token_ids == tokens_a
@@ -99,28 +108,30 @@ def test_adapters_in_use_are_never_evicted(tiny_llama_dir: Path, folders: list[P
     refused with ``LoRALimitError`` naming --max-cpu-loras, and nothing is queued."""
     from servelm.scheduler.lora_registry import LoRALimitError
 
-    engine = make_engine(tiny_llama_dir, [("z", folders[2]), ("a", folders[0]), ("b", folders[1])], max_loras=1, max_cpu_loras=2)
+    engine = make_engine(
+        tiny_llama_dir, [("z", folders[2]), ("a", folders[0]), ("b", folders[1])], max_loras=1, max_cpu_loras=2
+    )
     assert set(engine.loras.loaded) == {"a", "b"}
     engine.add_request("ra", PROMPT, GREEDY, lora_name="a")
     engine.add_request("rb", PROMPT, GREEDY, lora_name="b")  # waits (max_loras=1) but holds "b"
     engine.step()
     assert engine.num_running == 1 and engine.num_waiting == 1
     with pytest.raises(LoRALimitError, match="--max-cpu-loras 2") as e:
-        engine.add_lora("c", str(folders[2]))
+        engine.loras.add("c", str(folders[2]))
     assert e.value.limit == 2
-    assert "c" not in engine.lora_adapters
+    assert "c" not in engine.loras.adapters
     with pytest.raises(LoRALimitError):
-        engine.add_request("rz", PROMPT, GREEDY, lora_name="z", lora_adapter=engine.read_lora_adapter(str(folders[2])))
+        engine.add_request("rz", PROMPT, GREEDY, lora_name="z", lora_adapter=engine.loras.read(str(folders[2])))
     assert engine.num_waiting == 1 and "rz" not in engine._groups
-    engine.remove_lora("a")  # still computing "ra": it still counts
+    engine.loras.remove("a")  # still computing "ra": it still counts
     with pytest.raises(LoRALimitError):
-        engine.add_lora("c", str(folders[2]))
+        engine.loras.add("c", str(folders[2]))
     assert len(engine.runner.lora_ids) == 2 == len(installed_ids(engine))
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.runner.lora_ids == {engine.loras.loaded["b"]}  # "a" went with its last request
-    engine.add_lora("c", str(folders[2]))
-    engine.add_request("rz", PROMPT, GREEDY, lora_name="z", lora_adapter=engine.read_lora_adapter(str(folders[2])))
+    engine.loras.add("c", str(folders[2]))
+    engine.add_request("rz", PROMPT, GREEDY, lora_name="z", lora_adapter=engine.loras.read(str(folders[2])))
     assert set(engine.loras.loaded) == {"c", "z"}  # "b", the least recently used, went
     while engine.has_unfinished_requests():
         engine.step()
@@ -142,6 +153,6 @@ def test_a_vanished_folder_fails_alone(tiny_llama_dir: Path, folders: list[Path]
         engine.generate([PROMPT], GREEDY, lora_names="gone")
     assert not engine.has_unfinished_requests() and not engine.loras.in_use
     assert run(engine, "rb", "b") and run(engine, "base", None)
-    assert "gone" in engine.lora_adapters
-    engine.remove_lora("gone")
-    assert set(engine.lora_adapters) == {"b"}
+    assert "gone" in engine.loras.adapters
+    engine.loras.remove("gone")
+    assert set(engine.loras.adapters) == {"b"}

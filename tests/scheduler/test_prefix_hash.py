@@ -12,7 +12,8 @@ import sys
 import pytest
 from block_seq import Seq
 
-from servelm.scheduler.block_manager import BlockManager, block_hash_seed, hash_block
+from servelm.scheduler.block_hash import block_hash_seed, hash_block
+from servelm.scheduler.block_manager import BlockManager
 from servelm.scheduler.request import Request
 from servelm.scheduler.sampling_params import SamplingParams
 
@@ -49,8 +50,21 @@ def test_seeds_are_digests_of_the_adapter_and_salt() -> None:
 
 def test_seeds_are_distinct_for_every_adapter_and_salt() -> None:
     """A salt can never stand for an adapter id or another salt (fixed-width id, a salt flag, salt last)."""
-    keys = [(0, None), (1, None), (2, None), (0, "1"), (1, "1"), (0, "\x01"), (0, "\x00"), (0, "1\x00"),
-            (0, "\x01\x00\x00\x00\x00\x00\x00\x00\x00"), (256, None), (0, "a"), (1, "a"), (0, "")]
+    keys = [
+        (0, None),
+        (1, None),
+        (2, None),
+        (0, "1"),
+        (1, "1"),
+        (0, "\x01"),
+        (0, "\x00"),
+        (0, "1\x00"),
+        (0, "\x01\x00\x00\x00\x00\x00\x00\x00\x00"),
+        (256, None),
+        (0, "a"),
+        (1, "a"),
+        (0, ""),
+    ]
     seeds = [block_hash_seed(lora, salt) for lora, salt in keys]
     assert len(set(seeds)) == len(seeds)
 

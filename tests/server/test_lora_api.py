@@ -55,7 +55,11 @@ def lora(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     spare = save_lora_adapter(tiny_llama_dir, tmp / "spare", seed=23)
     proxy = ObserverProxy()
     config = EngineConfig(
-        model=str(tiny_llama_dir), kv_cache_memory=4 * 2**20, max_model_len=256, max_loras=2, max_cpu_loras=4,
+        model=str(tiny_llama_dir),
+        kv_cache_memory=4 * 2**20,
+        max_model_len=256,
+        max_loras=2,
+        max_cpu_loras=4,
         lora_modules=tuple((k, str(v)) for k, v in adapters.items()),
     )
     engine = Engine(config, observer=proxy)
@@ -63,9 +67,9 @@ def lora(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     ids = engine.tokenizer.encode(PROMPT)
     texts = {name: engine.generate([ids], greedy, lora_names=name)[0].outputs[0].text for name in (None, "sql", "poet")}
     assert len(set(texts.values())) == 3  # the adapters change the answer
-    engine.add_lora("spare_ref", str(spare))
+    engine.loras.add("spare_ref", str(spare))
     texts["spare"] = engine.generate([ids], greedy, lora_names="spare_ref")[0].outputs[0].text
-    engine.remove_lora("spare_ref")
+    engine.loras.remove("spare_ref")
     observer = create_prometheus_observer(engine)
     proxy.target = observer
     ae = AsyncEngine(engine, observer=proxy)
@@ -78,14 +82,21 @@ def lora(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
 
 def _complete(c: openai.OpenAI, model: str) -> str:
-    r = c.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+    r = c.completions.create(
+        model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.model == model
     return r.choices[0].text
 
 
 def _idle(lora: Lora) -> None:
     deadline = time.monotonic() + 20
-    while lora.ae.snapshot.num_running or lora.ae.snapshot.num_waiting or lora.ae.snapshot.num_used_blocks or lora.ae._groups:
+    while (
+        lora.ae.snapshot.num_running
+        or lora.ae.snapshot.num_waiting
+        or lora.ae.snapshot.num_used_blocks
+        or lora.ae._groups
+    ):
         assert time.monotonic() < deadline, lora.ae.snapshot
         time.sleep(0.05)
 
@@ -143,7 +154,12 @@ def test_cache_salt_over_http(lora: Lora) -> None:
     r1 = c.chat.completions.create(model="sql", messages=msgs, max_tokens=1, extra_body={"cache_salt": "carol"})
     r2 = c.chat.completions.create(model="sql", messages=msgs, max_tokens=1, extra_body={"cache_salt": "carol"})
     assert r1.usage.prompt_tokens_details.cached_tokens == 0 < r2.usage.prompt_tokens_details.cached_tokens
-    hits = [c.responses.create(model=lora.base, input=prompt, max_output_tokens=1, extra_body={"cache_salt": "dave"}).usage.input_tokens_details.cached_tokens for _ in range(2)]
+    hits = [
+        c.responses.create(
+            model=lora.base, input=prompt, max_output_tokens=1, extra_body={"cache_salt": "dave"}
+        ).usage.input_tokens_details.cached_tokens
+        for _ in range(2)
+    ]
     assert hits[0] == 0 < hits[1]
     r = lora.post("/v1/completions", {"model": lora.base, "prompt": prompt, "cache_salt": ""})
     assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
@@ -198,7 +214,9 @@ def test_load_and_unload_at_run_time(lora: Lora) -> None:
 def test_unload_while_streaming_lets_the_stream_finish(lora: Lora) -> None:
     c = lora.client()
     assert lora.post("/v1/load_lora_adapter", {"lora_name": "tmp", "lora_path": str(lora.spare)}).status_code == 200
-    stream = c.completions.create(model="tmp", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stream=True, extra_body={"ignore_eos": True})
+    stream = c.completions.create(
+        model="tmp", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
     first = next(iter(stream))
     assert lora.post("/v1/unload_lora_adapter", {"lora_name": "tmp"}).status_code == 200
     text = first.choices[0].text + "".join(ch.choices[0].text for ch in stream if ch.choices)

@@ -75,7 +75,11 @@ def served(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     tmp = tmp_path_factory.mktemp("api-lora-limits")
     folders = [save_lora_adapter(tiny_llama_dir, tmp / f"f{i}", seed=60 + i, r=4) for i in range(3)]
     config = EngineConfig(
-        model=str(tiny_llama_dir), kv_cache_memory=4 * 2**20, max_model_len=256, max_loras=1, max_cpu_loras=LIMIT,
+        model=str(tiny_llama_dir),
+        kv_cache_memory=4 * 2**20,
+        max_model_len=256,
+        max_loras=1,
+        max_cpu_loras=LIMIT,
         lora_modules=(("m0", str(folders[0])),),
     )
     engine = Engine(config)
@@ -83,9 +87,9 @@ def served(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     ids = engine.tokenizer.encode(PROMPT)
     texts = {}
     for i, folder in enumerate(folders):
-        engine.add_lora(f"ref{i}", str(folder))
+        engine.loras.add(f"ref{i}", str(folder))
         texts[folder] = engine.generate([ids], greedy, lora_names=f"ref{i}")[0].outputs[0].text
-        engine.remove_lora(f"ref{i}")
+        engine.loras.remove(f"ref{i}")
     assert len(set(texts.values())) == 3  # the adapters change the answer
     slow = threading.Event()
     launch = engine.runner.launch
@@ -179,7 +183,10 @@ def test_every_loaded_adapter_in_use_gives_429(served: Served) -> None:
             served.wait_for(running=1, waiting=0)
             runs.append(pool.submit(served.complete, "q", LONG))  # waits (--max-loras 1), holding "q"
             served.wait_for(running=1, waiting=1)
-            for r, param in ((served.load("more", served.folders[0]), "lora_name"), (served.complete("evicted"), "model")):
+            for r, param in (
+                (served.load("more", served.folders[0]), "lora_name"),
+                (served.complete("evicted"), "model"),
+            ):
                 assert r.status_code == 429, r.text
                 err = r.json()["error"]
                 assert err["code"] == "lora_limit_reached" and err["param"] == param, err
