@@ -39,6 +39,7 @@ bench: model
 lint: $(STAMP)
 	$(VENV)/bin/hadolint --failure-threshold warning Dockerfile
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	mkdir -p build/mypy/servelm
 	for p in server scheduler runtime metrics bench; do ln -sfn ../../../$$p build/mypy/servelm/$$p; done
 	$(VENV)/bin/mypy

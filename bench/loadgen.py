@@ -40,21 +40,27 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     p.add_argument("--dataset", choices=("random",), default="random", help="ignored when --dataset-path is given")
-    p.add_argument("--dataset-path", default=None, help='JSONL: {"prompt": ..., "max_tokens": ...} or {"messages": [...]}')
+    p.add_argument(
+        "--dataset-path", default=None, help='JSONL: {"prompt": ..., "max_tokens": ...} or {"messages": [...]}'
+    )
     p.add_argument("--input-len", type=int, default=128, help="random: prompt tokens (after the shared prefix)")
     p.add_argument("--output-len", type=int, default=128, help="random: max_tokens (also the JSONL default)")
     p.add_argument("--range-ratio", type=float, default=0.0, help="random: lengths uniform in len*(1±r)")
     p.add_argument("--prefix-len", type=int, default=0, help="random: tokens of a prefix shared by every prompt")
     p.add_argument("--token-ids", action="store_true", help="completions: send prompts as token ids")
     p.add_argument("--num-prompts", type=int, default=100)
-    p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s, Poisson arrivals (inf: all at once)")
+    p.add_argument(
+        "--request-rate", type=float, default=math.inf, help="requests/s, Poisson arrivals (inf: all at once)"
+    )
     p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens (vLLM-style extension)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
     p.add_argument("--tokenizer", default=None, help="local tokenizer folder (default: the default model's)")
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token (default: $OPENAI_API_KEY)")
+    p.add_argument(
+        "--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token (default: $OPENAI_API_KEY)"
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
     p.add_argument("--compare-base-url", default=None, help="run the same workload against a second server")
     p.add_argument("--result-json", default=None, help="write the summary and per-request data here")
@@ -65,7 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``bench`` on a CLI's subparsers (``servelm bench``); sets ``func=run``."""
-    p = subparsers.add_parser("bench", help="load-test an OpenAI-compatible server", description=__doc__.split("\n\n")[0])
+    p = subparsers.add_parser(
+        "bench", help="load-test an OpenAI-compatible server", description=__doc__.split("\n\n")[0]
+    )
     add_arguments(p)
     p.set_defaults(func=run)
     return p

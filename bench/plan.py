@@ -23,8 +23,18 @@ from servelm.runtime.capacity import DEVICE_PRESETS, CapacityError, dtype_bytes,
 from servelm.runtime.config import ModelConfig, UnsupportedModelError
 
 # Hugging Face config.json fields of well-known shapes, so plans need no download.
-_LLAMA2 = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5}
-_LLAMA3 = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "max_position_embeddings": 8192, "rope_theta": 500000.0}
+_LLAMA2 = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+}
+_LLAMA3 = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "rope_theta": 500000.0,
+}
 PRESET_MODELS: dict[str, dict[str, Any]] = {
     "llama-2-7b": _LLAMA2 | {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32},
     "llama-2-13b": _LLAMA2 | {"hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 40, "num_attention_heads": 40},
@@ -250,7 +260,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``plan`` on a CLI's subparsers (``servelm plan``); sets ``func=run``."""
-    p = subparsers.add_parser("plan", help="memory and roofline plan for a model on a device", description=__doc__.split("\n\n")[0])
+    p = subparsers.add_parser(
+        "plan", help="memory and roofline plan for a model on a device", description=__doc__.split("\n\n")[0]
+    )
     add_arguments(p)
     p.set_defaults(func=run)
     return p

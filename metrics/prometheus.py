@@ -162,8 +162,12 @@ class PrometheusObserver:
         # Speculative decoding, vLLM's spec_decode counters: acceptance rate = accepted / draft tokens,
         # mean accepted length = 1 + accepted / drafts.
         self.spec_drafts = counter("servelm_spec_decode_num_drafts", "Sequences whose drafts were verified.").labels(m)
-        self.spec_draft_tokens = counter("servelm_spec_decode_num_draft_tokens", "Speculative draft tokens verified.").labels(m)
-        self.spec_accepted_tokens = counter("servelm_spec_decode_num_accepted_tokens", "Speculative draft tokens kept.").labels(m)
+        self.spec_draft_tokens = counter(
+            "servelm_spec_decode_num_draft_tokens", "Speculative draft tokens verified."
+        ).labels(m)
+        self.spec_accepted_tokens = counter(
+            "servelm_spec_decode_num_accepted_tokens", "Speculative draft tokens kept."
+        ).labels(m)
         self.spec_per_pos = Counter("servelm_spec_decode_num_accepted_tokens_per_pos", "Draft tokens kept at each "
                                     "position (0: the first draft).", labels + ["position"], registry=reg)  # fmt: skip
         self.prefix_cache_hits = counter(
@@ -248,7 +252,9 @@ class PrometheusObserver:
         self._lora_state = adapters
         running, waiting = adapters
         self.lora_info.clear()
-        self.lora_info.labels(self.model_name, str(self.max_loras), ",".join(running), ",".join(waiting)).set(time.time())
+        self.lora_info.labels(self.model_name, str(self.max_loras), ",".join(running), ",".join(waiting)).set(
+            time.time()
+        )
 
     def on_request_finished(self, stats: RequestStats) -> None:
         failure = _FAILURE_OF.get(stats.finish_reason)

@@ -127,7 +127,11 @@ def median_cpu_peaks(measure: Callable[[], tuple[float, float]] = measure_cpu_pe
         log.info(
             "CPU peaks measured now %.0f GFLOP/s, %.1f GB/s; using the median of the last %d start-ups "
             "%.0f GFLOP/s, %.1f GB/s",
-            flops / 1e9, bandwidth / 1e9, len(readings), peaks[0] / 1e9, peaks[1] / 1e9,
+            flops / 1e9,
+            bandwidth / 1e9,
+            len(readings),
+            peaks[0] / 1e9,
+            peaks[1] / 1e9,
         )
     return peaks
 

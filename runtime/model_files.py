@@ -117,8 +117,7 @@ def resolve_model_path(model: str | None) -> Path:
         if _is_hf_folder(p):
             return p
         raise UnsupportedModelError(
-            f"--model {model}: expected a Hugging Face folder with config.json and *.safetensors, "
-            "or a .gguf file"
+            f"--model {model}: expected a Hugging Face folder with config.json and *.safetensors, or a .gguf file"
         )
     raise UnsupportedModelError(
         f"--model {model}: no such file or folder (expected a Hugging Face folder with config.json and "

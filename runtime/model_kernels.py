@@ -18,7 +18,9 @@ NormKernel = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 # Residual add + RMS norm in one kernel: (x, residual | None, weight, eps) -> (norm(x + residual), x + residual).
-FusedRmsNorm = Callable[[torch.Tensor, "torch.Tensor | None", torch.Tensor, float], "tuple[torch.Tensor, torch.Tensor | None]"]
+FusedRmsNorm = Callable[
+    [torch.Tensor, "torch.Tensor | None", torch.Tensor, float], "tuple[torch.Tensor, torch.Tensor | None]"
+]
 
 
 @dataclass(frozen=True)

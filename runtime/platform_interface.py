@@ -61,7 +61,10 @@ class Platform:
         raise NotImplementedError(f"no defaults for {self.name}")
 
     def host_to_device(
-        self, values: Sequence[int] | Sequence[float] | torch.Tensor, device: torch.device, dtype: torch.dtype = torch.int64
+        self,
+        values: Sequence[int] | Sequence[float] | torch.Tensor,
+        device: torch.device,
+        dtype: torch.dtype = torch.int64,
     ) -> torch.Tensor:
         """Host values (a list, or a CPU tensor) on ``device``, without waiting for it where it can."""
         t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
@@ -122,7 +125,12 @@ class Platform:
         """Hand the allocator's cached blocks back to the device (after a scratch step, before the pool)."""
 
     def kv_budget_bytes(
-        self, device: torch.device, utilization: float, warm_up: Callable[[], int], scratch_bytes: int, reserve_bytes: int
+        self,
+        device: torch.device,
+        utilization: float,
+        warm_up: Callable[[], int],
+        scratch_bytes: int,
+        reserve_bytes: int,
     ) -> int:
         """Bytes the KV pool may take within ``utilization`` of the device's memory."""
         raise NotImplementedError(f"{self.name} does not size the KV pool from device memory")

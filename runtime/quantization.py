@@ -61,10 +61,11 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
     return (q.float() * scale[:, None]).to(dtype)
 
 
-
 def _group_view(weight: torch.Tensor) -> torch.Tensor:
     if weight.dim() != 2 or weight.shape[1] % GROUP:
-        raise ValueError(f"grouped quantization takes a [N, K] weight with K a multiple of {GROUP}, got {tuple(weight.shape)}")
+        raise ValueError(
+            f"grouped quantization takes a [N, K] weight with K a multiple of {GROUP}, got {tuple(weight.shape)}"
+        )
     w = weight.detach().float()
     return w.view(w.shape[0], w.shape[1] // GROUP, GROUP)
 
@@ -97,8 +98,9 @@ def quantize_int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return packed.reshape(w.shape[0], -1).contiguous(), d16, m16
 
 
-def dequantize_int4_groups(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-                           dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_int4_groups(
+    packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """``d * q + m`` in float32 (then ``dtype``): the weight the int4 model computes with."""
     n, groups = scales.shape
     p = packed.view(n, groups, GROUP // 2)
@@ -166,7 +168,9 @@ def head_scheme(quantization: str) -> str:
     return "int8_groups" if quantization == "int4" else quantization
 
 
-def quantize(weight: torch.Tensor, scheme: str, kernels: dict[str, tuple[QuantizedKernel, int]] | None = None) -> QuantizedWeight:
+def quantize(
+    weight: torch.Tensor, scheme: str, kernels: dict[str, tuple[QuantizedKernel, int]] | None = None
+) -> QuantizedWeight:
     """Quantize ``weight`` ``[N, K]`` with ``scheme``, with the few-row kernel ``kernels[scheme]`` when given."""
     if scheme not in _QUANTIZERS:
         raise ValueError(f"unknown quantization scheme {scheme!r}")
@@ -179,7 +183,9 @@ def check_group_widths(widths: list[int], quantization: str | None) -> None:
     if quantization == "int4":
         odd = sorted({k for k in widths if k % GROUP})
         if odd:
-            raise ValueError(f"--quantization int4 needs every projection's input width to be a multiple of {GROUP}; this model has {odd}")
+            raise ValueError(
+                f"--quantization int4 needs every projection's input width to be a multiple of {GROUP}; this model has {odd}"
+            )
 
 
 def projection_widths(cfg: Any) -> list[int]:

@@ -58,6 +58,7 @@ def serves_as_stored(model_dir: str | Path, quantization: str | None, device: to
         and dtype == torch.float32
     )
 
+
 class ModelRunner:
     """Owns the model, the KV pool and the attention backend; ``execute`` runs one step."""
 
@@ -99,7 +100,9 @@ class ModelRunner:
         check_quantization(quantization, torch.device(device), dtype)
         self.platform = platform_of(device)
         if not self.platform.serves_gemma and model_config.gemma_norms:
-            raise UnsupportedModelError(f"{model_config.architecture} is served on CPU only (its sliding windows and norms have no CUDA path yet)")
+            raise UnsupportedModelError(
+                f"{model_config.architecture} is served on CPU only (its sliding windows and norms have no CUDA path yet)"
+            )
         widths = projection_widths(model_config)
         check_group_widths(widths, quantization)
         self.model_config = model_config
@@ -124,8 +127,10 @@ class ModelRunner:
         if gguf_activations not in GGUF_ACTIVATIONS:
             raise ValueError(f"unknown gguf_activations {gguf_activations!r}; supported: {', '.join(GGUF_ACTIVATIONS)}")
         if gguf_activations == "int8" and not self.weights_as_stored:
-            raise ValueError("--gguf-activations int8 applies to a GGUF file served as stored "
-                             "(CPU, --dtype float32, --quantization auto or unset)")
+            raise ValueError(
+                "--gguf-activations int8 applies to a GGUF file served as stored "
+                "(CPU, --dtype float32, --quantization auto or unset)"
+            )
         self.gguf_activations = gguf_activations
         self.model = self.load_model(model_dir, model_config)
         if gguf_activations == "int8":
@@ -153,7 +158,9 @@ class ModelRunner:
         if num_blocks is not None:
             self.allocate_kv_pool(num_blocks)
         self.sampler = Sampler(seed)
-        self.spec_generator = torch.Generator().manual_seed(seed + 1) if seed is not None else None  # draft verification
+        self.spec_generator = (
+            torch.Generator().manual_seed(seed + 1) if seed is not None else None
+        )  # draft verification
         self.lora_context: LoRAContext | None = None  # set when the first adapter is added
         self.lora_ids: set[int] = set()
         # The last sampling step's tokens (where they were drawn) and its sequences, row by row: what
@@ -190,7 +197,9 @@ class ModelRunner:
     # ---- the KV pool -----------------------------------------------------------------------------
     def _new_pool(self, num_blocks: int) -> KVPool:
         mc = self.model_config
-        return KVPool(mc.num_layers, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim, self.kv_dtype, self.device)
+        return KVPool(
+            mc.num_layers, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim, self.kv_dtype, self.device
+        )
 
     def allocate_kv_pool(self, num_blocks: int) -> None:
         """Allocate the pool, bind it to the layers, and (CUDA, not eager) capture the decode graphs."""
@@ -248,7 +257,9 @@ class ModelRunner:
             self.device,
             gpu_memory_utilization,
             self.warm_up,
-            kv_bytes_per_token(self.model_config, self.kv_dtype) * self.block_size * -(-self.max_num_batched_tokens // self.block_size),
+            kv_bytes_per_token(self.model_config, self.kv_dtype)
+            * self.block_size
+            * -(-self.max_num_batched_tokens // self.block_size),
             reserve_bytes,
         )
 
@@ -321,7 +332,10 @@ class ModelRunner:
             if rows is not None:
                 rows = rows.with_tensors([t.to("cpu", non_blocking=True) for t in rows.tensors()])
             if scored is not None:
-                scored = (scored[0], [p.with_tensors([t.to("cpu", non_blocking=True) for t in p.tensors()]) for p in scored[1]])
+                scored = (
+                    scored[0],
+                    [p.with_tensors([t.to("cpu", non_blocking=True) for t in p.tensors()]) for p in scored[1]],
+                )
             ready = self.platform.results_ready_event(self.device)
         return StepOutput(len(step.items), inputs.sample_items, rows, ready, scored)
 
@@ -334,7 +348,9 @@ class ModelRunner:
             h = out.index_select(0, self.platform.host_to_device(rows, out.device))
             logits = (h if is_logits else self.model.compute_logits(h)).float()
             targets = self.platform.host_to_device(score.targets[a : a + SCORE_ROWS], out.device)
-            parts.append(logprob_tensors(logits.log_softmax(-1), targets, list(range(len(rows))), score.ks[a : a + SCORE_ROWS]))
+            parts.append(
+                logprob_tensors(logits.log_softmax(-1), targets, list(range(len(rows))), score.ks[a : a + SCORE_ROWS])
+            )
         return parts
 
     def sampled_logits(self, inputs: StepInputs, out: torch.Tensor, is_logits: bool) -> torch.Tensor:
@@ -363,6 +379,3 @@ class ModelRunner:
             return self.model(inputs.input_ids, inputs.positions, inputs.meta)
         finally:
             ctx.clear()
-
-
-

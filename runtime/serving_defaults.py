@@ -92,9 +92,7 @@ def resolve_max_model_len(
     default = DEFAULT_MAX_MODEL_LEN_CAP if pool_tokens is None else max(DEFAULT_MAX_MODEL_LEN_CAP, pool_tokens)
     max_model_len = requested or min(mc.max_position_embeddings, default)
     if max_model_len > mc.max_position_embeddings:
-        raise ValueError(
-            f"max_model_len={max_model_len} exceeds the model's {mc.max_position_embeddings} positions"
-        )
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's {mc.max_position_embeddings} positions")
     window = mc.sliding_window
     if window is not None and max_model_len > window and not sliding_window_supported:
         # Within the window a windowed layer equals a full one: capped there, the model stays exact.
@@ -103,6 +101,8 @@ def resolve_max_model_len(
                 f"max_model_len={max_model_len} exceeds the model's sliding window of {window} tokens, and "
                 f"sliding-window attention is implemented on CPU only: use --max-model-len {window} or less"
             )
-        log.warning("max_model_len capped at the model's sliding window (%d tokens): no sliding windows on this device", window)
+        log.warning(
+            "max_model_len capped at the model's sliding window (%d tokens): no sliding windows on this device", window
+        )
         max_model_len = window
     return max_model_len

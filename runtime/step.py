@@ -39,7 +39,9 @@ class StepInputs:
 class LoRAStep:
     """A step's adapter rows (``runtime.lora.LoRAContext.set``)."""
 
-    plan: list[tuple[int, torch.Tensor | None]]  # (adapter id, its rows; None: every row, or the kernel's row_adapter says)
+    plan: list[
+        tuple[int, torch.Tensor | None]
+    ]  # (adapter id, its rows; None: every row, or the kernel's row_adapter says)
     row_adapter: torch.Tensor | None  # int32 [T]: index into plan, -1 none (the compiled kernel's form)
 
 

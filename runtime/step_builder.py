@@ -94,9 +94,7 @@ def build_step(runner: ModelRunner, items: list[BatchItem]) -> StepInputs:
         if draft and (not item.sample or end - len(draft) != len(token_ids) or token_ids[-1] == PENDING_TOKEN):
             raise ValueError(f"seq {seq.seq_id}: {len(draft)} drafts must follow all of its {len(token_ids)} tokens")
         if n < 1 or end > len(token_ids) + len(draft or ()):
-            raise ValueError(
-                f"seq {seq.seq_id}: cannot compute tokens {start}..{end - 1} of {len(token_ids)}"
-            )
+            raise ValueError(f"seq {seq.seq_id}: cannot compute tokens {start}..{end - 1} of {len(token_ids)}")
         used = -(-end // bs)
         if len(table) < used:
             raise ValueError(f"seq {seq.seq_id}: {len(table)} blocks cannot hold {end} tokens")
@@ -149,7 +147,9 @@ def build_step(runner: ModelRunner, items: list[BatchItem]) -> StepInputs:
         if item.score is not None:
             lo, hi = item.score
             if not start <= lo < hi <= min(end, seq.num_prompt_tokens - 1):
-                raise ValueError(f"seq {seq.seq_id}: cannot score positions {lo}..{hi - 1} in tokens {start}..{end - 1}")
+                raise ValueError(
+                    f"seq {seq.seq_id}: cannot score positions {lo}..{hi - 1} in tokens {start}..{end - 1}"
+                )
             if score is None:
                 score = PromptScoring([], [], [], [])
             row0 = len(input_ids) - n - start

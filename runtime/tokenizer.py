@@ -87,7 +87,8 @@ class PlaceholderAware:
         # post-processor adds (bos/eos would be ambiguous) and that no placeholder overlaps.
         named = {str(getattr(tok, n, None)) for n in _NAMED_SPECIAL[:2]}
         candidates = [
-            (t.content, i) for i, t in sorted(tok.added_tokens_decoder.items())
+            (t.content, i)
+            for i, t in sorted(tok.added_tokens_decoder.items())
             if t.special and not t.normalized and t.content not in named and not t.lstrip and not t.rstrip
         ]
         if not candidates:
@@ -198,14 +199,24 @@ def _placeholders(spec: dict[str, Any], path: Path) -> dict[str, int]:
     return {
         t["content"]: int(t["id"])
         for t in spec.get("added_tokens", [])
-        if t.get("special") and not t.get("normalized") and in_vocab(t["content"], int(t["id"])) and t["content"] not in named
+        if t.get("special")
+        and not t.get("normalized")
+        and in_vocab(t["content"], int(t["id"]))
+        and t["content"] not in named
     }
 
 
 def _named_text(path: Path) -> str:
     """Everything in the folder's tokenizer config and chat templates that can name a token."""
     parts = []
-    for name in ("tokenizer_config.json", "special_tokens_map.json", "chat_template.json", "chat_template.jinja", "config.json", "generation_config.json"):
+    for name in (
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "chat_template.json",
+        "chat_template.jinja",
+        "config.json",
+        "generation_config.json",
+    ):
         f = path / name
         if f.is_file():
             parts.append(f.read_text(encoding="utf-8", errors="replace"))

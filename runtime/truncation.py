@@ -166,9 +166,7 @@ def _row_mass(rows: torch.Tensor) -> torch.Tensor:
     return rows.view(m, v // b, b).sum(-1).sum(-1)
 
 
-def _nucleus_in_head(
-    head: torch.Tensor, top_p: torch.Tensor, mass: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _nucleus_in_head(head: torch.Tensor, top_p: torch.Tensor, mass: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-p floor of each row from its head [m, W] (descending); ``mass`` < 0 means the head's own sum.
 
     Returns (floor, covered): ``covered`` is False where the first TOP_P_FIRST_CANDIDATES of the
@@ -256,4 +254,3 @@ def _radix_floor(rows: torch.Tensor, target: torch.Tensor, weighted: bool) -> to
     cum = above + step.cumsum(-1)
     j = torch.minimum((cum < need.unsqueeze(1)).sum(-1), counts - 1).clamp_min_(0)
     return padded.gather(1, j.unsqueeze(1)).squeeze(1)
-

@@ -130,7 +130,9 @@ class BeamGroup:
         beam = self.beams[c.beam]
         tokens = beam.token_ids[beam.num_prompt_tokens :] + [c.token]
         lps = self.histories[c.beam] + [c.entry] if c.entry is not None else None
-        return Hypothesis(_f32(c.total, 0.0, length**self.length_penalty), c.total, tokens, lps, c.token in self.stop_ids)
+        return Hypothesis(
+            _f32(c.total, 0.0, length**self.length_penalty), c.total, tokens, lps, c.token in self.stop_ids
+        )
 
 
 class BeamSearch:
@@ -141,21 +143,38 @@ class BeamSearch:
         self.engine = engine  # the ``scheduler.engine.Engine`` (not imported: it imports this module)
 
     def add(
-        self, request_id: str, prompt: Sequence[int], params: SamplingParams, max_tokens: int, lora_name: str | None,
-        arrival_time: float | None, cache_salt: str | None, priority: int, group_name: str | None,
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        max_tokens: int,
+        lora_name: str | None,
+        arrival_time: float | None,
+        cache_salt: str | None,
+        priority: int,
+        group_name: str | None,
     ) -> None:
         """Queue a beam search (``params.n`` beams): its first beam computes the prompt alone."""
         e = self.engine
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        kwargs: dict[str, object] = dict(arrival_time=arrival, cache_salt=cache_salt, priority=priority, group=group_name)
+        kwargs: dict[str, object] = dict(
+            arrival_time=arrival, cache_salt=cache_salt, priority=priority, group=group_name
+        )
         refusal = (
-            "a LoRA adapter is asked for" if lora_name is not None else
-            "speculative decoding is on" if e.proposer is not None else
-            "the model has sliding-window layers" if e.block_manager.windows is not None else
-            "the model is split over ranks" if e.config.tensor_parallel_size > 1 else None
+            "a LoRA adapter is asked for"
+            if lora_name is not None
+            else "speculative decoding is on"
+            if e.proposer is not None
+            else "the model has sliding-window layers"
+            if e.block_manager.windows is not None
+            else "the model is split over ranks"
+            if e.config.tensor_parallel_size > 1
+            else None
         )
         if refusal:
-            raise InvalidParameterError("use_beam_search", f"use_beam_search is not supported on this server: {refusal}")
+            raise InvalidParameterError(
+                "use_beam_search", f"use_beam_search is not supported on this server: {refusal}"
+            )
         if params.n > e.scheduler.max_num_seqs:
             msg = f"beam width n={params.n} exceeds the sequences one step runs (--max-num-seqs {e.scheduler.max_num_seqs})"
             raise InvalidParameterError("n", msg)
@@ -164,8 +183,11 @@ class BeamSearch:
         early = True if params.n == 1 else params.early_stopping
         group = BeamGroup(request_id, params.n, params.length_penalty, early, max_tokens, stop_ids, params.logprobs)
         beam_params = SamplingParams(
-            max_tokens=max_tokens, temperature=0.0, stop_token_ids=list(params.stop_token_ids),
-            ignore_eos=params.ignore_eos, skip_special_tokens=params.skip_special_tokens,
+            max_tokens=max_tokens,
+            temperature=0.0,
+            stop_token_ids=list(params.stop_token_ids),
+            ignore_eos=params.ignore_eos,
+            skip_special_tokens=params.skip_special_tokens,
         )
         beam_params.logprobs = group.keep  # set after validation: K may exceed the API's 20 alternatives
         group.beam_params, group.request_args = beam_params, kwargs
@@ -176,8 +198,15 @@ class BeamSearch:
     def _new_beam(self, group: BeamGroup, prompt: list[int]) -> Request:
         e = self.engine
         beam = Request(
-            next(e._seq_ids), group.request_id, prompt, group.beam_params, index=len(group.beams),  # type: ignore[arg-type]
-            max_tokens=group.max_tokens, eos_token_ids=e.eos_token_ids, device=e.device, **group.request_args,  # type: ignore[arg-type]
+            next(e._seq_ids),
+            group.request_id,
+            prompt,
+            group.beam_params,  # type: ignore[arg-type]
+            index=len(group.beams),
+            max_tokens=group.max_tokens,
+            eos_token_ids=e.eos_token_ids,
+            device=e.device,
+            **group.request_args,  # type: ignore[arg-type]
         )
         beam.beam = group
         group.beams.append(beam)
@@ -201,7 +230,15 @@ class BeamSearch:
         for c in running:
             parent = group.beams[c.beam]
             history = group.histories[c.beam] + [c.entry] if c.entry is not None else []
-            states.append((bm.share(parent), parent.token_ids + [c.token], parent.num_computed_tokens, list(parent.block_hashes), history))
+            states.append(
+                (
+                    bm.share(parent),
+                    parent.token_ids + [c.token],
+                    parent.num_computed_tokens,
+                    list(parent.block_hashes),
+                    history,
+                )
+            )
         for beam in group.beams:
             bm.free(beam)
         first = group.beams[0]
@@ -232,7 +269,9 @@ class BeamSearch:
             last = h.token_ids[-1]
             stop_reason = last if h.stopped and last not in e.eos_token_ids else None
             reason = "stop" if h.stopped else "length"
-            out = CompletionOutput(i, h.token_ids, text, h.logprobs, len(h.token_ids), reason, stop_reason, h.cumulative)
+            out = CompletionOutput(
+                i, h.token_ids, text, h.logprobs, len(h.token_ids), reason, stop_reason, h.cumulative
+            )
             choices.pending[i] = out
             choices.results.append(out)
         changed[group.request_id] = choices

@@ -80,9 +80,7 @@ class IncrementalDetokenizer:
     ``tokenizer.decode(all_ids, skip_special_tokens=...)``.
     """
 
-    def __init__(
-        self, tokenizer: Any, skip_special_tokens: bool = True, *, decoder: TextDecoder | None = None
-    ) -> None:
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True, *, decoder: TextDecoder | None = None) -> None:
         """``decoder``: a ``TextDecoder`` of ``tokenizer`` with the same ``skip_special_tokens`` to share."""
         if decoder is None:
             decoder = TextDecoder(tokenizer, skip_special_tokens)

@@ -147,7 +147,9 @@ class KVEventsConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"kv_events_config: {name} must be a positive integer")
         if self.endpoint is not None and self.bind is False and is_wildcard(self.endpoint):
-            raise ValueError(f"kv_events_config: bind is false but {self.endpoint} is a wildcard, which can only be bound")
+            raise ValueError(
+                f"kv_events_config: bind is false but {self.endpoint} is a wildcard, which can only be bound"
+            )
 
     @property
     def active(self) -> bool:
@@ -174,7 +176,9 @@ class KVEventsConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:
-            raise ValueError(f"kv_events_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+            raise ValueError(
+                f"kv_events_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
         cfg = cls(**raw)
         if cfg.endpoint is None:
             cfg.endpoint = f"tcp://[{host}]:{DEFAULT_PORT}" if ":" in host else f"tcp://{host}:{DEFAULT_PORT}"
@@ -190,12 +194,16 @@ def log_exposure(name: str, endpoint: str, bound: bool) -> None:
     elif is_wildcard(endpoint):
         log.warning(
             "KV events: %s %s listens on all interfaces: any host that reaches it reads every prompt's token ids "
-            "(no authentication); name a loopback or private address unless that is intended", name, endpoint,
+            "(no authentication); name a loopback or private address unless that is intended",
+            name,
+            endpoint,
         )
     else:
         log.warning(
             "KV events: %s %s %s is not loopback: whoever reads it gets every prompt's token ids",
-            name, "bound on" if bound else "connected to", endpoint,
+            name,
+            "bound on" if bound else "connected to",
+            endpoint,
         )
 
 
@@ -227,7 +235,9 @@ class ZmqEventPublisher:
         except queue.Full:
             self.num_dropped += 1
             if self.num_dropped == 1:
-                log.warning("KV events: the publisher queue is full (%d batches); dropping batches", self.config.max_queue_size)
+                log.warning(
+                    "KV events: the publisher queue is full (%d batches); dropping batches", self.config.max_queue_size
+                )
 
     def shutdown(self, timeout: float = 2.0) -> None:
         """Send what is queued, then close the sockets."""

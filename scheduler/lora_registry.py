@@ -185,7 +185,9 @@ class LoRARegistry:
             self._unload(victim)
             if name is not None:
                 self._by_name[name].id = None
-            log.info("LoRA adapter %r (id %d) unloaded to make room (--max-cpu-loras %d)", name, victim, self.max_loaded)
+            log.info(
+                "LoRA adapter %r (id %d) unloaded to make room (--max-cpu-loras %d)", name, victim, self.max_loaded
+            )
 
     def _unload(self, adapter_id: int) -> None:
         del self._loaded[adapter_id]

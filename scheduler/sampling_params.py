@@ -166,16 +166,27 @@ class SamplingParams:
                 if not 0 <= tok < vocab_size:
                     bad("stop_token_ids", f"stop token id {tok} is outside the vocabulary")
 
-
     def _validate_beam_search(self) -> None:
         """Beams rank by the model's own log-probabilities: what would change them, or whose output differs
         per beam (stop strings, grammars), is refused by name rather than ignored."""
         if self.early_stopping not in (True, False, "never"):
-            raise InvalidParameterError("early_stopping", f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}")
+            raise InvalidParameterError(
+                "early_stopping", f'early_stopping must be true, false or "never", got {self.early_stopping!r}'
+            )
         if not math.isfinite(self.length_penalty):
-            raise InvalidParameterError("length_penalty", f"length_penalty must be a finite number, got {self.length_penalty}")
-        off = {"temperature": 0.0, "top_p": 1.0, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-               "repetition_penalty": 1.0, "min_tokens": 0, "prompt_logprobs": None}
+            raise InvalidParameterError(
+                "length_penalty", f"length_penalty must be a finite number, got {self.length_penalty}"
+            )
+        off = {
+            "temperature": 0.0,
+            "top_p": 1.0,
+            "min_p": 0.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "repetition_penalty": 1.0,
+            "min_tokens": 0,
+            "prompt_logprobs": None,
+        }
         bad = [name for name, value in off.items() if getattr(self, name) != value]
         bad += [name for name in ("logit_bias", "stop", "structured_output") if getattr(self, name)]
         if self.top_k not in (0, -1):

@@ -225,7 +225,9 @@ class Scheduler:
                     prefix = self.bm.lookup(req)
             num_cached = prefix.num_cached_tokens if prefix is not None else 0
             num_new = min(len(req.token_ids) - req.num_computed_tokens - num_cached, budget)
-            if (self.whole_prompts and num_new < len(req.token_ids) - num_cached) or not self.bm.allocate_slots(req, num_new, prefix):
+            if (self.whole_prompts and num_new < len(req.token_ids) - num_cached) or not self.bm.allocate_slots(
+                req, num_new, prefix
+            ):
                 if fork_from is not None:
                     self.bm.free(req)
                     req.num_computed_tokens = 0

@@ -74,14 +74,20 @@ class SpeculativeConfig:
         raw = _json_object(text)
         method = raw.pop("method", "ngram")
         if method not in ("ngram", "prompt_lookup"):
-            raise ValueError(f"--speculative-config: method {method!r} is not supported (only 'ngram' and 'draft_model')")
+            raise ValueError(
+                f"--speculative-config: method {method!r} is not supported (only 'ngram' and 'draft_model')"
+            )
         if "model" in raw:
-            raise ValueError("--speculative-config: n-gram lookup takes no 'model'; a draft model is method 'draft_model' (not both)")
+            raise ValueError(
+                "--speculative-config: n-gram lookup takes no 'model'; a draft model is method 'draft_model' (not both)"
+            )
         _max_running(raw)
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(raw) - known)
         if unknown:
-            raise ValueError(f"--speculative-config: unknown keys {unknown} (known: method, disable_by_batch_size, {', '.join(sorted(known))})")
+            raise ValueError(
+                f"--speculative-config: unknown keys {unknown} (known: method, disable_by_batch_size, {', '.join(sorted(known))})"
+            )
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in raw.values()):
             raise ValueError("--speculative-config: values must be integers")
         return cls(**raw)
@@ -114,11 +120,15 @@ class DraftModelConfig:
         raw.pop("method", None)
         ngram = sorted(k for k in raw if k.startswith("prompt_lookup"))
         if ngram:
-            raise ValueError(f"--speculative-config: {ngram} are n-gram lookup's; a draft model and n-gram lookup are not both served")
+            raise ValueError(
+                f"--speculative-config: {ngram} are n-gram lookup's; a draft model and n-gram lookup are not both served"
+            )
         _max_running(raw)
         unknown = sorted(set(raw) - set(cls.__dataclass_fields__))
         if unknown:
-            raise ValueError(f"--speculative-config: unknown keys {unknown} (known: method, model, num_speculative_tokens, max_running, disable_by_batch_size)")
+            raise ValueError(
+                f"--speculative-config: unknown keys {unknown} (known: method, model, num_speculative_tokens, max_running, disable_by_batch_size)"
+            )
         if "model" not in raw:
             raise ValueError("--speculative-config: a draft model needs 'model', a folder or a GGUF file")
         return cls(**raw)

@@ -30,7 +30,9 @@ def check_model_len(req: Request, max_model_len: int) -> RequestStatus | None:
     return RequestStatus.FINISHED_LENGTH if len(req.token_ids) >= max_model_len else None
 
 
-def accept_token(req: Request, token: int, lps: TokenLogprobs | None, max_model_len: int) -> tuple[str, RequestStatus | None]:
+def accept_token(
+    req: Request, token: int, lps: TokenLogprobs | None, max_model_len: int
+) -> tuple[str, RequestStatus | None]:
     """Append a sampled token to ``req``, detokenize it and check every stop condition (stop tokens,
     a structured output's structure completed, length, stop strings): the text to emit now and, when
     ``req`` must finish, how (the caller finishes it)."""

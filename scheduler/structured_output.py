@@ -102,7 +102,9 @@ def grammar_text(spec: StructuredOutput) -> str:
         # one terminal (one lexeme, a DFA): as alternatives of a rule, the parser's rows grow with their
         # number and llguidance stops at 2,000 items a row, in the middle of a request.
         choices = json.loads(spec.value)
-        return m.grammar_from_lark("start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices))
+        return m.grammar_from_lark(
+            "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+        )
     if spec.kind == "grammar":
         from llguidance.gbnf_to_lark import any_to_lark
 

@@ -248,7 +248,9 @@ def langchain_loop(base_url: str, model: str, stream: bool) -> Check:
 # ------------------------------------------------------------------------------ servers
 
 
-def serve(kind: str, model: Path, template: Path | None, llama: Path, log: Path, as_stored: bool = False) -> subprocess.Popen[bytes]:
+def serve(
+    kind: str, model: Path, template: Path | None, llama: Path, log: Path, as_stored: bool = False
+) -> subprocess.Popen[bytes]:
     port = str(PORT)
     if kind == "servelm":
         argv = [
@@ -344,7 +346,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=MODEL)
     ap.add_argument("--chat-template", type=Path, default=None, help="served instead of the file's own")
-    ap.add_argument("--as-stored", action="store_true", help="servelm serves the file's template as stored (--chat-template-as-stored), not as corrected")
+    ap.add_argument(
+        "--as-stored",
+        action="store_true",
+        help="servelm serves the file's template as stored (--chat-template-as-stored), not as corrected",
+    )
     ap.add_argument("--servers", nargs="+", default=["servelm", "llama"], choices=["servelm", "llama"])
     ap.add_argument("--llama-server", type=Path, default=LLAMA)
     ap.add_argument("--json", type=Path, default=Path("/tmp/bench_agents.json"))
@@ -352,8 +358,18 @@ def main() -> None:
     results: dict[str, dict[str, dict[str, Check]]] = {}
     for kind in args.servers:
         name = "servelm" if kind == "servelm" else "llama-server"
-        print(f"== {name} on {args.model.name}, chat template {args.chat_template or ('of the file' + (' as stored' if args.as_stored else ''))}", flush=True)
-        proc = serve(kind, args.model, args.chat_template, args.llama_server, args.json.with_suffix(f".{kind}.log"), args.as_stored)
+        print(
+            f"== {name} on {args.model.name}, chat template {args.chat_template or ('of the file' + (' as stored' if args.as_stored else ''))}",
+            flush=True,
+        )
+        proc = serve(
+            kind,
+            args.model,
+            args.chat_template,
+            args.llama_server,
+            args.json.with_suffix(f".{kind}.log"),
+            args.as_stored,
+        )
         try:
             started = time.monotonic()
             results[name] = run_checks(f"http://127.0.0.1:{PORT}")

@@ -61,15 +61,21 @@ def main() -> None:
     engine = Engine(EngineConfig(kv_cache_memory=256 * 2**20, max_model_len=2048, num_threads=args.num_threads))
     tok = engine.tokenizer
     text = tok.apply_chat_template(
-        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}], tokenize=False, add_generation_prompt=True
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}],
+        tokenize=False,
+        add_generation_prompt=True,
     )
     prompt = tok.encode(text, add_special_tokens=False)
     w, n = args.width, args.tokens
     modes = {
-        f"beam search, width {w}": SamplingParams(n=w, use_beam_search=True, temperature=0.0, max_tokens=n, ignore_eos=True),
+        f"beam search, width {w}": SamplingParams(
+            n=w, use_beam_search=True, temperature=0.0, max_tokens=n, ignore_eos=True
+        ),
         f"n={w} samples (temperature 1)": SamplingParams(n=w, temperature=1.0, seed=0, max_tokens=n, ignore_eos=True),
     }
-    print(f"{engine.served_model_name}, prompt {len(prompt)} tokens, {n} steps, block size {engine.block_manager.block_size}")
+    print(
+        f"{engine.served_model_name}, prompt {len(prompt)} tokens, {n} steps, block size {engine.block_manager.block_size}"
+    )
     for label, params in modes.items():
         run(engine, prompt, params)  # warm-up
         runs = [run(engine, prompt, params) for _ in range(args.rounds)]

@@ -28,8 +28,14 @@ checkout.use_checkout()
 from servelm.runtime.cpu import paged_attention as cpu_kernel  # noqa: E402
 
 
-def time_ms(fn: Callable[[], object], iters: int, stat: str = "median", before: Callable[[], object] | None = None,
-            clock: Callable[[], float] = time.perf_counter, warmup: int = 5) -> float:
+def time_ms(
+    fn: Callable[[], object],
+    iters: int,
+    stat: str = "median",
+    before: Callable[[], object] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+    warmup: int = 5,
+) -> float:
     """Median (or minimum) time of one call in ms by ``clock``; ``before`` runs untimed."""
     for _ in range(warmup):
         fn()
@@ -64,10 +70,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stat", choices=["median", "min"], default="median")
-    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                    help="cpu: this process's CPU time, steadier on a shared machine (use with --threads 1)")
-    ap.add_argument("--cold", action="store_true",
-                    help="evict the caches before each call, as the other layers of a real step do")
+    ap.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="cpu: this process's CPU time, steadier on a shared machine (use with --threads 1)",
+    )
+    ap.add_argument(
+        "--cold", action="store_true", help="evict the caches before each call, as the other layers of a real step do"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -78,11 +89,15 @@ def main() -> None:
     v_cache = torch.randn(pool_blocks, block_size, kv_heads, head_dim, generator=gen)
     kernel = cpu_kernel.load_kernel()
     portable = cpu_kernel.load_portable_kernel()
-    print(f"threads={torch.get_num_threads()} kernel={'yes' if kernel else 'unavailable'} caches={'cold' if args.cold else 'warm'}")
+    print(
+        f"threads={torch.get_num_threads()} kernel={'yes' if kernel else 'unavailable'} caches={'cold' if args.cold else 'warm'}"
+    )
     evict = torch.zeros(32 * 2**20)  # 128 MB, several times the last-level cache
     before = (lambda: evict.add_(1.0)) if args.cold else None
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    print(f"{'batch':>5} {'kernel':>9} {'portable':>9} {'reference':>9} {'gath+sdpa':>9} {'contig':>9}  ({args.stat} {args.clock} ms / layer)")
+    print(
+        f"{'batch':>5} {'kernel':>9} {'portable':>9} {'reference':>9} {'gath+sdpa':>9} {'contig':>9}  ({args.stat} {args.clock} ms / layer)"
+    )
 
     for batch in args.batch:
         lens = torch.randint(128, 257, (batch,), generator=gen, dtype=torch.int32)
@@ -109,9 +124,27 @@ def main() -> None:
                 continue
             err = (fn(q, k_cache, v_cache, tables, lens, scale, out) - ref).abs().max().item()
             assert err < 1e-5, f"kernel differs from the reference by {err}"
-            row.append(time_ms(lambda fn=fn: fn(q, k_cache, v_cache, tables, lens, scale, out), args.iters, args.stat, before, clock))
-        row.append(time_ms(lambda: cpu_kernel.paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, scale), args.iters, args.stat, before, clock))
-        row.append(time_ms(lambda: gather_sdpa(q, k_cache, v_cache, tables, lens, scale), args.iters, args.stat, before, clock))
+            row.append(
+                time_ms(
+                    lambda fn=fn: fn(q, k_cache, v_cache, tables, lens, scale, out),
+                    args.iters,
+                    args.stat,
+                    before,
+                    clock,
+                )
+            )
+        row.append(
+            time_ms(
+                lambda: cpu_kernel.paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, scale),
+                args.iters,
+                args.stat,
+                before,
+                clock,
+            )
+        )
+        row.append(
+            time_ms(lambda: gather_sdpa(q, k_cache, v_cache, tables, lens, scale), args.iters, args.stat, before, clock)
+        )
         row.append(time_ms(contiguous_sdpa, args.iters, args.stat, before, clock))
         print(f"{batch:>5} " + " ".join(f"{x:>9.3f}" for x in row))
 

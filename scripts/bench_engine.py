@@ -252,8 +252,10 @@ def main() -> int:
 
     model_dir = Path(args.model) if args.model else ensure_default_model()
     engine = Engine(EngineConfig(model=str(model_dir), num_threads=args.num_threads, max_num_seqs=32))
-    print(f"engine: {engine.served_model_name}, {engine.config.device}/{engine.config.dtype}, "
-          f"{torch.get_num_threads()} threads, max_num_batched_tokens {engine.config.max_num_batched_tokens}")
+    print(
+        f"engine: {engine.served_model_name}, {engine.config.device}/{engine.config.dtype}, "
+        f"{torch.get_num_threads()} threads, max_num_batched_tokens {engine.config.max_num_batched_tokens}"
+    )
     print(f"        {engine.capacity.describe()}")
     workloads = make_workloads(args.quick, args.seed)
     vocab = engine.model_config.vocab_size
@@ -269,8 +271,10 @@ def main() -> int:
             show(f"servelm {policy}", r)
         engine.scheduler.policy = "fcfs"
         if name == "varied" and "varied/static" in ours:
-            print(f"  continuous / static batching: "
-                  f"{ours['varied/fcfs']['output_tok_s'] / ours['varied/static']['output_tok_s']:.2f}x")
+            print(
+                f"  continuous / static batching: "
+                f"{ours['varied/fcfs']['output_tok_s'] / ours['varied/static']['output_tok_s']:.2f}x"
+            )
         if args.hf:
             h = run_hf(model_dir, wl, args.seed, vocab)
             show("HF generate", h)

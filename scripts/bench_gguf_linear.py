@@ -47,6 +47,8 @@ def parse_shape(spec: str) -> tuple[int, int, str | None]:
     dims, _, fmt = spec.partition(":")
     n, k = (int(v) for v in dims.lower().split("x"))
     return n, k, fmt or None
+
+
 DEFAULT_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32")
 CACHE_BYTES = 32 << 20  # last-level cache to defeat (this host: 32 MiB L3)
 
@@ -89,27 +91,37 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 4])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--reps", type=int, default=21)
-    parser.add_argument("--copies", type=int, default=0, help="weight copies to cycle through (0: enough to overflow the cache)")
+    parser.add_argument(
+        "--copies", type=int, default=0, help="weight copies to cycle through (0: enough to overflow the cache)"
+    )
     parser.add_argument("--set", choices=sorted(SHAPE_SETS), default="square", help="shape set (default: square)")
     parser.add_argument("--shapes", nargs="+", default=None, help="NxK[:FMT] shapes instead of --set")
     parser.add_argument("--skip-dense", action="store_true", help="do not time dense F.linear")
     parser.add_argument("--skip-fallback", action="store_true", help="do not time GGUFMethod (slow)")
-    parser.add_argument("--int8-activations", action="store_true", help="the kernel with activations rounded to int8 (--gguf-activations int8)")
+    parser.add_argument(
+        "--int8-activations",
+        action="store_true",
+        help="the kernel with activations rounded to int8 (--gguf-activations int8)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if kernels.load() is None:
         raise SystemExit("the GGUF kernels are unavailable here")
     rng = np.random.default_rng(0)
     print(f"threads {args.threads}; times in ms (median of {args.reps}); GB/s = quantized weight bytes / kernel time")
-    print(f"{'format':6} {'weight':>11} {'M':>2} {'kernel':>8} {'(best)':>8} {'GB/s':>6} {'fallback':>9} "
-          f"{'dense f32':>9} {'(best)':>8} {'dense GB/s':>10}")
+    print(
+        f"{'format':6} {'weight':>11} {'M':>2} {'kernel':>8} {'(best)':>8} {'GB/s':>6} {'fallback':>9} "
+        f"{'dense f32':>9} {'(best)':>8} {'dense GB/s':>10}"
+    )
     shapes = [parse_shape(v) for v in args.shapes] if args.shapes else list(SHAPE_SETS[args.set])
     jobs = [(n, k, f) for f in args.formats for n, k, only in shapes if only is None]
     jobs += [(n, k, only) for n, k, only in shapes if only is not None]
     for out_f, in_f, name in jobs:
         qtype = Q[name]
         if in_f % BLOCK_LAYOUT[qtype][0]:  # e.g. Gemma 3's 640 columns in a 256-element format
-            print(f"{name:6} {out_f:5}x{in_f:<5} skipped: {in_f} columns are not whole {BLOCK_LAYOUT[qtype][0]}-element blocks")
+            print(
+                f"{name:6} {out_f:5}x{in_f:<5} skipped: {in_f} columns are not whole {BLOCK_LAYOUT[qtype][0]}-element blocks"
+            )
             continue
         base = kernels.random_blocks(qtype, out_f, in_f, rng)
         qbytes = base.numel()
@@ -123,13 +135,17 @@ def main() -> None:
         for m in args.rows:
             x = torch.randn(m, in_f)
             out = torch.empty(m, out_f)
-            t_kernel, best_kernel = timed_ms([lambda b=b: kernels.linear(x, b, qtype, out, int8_x=args.int8_activations) for b in blocks], args.reps)
+            t_kernel, best_kernel = timed_ms(
+                [lambda b=b: kernels.linear(x, b, qtype, out, int8_x=args.int8_activations) for b in blocks], args.reps
+            )
             t_fallback = (
-                float("nan") if args.skip_fallback
+                float("nan")
+                if args.skip_fallback
                 else timed_ms([lambda g=g: g.apply(x) for g in methods], max(5, args.reps // 3))[0]
             )
             t_dense, best_dense = (
-                (float("nan"), float("nan")) if args.skip_dense
+                (float("nan"), float("nan"))
+                if args.skip_dense
                 else timed_ms([lambda w=w: F.linear(x, w) for w in dense], args.reps)
             )
             print(

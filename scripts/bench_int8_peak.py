@@ -10,12 +10,13 @@ bandwidth as STREAM's triad counts it (a = b + s c over 3 x 256 MiB of float32, 
 ceiling of a decode step that reads every weight once. Needs a CPU with AVX-512 VNNI and a compiler (built with torch's
 cpp_extension on first run).
 """
+
 import time
 
 import torch
 from torch.utils.cpp_extension import load_inline
 
-SOURCE = r'''
+SOURCE = r"""
 #include <immintrin.h>
 #include <torch/extension.h>
 #include <omp.h>
@@ -65,7 +66,7 @@ double amx_flops(int64_t iters, int threads) {
   return 0;
 #endif
 }
-'''
+"""
 
 
 def best_rate(fn, work: float, reps: int = 5) -> float:

@@ -56,7 +56,9 @@ def main() -> None:
     for dtype in dtypes:
         dense = [[(torch.randn(o, i, generator=g) * 0.02).to(dtype) for o, i in SHAPES] for _ in range(LAYERS)]
         head = (torch.randn(VOCAB, HIDDEN, generator=g) * 0.02).to(dtype)
-        packed = [[cpu_linear.pack(w) for w in ws] for ws in dense] if cpu_linear.onednn_linear_available(dtype) else None
+        packed = (
+            [[cpu_linear.pack(w) for w in ws] for ws in dense] if cpu_linear.onednn_linear_available(dtype) else None
+        )
         head_packed = cpu_linear.pack(head) if packed is not None else None
         layer_bytes = sum(w.numel() * w.element_size() for ws in dense for w in ws)
         head_bytes = head.numel() * head.element_size()

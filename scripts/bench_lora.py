@@ -47,7 +47,15 @@ def write_adapter(folder: Path, cfg: ModelConfig, rank: int, seed: int) -> Path:
 
     g = torch.Generator().manual_seed(seed)
     h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    shapes = {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, i),
+        "up_proj": (h, i),
+        "down_proj": (i, h),
+    }
     tensors = {}
     for layer in range(cfg.num_layers):
         for block, names in TARGETS.items():
@@ -58,7 +66,12 @@ def write_adapter(folder: Path, cfg: ModelConfig, rank: int, seed: int) -> Path:
                 tensors[f"{pre}.lora_B.weight"] = 0.05 * torch.randn(dout, rank, generator=g)
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": [n for ns in TARGETS.values() for n in ns]}
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "target_modules": [n for ns in TARGETS.values() for n in ns],
+    }
     (folder / "adapter_config.json").write_text(json.dumps(config))
     return folder
 
@@ -100,11 +113,25 @@ def main() -> None:
         torch.set_num_threads(args.num_threads)
     cfg = ModelConfig.from_dir(ensure_default_model())
     tmp = tempfile.TemporaryDirectory()
-    folders = [Path(p) for p in args.adapters] if args.adapters else [write_adapter(Path(tmp.name) / f"a{k}", cfg, args.rank, k) for k in range(4)]
-    common = dict(kv_cache_memory=512 * 2**20, max_model_len=1024, max_num_seqs=max(args.batches), quantization=args.quantization)
+    folders = (
+        [Path(p) for p in args.adapters]
+        if args.adapters
+        else [write_adapter(Path(tmp.name) / f"a{k}", cfg, args.rank, k) for k in range(4)]
+    )
+    common = dict(
+        kv_cache_memory=512 * 2**20, max_model_len=1024, max_num_seqs=max(args.batches), quantization=args.quantization
+    )
     plain_times, lora_times = StepTimes(), StepTimes()
     plain = Engine(EngineConfig(**common), observer=plain_times)
-    lora = Engine(EngineConfig(**common, max_loras=4, max_lora_rank=max(args.rank, 64), lora_modules=tuple((f"a{k}", str(f)) for k, f in enumerate(folders))), observer=lora_times)
+    lora = Engine(
+        EngineConfig(
+            **common,
+            max_loras=4,
+            max_lora_rank=max(args.rank, 64),
+            lora_modules=tuple((f"a{k}", str(f)) for k, f in enumerate(folders)),
+        ),
+        observer=lora_times,
+    )
     workloads: dict[str, tuple[Engine, StepTimes, list[str | None]]] = {
         "off": (plain, plain_times, [None]),
         "base": (lora, lora_times, [None]),
@@ -113,8 +140,10 @@ def main() -> None:
         "4": (lora, lora_times, ["a0", "a1", "a2", "a3"]),
         "half": (lora, lora_times, [None, "a0"]),
     }
-    print(f"default model, quantization {lora.runner.quantization or 'none'}, rank {args.rank} on every projection, "
-          f"{torch.get_num_threads()} threads; decode step median (ms) per round")
+    print(
+        f"default model, quantization {lora.runner.quantization or 'none'}, rank {args.rank} on every projection, "
+        f"{torch.get_num_threads()} threads; decode step median (ms) per round"
+    )
     for batch in args.batches:
         # A batch smaller than a workload's mix would repeat another workload.
         runs = {w: v for w, v in workloads.items() if len(v[2]) <= batch}
@@ -125,7 +154,9 @@ def main() -> None:
         off = statistics.median(got["off"])
         for w, vals in got.items():
             med = statistics.median(vals)
-            print(f"batch {batch:3d}  {w:>4}: {med:7.2f} ms  ({med / off:4.2f}x off)  rounds: {', '.join(f'{v:.2f}' for v in vals)}")
+            print(
+                f"batch {batch:3d}  {w:>4}: {med:7.2f} ms  ({med / off:4.2f}x off)  rounds: {', '.join(f'{v:.2f}' for v in vals)}"
+            )
     tmp.cleanup()
 
 

@@ -64,7 +64,9 @@ class Steps:
 
 
 def chat(engine: Engine, text: str) -> list[int]:
-    rendered = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    rendered = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
     return engine.tokenizer.encode(rendered, add_special_tokens=False)
 
 
@@ -111,8 +113,10 @@ def main() -> None:
         obs = Steps()
         t = time.perf_counter()
         engines[name] = (Engine(EngineConfig(quantization=q, max_model_len=1024, kv_cache_memory=512 << 20), obs), obs)
-        print(f"{name}: loaded in {time.perf_counter() - t:.1f} s; weights read per decode step "
-              f"{engines[name][0].runner.weight_bytes / 1e6:.0f} MB")
+        print(
+            f"{name}: loaded in {time.perf_counter() - t:.1f} s; weights read per decode step "
+            f"{engines[name][0].runner.weight_bytes / 1e6:.0f} MB"
+        )
 
     # Speed.
     for engine, obs in engines.values():
@@ -142,8 +146,10 @@ def main() -> None:
     ]
     n = sum(len(ans) for ans in answers["float32"])
     nll_f = -sum(lf.gather(1, target[:, None]).sum().item() for lf, target in reference)
-    print(f"\naccuracy over {len(PROMPTS)} chat prompts, {n} answer tokens of the float32 model (teacher-forced); "
-          f"float32's perplexity of them {torch.tensor(nll_f / n).exp():.3f}:")
+    print(
+        f"\naccuracy over {len(PROMPTS)} chat prompts, {n} answer tokens of the float32 model (teacher-forced); "
+        f"float32's perplexity of them {torch.tensor(nll_f / n).exp():.3f}:"
+    )
     for name in args.schemes:
         engine, _ = engines[name]
         agree = kl = nll_q = 0.0
@@ -159,10 +165,12 @@ def main() -> None:
                 k += 1
             shared.append(k)
         identical = sum(a == b for a, b in zip(answers["float32"], answers[name]))
-        print(f"  {name}: top token is float32's at {agree / n:.1%} of positions; mean KL(float32 || {name}) "
-              f"{kl / n:.2e} nats; perplexity {torch.tensor(nll_q / n).exp():.3f}; greedy answers token-identical "
-              f"for the first {statistics.median(shared):.0f} tokens (median; {identical}/{len(PROMPTS)} identical "
-              f"throughout): {shared}")
+        print(
+            f"  {name}: top token is float32's at {agree / n:.1%} of positions; mean KL(float32 || {name}) "
+            f"{kl / n:.2e} nats; perplexity {torch.tensor(nll_q / n).exp():.3f}; greedy answers token-identical "
+            f"for the first {statistics.median(shared):.0f} tokens (median; {identical}/{len(PROMPTS)} identical "
+            f"throughout): {shared}"
+        )
         print(f"    first answer: {engine.tokenizer.decode(answers[name][0])!r}")
     print(f"  float32's first answer: {f32.tokenizer.decode(answers['float32'][0])!r}")
 

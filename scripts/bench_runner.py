@@ -77,8 +77,7 @@ class Blocks:
 def make_seqs(n: int, length: int, first_id: int) -> list[Seq]:
     g = torch.Generator().manual_seed(first_id)
     return [
-        Seq(first_id + i, ids := torch.randint(3, 49152, (length,), generator=g).tolist(), len(ids))
-        for i in range(n)
+        Seq(first_id + i, ids := torch.randint(3, 49152, (length,), generator=g).tolist(), len(ids)) for i in range(n)
     ]
 
 
@@ -232,12 +231,12 @@ def main() -> None:
     ap.add_argument("--no-kernel", action="store_true", help="torch decode attention instead of the C++ kernel")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--compare-hf", action="store_true", help="interleave HF transformers decode steps as a baseline")
-    ap.add_argument(
-        "--compare-contiguous", action="store_true", help="also time a contiguous-KV plain-torch decode"
-    )
+    ap.add_argument("--compare-contiguous", action="store_true", help="also time a contiguous-KV plain-torch decode")
     ap.add_argument("--profile", type=int, default=0, metavar="B", help="print a torch.profiler table for batch B")
     ap.add_argument("--cpu-time", action="store_true", help="time with process CPU time (use with --threads 1)")
-    ap.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help="weight-only int8 (runtime.quantization)")
+    ap.add_argument(
+        "--quantization", choices=QUANTIZATIONS, default=None, help="weight-only int8 (runtime.quantization)"
+    )
     args = ap.parse_args()
     global clock
     if args.cpu_time:

@@ -34,7 +34,7 @@ TEXT = (
     "hundred and twelve steps, trimmed the wick, wound the clockwork and watched the beam sweep over "
     "the water until dawn. Ships passed safely, and nobody in the town thought about him at all."
 )
-CODE = '''def moving_average(values, window):
+CODE = """def moving_average(values, window):
     result = []
     total = 0.0
     for i, value in enumerate(values):
@@ -44,7 +44,7 @@ CODE = '''def moving_average(values, window):
         if i >= window - 1:
             result.append(total / window)
     return result
-'''
+"""
 WORKLOADS = {
     "rewrite": f"Rewrite this text, changing 'keeper' to 'guardian' and nothing else:\n\n{TEXT}",
     "code": f"Add type hints to this Python function. Answer with the whole function only.\n\n{CODE}",
@@ -78,7 +78,9 @@ def main() -> None:
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--num-threads", type=int, default=None)
     args = ap.parse_args()
-    spec = json.dumps({"num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min, "prompt_lookup_max": args.lookup_max})
+    spec = json.dumps(
+        {"num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min, "prompt_lookup_max": args.lookup_max}
+    )
     engines: dict[str, tuple[Engine, _Timestamps]] = {}
     for name, sc in (("plain", None), ("ngram", spec)):
         obs = _Timestamps()

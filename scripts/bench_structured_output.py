@@ -88,8 +88,12 @@ def main() -> None:
 
     engine = Engine(
         EngineConfig(
-            quantization=args.quantization, num_threads=args.num_threads, kv_cache_memory=512 * 2**20,
-            max_model_len=1024, max_num_seqs=max(args.batches), enable_prefix_caching=False,
+            quantization=args.quantization,
+            num_threads=args.num_threads,
+            kv_cache_memory=512 * 2**20,
+            max_model_len=1024,
+            max_num_seqs=max(args.batches),
+            enable_prefix_caching=False,
         )
     )
     tok = engine.tokenizer
@@ -102,7 +106,9 @@ def main() -> None:
         engine.grammar_compiler.compile(spec)
     run(engine, prompt, 1, 8, None)  # warm-up
     print(f"decode step, {args.tokens} tokens, prompt {len(prompt)} tokens, medians of {args.rounds} rounds")
-    print(f"{'batch':>5} {'free ms':>9} " + " ".join(f"{n + ' ms':>9} {'ratio':>6} {'mask us/row':>11}" for n in compiled))
+    print(
+        f"{'batch':>5} {'free ms':>9} " + " ".join(f"{n + ' ms':>9} {'ratio':>6} {'mask us/row':>11}" for n in compiled)
+    )
     for batch in args.batches:
         free: list[float] = []
         constrained: dict[str, list[float]] = {n: [] for n in compiled}

@@ -60,7 +60,9 @@ class CollectiveClock:
         self.seconds, self.calls = 0.0, 0
 
 
-def decode_steps(runner: ModelRunner, batch: int, context: int, steps: int, clock: CollectiveClock | None) -> dict[str, float]:
+def decode_steps(
+    runner: ModelRunner, batch: int, context: int, steps: int, clock: CollectiveClock | None
+) -> dict[str, float]:
     """Median decode step (ms), and with ``clock`` the median ms and count of collectives a step."""
     blocks = Blocks(NUM_BLOCKS, runner.block_size)
     seqs = make_seqs(batch, context, first_id=1000 * batch)
@@ -114,20 +116,28 @@ def main() -> None:
     for threads in (args.threads, tp * args.threads):
         torch.set_num_threads(threads)
         runner = ModelRunner(model_dir, cfg, **kwargs)
-        rows[f"TP=1, {threads} thread(s)"] = {b: decode_steps(runner, b, args.context, args.steps, None) for b in args.batches}
+        rows[f"TP=1, {threads} thread(s)"] = {
+            b: decode_steps(runner, b, args.context, args.steps, None) for b in args.batches
+        }
         del runner
     torch.set_num_threads(args.threads)
     with TensorParallelGroup(tp, num_threads=args.threads) as group:
         runner = group.load(model_dir, **kwargs)
         clock = CollectiveClock(group.comm)
-        rows[f"TP={tp}, {args.threads} thread(s) per rank"] = {b: decode_steps(runner, b, args.context, args.steps, clock) for b in args.batches}
+        rows[f"TP={tp}, {args.threads} thread(s) per rank"] = {
+            b: decode_steps(runner, b, args.context, args.steps, clock) for b in args.batches
+        }
         runner.release()
 
-    print(f"{model_dir.name}: {cfg.num_layers} layers, hidden {cfg.hidden_size}; decode, context {args.context}, "
-          f"median of {args.steps} steps")
+    print(
+        f"{model_dir.name}: {cfg.num_layers} layers, hidden {cfg.hidden_size}; decode, context {args.context}, "
+        f"median of {args.steps} steps"
+    )
     for name, by_batch in rows.items():
         for b, r in by_batch.items():
-            extra = f"; in {r['collectives']:.0f} collectives {r['collectives_ms']:.2f} ms" if "collectives" in r else ""
+            extra = (
+                f"; in {r['collectives']:.0f} collectives {r['collectives_ms']:.2f} ms" if "collectives" in r else ""
+            )
             print(f"  {name:32s} batch {b:2d}: {r['step_ms']:7.2f} ms/step{extra}")
 
 

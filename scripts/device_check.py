@@ -83,12 +83,21 @@ from servelm.runtime.platform import platform_of  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", default="cuda", help="cuda (the real check) or cpu (plumbing only)")
-    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"], help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["bfloat16", "float16", "float32"],
+        help="default: bfloat16 on cuda, float32 on cpu",
+    )
     p.add_argument("--tiny", action="store_true", help="a tiny Llama instead of the Llama-3-8B shape")
     p.add_argument("--dry-run", action="store_true", help="toy workload sizes (plumbing check)")
-    p.add_argument("--workdir", type=Path, default=None, help="scratch folder for the saved model (default: a temp dir)")
+    p.add_argument(
+        "--workdir", type=Path, default=None, help="scratch folder for the saved model (default: a temp dir)"
+    )
     p.add_argument("--keep", action="store_true", help="keep the saved model folder")
     p.add_argument("--json", type=Path, default=None, help="also write the report as JSON here")
     p.add_argument("--seed", type=int, default=0)
@@ -96,7 +105,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--skip",
         action="append",
         default=[],
-        choices=["exact", "logits", "greedy", "paging", "graphs", "profile", "throughput", "gemv", "sweep", "budget", "rerun"],
+        choices=[
+            "exact",
+            "logits",
+            "greedy",
+            "paging",
+            "graphs",
+            "profile",
+            "throughput",
+            "gemv",
+            "sweep",
+            "budget",
+            "rerun",
+        ],
         help="skip a section (repeatable); exact: the whole float32 engine (its load and checks) of a bf16/fp16 run",
     )
     return p.parse_args(argv)
@@ -155,13 +176,16 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = workdir / "model"
     hf = engine = exact = None
     try:
+
         def build() -> Any:
             t0 = time.perf_counter()
             model = build_hf_model(shape, dtype, device, args.seed)
             t1 = time.perf_counter()
             save_model_folder(model, model_dir)
             params = sum(p.numel() for p in model.parameters())
-            print(f"  HF model: {params / 1e9:.2f} B params, built in {t1 - t0:.1f} s, saved in {time.perf_counter() - t1:.1f} s")
+            print(
+                f"  HF model: {params / 1e9:.2f} B params, built in {t1 - t0:.1f} s, saved in {time.perf_counter() - t1:.1f} s"
+            )
             return model
 
         hf = section("build a random-weight model (transformers) and save it", report, build)
@@ -205,11 +229,22 @@ def main(argv: list[str] | None = None) -> int:
         if "exact" in args.skip and low:
             print("\n== float32 engine and its checks: skipped (--skip exact)")
         else:
-            exact = section("load it into servelm in float32 (Engine)", report, lambda: load("float32", kv_cache_memory=plan.exact_kv_bytes))
+            exact = section(
+                "load it into servelm in float32 (Engine)",
+                report,
+                lambda: load("float32", kv_cache_memory=plan.exact_kv_bytes),
+            )
             if exact is None:
                 return finish(report, args, started)
             if "logits" not in args.skip:
-                tol = section("float32 prefill logits vs HF", report, lambda: check_logits_exact(exact.runner, ref, prompts, report)) or tol
+                tol = (
+                    section(
+                        "float32 prefill logits vs HF",
+                        report,
+                        lambda: check_logits_exact(exact.runner, ref, prompts, report),
+                    )
+                    or tol
+                )
             print(f"   near-tie tolerance for float32 token comparisons: {tol:.3g}")
             if "greedy" not in args.skip:
                 section(
@@ -253,7 +288,11 @@ def main(argv: list[str] | None = None) -> int:
         runner = engine.runner
         if "graphs" not in args.skip:
             if is_cuda(device):
-                section("CUDA graphs (runtime.cuda.graphs)", report, lambda: check_cuda_graphs(runner, plan, vocab, tol, report))
+                section(
+                    "CUDA graphs (runtime.cuda.graphs)",
+                    report,
+                    lambda: check_cuda_graphs(runner, plan, vocab, tol, report),
+                )
                 section(
                     f"{dtype_name} fused few-row projections (runtime.cuda.triton_gemv)",
                     report,
@@ -270,10 +309,16 @@ def main(argv: list[str] | None = None) -> int:
                 lambda: measure_throughput(runner, model_dir, plan, dtype_name, vocab, device, report),
             )
         if "gemv" not in args.skip and is_cuda(device):
-            section("fused few-row projections vs the unfused ops (runtime.cuda.triton_gemv)", report, lambda: probe_gemv(device, report))
+            section(
+                "fused few-row projections vs the unfused ops (runtime.cuda.triton_gemv)",
+                report,
+                lambda: probe_gemv(device, report),
+            )
         swept = None
         if "sweep" not in args.skip and is_cuda(device):
-            swept = section("one-row tiles of the fused projections (a sweep)", report, lambda: sweep_gemv(device, report))
+            swept = section(
+                "one-row tiles of the fused projections (a sweep)", report, lambda: sweep_gemv(device, report)
+            )
         if "budget" not in args.skip and is_cuda(device):
             del runner, engine
             engine = runner = None
@@ -301,16 +346,23 @@ def main(argv: list[str] | None = None) -> int:
 
 def finish(report: Report, args: argparse.Namespace, started: float) -> int:
     leaked = sorted(m for m in sys.modules if m.split(".")[0] in SERVER_ONLY)
-    report.check("imports nothing the GPU machine lacks", not leaked, ", ".join(leaked) or "none of " + ", ".join(SERVER_ONLY))
+    report.check(
+        "imports nothing the GPU machine lacks", not leaked, ", ".join(leaked) or "none of " + ", ".join(SERVER_ONLY)
+    )
     elapsed = time.perf_counter() - started
     print(f"\n== summary ({elapsed:.0f} s)")
     for r in report.throughput:
         print(f"  {r['name']:<72} {r['value']:>12,.2f} {r['unit']:<8} {r['reference']}")
     failed = [c["name"] for c in report.checks if not c["ok"]]
-    print(f"  checks: {len(report.checks) - len(failed)}/{len(report.checks)} passed" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    print(
+        f"  checks: {len(report.checks) - len(failed)}/{len(report.checks)} passed"
+        + (f"; FAILED: {', '.join(failed)}" if failed else "")
+    )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({**asdict(report), "elapsed_s": elapsed, "ok": report.ok}, indent=2, default=str))
+        args.json.write_text(
+            json.dumps({**asdict(report), "elapsed_s": elapsed, "ok": report.ok}, indent=2, default=str)
+        )
     return 0 if report.ok else 1
 
 

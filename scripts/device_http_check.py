@@ -134,7 +134,8 @@ def api_checks(c: httpx.Client, ck: Checks, vocab: int, max_model_len: int) -> N
     lp = b["choices"][0]["logprobs"]["token_logprobs"]
     ck.check(
         "greedy completion from token ids, twice on the same cache state",
-        tb == b2["choices"][0]["logprobs"]["tokens"] and len(tb) == 32
+        tb == b2["choices"][0]["logprobs"]["tokens"]
+        and len(tb) == 32
         and b["usage"] == {**b["usage"], "prompt_tokens": 128, "completion_tokens": 32}
         and all(x is not None and x <= 1e-6 for x in lp),
         f"usage {b['usage']}; first logprobs {lp[:3]}; uncached run's tokens equal: {ta == tb}",
@@ -180,10 +181,14 @@ def api_checks(c: httpx.Client, ck: Checks, vocab: int, max_model_len: int) -> N
             if i > 8:
                 break
     after = greedy(c, prompt, 32)["choices"][0]["logprobs"]["tokens"]
-    ck.check("engine answers after the bad requests and a dropped stream", after == tb, f"same greedy tokens: {after == tb}")
+    ck.check(
+        "engine answers after the bad requests and a dropped stream", after == tb, f"same greedy tokens: {after == tb}"
+    )
 
 
-def bench(args: argparse.Namespace, tag: str, prompts: int, concurrency: int, out: Path, profile_pid: int = 0) -> dict[str, Any] | None:
+def bench(
+    args: argparse.Namespace, tag: str, prompts: int, concurrency: int, out: Path, profile_pid: int = 0
+) -> dict[str, Any] | None:
     cmd = [
         sys.executable, "-c", LAUNCH, "bench", "--base-url", f"http://127.0.0.1:{args.port}", "--model", NAME,
         "--tokenizer", str(args.model), "--token-ids", "--ignore-eos", "--disable-tqdm",
@@ -198,7 +203,12 @@ def bench(args: argparse.Namespace, tag: str, prompts: int, concurrency: int, ou
         # ones too (a thread waiting for the GIL is idle to the OS), without stopping the server.
         deadline = time.perf_counter() + 60
         while time.perf_counter() < deadline and load.poll() is None:
-            if metric(httpx.get(f"http://127.0.0.1:{args.port}/metrics", timeout=5).text, "servelm_num_requests_running") > 0:
+            if (
+                metric(
+                    httpx.get(f"http://127.0.0.1:{args.port}/metrics", timeout=5).text, "servelm_num_requests_running"
+                )
+                > 0
+            ):
                 break
             time.sleep(0.2)
         subprocess.run(["py-spy", "record", "--pid", str(profile_pid), "--rate", "250", "--nonblocking", "--threads", "--idle",
@@ -225,8 +235,18 @@ def metric(text: str, name: str) -> float:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=None, help="a saved HF model folder with its tokenizer")
-    p.add_argument("--build", choices=("tiny", "8b"), default=None, help="build a random Llama in --out (or /dev/shm) and serve that")
-    p.add_argument("--profile-seconds", type=int, default=8, help="seconds of py-spy over a third 256-concurrent run, when py-spy is on PATH (0: no third run)")
+    p.add_argument(
+        "--build",
+        choices=("tiny", "8b"),
+        default=None,
+        help="build a random Llama in --out (or /dev/shm) and serve that",
+    )
+    p.add_argument(
+        "--profile-seconds",
+        type=int,
+        default=8,
+        help="seconds of py-spy over a third 256-concurrent run, when py-spy is on PATH (0: no third run)",
+    )
     p.add_argument("--device", default="cuda")
     p.add_argument("--port", type=int, default=8377)
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp")))
@@ -251,7 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     base = f"http://127.0.0.1:{args.port}"
     try:
         startup = wait_healthy(proc, base, args.start_timeout)
-        if not ck.check("server starts and answers /health", startup is not None, f"{startup or 0:.1f} s", startup_s=startup):
+        if not ck.check(
+            "server starts and answers /health", startup is not None, f"{startup or 0:.1f} s", startup_s=startup
+        ):
             return 1
         summary["startup_s"] = startup
         print("\n== API checks", flush=True)
@@ -263,7 +285,9 @@ def main(argv: list[str] | None = None) -> int:
             summary["one_stream"] = bench(args, "one_stream", args.single, 1, args.out)
             summary["concurrent"] = bench(args, "concurrent", 2 * args.concurrent, args.concurrent, args.out)
             if args.profile_seconds and shutil.which("py-spy"):
-                summary["concurrent_profiled"] = bench(args, "concurrent_profiled", 3 * args.concurrent, args.concurrent, args.out, proc.pid)
+                summary["concurrent_profiled"] = bench(
+                    args, "concurrent_profiled", 3 * args.concurrent, args.concurrent, args.out, proc.pid
+                )
             for tag in ("one_stream", "concurrent"):
                 s = summary[tag]
                 ck.check(f"bench {tag}: every request succeeded", bool(s) and s.get("failed") == 0 and s.get("completed", 0) > 0,

@@ -43,7 +43,9 @@ def main(model_dir: str, results: str) -> int:
             worst = max(worst, abs(ll - got_ll))
             greedy_mismatch += greedy != got_greedy
             pairs += 1
-    print(f"{pairs} loglikelihood requests: max |servelm - transformers float32| = {worst:.2e}; is_greedy differs on {greedy_mismatch}")
+    print(
+        f"{pairs} loglikelihood requests: max |servelm - transformers float32| = {worst:.2e}; is_greedy differs on {greedy_mismatch}"
+    )
     return 0 if pairs and worst <= TOLERANCE and not greedy_mismatch else 1
 
 

@@ -77,7 +77,11 @@ def create_prometheus_observer(engine: Any, registry: Any = None) -> Any | None:
     cap = getattr(engine, "capacity", None)
     # What runs: the runner resolves ``--quantization auto`` at load.
     runner = getattr(engine, "runner", None)
-    quantization = runner.quantization if runner is not None and hasattr(runner, "quantization") else getattr(cfg, "quantization", None)
+    quantization = (
+        runner.quantization
+        if runner is not None and hasattr(runner, "quantization")
+        else getattr(cfg, "quantization", None)
+    )
     info = {
         "model": str(getattr(cfg, "model", None) or engine.served_model_name),
         "dtype": str(cfg.dtype),
@@ -96,7 +100,9 @@ def create_prometheus_observer(engine: Any, registry: Any = None) -> Any | None:
         peak_flops, peak_bw = float("inf"), float("inf")
     max_loras = cfg.max_loras if getattr(engine, "enable_lora", False) else None
     # ``registry``: a server of several models gives each model's series a registry of its own.
-    return PrometheusObserver(str(engine.served_model_name), info, peak_flops, peak_bw, max_loras=max_loras, registry=registry)
+    return PrometheusObserver(
+        str(engine.served_model_name), info, peak_flops, peak_bw, max_loras=max_loras, registry=registry
+    )
 
 
 def _render_metrics(registry: Any, models: ModelRegistry) -> tuple[bytes, str]:
@@ -170,7 +176,9 @@ def build_app(
     store = app.state.responses = ResponseStore()
     install_error_handlers(app)
     document_validation_as_400(app)
-    app.add_middleware(GateMiddleware, registry=models, api_key=api_key, max_body_bytes=max_request_bytes or DEFAULT_MAX_REQUEST_BYTES)
+    app.add_middleware(
+        GateMiddleware, registry=models, api_key=api_key, max_body_bytes=max_request_bytes or DEFAULT_MAX_REQUEST_BYTES
+    )
     app.add_middleware(RequestHeadersMiddleware)  # outermost: the gate's refusals echo X-Request-Id too
 
     def serving(raw: Request) -> ServingContext:
@@ -192,11 +200,19 @@ def build_app(
     async def responses(body: ResponsesRequest, raw: Request) -> Response:
         return await create_response(serving(raw), store, body, raw)
 
-    @app.post("/v1/messages", response_model=MessageObject, responses=error_responses(400, 401, 404, 413, *lora_429, 500, 503, 529, anthropic=True))
+    @app.post(
+        "/v1/messages",
+        response_model=MessageObject,
+        responses=error_responses(400, 401, 404, 413, *lora_429, 500, 503, 529, anthropic=True),
+    )
     async def messages(body: MessagesRequest, raw: Request) -> Response:
         return await create_message(serving(raw), body, raw)
 
-    @app.post("/v1/messages/count_tokens", response_model=TokenCount, responses=error_responses(400, 401, 404, 413, 503, anthropic=True))
+    @app.post(
+        "/v1/messages/count_tokens",
+        response_model=TokenCount,
+        responses=error_responses(400, 401, 404, 413, 503, anthropic=True),
+    )
     async def messages_count_tokens(body: CountTokensRequest, raw: Request) -> JSONResponse:
         return JSONResponse(await count_tokens(serving(raw), body, raw))
 
@@ -223,11 +239,19 @@ def build_app(
 
     if allow_runtime_lora_updating:
 
-        @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=error_responses(400, 401, 413, 429, 503))
+        @app.post(
+            "/v1/load_lora_adapter",
+            response_class=PlainTextResponse,
+            responses=error_responses(400, 401, 413, 429, 503),
+        )
         async def load_lora_route(body: LoadLoRAAdapterRequest, raw: Request) -> PlainTextResponse:
             return await load_lora_adapter(serving(raw), body)
 
-        @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=error_responses(400, 401, 404, 413, 503))
+        @app.post(
+            "/v1/unload_lora_adapter",
+            response_class=PlainTextResponse,
+            responses=error_responses(400, 401, 404, 413, 503),
+        )
         async def unload_lora_route(body: UnloadLoRAAdapterRequest, raw: Request) -> PlainTextResponse:
             return await unload_lora_adapter(serving(raw), body)
 

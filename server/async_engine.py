@@ -151,7 +151,9 @@ class AsyncEngine:
             return
         except asyncio.TimeoutError:
             pass
-        log.warning("drain deadline passed; ending %d request(s) with a 'server shutting down' error", len(self._groups))
+        log.warning(
+            "drain deadline passed; ending %d request(s) with a 'server shutting down' error", len(self._groups)
+        )
         exc = EngineStoppedError("the server is shutting down: the drain deadline passed")
         for group in list(self._groups):
             group.fail(exc)
@@ -209,7 +211,12 @@ class AsyncEngine:
         assert self._loop is not None
         group = RequestGroup(self)
         fut: asyncio.Future[None] = self._loop.create_future()
-        given = (("lora_name", lora_name), ("cache_salt", cache_salt), ("priority", priority), ("lora_adapter", lora_adapter))
+        given = (
+            ("lora_name", lora_name),
+            ("cache_salt", cache_salt),
+            ("priority", priority),
+            ("lora_adapter", lora_adapter),
+        )
         options = {k: v for k, v in given if v is not None}
         if len(requests) > 1:  # one client request's prompts share its fair share of the engine
             options["group"] = requests[0][0]

@@ -28,7 +28,10 @@ def normalize_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         role = _ROLE_MAP.get(m.role)
         if role is None:
             if m.role == "function":
-                raise unsupported(f"{where}.role", "'function' messages (the deprecated function calling) are not supported; use 'tool'")
+                raise unsupported(
+                    f"{where}.role",
+                    "'function' messages (the deprecated function calling) are not supported; use 'tool'",
+                )
             raise bad_request(
                 f"Invalid value for '{where}.role': '{m.role}' (expected system, developer, user, assistant or tool)",
                 param=f"{where}.role",
@@ -37,23 +40,33 @@ def normalize_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             if getattr(m, field) not in (None, []):
                 raise unsupported(f"{where}.{field}", f"'{where}.{field}' is not supported")
         if m.tool_calls and role != "assistant":
-            raise bad_request(f"'{where}.tool_calls' is only allowed on assistant messages.", param=f"{where}.tool_calls")
+            raise bad_request(
+                f"'{where}.tool_calls' is only allowed on assistant messages.", param=f"{where}.tool_calls"
+            )
         if m.tool_call_id is not None and role != "tool":
-            raise bad_request(f"'{where}.tool_call_id' is only allowed on tool messages.", param=f"{where}.tool_call_id")
+            raise bad_request(
+                f"'{where}.tool_call_id' is only allowed on tool messages.", param=f"{where}.tool_call_id"
+            )
         msg: dict[str, Any] = {"role": role, "content": _content_text(m, where)}
         if m.tool_calls:
             msg["tool_calls"] = [
                 {
                     "id": c.id,
                     "type": "function",
-                    "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments, f"{where}.tool_calls[{j}].function.arguments")},
+                    "function": {
+                        "name": c.function.name,
+                        "arguments": _arguments(c.function.arguments, f"{where}.tool_calls[{j}].function.arguments"),
+                    },
                 }
                 for j, c in enumerate(m.tool_calls)
             ]
         thinking = m.reasoning_content if m.reasoning_content is not None else m.reasoning
         if thinking is not None:
             if role != "assistant":
-                raise bad_request(f"'{where}.reasoning_content' is only allowed on assistant messages.", param=f"{where}.reasoning_content")
+                raise bad_request(
+                    f"'{where}.reasoning_content' is only allowed on assistant messages.",
+                    param=f"{where}.reasoning_content",
+                )
             msg["reasoning_content"] = thinking
         if role == "tool":
             if m.tool_call_id is None:
@@ -137,7 +150,9 @@ def _content_text(m: ChatMessage, where: str) -> str:
                 f"content parts of type '{part.type}' are not supported (text only)",
             )
         if part.text is None:
-            raise bad_request(f"Missing required parameter: '{where}.content[{j}].text'.", param=f"{where}.content[{j}].text")
+            raise bad_request(
+                f"Missing required parameter: '{where}.content[{j}].text'.", param=f"{where}.content[{j}].text"
+            )
         texts.append(part.text)
     # Several text parts of one message read as separate paragraphs.
     return "\n".join(texts)
@@ -170,7 +185,9 @@ def render_chat_prompt(
     template = chat_template or ChatTemplate()
     text_of = template.text if template.text is not None else getattr(tokenizer, "chat_template", None)
     if not text_of:
-        raise bad_request("This model has no chat template: serve one with --chat-template, or use /v1/completions.", param="messages")
+        raise bad_request(
+            "This model has no chat template: serve one with --chat-template, or use /v1/completions.", param="messages"
+        )
     kwargs: dict[str, Any] = dict(template_kwargs or {})
     if template_knows_tools(text_of) and not describe:
         if tools:
@@ -186,7 +203,9 @@ def render_chat_prompt(
     if template.text is not None:
         kwargs["chat_template"] = template.text
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs)
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
+        )
     except Exception as e:  # jinja2's TemplateError, or a template that raises on what it does not expect
         raise render_error(template, e) from None
     if guard is not None and marked is not None:

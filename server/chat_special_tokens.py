@@ -154,7 +154,11 @@ class SpecialTokenGuard:
             return list(self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
         if backend.normalizer is not None:
             text = backend.normalizer.normalize_str(text)
-        words = [w for w, _ in backend.pre_tokenizer.pre_tokenize_str(text)] if backend.pre_tokenizer is not None else [text]
+        words = (
+            [w for w, _ in backend.pre_tokenizer.pre_tokenize_str(text)]
+            if backend.pre_tokenizer is not None
+            else [text]
+        )
         return [t.id for w in words for t in backend.model.tokenize(w)]
 
     def _special_around(self) -> tuple[list[int], list[int]]:

@@ -125,7 +125,13 @@ class ModelFlag(argparse.Action):
     """``--model``: the first is ``args.model`` (the one-model server's, as it always was), the
     others go to ``args.more_models``."""
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         if getattr(namespace, self.dest, None) is None:
             setattr(namespace, self.dest, values)
         else:
@@ -243,7 +249,9 @@ def run_serve(args: argparse.Namespace) -> int:
     from servelm.server.heap import return_free_heap
 
     if args.enable_auto_tool_choice and not args.tool_call_parser:
-        log.error("cannot start: --enable-auto-tool-choice needs --tool-call-parser (the format the model writes calls in)")
+        log.error(
+            "cannot start: --enable-auto-tool-choice needs --tool-call-parser (the format the model writes calls in)"
+        )
         return 1
     chat_template = None
     if args.chat_template is not None:
@@ -277,7 +285,12 @@ def run_serve(args: argparse.Namespace) -> int:
     interval = platform_of(engine.device).gil_switch_interval
     if interval is not None:
         sys.setswitchinterval(interval)
-    log.info("model %s (%s); capacity: %s", engine.served_model_name, engine.config.model or "default", engine.capacity.describe())
+    log.info(
+        "model %s (%s); capacity: %s",
+        engine.served_model_name,
+        engine.config.model or "default",
+        engine.capacity.describe(),
+    )
     async_engine = AsyncEngine(engine, observer=proxy, max_waiting_requests=engine.config.max_waiting_requests)
     app = build_app(
         async_engine,
@@ -310,7 +323,9 @@ def run_serve(args: argparse.Namespace) -> int:
     if not server.started:
         return 1
     log.info("servelm stopped")
-    return 1 if async_engine.dead_reason else 0  # an engine that died (a tensor-parallel worker lost): a supervisor restarts it
+    return (
+        1 if async_engine.dead_reason else 0
+    )  # an engine that died (a tensor-parallel worker lost): a supervisor restarts it
 
 
 # ----------------------------------------------------------------------------------------- main

@@ -121,7 +121,9 @@ class Add:
     requests: list[tuple[str, list[int], SamplingParams]]
     arrival_time: float
     future: asyncio.Future[None]
-    options: dict[str, Any]  # Engine.add_request's keywords (lora_name, cache_salt, priority, lora_adapter) given for the group
+    options: dict[
+        str, Any
+    ]  # Engine.add_request's keywords (lora_name, cache_salt, priority, lora_adapter) given for the group
 
 
 @dataclass

@@ -165,7 +165,9 @@ def required_field(obj: Any, name: str, where: str) -> Any:
 
 def unsupported(param: str, what: str | None = None) -> APIError:
     """A field that would change the meaning of the request and that we do not implement."""
-    return APIError(400, what or f"'{param}' is not supported by this server", param=param, code="unsupported_parameter")
+    return APIError(
+        400, what or f"'{param}' is not supported by this server", param=param, code="unsupported_parameter"
+    )
 
 
 def model_not_found(model: str) -> APIError:
@@ -215,7 +217,12 @@ def queue_full(limit: int) -> APIError:
 def lora_limit_reached(message: str, param: str) -> APIError:
     """Every loaded LoRA adapter is in use (``--max-cpu-loras``): a 429, as it passes when requests finish."""
     return APIError(
-        429, message, type="rate_limit_error", param=param, code="lora_limit_reached", headers={"Retry-After": str(RETRY_AFTER_S)}
+        429,
+        message,
+        type="rate_limit_error",
+        param=param,
+        code="lora_limit_reached",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
     )
 
 
@@ -316,7 +323,11 @@ def install_error_handlers(app: FastAPI) -> None:
             msg = f"Method {request.method} is not allowed for {request.url.path}"
             err = APIError(405, msg, code="method_not_allowed")
         else:
-            err = APIError(exc.status_code, str(exc.detail), type="invalid_request_error" if exc.status_code < 500 else "server_error")
+            err = APIError(
+                exc.status_code,
+                str(exc.detail),
+                type="invalid_request_error" if exc.status_code < 500 else "server_error",
+            )
         resp = error_response(err, request.url.path)
         for k, v in (getattr(exc, "headers", None) or {}).items():
             resp.headers[k] = v
@@ -324,7 +335,9 @@ def install_error_handlers(app: FastAPI) -> None:
             # Starlette names the methods of the first route on the path; a path with a route per
             # method (GET and DELETE /v1/responses/{id}) allows all of theirs.
             allowed = {
-                m for route in request.app.router.routes if route.matches(request.scope)[0] != Match.NONE
+                m
+                for route in request.app.router.routes
+                if route.matches(request.scope)[0] != Match.NONE
                 for m in getattr(route, "methods", None) or ()
             }
             if allowed:

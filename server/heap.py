@@ -36,7 +36,10 @@ class HeapTrimmer:
     """Decides when the engine thread trims: ``stepped`` after each step, ``idle`` before it sleeps."""
 
     def __init__(
-        self, interval_s: float = TRIM_INTERVAL_S, trim: Callable[[], None] = return_free_heap, clock: Callable[[], float] = time.monotonic
+        self,
+        interval_s: float = TRIM_INTERVAL_S,
+        trim: Callable[[], None] = return_free_heap,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.interval_s = interval_s
         self._trim = trim

@@ -129,7 +129,9 @@ class GuardedH11Protocol(H11Protocol):
     def _head_timed_out(self) -> None:
         self._head_timer = None
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            self.logger.debug("closing a connection whose request head did not arrive within %.1f s", self.head_timeout_s)
+            self.logger.debug(
+                "closing a connection whose request head did not arrive within %.1f s", self.head_timeout_s
+            )
             self._close()
 
     def _body_timed_out(self) -> None:

@@ -133,5 +133,7 @@ def check_metadata(value: dict[str, Any] | None) -> dict[str, Any] | None:
         if len(k) > MAX_METADATA_KEY_CHARS:
             raise ValueError(f"'metadata' keys are at most {MAX_METADATA_KEY_CHARS} characters, got one of {len(k)}.")
         if isinstance(v, str) and len(v) > MAX_METADATA_VALUE_CHARS:
-            raise ValueError(f"'metadata' values are at most {MAX_METADATA_VALUE_CHARS} characters, got one of {len(v)}.")
+            raise ValueError(
+                f"'metadata' values are at most {MAX_METADATA_VALUE_CHARS} characters, got one of {len(v)}."
+            )
     return value

@@ -18,7 +18,9 @@ from servelm.runtime.batch import TokenLogprobs
 @lru_cache(maxsize=1)
 def _byte_level_decoder() -> dict[str, int]:
     """The inverse of the byte -> printable-character table byte-level BPE vocabularies are written in."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars = printable[:]
     extra = 0
     for b in range(256):
@@ -121,7 +123,13 @@ def vllm_prompt_logprobs(
         if e is None:
             out.append(None)
             continue
-        d = {str(e.token_id): {"logprob": json_logprob(e.logprob), "rank": e.rank, "decoded_token": strings.text(e.token_id)}}
+        d = {
+            str(e.token_id): {
+                "logprob": json_logprob(e.logprob),
+                "rank": e.rank,
+                "decoded_token": strings.text(e.token_id),
+            }
+        }
         for rank, (t, lp) in enumerate(e.top[:k], start=1):
             d.setdefault(str(t), {"logprob": json_logprob(lp), "rank": rank, "decoded_token": strings.text(t)})
         out.append(d)
@@ -159,7 +167,12 @@ def _legacy_logprobs(
         top = {strings.text(t): json_logprob(lp) for t, lp in (e.top if k is None else e.top[:k])}
         top.setdefault(text, json_logprob(e.logprob))
         tops.append(top)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}, text_offset
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }, text_offset
 
 
 def chat_logprobs_content(strings: TokenStrings, entries: Sequence[TokenLogprobs]) -> list[dict[str, Any]]:

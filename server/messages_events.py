@@ -24,7 +24,12 @@ def tool_use_id() -> str:
 def tool_use_block(call: dict[str, Any]) -> dict[str, Any]:
     """An OpenAI tool call as a ``tool_use`` block, its arguments parsed into ``input``."""
     function = call["function"]
-    return {"type": "tool_use", "id": tool_use_id(), "name": function["name"], "input": json.loads(function["arguments"])}
+    return {
+        "type": "tool_use",
+        "id": tool_use_id(),
+        "name": function["name"],
+        "input": json.loads(function["arguments"]),
+    }
 
 
 def thinking_block(text: str) -> dict[str, Any]:
@@ -80,7 +85,12 @@ class MessageStream:
     and calls stream as the parser reads them: a ``tool_use`` block per call, its input as it arrives."""
 
     def __init__(
-        self, message_id: str, model: str, tools: ToolMode | None, group: RequestGroup, counter: UsageCounter,
+        self,
+        message_id: str,
+        model: str,
+        tools: ToolMode | None,
+        group: RequestGroup,
+        counter: UsageCounter,
         reasoning: ReasoningMode | None = None,
     ) -> None:
         self.id = message_id
@@ -128,7 +138,9 @@ class MessageStream:
         for e in self._close():
             yield e
         reason, sequence = stop_reason(self.called, finish, matched)
-        yield event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence}, usage=usage(self.counter))
+        yield event(
+            "message_delta", delta={"stop_reason": reason, "stop_sequence": sequence}, usage=usage(self.counter)
+        )
         yield event("message_stop")
 
     def failed(self, err: APIError) -> bytes:
@@ -152,10 +164,14 @@ class MessageStream:
             if not self.thinking:
                 self.thinking = True
                 events.append(self._start(thinking_block("")))
-            events.append(event("content_block_delta", index=self.index, delta={"type": "thinking_delta", "thinking": text}))
+            events.append(
+                event("content_block_delta", index=self.index, delta={"type": "thinking_delta", "thinking": text})
+            )
         if ends and self.thinking:
             self.thinking = False
-            events.append(event("content_block_delta", index=self.index, delta={"type": "signature_delta", "signature": ""}))
+            events.append(
+                event("content_block_delta", index=self.index, delta={"type": "signature_delta", "signature": ""})
+            )
             events.append(self._stop())
         return events
 
@@ -172,13 +188,21 @@ class MessageStream:
             if self.open is None:
                 events.append(self._start({"type": "text", "text": ""}))
             if text:
-                events.append(event("content_block_delta", index=self.index, delta={"type": "text_delta", "text": text}))
+                events.append(
+                    event("content_block_delta", index=self.index, delta={"type": "text_delta", "text": text})
+                )
         elif self.mode == "named":
             if self.open is None:
                 assert tools is not None and tools.name is not None
                 events.append(self._start({"type": "tool_use", "id": tool_use_id(), "name": tools.name, "input": {}}))
             if text:
-                events.append(event("content_block_delta", index=self.index, delta={"type": "input_json_delta", "partial_json": text}))
+                events.append(
+                    event(
+                        "content_block_delta",
+                        index=self.index,
+                        delta={"type": "input_json_delta", "partial_json": text},
+                    )
+                )
         return events
 
     def _pieces(self, pieces: list[Piece]) -> list[bytes]:
@@ -191,12 +215,20 @@ class MessageStream:
             if p.index is None:
                 if starts:
                     events.append(self._start({"type": "text", "text": ""}))
-                events.append(event("content_block_delta", index=self.index, delta={"type": "text_delta", "text": p.text}))
+                events.append(
+                    event("content_block_delta", index=self.index, delta={"type": "text_delta", "text": p.text})
+                )
                 continue
             if p.name is not None:
                 events.append(self._start({"type": "tool_use", "id": tool_use_id(), "name": p.name, "input": {}}))
             if p.text:
-                events.append(event("content_block_delta", index=self.index, delta={"type": "input_json_delta", "partial_json": p.text}))
+                events.append(
+                    event(
+                        "content_block_delta",
+                        index=self.index,
+                        delta={"type": "input_json_delta", "partial_json": p.text},
+                    )
+                )
         return events
 
     def _close(self) -> list[bytes]:
@@ -220,12 +252,20 @@ class MessageStream:
                 for block in blocks:
                     events.append(self._start({**block, "input": {}}))
                     partial = json.dumps(block["input"], ensure_ascii=False)
-                    events.append(event("content_block_delta", index=self.index, delta={"type": "input_json_delta", "partial_json": partial}))
+                    events.append(
+                        event(
+                            "content_block_delta",
+                            index=self.index,
+                            delta={"type": "input_json_delta", "partial_json": partial},
+                        )
+                    )
                     events.append(self._stop())
                 return events
         if self.open is None:  # calls that did not parse, or no text at all
             events.append(self._start({"type": "text", "text": ""}))
             if self.mode == "calls" and text:
-                events.append(event("content_block_delta", index=self.index, delta={"type": "text_delta", "text": text}))
+                events.append(
+                    event("content_block_delta", index=self.index, delta={"type": "text_delta", "text": text})
+                )
         events.append(self._stop())
         return events

@@ -42,7 +42,14 @@ def call_item(call: dict[str, Any], item_id: str, status: str = "completed") -> 
 def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     """The thinking before the answer (with --reasoning-parser), as a ``reasoning`` item of ``reasoning_text``."""
     content = [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []
-    return {"id": item_id, "type": "reasoning", "summary": [], "content": content, "encrypted_content": None, "status": status}
+    return {
+        "id": item_id,
+        "type": "reasoning",
+        "summary": [],
+        "content": content,
+        "encrypted_content": None,
+        "status": status,
+    }
 
 
 class StreamedReasoning:
@@ -60,11 +67,22 @@ class StreamedReasoning:
         job, events = self.job, []
         if not self.open:
             self.open = True
-            events.append(job.event("response.output_item.added", output_index=0, item=reasoning_item(self.id, "", "in_progress")))
-            events.append(job.event("response.content_part.added", item_id=self.id, output_index=0, content_index=0,
-                                     part={"type": "reasoning_text", "text": ""}))
+            events.append(
+                job.event("response.output_item.added", output_index=0, item=reasoning_item(self.id, "", "in_progress"))
+            )
+            events.append(
+                job.event(
+                    "response.content_part.added",
+                    item_id=self.id,
+                    output_index=0,
+                    content_index=0,
+                    part={"type": "reasoning_text", "text": ""},
+                )
+            )
         self.texts.append(text)
-        events.append(job.event("response.reasoning_text.delta", item_id=self.id, output_index=0, content_index=0, delta=text))
+        events.append(
+            job.event("response.reasoning_text.delta", item_id=self.id, output_index=0, content_index=0, delta=text)
+        )
         return events
 
     def close(self, status: str) -> list[bytes]:
@@ -74,8 +92,13 @@ class StreamedReasoning:
         self.item = reasoning_item(self.id, text, status)
         return [
             job.event("response.reasoning_text.done", item_id=self.id, output_index=0, content_index=0, text=text),
-            job.event("response.content_part.done", item_id=self.id, output_index=0, content_index=0,
-                       part={"type": "reasoning_text", "text": text}),
+            job.event(
+                "response.content_part.done",
+                item_id=self.id,
+                output_index=0,
+                content_index=0,
+                part={"type": "reasoning_text", "text": text},
+            ),
             job.event("response.output_item.done", output_index=0, item=self.item),
         ]
 
@@ -139,8 +162,16 @@ class StreamedOutput:
             if self.item is None:
                 events += self._open_message()
             if text or logprobs:
-                events.append(job.event("response.output_text.delta", item_id=job.message_id, output_index=self.base,
-                                         content_index=0, delta=text, logprobs=logprobs))
+                events.append(
+                    job.event(
+                        "response.output_text.delta",
+                        item_id=job.message_id,
+                        output_index=self.base,
+                        content_index=0,
+                        delta=text,
+                        logprobs=logprobs,
+                    )
+                )
         elif self.mode == "named":
             if self.item is None:
                 assert self.tools is not None and self.tools.name is not None
@@ -148,7 +179,14 @@ class StreamedOutput:
                 self.item = call_item(call, hex_id("fc"), "in_progress")
                 events.append(job.event("response.output_item.added", output_index=self.base, item=self.item))
             if text:
-                events.append(job.event("response.function_call_arguments.delta", item_id=self.item["id"], output_index=self.base, delta=text))
+                events.append(
+                    job.event(
+                        "response.function_call_arguments.delta",
+                        item_id=self.item["id"],
+                        output_index=self.base,
+                        delta=text,
+                    )
+                )
         if reason is not None:
             self.reason = reason
             events += self._close()
@@ -160,8 +198,13 @@ class StreamedOutput:
         self.item = message_item(job.message_id, "", [], "in_progress")
         return [
             job.event("response.output_item.added", output_index=self.base, item=self.item),
-            job.event("response.content_part.added", item_id=job.message_id, output_index=self.base, content_index=0,
-                       part=text_part("", [])),
+            job.event(
+                "response.content_part.added",
+                item_id=job.message_id,
+                output_index=self.base,
+                content_index=0,
+                part=text_part("", []),
+            ),
         ]
 
     def _close(self) -> list[bytes]:
@@ -172,8 +215,15 @@ class StreamedOutput:
             calls = self.tools.parse(text)
             if calls is not None:
                 item = {**self.item, "status": "completed", "arguments": calls[0]["function"]["arguments"]}
-                events.append(job.event("response.function_call_arguments.done", item_id=item["id"], output_index=self.base,
-                                         name=item["name"], arguments=item["arguments"]))
+                events.append(
+                    job.event(
+                        "response.function_call_arguments.done",
+                        item_id=item["id"],
+                        output_index=self.base,
+                        name=item["name"],
+                        arguments=item["arguments"],
+                    )
+                )
                 events.append(job.event("response.output_item.done", output_index=self.base, item=item))
                 self.output = [item]
                 return events
@@ -188,18 +238,39 @@ class StreamedOutput:
                 for k, item in enumerate(items):
                     added = {**item, "status": "in_progress", "arguments": ""}
                     events.append(job.event("response.output_item.added", output_index=self.base + k, item=added))
-                    events.append(job.event("response.function_call_arguments.delta", item_id=item["id"], output_index=self.base + k,
-                                             delta=item["arguments"]))
-                    events.append(job.event("response.function_call_arguments.done", item_id=item["id"], output_index=self.base + k,
-                                             name=item["name"], arguments=item["arguments"]))
+                    events.append(
+                        job.event(
+                            "response.function_call_arguments.delta",
+                            item_id=item["id"],
+                            output_index=self.base + k,
+                            delta=item["arguments"],
+                        )
+                    )
+                    events.append(
+                        job.event(
+                            "response.function_call_arguments.done",
+                            item_id=item["id"],
+                            output_index=self.base + k,
+                            name=item["name"],
+                            arguments=item["arguments"],
+                        )
+                    )
                     events.append(job.event("response.output_item.done", output_index=self.base + k, item=item))
                 self.output = items
                 return events
             # Not calls after all (cut by max_output_tokens): the text as the message.
             events += self._open_message()
             if text:
-                events.append(job.event("response.output_text.delta", item_id=job.message_id, output_index=self.base,
-                                         content_index=0, delta=text, logprobs=self.logprobs))
+                events.append(
+                    job.event(
+                        "response.output_text.delta",
+                        item_id=job.message_id,
+                        output_index=self.base,
+                        content_index=0,
+                        delta=text,
+                        logprobs=self.logprobs,
+                    )
+                )
         elif self.item is None:
             events += self._open_message()
         return events + self._message_done(text)
@@ -207,14 +278,24 @@ class StreamedOutput:
     def _message_done(self, text: str) -> list[bytes]:
         """The message item's closing events (it is always the first answer item)."""
         job = self.job
-        message = message_item(job.message_id, text, self.logprobs, "incomplete" if self.reason == "length" else "completed")
+        message = message_item(
+            job.message_id, text, self.logprobs, "incomplete" if self.reason == "length" else "completed"
+        )
         part = message["content"][0]
         self.output.append(message)
         self.item = None
         return [
-            job.event("response.output_text.done", item_id=job.message_id, output_index=self.base, content_index=0,
-                      text=text, logprobs=self.logprobs),
-            job.event("response.content_part.done", item_id=job.message_id, output_index=self.base, content_index=0, part=part),
+            job.event(
+                "response.output_text.done",
+                item_id=job.message_id,
+                output_index=self.base,
+                content_index=0,
+                text=text,
+                logprobs=self.logprobs,
+            ),
+            job.event(
+                "response.content_part.done", item_id=job.message_id, output_index=self.base, content_index=0, part=part
+            ),
             job.event("response.output_item.done", output_index=self.base, item=message),
         ]
 
@@ -227,19 +308,37 @@ class StreamedOutput:
                     events += self._open_message()
                 self.text.append(p.text)
                 self.logprobs.extend(logprobs)
-                events.append(job.event("response.output_text.delta", item_id=job.message_id, output_index=self.base,
-                                         content_index=0, delta=p.text, logprobs=logprobs))
+                events.append(
+                    job.event(
+                        "response.output_text.delta",
+                        item_id=job.message_id,
+                        output_index=self.base,
+                        content_index=0,
+                        delta=p.text,
+                        logprobs=logprobs,
+                    )
+                )
                 logprobs = []
                 continue
             if p.name is not None:
                 events += self._end_item()
-                self.item = call_item({"id": p.id, "function": {"name": p.name, "arguments": ""}}, hex_id("fc"), "in_progress")
-                events.append(job.event("response.output_item.added", output_index=self.base + len(self.output), item=self.item))
+                self.item = call_item(
+                    {"id": p.id, "function": {"name": p.name, "arguments": ""}}, hex_id("fc"), "in_progress"
+                )
+                events.append(
+                    job.event("response.output_item.added", output_index=self.base + len(self.output), item=self.item)
+                )
             assert self.item is not None
             self.item["arguments"] += p.text
             if p.text:
-                events.append(job.event("response.function_call_arguments.delta", item_id=self.item["id"],
-                                         output_index=self.base + len(self.output), delta=p.text))
+                events.append(
+                    job.event(
+                        "response.function_call_arguments.delta",
+                        item_id=self.item["id"],
+                        output_index=self.base + len(self.output),
+                        delta=p.text,
+                    )
+                )
         if reason is not None:
             self.reason = reason
             if self.item is None and not self.output:  # no text at all: an empty message
@@ -259,7 +358,12 @@ class StreamedOutput:
         self.output.append(done)
         self.item = None
         return [
-            job.event("response.function_call_arguments.done", item_id=done["id"], output_index=index, name=done["name"],
-                      arguments=done["arguments"]),
+            job.event(
+                "response.function_call_arguments.done",
+                item_id=done["id"],
+                output_index=index,
+                name=done["name"],
+                arguments=done["arguments"],
+            ),
             job.event("response.output_item.done", output_index=index, item=done),
         ]

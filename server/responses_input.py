@@ -33,8 +33,21 @@ _ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text")
 # The SamplingExtensions fields a Responses request passes on unchanged.
 _EXTENSIONS = (
-    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-    "include_stop_str_in_output", "seed", "stop", "presence_penalty", "frequency_penalty", "logit_bias", "cache_salt", "priority",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    "seed",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "cache_salt",
+    "priority",
     "chat_template_kwargs",
 )
 
@@ -46,7 +59,9 @@ def refuse_unsupported(req: ResponsesRequest) -> None:
     for name in ("conversation", "prompt", "context_management", "moderation"):
         if getattr(req, name) is not None:
             raise unsupported(name)
-    if req.reasoning is not None and (not isinstance(req.reasoning, dict) or any(v is not None for v in req.reasoning.values())):
+    if req.reasoning is not None and (
+        not isinstance(req.reasoning, dict) or any(v is not None for v in req.reasoning.values())
+    ):
         raise unsupported("reasoning", "'reasoning' is not supported: the served model is not a reasoning model")
     if req.truncation == "auto":
         raise unsupported(
@@ -101,7 +116,10 @@ def input_messages(req: ResponsesRequest, reasoning: bool = False) -> tuple[list
                 json.loads(arguments)
             except ValueError:
                 raise bad_request(f"'{w}.arguments' is not valid JSON.", param=f"{w}.arguments") from None
-            call = ToolCall(id=required_field(item, "call_id", w), function=FunctionCall(name=required_field(item, "name", w), arguments=arguments))
+            call = ToolCall(
+                id=required_field(item, "call_id", w),
+                function=FunctionCall(name=required_field(item, "name", w), arguments=arguments),
+            )
             last = messages[-1] if messages else None
             if last is not None and last.role == "assistant" and where[-1].startswith("input["):
                 last.tool_calls = [*(last.tool_calls or []), call]  # the same turn: text and/or calls
@@ -113,7 +131,9 @@ def input_messages(req: ResponsesRequest, reasoning: bool = False) -> tuple[list
             output = _content(item.output, f"{w}.output")
             messages.append(ChatMessage(role="tool", content=output, tool_call_id=required_field(item, "call_id", w)))
         else:
-            raise unsupported(f"{w}.type", f"input items of type '{kind}' are not supported (messages and function calls only)")
+            raise unsupported(
+                f"{w}.type", f"input items of type '{kind}' are not supported (messages and function calls only)"
+            )
         where.append(w)
     if not messages:
         raise bad_request("'input' is empty.", param="input")
@@ -139,7 +159,10 @@ def _tool_choice(req: ResponsesRequest) -> Any:
     if choice is None or isinstance(choice, str):
         return choice
     if choice.type != "function":
-        raise unsupported("tool_choice", f"'tool_choice' of type '{choice.type}' is not supported (none, auto, required or a function)")
+        raise unsupported(
+            "tool_choice",
+            f"'tool_choice' of type '{choice.type}' is not supported (none, auto, required or a function)",
+        )
     if choice.name is None:
         raise bad_request("Missing required parameter: 'tool_choice.name'.", param="tool_choice.name")
     return NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
@@ -191,7 +214,9 @@ def to_chat_request(
         )
     except ValidationError as e:  # a combination the field-by-field checks above let through
         err = e.errors()[0]  # (more messages than a request may have, with the history, say)
-        raise bad_request(f"Invalid request: {err['msg']}", param=responses_param(loc_to_param(err["loc"]), where)) from None
+        raise bad_request(
+            f"Invalid request: {err['msg']}", param=responses_param(loc_to_param(err["loc"]), where)
+        ) from None
     return chat, where
 
 

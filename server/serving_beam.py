@@ -14,7 +14,9 @@ def beam_search_params(req: CompletionRequest, params: SamplingParams, vocab_siz
     n = req.n if req.n is not None else 1
     width = req.best_of if req.best_of is not None else n
     if req.stream:
-        raise unsupported("stream", "'stream' is not supported with 'use_beam_search': the beams are known when the search ends")
+        raise unsupported(
+            "stream", "'stream' is not supported with 'use_beam_search': the beams are known when the search ends"
+        )
     if req.structured_outputs is not None or (req.response_format is not None and req.response_format.type != "text"):
         name = "structured_outputs" if req.structured_outputs is not None else "response_format"
         raise unsupported(name, f"'{name}' is not supported with 'use_beam_search'")

@@ -117,8 +117,13 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, arrival: f
         spec = await ctx.async_engine.run_blocking(after_thinking, spec, reasoning, ctx.tokenizer)
     await ctx.add_structured_output(req, params, spec)
     group = await add_requests(
-        ctx, [(request_id, prompt_ids, params)], arrival, param_map={"max_tokens": max_param, "prompt": "messages"},
-        lora_name=lora, cache_salt=req.cache_salt, priority=req.priority,
+        ctx,
+        [(request_id, prompt_ids, params)],
+        arrival,
+        param_map={"max_tokens": max_param, "prompt": "messages"},
+        lora_name=lora,
+        cache_salt=req.cache_salt,
+        priority=req.priority,
     )
     if req.separate_reasoning is False:
         reasoning = None  # the thinking stays in the content (SGLang's separate_reasoning)
@@ -141,7 +146,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
 class _ChatCompletion:
     """One chat request in flight: turns engine outputs into OpenAI chat choices / chunks."""
 
-    def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, start: ChatStart, request_id: str, created: int) -> None:
+    def __init__(
+        self, ctx: ServingContext, req: ChatCompletionRequest, start: ChatStart, request_id: str, created: int
+    ) -> None:
         self.ctx = ctx
         self.model = start.model
         self.req = req
@@ -238,8 +245,15 @@ class _ChatCompletion:
                     thinking, text = split.feed(c.new_text, final=reason is not None)
                 if thinking and show_thinking:
                     # The thinking's own chunk; the tokens' logprobs ride with it when no answer text follows.
-                    yield self._chunk({"index": i, "delta": {"reasoning_content": thinking}, "logprobs": None if text else lp,
-                                       "finish_reason": None}, include_usage)
+                    yield self._chunk(
+                        {
+                            "index": i,
+                            "delta": {"reasoning_content": thinking},
+                            "logprobs": None if text else lp,
+                            "finish_reason": None,
+                        },
+                        include_usage,
+                    )
                     if not text:
                         lp = None
                 if split is not None and not text and reason is None and lp is None:
@@ -252,7 +266,9 @@ class _ChatCompletion:
                     if delta is None and lp is not None:
                         delta = {}
                 if delta is not None:
-                    yield self._chunk({"index": i, "delta": delta, "logprobs": lp, "finish_reason": None}, include_usage)
+                    yield self._chunk(
+                        {"index": i, "delta": delta, "logprobs": lp, "finish_reason": None}, include_usage
+                    )
                 if reason is not None:
                     done = {"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}
                     yield self._chunk(done, include_usage)

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+
 @dataclass
 class ServingContext:
     """Everything a handler needs about the served model, built once at start-up."""
@@ -209,7 +210,9 @@ def common_sampling_params(
             try:
                 bias[int(k)] = float(v)
             except ValueError:
-                raise bad_request(f"Invalid key in 'logit_bias': {k!r} is not a token id.", param="logit_bias") from None
+                raise bad_request(
+                    f"Invalid key in 'logit_bias': {k!r} is not a token id.", param="logit_bias"
+                ) from None
     stop = req.stop if req.stop is not None else []
     try:
         params = SamplingParams(
@@ -245,7 +248,9 @@ def check_token_ids(prompts: list[list[int]], vocab_size: int, param: str = "pro
             continue
         for t in ids:
             if not 0 <= t < vocab_size:
-                raise bad_request(f"Token id {t} in '{param}' is outside the vocabulary (size {vocab_size}).", param=param)
+                raise bad_request(
+                    f"Token id {t} in '{param}' is outside the vocabulary (size {vocab_size}).", param=param
+                )
 
 
 def engine_error(exc: BaseException, param_map: dict[str, str] | None = None) -> APIError:
@@ -257,7 +262,9 @@ def engine_error(exc: BaseException, param_map: dict[str, str] | None = None) ->
     if isinstance(exc, LoRALimitError):
         return lora_limit_reached(f"Cannot serve this LoRA adapter now: {exc}.", param="model")
     if isinstance(exc, LoRANotLoadedError):  # its name kept being loaded again from other folders
-        return unavailable(f"The LoRA adapter '{exc.name}' changed while it was read again; retry.", code="lora_adapter_changed")
+        return unavailable(
+            f"The LoRA adapter '{exc.name}' changed while it was read again; retry.", code="lora_adapter_changed"
+        )
     if isinstance(exc, InvalidParameterError):
         param = (param_map or {}).get(exc.param, exc.param)
         return bad_request(str(exc), param=param)
@@ -303,7 +310,9 @@ async def add_requests(
 ) -> RequestGroup:
     if cache_salt is not None and not cache_salt:
         raise bad_request("'cache_salt' must be a non-empty string if given.", param="cache_salt")
-    add = functools.partial(ctx.async_engine.add, requests, arrival_time, lora_name=lora_name, cache_salt=cache_salt, priority=priority)
+    add = functools.partial(
+        ctx.async_engine.add, requests, arrival_time, lora_name=lora_name, cache_salt=cache_salt, priority=priority
+    )
     try:
         try:
             return await add()

@@ -43,7 +43,9 @@ def _split_prompt(prompt: Any) -> tuple[list[str | None], list[list[int] | None]
     return [None] * len(prompt), list(prompt)
 
 
-def _prepare_prompts(tokenizer: Any, texts: list[str | None], ids: list[list[int] | None], echo: bool) -> tuple[list[list[int]], list[str]]:
+def _prepare_prompts(
+    tokenizer: Any, texts: list[str | None], ids: list[list[int] | None], echo: bool
+) -> tuple[list[list[int]], list[str]]:
     """Tokenize text prompts; decode token prompts when they must be echoed (tokenizer thread)."""
     out_ids: list[list[int]] = []
     echo_texts: list[str] = []
@@ -84,7 +86,9 @@ def refuse_unsupported(req: CompletionRequest, n: int) -> None:
     if req.return_hidden_states:
         raise unsupported("return_hidden_states", "'return_hidden_states' is not supported by this server")
     if req.best_of is not None and req.best_of != n and not req.use_beam_search:
-        raise unsupported("best_of", f"'best_of' must equal 'n' ({n}) or be omitted: best-of-n selection is not supported")
+        raise unsupported(
+            "best_of", f"'best_of' must equal 'n' ({n}) or be omitted: best-of-n selection is not supported"
+        )
     if req.max_tokens == 0 and not req.echo:
         raise bad_request(
             "max_tokens must be at least 1, got 0 (0 is allowed only with 'echo': the prompt alone, "
@@ -126,7 +130,9 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     sub_ids = [f"{request_id}-{i}" for i in range(len(prompt_ids))]
     requests = [(sid, ids, params) for sid, ids in zip(sub_ids, prompt_ids)]
     group = await add_requests(ctx, requests, arrival, lora_name=lora, cache_salt=req.cache_salt, priority=req.priority)
-    job = _Completion(ctx, req, params, request_id, created, sub_ids, prompt_ids, echo_texts, group, prompt_only, lora, returned)
+    job = _Completion(
+        ctx, req, params, request_id, created, sub_ids, prompt_ids, echo_texts, group, prompt_only, lora, returned
+    )
     if req.stream:
         return event_stream(job.stream, group)
     body = await until_disconnect(raw, job.collect(), group)
@@ -195,11 +201,18 @@ class _Completion:
             if self.want_logprobs:
                 lp, _ = completion_logprobs(self.ctx.token_strings, collected.logprobs[i], self.offsets[i])
                 lp = join_logprobs(self.prompt_logprobs[i // self.n], None if self.prompt_only else lp)
-            choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": self._finish_reason(collected.finish[i])}
+            choice = {
+                "index": i,
+                "text": text,
+                "logprobs": lp,
+                "finish_reason": self._finish_reason(collected.finish[i]),
+            }
             if self.req.prompt_logprobs is not None:
                 entries = self.prompt_entries[i // self.n]
                 choice["prompt_logprobs"] = (
-                    None if entries is None else vllm_prompt_logprobs(self.ctx.token_strings, entries, self.req.prompt_logprobs)
+                    None
+                    if entries is None
+                    else vllm_prompt_logprobs(self.ctx.token_strings, entries, self.req.prompt_logprobs)
                 )
             if i in self.cumulative:
                 choice["cumulative_logprob"] = self.cumulative[i]
@@ -260,7 +273,12 @@ class _Completion:
                     echo_pending[i] = False
                 if not text and lp is None and c.finish_reason is None:
                     continue  # text held back (a possible stop string): nothing to say yet
-                choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": self._finish_reason(c.finish_reason)}
+                choice = {
+                    "index": i,
+                    "text": text,
+                    "logprobs": lp,
+                    "finish_reason": self._finish_reason(c.finish_reason),
+                }
                 yield self._chunk([choice], include_usage)
         if include_usage:
             yield self._chunk([], True, self._usage())

@@ -69,7 +69,8 @@ class FieldNotices:
             self.logged.update(new)
             log.warning(
                 "%s: ignoring request field(s) this server does not implement: %s (each name is logged once)",
-                surface, ", ".join(_shown(n) for n in new),
+                surface,
+                ", ".join(_shown(n) for n in new),
             )
         client_id = raw.headers.get(REQUEST_ID_HEADER) or req.request_id
         if client_id:
@@ -104,7 +105,9 @@ class RequestHeadersMiddleware:
                 elif rid:
                     headers.append((REQUEST_ID_HEADER.encode(), _header_text(rid).encode()))
                 if state.get(_STATE_IGNORED):
-                    headers.append((IGNORED_FIELDS_HEADER.encode(), ignored_fields_header(state[_STATE_IGNORED]).encode()))
+                    headers.append(
+                        (IGNORED_FIELDS_HEADER.encode(), ignored_fields_header(state[_STATE_IGNORED]).encode())
+                    )
                 message = {**message, "headers": headers}
             await send(message)
 

@@ -51,11 +51,19 @@ def refuse_unsupported(req: CountTokensRequest, reasoning: bool = False) -> None
     """Fields this server cannot honour: 400 naming the field. ``reasoning``: a reasoning parser is set."""
     thinking = req.thinking
     if thinking is not None and not isinstance(thinking, dict):
-        raise bad_request("'thinking' must be an object such as {\"type\": \"enabled\", \"budget_tokens\": 1024}.", param="thinking")
+        raise bad_request(
+            '\'thinking\' must be an object such as {"type": "enabled", "budget_tokens": 1024}.', param="thinking"
+        )
     if thinking is not None and thinking.get("type") not in ("disabled", "enabled", "adaptive"):
-        raise bad_request(f"Invalid value for 'thinking.type': {thinking.get('type')!r} (expected enabled, adaptive or disabled).", param="thinking.type")
+        raise bad_request(
+            f"Invalid value for 'thinking.type': {thinking.get('type')!r} (expected enabled, adaptive or disabled).",
+            param="thinking.type",
+        )
     if thinking is not None and thinking.get("type") != "disabled" and not reasoning:
-        raise unsupported("thinking", "'thinking' is not supported: the served model has no reasoning output here (no --reasoning-parser)")
+        raise unsupported(
+            "thinking",
+            "'thinking' is not supported: the served model has no reasoning output here (no --reasoning-parser)",
+        )
     for name in ("mcp_servers", "container", "context_management", "output_format", "output_config"):
         if getattr(req, name) is not None:
             raise unsupported(name)
@@ -63,7 +71,10 @@ def refuse_unsupported(req: CountTokensRequest, reasoning: bool = False) -> None
 
 def _block_text(block: ContentBlock, where: str) -> str:
     if block.type != "text":
-        raise unsupported(f"{where}.type", _REFUSED_BLOCKS.get(block.type, f"content blocks of type '{block.type}' are not supported here"))
+        raise unsupported(
+            f"{where}.type",
+            _REFUSED_BLOCKS.get(block.type, f"content blocks of type '{block.type}' are not supported here"),
+        )
     if block.text is None:
         raise bad_request(f"Missing required parameter: '{where}.text'.", param=f"{where}.text")
     return block.text
@@ -87,7 +98,9 @@ def chat_messages(req: CountTokensRequest, reasoning: bool = False) -> tuple[lis
     for i, m in enumerate(req.messages):
         w = f"messages[{i}]"
         if m.role not in ("user", "assistant"):
-            raise bad_request(f"Invalid value for '{w}.role': {m.role!r} (expected user or assistant).", param=f"{w}.role")
+            raise bad_request(
+                f"Invalid value for '{w}.role': {m.role!r} (expected user or assistant).", param=f"{w}.role"
+            )
         if isinstance(m.content, str):
             out.append(ChatMessage(role=m.role, content=m.content))
             where.append(w)
@@ -104,7 +117,12 @@ def chat_messages(req: CountTokensRequest, reasoning: bool = False) -> tuple[lis
             elif b.type == "tool_use" and m.role == "assistant":
                 call_input = required_field(b, "input", bw)
                 arguments = json.dumps(call_input, ensure_ascii=False)
-                calls.append(ToolCall(id=required_field(b, "id", bw), function=FunctionCall(name=required_field(b, "name", bw), arguments=arguments)))
+                calls.append(
+                    ToolCall(
+                        id=required_field(b, "id", bw),
+                        function=FunctionCall(name=required_field(b, "name", bw), arguments=arguments),
+                    )
+                )
             elif b.type == "tool_result" and m.role == "user":
                 # A tool message per result, before the turn's text (Anthropic puts results first).
                 result = _text(b.content, f"{bw}.content") if b.content is not None else ""
@@ -116,10 +134,14 @@ def chat_messages(req: CountTokensRequest, reasoning: bool = False) -> tuple[lis
             else:
                 texts.append(_block_text(b, bw))
         if texts or calls or thoughts or not m.content:
-            out.append(ChatMessage(
-                role=m.role, content="\n".join(texts) if texts or not calls else None, tool_calls=calls or None,
-                reasoning_content="\n".join(thoughts) if thoughts else None,
-            ))
+            out.append(
+                ChatMessage(
+                    role=m.role,
+                    content="\n".join(texts) if texts or not calls else None,
+                    tool_calls=calls or None,
+                    reasoning_content="\n".join(thoughts) if thoughts else None,
+                )
+            )
             where.append(w)
     if req.messages[-1].role == "assistant":
         raise unsupported(
@@ -162,8 +184,12 @@ def to_chat_request(req: CountTokensRequest, reasoning: bool = False) -> tuple[C
     fields: dict[str, Any] = {}
     if isinstance(req, MessagesRequest):
         fields = dict(
-            max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-            stop=req.stop_sequences, stream=req.stream,
+            max_tokens=req.max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            stop=req.stop_sequences,
+            stream=req.stream,
         )
     try:
         chat = ChatCompletionRequest(
@@ -172,16 +198,24 @@ def to_chat_request(req: CountTokensRequest, reasoning: bool = False) -> tuple[C
             tools=_tools(req),
             tool_choice=_tool_choice(req),
             parallel_tool_calls=False if choice is not None and choice.disable_parallel_tool_use else None,
-            chat_template_kwargs={"enable_thinking": False} if reasoning and (req.thinking or {}).get("type") == "disabled" else None,
+            chat_template_kwargs={"enable_thinking": False}
+            if reasoning and (req.thinking or {}).get("type") == "disabled"
+            else None,
             **fields,
         )
     except ValidationError as e:
         err = e.errors()[0]
-        raise bad_request(f"Invalid request: {err['msg']}", param=messages_param(loc_to_param(err["loc"]), where)) from None
+        raise bad_request(
+            f"Invalid request: {err['msg']}", param=messages_param(loc_to_param(err["loc"]), where)
+        ) from None
     return chat, where
 
 
-_SIMPLE_PARAMS = {"stop": "stop_sequences", "tool_choice": "tool_choice", "parallel_tool_calls": "tool_choice.disable_parallel_tool_use"}
+_SIMPLE_PARAMS = {
+    "stop": "stop_sequences",
+    "tool_choice": "tool_choice",
+    "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
+}
 
 
 def messages_param(param: str | None, where: list[str]) -> str | None:

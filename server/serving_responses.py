@@ -133,8 +133,12 @@ class _Response:
             "reasoning": {"effort": None, "summary": None},
             "store": req.store is not False,
             "temperature": 1.0 if req.temperature is None else req.temperature,
-            "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt is not None else {"type": "text"}},
-            "tool_choice": choice.model_dump(exclude_none=True) if choice is not None and not isinstance(choice, str) else choice or "auto",
+            "text": {
+                "format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt is not None else {"type": "text"}
+            },
+            "tool_choice": choice.model_dump(exclude_none=True)
+            if choice is not None and not isinstance(choice, str)
+            else choice or "auto",
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()],
             "top_logprobs": req.top_logprobs or 0,
             "top_p": 1.0 if req.top_p is None else req.top_p,
@@ -155,7 +159,11 @@ class _Response:
     def _history(self, output: list[dict[str, Any]]) -> list[ChatMessage]:
         """The conversation a next turn continues: this one's messages, without its instructions, and its output."""
         messages = list(self.chat.messages[1:] if self.req.instructions is not None else self.chat.messages)
-        calls = [ToolCall(id=o["call_id"], function=FunctionCall(name=o["name"], arguments=o["arguments"])) for o in output if o["type"] == "function_call"]
+        calls = [
+            ToolCall(id=o["call_id"], function=FunctionCall(name=o["name"], arguments=o["arguments"]))
+            for o in output
+            if o["type"] == "function_call"
+        ]
         # A message item: the whole answer, or (with a family's parser) the text its calls follow.
         message = next((o for o in output if o["type"] == "message"), None)
         text = message["content"][0]["text"] if message is not None else None
@@ -195,9 +203,15 @@ class _Response:
         async for _, out in counted_outputs(self.group, self.usage):
             for c in out.outputs:
                 # The thinking tokens' logprobs are not sent (they belong to no output_text).
-                lp = chat_logprobs_content(self.ctx.token_strings, c.new_logprobs) if self.want_logprobs and c.new_logprobs else []
+                lp = (
+                    chat_logprobs_content(self.ctx.token_strings, c.new_logprobs)
+                    if self.want_logprobs and c.new_logprobs
+                    else []
+                )
                 reason = c.finish_reason
-                thinking, text = split.feed(c.new_text, final=reason is not None) if split is not None else ("", c.new_text)
+                thinking, text = (
+                    split.feed(c.new_text, final=reason is not None) if split is not None else ("", c.new_text)
+                )
                 if thought is not None:
                     for event in thought.add(thinking) if thinking else ():
                         yield event

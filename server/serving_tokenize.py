@@ -27,7 +27,9 @@ def _encode_prompt(tokenizer: Any, text: str, add_special_tokens: bool) -> list[
 async def tokenize(ctx: ServingContext, req: TokenizeRequest) -> TokenizeResponse:
     ctx.resolve_model(req.model)
     if (req.prompt is None) == (req.messages is None):
-        raise bad_request("Give exactly one of 'prompt' and 'messages'.", param="prompt" if req.prompt is None else "messages")
+        raise bad_request(
+            "Give exactly one of 'prompt' and 'messages'.", param="prompt" if req.prompt is None else "messages"
+        )
     if req.prompt is not None:
         for name in ("tools", "tool_choice", "chat_template", "chat_template_kwargs"):
             if getattr(req, name) is not None:

@@ -65,7 +65,11 @@ class ToolMode:
             }
             for t in self.tools
         ]
-        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+        schema: dict[str, Any] = {
+            "type": "array",
+            "minItems": 1,
+            "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
+        }
         if not self.parallel:
             schema["maxItems"] = 1
         return schema
@@ -125,7 +129,6 @@ class ToolMode:
         calls = [_call(c["name"], c.get("parameters", {})) for c in value if isinstance(c, dict) and "name" in c]
         return calls or None
 
-
     def answer(self, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
         """A finished answer as (content, calls): a family's text before its calls is content; the
         convention's calls are the whole answer. Calls None: ``text`` is the content, whole."""
@@ -169,7 +172,9 @@ def _call(name: str, arguments: Any) -> dict[str, Any]:
     }
 
 
-def tool_mode(req: ChatCompletionRequest, family: type[ToolParser] | None = None, auto_enabled: bool = False) -> ToolMode | None:
+def tool_mode(
+    req: ChatCompletionRequest, family: type[ToolParser] | None = None, auto_enabled: bool = False
+) -> ToolMode | None:
     """The tool calls ``req`` may ("auto") or must make, None when it uses no tools; 400 for what cannot
     be served. ``family``: --tool-call-parser's; ``auto_enabled``: --enable-auto-tool-choice."""
     choice = req.tool_choice
@@ -184,7 +189,9 @@ def tool_mode(req: ChatCompletionRequest, family: type[ToolParser] | None = None
     if choice == "none":
         return None
     if (req.response_format is not None and req.response_format.type != "text") or req.structured_outputs is not None:
-        raise bad_request("Tool calls and 'response_format' / 'structured_outputs' cannot be combined.", param="tool_choice")
+        raise bad_request(
+            "Tool calls and 'response_format' / 'structured_outputs' cannot be combined.", param="tool_choice"
+        )
     parallel = req.parallel_tool_calls is not False
     if choice in (None, "auto") and family is not None and not auto_enabled:
         raise bad_request(
@@ -197,7 +204,9 @@ def tool_mode(req: ChatCompletionRequest, family: type[ToolParser] | None = None
         return ToolMode(list(req.tools), parallel=parallel, auto=choice != "required", family=family)
     assert not isinstance(choice, str)
     if choice.function.name not in names:
-        raise bad_request(f"tool_choice names '{choice.function.name}', which is not among the tools.", param="tool_choice")
+        raise bad_request(
+            f"tool_choice names '{choice.function.name}', which is not among the tools.", param="tool_choice"
+        )
     return ToolMode(list(req.tools), choice.function.name, family=family)
 
 
@@ -230,7 +239,9 @@ def describe_tools(
         what = f"To call one or more of them, answer with only {calls}; otherwise answer normally."
     else:
         what = f"Call one or more of them by answering with {calls}."
-    text = "You can call these functions:\n" + json.dumps([t["function"] for t in tools], ensure_ascii=False) + "\n" + what
+    text = (
+        "You can call these functions:\n" + json.dumps([t["function"] for t in tools], ensure_ascii=False) + "\n" + what
+    )
     out = [dict(m) for m in messages]
     if out and out[0]["role"] == "system":
         out[0]["content"] = f"{out[0]['content']}\n\n{text}" if out[0]["content"] else text
@@ -247,7 +258,8 @@ def calls_as_content(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         calls = m.get("tool_calls")
         if calls:
             spelled = json.dumps(
-                [{"name": c["function"]["name"], "parameters": c["function"]["arguments"]} for c in calls], ensure_ascii=False
+                [{"name": c["function"]["name"], "parameters": c["function"]["arguments"]} for c in calls],
+                ensure_ascii=False,
             )
             m = {"role": m["role"], "content": f"{m['content']}\n{spelled}" if m["content"] else spelled}
         elif "tool_call_id" in m:

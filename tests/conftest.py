@@ -105,12 +105,22 @@ TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # query_pre_attn_scalar unlike head_dim, so the score scale is its own.
     "gemma3": (
         "Gemma3TextConfig",
-        dict(tie_word_embeddings=True, sliding_window=16, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-             query_pre_attn_scalar=24, max_position_embeddings=512, rope_parameters={
-                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                 "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}),
+        dict(
+            tie_word_embeddings=True,
+            sliding_window=16,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            query_pre_attn_scalar=24,
+            max_position_embeddings=512,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            },
+        ),
     ),
-    "qwen2_window": ("Qwen2Config", dict(tie_word_embeddings=True, use_sliding_window=True, sliding_window=16, max_window_layers=1)),
+    "qwen2_window": (
+        "Qwen2Config",
+        dict(tie_word_embeddings=True, use_sliding_window=True, sliding_window=16, max_window_layers=1),
+    ),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(tie_word_embeddings=True)),
     # RoPE on layers 0 and 2, none on layer 1 (a NoPE layer every 2nd; the real model: every 4th).
@@ -118,8 +128,13 @@ TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # Granite 3's multipliers (granite-3.1-2b-instruct's values).
     "granite": (
         "GraniteConfig",
-        dict(tie_word_embeddings=True, embedding_multiplier=12.0, attention_multiplier=0.015625,
-             residual_multiplier=0.22, logits_scaling=8.0),
+        dict(
+            tie_word_embeddings=True,
+            embedding_multiplier=12.0,
+            attention_multiplier=0.015625,
+            residual_multiplier=0.22,
+            logits_scaling=8.0,
+        ),
     ),
 }
 

@@ -61,7 +61,9 @@ def scripted_tokenizer() -> Any:
 def prompt_end_id(tok: Any, **template_kwargs: Any) -> int:
     """The last token of a chat prompt (its generation prompt's), which a script starts from:
     ``enable_thinking=False`` ends Qwen3's prompts with another token than the default."""
-    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True, **template_kwargs)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True, **template_kwargs
+    )
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return int(ids[-1])
@@ -116,7 +118,9 @@ def distinct_ids(tok: Any, text: str, avoid: tuple[int, ...] | set[int] = ()) ->
     return ids
 
 
-def build_scripted_model(out: Path, scripts: dict[int, list[int]], tok: Any | None = None, eos_after: bool = True) -> Path:
+def build_scripted_model(
+    out: Path, scripts: dict[int, list[int]], tok: Any | None = None, eos_after: bool = True
+) -> Path:
     """Save at ``out`` a Qwen3-shaped model (and ``tok``, default ``scripted_tokenizer()``) that, after
     a prompt ending in token ``p``, greedily generates ``scripts[p]`` and then EOS (unless
     ``eos_after`` is false: it then runs on with random tokens until ``max_tokens``). The tokens of all
@@ -202,7 +206,11 @@ def serve_scripted(folder: Path, name: str = "scripted", **serving: Any) -> Any:
     from servelm.server.app import build_app
     from servelm.server.async_engine import AsyncEngine
 
-    engine = Engine(EngineConfig(model=str(folder), served_model_name=name, kv_cache_memory=16 * 2**20, max_model_len=512, max_num_seqs=4))
+    engine = Engine(
+        EngineConfig(
+            model=str(folder), served_model_name=name, kv_cache_memory=16 * 2**20, max_model_len=512, max_num_seqs=4
+        )
+    )
     app = build_app(AsyncEngine(engine))
     for field, value in serving.items():
         setattr(app.state.serving, field, value)

@@ -104,4 +104,3 @@ def test_docs_have_links_from_the_readme():
     linked = {Path(t.partition("#")[0]).name for t in _LINK.findall(_prose(README.read_text()))}
     orphans = [p.name for p in sorted(DOCS.glob("*.md")) if p.name not in linked]
     assert not orphans, f"docs/ pages the README does not link to: {orphans}"
-

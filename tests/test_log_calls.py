@@ -51,6 +51,8 @@ def test_every_log_call_has_as_many_arguments_as_placeholders() -> None:
                 checked += 1
                 # With no arguments logging does not format, so a lone % is harmless there.
                 if nargs and placeholders(fmt) != nargs:
-                    wrong.append(f"{path.relative_to(REPO)}:{line}: {placeholders(fmt)} placeholders, {nargs} arguments: {fmt!r}")
+                    wrong.append(
+                        f"{path.relative_to(REPO)}:{line}: {placeholders(fmt)} placeholders, {nargs} arguments: {fmt!r}"
+                    )
     assert checked > 50, checked  # the walk found the project's logging calls
     assert not wrong, "\n".join(wrong)

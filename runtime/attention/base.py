@@ -44,7 +44,9 @@ class AttentionMetadata:
     # Several decode rows are positions of one sequence (speculative drafts verified as decodes, each
     # attending up to its own position): every row's K/V must be stored before any row attends, so
     # kernels that store and attend row by row must not run.
-    decode_rows_share_sequences: bool = field(default=False, kw_only=True)  # (keyword-only: subclasses add required fields)
+    decode_rows_share_sequences: bool = field(
+        default=False, kw_only=True
+    )  # (keyword-only: subclasses add required fields)
 
     @property
     def num_seqs(self) -> int:

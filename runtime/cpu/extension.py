@@ -48,8 +48,12 @@ def build_name(prefix: str, source: bytes) -> str:
     """Extension name keyed on everything that changes the binary: source, flags, torch, CPU."""
     h = hashlib.sha256(source)
     flags = cpu_flags()
-    for part in (cflags(), LDFLAGS, [torch.__version__, platform.machine(), platform.python_version()],
-                 sorted(flags or [])):
+    for part in (
+        cflags(),
+        LDFLAGS,
+        [torch.__version__, platform.machine(), platform.python_version()],
+        sorted(flags or []),
+    ):
         h.update("\0".join(part).encode())
     return f"{prefix}_{h.hexdigest()[:16]}"
 

@@ -53,6 +53,7 @@ TALL_SKINNY_HEAD_MAX_ROWS = 8
 def _mode() -> str:
     return os.environ.get(ENV, "auto").strip().lower() or "auto"
 
+
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -111,4 +112,8 @@ def quantized_kernels() -> dict[str, tuple[Callable[..., torch.Tensor], int]]:
     if int8 is None or module is None:
         return {}
     rows = int(module.int8_max_rows)
-    return {"int8": int8, "int4": (module.linear_few_row_int4, rows), "int8_groups": (module.linear_few_row_int8_grouped, rows)}
+    return {
+        "int8": int8,
+        "int4": (module.linear_few_row_int4, rows),
+        "int8_groups": (module.linear_few_row_int8_grouped, rows),
+    }

@@ -91,7 +91,10 @@ def _check_avx512(module: ModuleType, gen: torch.Generator) -> str | None:
     x = torch.randn(5, 40, generator=gen)
     y = torch.randn(5, 37, generator=gen)
     a = [torch.randn(8, 40, generator=gen), torch.randn(4, 40, generator=gen)]
-    blocks = [[torch.randn(3, 21, generator=gen), torch.randn(5, 16, generator=gen)], [torch.randn(4, 37, generator=gen)]]
+    blocks = [
+        [torch.randn(3, 21, generator=gen), torch.randn(5, 16, generator=gen)],
+        [torch.randn(4, 37, generator=gen)],
+    ]
     shards = [torch.tensor([[0, 21, 3], [21, 16, 5]]), torch.tensor([[0, 37, 4]])]
     row_adapters = torch.tensor([1, -1, 0, 1, 0], dtype=torch.int32)
     want = y.double().clone()
@@ -113,7 +116,12 @@ def _check_portable(module: ModuleType, gen: torch.Generator) -> str | None:
     x, r, w = torch.randn(3, 40, generator=gen), torch.randn(3, 40, generator=gen), torch.randn(40, generator=gen)
     want_r = x + r
     out, r_out = module.add_rms_norm(x, r, w, 1e-5)
-    if r_out is None or not torch.equal(r_out, want_r) or not torch.equal(r, want_r) or not torch.equal(out, module.rms_norm(want_r, w, 1e-5)):
+    if (
+        r_out is None
+        or not torch.equal(r_out, want_r)
+        or not torch.equal(r, want_r)
+        or not torch.equal(out, module.rms_norm(want_r, w, 1e-5))
+    ):
         return "add_rms_norm self-check failed"
     gate_up = torch.randn(3, 80, generator=gen)
     if not torch.equal(module.silu_mul(gate_up), F.silu(gate_up[:, :40]) * gate_up[:, 40:]):
@@ -140,7 +148,9 @@ def _check_portable(module: ModuleType, gen: torch.Generator) -> str | None:
     return None
 
 
-_extension = CompiledExtension("CPU decode ops (few-row linear, int8/int4 linear, RMSNorm)", "servelm_cpu_ops", lambda: SOURCE, _self_check, log)
+_extension = CompiledExtension(
+    "CPU decode ops (few-row linear, int8/int4 linear, RMSNorm)", "servelm_cpu_ops", lambda: SOURCE, _self_check, log
+)
 
 
 def load() -> ModuleType | None:

@@ -102,7 +102,13 @@ def _self_check(fn: PagedDecodeAttention) -> str | None:
     gen = torch.Generator().manual_seed(0)
     f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
     # (queries, cache): a 16-bit cache under float32 queries is what --kv-cache-dtype gives.
-    cases = ((f32, f32, 64, 1e-5), (f32, f32, 40, 1e-5), (bf16, bf16, 64, 2e-2), (f32, bf16, 64, 1e-5), (f32, f16, 40, 1e-5))
+    cases = (
+        (f32, f32, 64, 1e-5),
+        (f32, f32, 40, 1e-5),
+        (bf16, bf16, 64, 2e-2),
+        (f32, bf16, 64, 1e-5),
+        (f32, f16, 40, 1e-5),
+    )
     for dtype, kv_dtype, head_dim, tol in cases:
         k_cache = torch.randn(8, 4, 2, head_dim, generator=gen).to(kv_dtype)
         v_cache = torch.randn(8, 4, 2, head_dim, generator=gen).to(kv_dtype)

@@ -380,7 +380,9 @@ def default_cuda_block_size(dtype: torch.dtype, head_dim: int) -> int:
     return TritonPagedBackend.preferred_block_size
 
 
-def select_cuda_backend(block_size: int, dtype: torch.dtype | None = None, head_dim: int | None = None) -> AttentionBackend:
+def select_cuda_backend(
+    block_size: int, dtype: torch.dtype | None = None, head_dim: int | None = None
+) -> AttentionBackend:
     """FlashAttention when it can serve (installed, fp16/bf16, head_dim, ``block_size``), else the
     Triton paged fallback with a warning saying why; ``dtype``/``head_dim`` refine the check when given."""
     if dtype is not None and head_dim is not None:

@@ -40,7 +40,9 @@ class VariantTiming:
     def describe(self) -> str:
         parts = [f"fused few-row projections {self.fused_ms:.3f} ms"]
         if self.pdl_ms is not None:
-            parts.append(f"with PDL {self.pdl_ms:.3f} ms ({'identical' if self.pdl_identical else 'DIFFERENT'} outputs)")
+            parts.append(
+                f"with PDL {self.pdl_ms:.3f} ms ({'identical' if self.pdl_identical else 'DIFFERENT'} outputs)"
+            )
         if self.plain_ms is not None:
             parts.append(f"plain {self.plain_ms:.3f} ms, fused outputs differ by {self.rel_diff:.1e}")
         return ", ".join(parts) + f" -> {self.chosen}"

@@ -46,7 +46,10 @@ class CudaPlatform(Platform):
         )
 
     def host_to_device(
-        self, values: Sequence[int] | Sequence[float] | torch.Tensor, device: torch.device, dtype: torch.dtype = torch.int64
+        self,
+        values: Sequence[int] | Sequence[float] | torch.Tensor,
+        device: torch.device,
+        dtype: torch.dtype = torch.int64,
     ) -> torch.Tensor:
         """``torch.tensor(values, device=...)`` copies from pageable memory and then synchronises the
         stream: the host would wait for the step's forward, which the engine overlaps with its own work
@@ -84,7 +87,12 @@ class CudaPlatform(Platform):
         torch.cuda.empty_cache()
 
     def kv_budget_bytes(
-        self, device: torch.device, utilization: float, warm_up: Callable[[], int], scratch_bytes: int, reserve_bytes: int
+        self,
+        device: torch.device,
+        utilization: float,
+        warm_up: Callable[[], int],
+        scratch_bytes: int,
+        reserve_bytes: int,
     ) -> int:
         from servelm.runtime.cuda.memory import kv_budget_bytes as measure
 

@@ -123,11 +123,15 @@ def _paged_decode_split_kernel(
         q = _rotate(
             tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=q_mask, other=0.0),
             tl.load(q_ptr + q_rows[:, None] + partner[None, :], mask=q_mask, other=0.0),
-            c[None, :], sn[None, :], first[None, :],
+            c[None, :],
+            sn[None, :],
+            first[None, :],
         )
         row = q_ptr + seq.to(tl.int64) * stride_qt
         k_at = row + (NUM_HEADS + kv_head) * HEAD_DIM
-        k_new = _rotate(tl.load(k_at + d, mask=d_ok, other=0.0), tl.load(k_at + partner, mask=d_ok, other=0.0), c, sn, first)
+        k_new = _rotate(
+            tl.load(k_at + d, mask=d_ok, other=0.0), tl.load(k_at + partner, mask=d_ok, other=0.0), c, sn, first
+        )
         v_new = tl.load(row + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + d, mask=d_ok, other=0.0)
         slot = tl.load(slot_ptr + seq).to(tl.int64)
         owner = (k_start <= seq_len - 1) & (seq_len - 1 < k_end)

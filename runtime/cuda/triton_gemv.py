@@ -155,7 +155,9 @@ def _decode_gemv_kernel(
         y = y * tl.math.rsqrt(tl.sum(sq, axis=1) / K + eps)[None, :]
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-    tl.store(y_ptr + r[None, :] * stride_ym + n[:, None], y.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & r_ok[None, :])
+    tl.store(
+        y_ptr + r[None, :] * stride_ym + n[:, None], y.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & r_ok[None, :]
+    )
 
 
 class Tile(NamedTuple):

@@ -172,8 +172,6 @@ def _paged_attention_kernel(
     )
 
 
-
-
 def paged_attention(
     q: torch.Tensor,  # [T, H, D], tokens of each sequence contiguous, in query_start_loc order
     k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
@@ -218,7 +216,9 @@ def paged_attention(
         if num_splits is None:
             num_splits = triton_decode.decode_splits(num_seqs, num_kv_heads, q.device)
         if num_splits > 1:
-            triton_decode._split_decode(q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale, num_splits)
+            triton_decode._split_decode(
+                q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale, num_splits
+            )
             return out
         # Decode: one token; pad the rows up to the smallest tile tl.dot supports.
         block_q = max(1, _MIN_DOT // group_pad)

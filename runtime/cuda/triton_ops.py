@@ -212,7 +212,11 @@ def rope_store(
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(-1) != 1:
         raise ValueError(f"qkv {tuple(qkv.shape)} does not hold {num_heads}+2x{num_kv_heads} heads of {head_dim}")
-    if k_cache.stride() != v_cache.stride() or k_cache.stride(2) != head_dim or k_cache.stride(1) != num_kv_heads * head_dim:
+    if (
+        k_cache.stride() != v_cache.stride()
+        or k_cache.stride(2) != head_dim
+        or k_cache.stride(1) != num_kv_heads * head_dim
+    ):
         raise ValueError(f"k/v cache slots must be contiguous [heads, head_dim] rows, got {tuple(k_cache.stride())}")
     if cos.stride(-1) != 1 or cos.stride() != sin.stride():
         raise ValueError("cos and sin must share strides with a unit column stride")

@@ -50,7 +50,9 @@ def backend_for(device: torch.device) -> str:
 
 
 def _join(rank: int, world_size: int, init_method: str, backend: str, timeout_s: float) -> Communicator:
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+    )
     idle = dist.new_group(list(range(world_size)), timeout=IDLE_TIMEOUT, backend=backend)
     return Communicator(rank, world_size, idle_group=idle)
 
@@ -62,7 +64,9 @@ def _exit_with_parent(parent: int) -> None:
     os._exit(1)
 
 
-def _worker_main(rank: int, world_size: int, init_method: str, backend: str, timeout_s: float, num_threads: int, parent: int) -> None:
+def _worker_main(
+    rank: int, world_size: int, init_method: str, backend: str, timeout_s: float, num_threads: int, parent: int
+) -> None:
     """Ranks 1..N-1: load what rank 0 names, serve its steps, until it shuts the group down."""
     threading.Thread(target=_exit_with_parent, args=(parent,), name="servelm-tp-parent", daemon=True).start()
     torch.set_num_threads(num_threads)
@@ -113,8 +117,12 @@ class TensorParallelGroup:
         backend = backend_for(torch.device(device))
         ctx = mp.get_context("spawn")
         self.workers = [
-            ctx.Process(target=_worker_main, args=(r, world_size, init_method, backend, timeout_s, num_threads, os.getpid()),
-                        name=f"servelm-tp-rank{r}", daemon=True)
+            ctx.Process(
+                target=_worker_main,
+                args=(r, world_size, init_method, backend, timeout_s, num_threads, os.getpid()),
+                name=f"servelm-tp-rank{r}",
+                daemon=True,
+            )
             for r in range(1, world_size)
         ]
         for w in self.workers:
@@ -130,7 +138,13 @@ class TensorParallelGroup:
         cfg = ModelConfig.from_dir(model_dir)
         device = torch.device(runner_kwargs.get("device", "cpu"))
         # Refused here, before the workers are told: a worker that failed to load would leave rank 0 waiting.
-        check_tensor_parallel(cfg, self.world_size, device=device, model_dir=Path(model_dir), quantization=runner_kwargs.get("quantization"))
+        check_tensor_parallel(
+            cfg,
+            self.world_size,
+            device=device,
+            model_dir=Path(model_dir),
+            quantization=runner_kwargs.get("quantization"),
+        )
         self.comm.broadcast_object((LOAD, str(model_dir), runner_kwargs))
         self._runner = TensorParallelRunner(Path(model_dir), cfg, comm=self.comm, group=self, **runner_kwargs)
         return self._runner

@@ -65,7 +65,9 @@ def check_tensor_parallel(
     if quantization not in (None, NONE, AUTO):  # auto: the shards run unquantized
         raise UnsupportedModelError(f"--quantization {quantization} is not supported with tensor parallelism yet")
     if model_dir is not None and gguf_source(model_dir) is not None:
-        raise UnsupportedModelError("GGUF weights are not supported with tensor parallelism yet: load a safetensors folder")
+        raise UnsupportedModelError(
+            "GGUF weights are not supported with tensor parallelism yet: load a safetensors folder"
+        )
 
 
 def shard_config(cfg: ModelConfig, world_size: int) -> ModelConfig:

@@ -19,7 +19,9 @@ from servelm.runtime.step import StepInputs
 
 FORWARD = 1
 RELEASE = 2  # rank 0 is done with this model: the other ranks leave their step loop
-HEADER_LEN = 10  # command, tokens, sequences, block-table width, sampled rows, decodes, max query, max seq, shared, scored rows
+HEADER_LEN = (
+    10  # command, tokens, sequences, block-table width, sampled rows, decodes, max query, max seq, shared, scored rows
+)
 # Payload ints carried inside the first broadcast: each collective costs a wake-up of every rank,
 # which on a loaded CPU is most of its price, so a small step saves its second one.
 INLINE = 512
@@ -33,7 +35,9 @@ class ReceivedStep:
     positions: torch.Tensor
     meta: AttentionMetadata  # the base fields; the rank's backend adds its own
     sample_rows: torch.Tensor
-    score_rows: torch.Tensor  # rows whose logits score prompt tokens (prompt logprobs), gathered before the sampled ones
+    score_rows: (
+        torch.Tensor
+    )  # rows whose logits score prompt tokens (prompt logprobs), gathered before the sampled ones
 
 
 def send_step(comm: Communicator, inputs: StepInputs) -> None:
@@ -65,7 +69,9 @@ def send_release(comm: Communicator) -> None:
 
 def receive_step(comm: Communicator) -> ReceivedStep | None:
     """Ranks 1..N-1: the next step rank 0 sends, or None when it releases the model."""
-    first = comm.broadcast(torch.empty(HEADER_LEN + INLINE, dtype=torch.int64), idle=True)  # waits for rank 0's next step
+    first = comm.broadcast(
+        torch.empty(HEADER_LEN + INLINE, dtype=torch.int64), idle=True
+    )  # waits for rank 0's next step
     command, t, s, width, r, num_decodes, max_query_len, max_seq_len, shared, k = first[:HEADER_LEN].tolist()
     if command == RELEASE:
         return None

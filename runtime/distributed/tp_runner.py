@@ -43,11 +43,20 @@ class TensorParallelRunner(ModelRunner):
     """A ``ModelRunner`` over one rank's shard; ``comm`` says which rank (0 drives, samples)."""
 
     def __init__(
-        self, model_dir: Path, model_config: ModelConfig, *, comm: Communicator, group: WorkerGroup | None = None, **kwargs: Any
+        self,
+        model_dir: Path,
+        model_config: ModelConfig,
+        *,
+        comm: Communicator,
+        group: WorkerGroup | None = None,
+        **kwargs: Any,
     ) -> None:
         check_tensor_parallel(
-            model_config, comm.world_size, device=torch.device(kwargs.get("device", "cpu")),
-            model_dir=model_dir, quantization=kwargs.get("quantization"),
+            model_config,
+            comm.world_size,
+            device=torch.device(kwargs.get("device", "cpu")),
+            model_dir=model_dir,
+            quantization=kwargs.get("quantization"),
         )
         self.comm = comm
         self.group = group  # rank 0's: the processes ``close`` stops

@@ -60,7 +60,11 @@ def folder_is_current(model_dir: Path) -> bool:
         st = Path(source["path"]).stat()
     except (OSError, ValueError, KeyError):
         return False
-    current = (source.get("size"), source.get("mtime_ns"), source.get("format")) == (st.st_size, st.st_mtime_ns, FOLDER_FORMAT)
+    current = (source.get("size"), source.get("mtime_ns"), source.get("format")) == (
+        st.st_size,
+        st.st_mtime_ns,
+        FOLDER_FORMAT,
+    )
     return current and (model_dir / "config.json").is_file()
 
 

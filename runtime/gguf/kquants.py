@@ -44,10 +44,7 @@ __all__ = [
 def _check_blocks(blocks: torch.Tensor, block_bytes: int, name: str) -> None:
     """Reject anything but uint8 ``[n_blocks, block_bytes]``, so a wrong slice fails loudly."""
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != block_bytes:
-        raise ValueError(
-            f"{name} expects uint8 [n_blocks, {block_bytes}], "
-            f"got {blocks.dtype} {list(blocks.shape)}"
-        )
+        raise ValueError(f"{name} expects uint8 [n_blocks, {block_bytes}], got {blocks.dtype} {list(blocks.shape)}")
 
 
 def _fp16_field(blocks: torch.Tensor, start: int) -> torch.Tensor:

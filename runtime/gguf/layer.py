@@ -84,7 +84,8 @@ class StoredStep:
         norms, no residual multiplier), else None: the layer keeps its own forward."""
         attn, mlp = layer.self_attn, layer.mlp
         projections = [
-            StoredProjection.of(lin.method.parts.stored) for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            StoredProjection.of(lin.method.parts.stored)
+            for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         ]
         if any(p is None for p in projections) or len({id(p.kernel) for p in projections if p is not None}) != 1:
             return None

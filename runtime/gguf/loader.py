@@ -79,8 +79,10 @@ def load_gguf_weights(model: Any, model_dir: str | Path, *, as_stored: bool) -> 
     for gguf_name, hf in hf_names.items():
         tensor = tensors[gguf_name]
         if tensor.qtype not in SUPPORTED:
-            raise GGUFLoadError(f"{path.name}: tensor {gguf_name} is {tensor.qtype.name}, which servelm does not decode "
-                                f"(supported: {', '.join(q.name for q in SUPPORTED)})")
+            raise GGUFLoadError(
+                f"{path.name}: tensor {gguf_name} is {tensor.qtype.name}, which servelm does not decode "
+                f"(supported: {', '.join(q.name for q in SUPPORTED)})"
+            )
         target = model.checkpoint_target(hf)
         if target is None:
             continue
@@ -92,8 +94,10 @@ def load_gguf_weights(model: Any, model_dir: str | Path, *, as_stored: bool) -> 
         tensor = _hf_order(tensor, hf, arch, config)
         dst = param.data if shard is None else param.data[param.shard_slices[shard]]
         if tuple(dst.shape) != tuple(tensor.shape):
-            raise GGUFLoadError(f"{path.name}: tensor {gguf_name} has shape {list(tensor.shape)}, expected "
-                                f"{list(dst.shape)} for {name}" + (f" [{shard}]" if shard else ""))
+            raise GGUFLoadError(
+                f"{path.name}: tensor {gguf_name} has shape {list(tensor.shape)}, expected "
+                f"{list(dst.shape)} for {name}" + (f" [{shard}]" if shard else "")
+            )
         module_name = name.rpartition(".")[0]
         keep = as_stored and len(tensor.shape) == 2 and name.endswith(".weight")
         if keep and (isinstance(modules.get(module_name), Linear) or name in (EMBEDDING, HEAD)):

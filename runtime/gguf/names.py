@@ -136,9 +136,7 @@ def gguf_metadata(path: str | PathLike[str] | GGUFReader) -> tuple[dict[str, Any
     config would cost more than the rest of the file's metadata together.
     """
     reader = path if isinstance(path, GGUFReader) else GGUFReader(path, "r")
-    meta = {
-        key: len(field.data) if key in _VOCAB_ARRAYS else field.contents() for key, field in reader.fields.items()
-    }
+    meta = {key: len(field.data) if key in _VOCAB_ARRAYS else field.contents() for key, field in reader.fields.items()}
     return meta, [t.name for t in reader.tensors]
 
 
@@ -171,7 +169,9 @@ def hf_config_from_metadata(meta: dict[str, Any], tensor_names: list[str]) -> di
     theta = float(key("rope.freq_base", 10000.0))
     # Linear RoPE scaling (Gemma 3 4B and larger: its global layers), as llama.cpp's converter writes it.
     factor = key("rope.scaling.factor")
-    linear_scaling = {"rope_type": "linear", "factor": float(factor)} if key("rope.scaling.type") == "linear" and factor else {}
+    linear_scaling = (
+        {"rope_type": "linear", "factor": float(factor)} if key("rope.scaling.type") == "linear" and factor else {}
+    )
     config: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]],
         "model_type": "gemma3_text" if arch == "gemma3" else arch,

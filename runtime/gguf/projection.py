@@ -138,7 +138,11 @@ class GGUFMethod:
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def apply_into(
-        self, rows: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, rounded: dict[int, torch.Tensor] | None = None
+        self,
+        rows: torch.Tensor,
+        out: torch.Tensor,
+        bias: torch.Tensor | None,
+        rounded: dict[int, torch.Tensor] | None = None,
     ) -> None:
         """Write ``rows W^T (+ bias)`` into ``out`` ``[M, out_features]`` (a column slice of a wider
         output is fine: the fused projections write each part into its own columns). ``rounded``: the
@@ -150,7 +154,9 @@ class GGUFMethod:
                 self.kernel.gguf_linear(rows, self.rows2d, self.qtype_id, out, bias, self.int8_x)
                 return
             for s in range(0, rows.shape[0], chunk):
-                self.kernel.gguf_linear(rows[s : s + chunk], self.rows2d, self.qtype_id, out[s : s + chunk], bias, self.int8_x)
+                self.kernel.gguf_linear(
+                    rows[s : s + chunk], self.rows2d, self.qtype_id, out[s : s + chunk], bias, self.int8_x
+                )
             return
         if self.int8_x:  # the same W x' as the kernel's
             block = activation_block(self.qtype)
@@ -229,7 +235,9 @@ class GGUFShardedMethod:
                 return out.reshape(*x.shape[:-1], self.out_features)
             for s in range(0, rows.shape[0], step):
                 chunk = slice(s, s + step)
-                self.fused_kernel.gguf_linear_parts(rows[chunk], self.fused_blocks, self.fused_qtypes, out[chunk], bias, int8_x)
+                self.fused_kernel.gguf_linear_parts(
+                    rows[chunk], self.fused_blocks, self.fused_qtypes, out[chunk], bias, int8_x
+                )
         else:
             rounded: dict[int, torch.Tensor] = {}  # int8: x' per activation block, once for all parts
             for cols, method in self.parts:
@@ -263,6 +271,7 @@ def gguf_method(tensor: GGUFTensor, tile_rows: int | None = None) -> GGUFMethod:
 
 
 GGUF_ACTIVATIONS = ("float32", "int8")  # what the stored projections multiply by (--gguf-activations)
+
 
 def activation_block(qtype: GGMLQuantizationType) -> int:
     """Elements per activation scale against weights of ``qtype`` on the int8 path (llama.cpp's
@@ -298,4 +307,3 @@ def use_int8_activations(methods: list[Any]) -> int:
                 part.kernel_max_rows = INT8_KERNEL_MAX_ROWS
                 changed += 1
     return changed
-

@@ -257,7 +257,12 @@ class DecoderStack(nn.Module):
     """Embeddings, layers and final norm: HF's ``model.*`` namespace."""
 
     def __init__(
-        self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, device: torch.device, ops: LayerOps | None = None
+        self,
+        cfg: ModelConfig,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device,
+        ops: LayerOps | None = None,
     ) -> None:
         super().__init__()
         self.embed_tokens = nn.Module()

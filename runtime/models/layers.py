@@ -77,7 +77,13 @@ class RMSNorm(nn.Module):
     or its weight's form change (setting ``kernel``, ``fused`` or ``upcast_weight``), never per call."""
 
     def __init__(
-        self, size: int, eps: float, dtype: torch.dtype, device: torch.device, ops: LayerOps | None = None, per_head: bool = False
+        self,
+        size: int,
+        eps: float,
+        dtype: torch.dtype,
+        device: torch.device,
+        ops: LayerOps | None = None,
+        per_head: bool = False,
     ) -> None:
         super().__init__()
         self.weight = empty_param((size,), dtype, device)

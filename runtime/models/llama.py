@@ -70,7 +70,9 @@ class CausalLM(nn.Module):
         self.model = DecoderStack(cfg, backend, dtype, device, ops)
         # Gemma rounds its embedding multiplier to the weights' dtype first (bfloat16: sqrt(1152) -> 34.0)
         scale = cfg.embedding_multiplier
-        self.embed_scale = float(torch.tensor(scale, dtype=torch.float32).to(dtype)) if cfg.embedding_multiplier_in_dtype else scale
+        self.embed_scale = (
+            float(torch.tensor(scale, dtype=torch.float32).to(dtype)) if cfg.embedding_multiplier_in_dtype else scale
+        )
         # --quantization: a tied head's dequantized float copy (the embedding itself stays as loaded)
         self._lm_head_dequantized: torch.Tensor | None = None
         # The token lookup kept in its GGUF blocks (``runtime.gguf.loader``)
@@ -269,7 +271,11 @@ class CausalLM(nn.Module):
 
 
 def build_model(
-    cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, device: torch.device | str, ops: LayerOps | None = None
+    cfg: ModelConfig,
+    backend: AttentionBackend,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    ops: LayerOps | None = None,
 ) -> CausalLM:
     """An unloaded model (parameters uninitialised); fill it with ``runtime.weights.load_weights``."""
     return CausalLM(cfg, backend, dtype, device, ops)

@@ -214,7 +214,7 @@ def compare_runs(
             ties.append(f"prompt {i} step {d} (gap {ref_gaps[i][d]:.3g})")
         else:
             gap = ref_gaps[i][d] if d < len(ref_gaps[i]) else float("nan")
-            bad.append(f"prompt {i} step {d} (gap {gap:.3g}): ref {r[d:d + 4]} got {g[d:d + 4]}")
+            bad.append(f"prompt {i} step {d} (gap {gap:.3g}): ref {r[d : d + 4]} got {g[d : d + 4]}")
     detail = f"{exact}/{len(ref)} token-exact"
     if ties:
         detail += f"; near-ties (< {tol:.3g}): " + ", ".join(ties)
@@ -277,7 +277,9 @@ def decode_inputs(runner: Any, batch: int, context: int, vocab: int, seed: int) 
     ids = torch.randint(3, vocab, (batch, context), generator=gen).tolist()
     params = SamplingParams(temperature=0.0)
     items = [
-        BatchItem(SeqView(i, ids[i], context - 1, context - 1, blocks[i * per_seq : (i + 1) * per_seq], params), 1, True)
+        BatchItem(
+            SeqView(i, ids[i], context - 1, context - 1, blocks[i * per_seq : (i + 1) * per_seq], params), 1, True
+        )
         for i in range(batch)
     ]
     return runner.prepare(items)

@@ -97,7 +97,9 @@ def check_logits_exact(runner: Any, ref: torch.Tensor, prompts: list[list[int]],
     return e["tol"]
 
 
-def check_logits_bf16(runner: Any, ref: torch.Tensor, hf_low: torch.Tensor, prompts: list[list[int]], report: Report) -> None:
+def check_logits_bf16(
+    runner: Any, ref: torch.Tensor, hf_low: torch.Tensor, prompts: list[list[int]], report: Report
+) -> None:
     """Low precision: our logits' distance from the float32 reference must be about HF's own
     (the same weights run by HF in the same dtype), since neither can be exact."""
     ours = our_prefill_logits(runner, prompts)
@@ -117,7 +119,9 @@ def check_logits_bf16(runner: Any, ref: torch.Tensor, hf_low: torch.Tensor, prom
     return None
 
 
-def hf_greedy(hf: Any, prompts: list[list[int]], steps: int, device: torch.device) -> tuple[list[list[int]], list[list[float]]]:
+def hf_greedy(
+    hf: Any, prompts: list[list[int]], steps: int, device: torch.device
+) -> tuple[list[list[int]], list[list[float]]]:
     """HF ``generate`` greedy tokens per prompt (batch 1: no padding) and its top-two logit gaps per step."""
     tokens, gaps = [], []
     # No EOS: like our ignore_eos requests, run the full length without masking any token.
@@ -156,7 +160,14 @@ def check_greedy_vs_hf(
     params.prompt_logprobs = 1  # the prompt scored in the same run (echo + logprobs on /v1/completions)
     results = engine.generate(prompts, params)
     ours = [r.outputs[0].token_ids for r in results]
-    compare_runs(f"greedy {steps} tokens x {len(prompts)} prompts (batched) vs HF generate", hf_tokens, hf_gaps, ours, tol, report)
+    compare_runs(
+        f"greedy {steps} tokens x {len(prompts)} prompts (batched) vs HF generate",
+        hf_tokens,
+        hf_gaps,
+        ours,
+        tol,
+        report,
+    )
     # Our logprobs vs HF's log-softmax along *our* tokens (teacher forcing: valid even past a near-tie).
     with torch.inference_mode():
         full = torch.tensor([p + o for p, o in zip(prompts, ours)], device=device)
@@ -222,17 +233,30 @@ def check_paging_variants(
     first = eng.generate(prompts, greedy_params(steps))
     obs.reset()
     second = eng.generate(prompts, greedy_params(steps))
-    compare_runs("prefix cache: first pass vs baseline", ref, ref_gaps, [r.outputs[0].token_ids for r in first], tol, report)
-    compare_runs("prefix cache: cached pass vs baseline", ref, ref_gaps, [r.outputs[0].token_ids for r in second], tol, report)
+    compare_runs(
+        "prefix cache: first pass vs baseline", ref, ref_gaps, [r.outputs[0].token_ids for r in first], tol, report
+    )
+    compare_runs(
+        "prefix cache: cached pass vs baseline", ref, ref_gaps, [r.outputs[0].token_ids for r in second], tol, report
+    )
     report.check("prefix cache hits on the second pass", obs.prefix_hits > 0, f"{obs.prefix_hits} prompt tokens hit")
     assert eng.block_manager.num_used_blocks == 0
 
     # Chunked prefill under a small token budget.
     eng, obs = engine(max_num_batched_tokens=plan.chunk_tokens)
     got = eng.generate(prompts, greedy_params(steps))
-    compare_runs(f"chunked prefill ({plan.chunk_tokens}-token steps) vs baseline", ref, ref_gaps, [r.outputs[0].token_ids for r in got], tol, report)
+    compare_runs(
+        f"chunked prefill ({plan.chunk_tokens}-token steps) vs baseline",
+        ref,
+        ref_gaps,
+        [r.outputs[0].token_ids for r in got],
+        tol,
+        report,
+    )
     biggest = max((s.num_prompt_tokens for s in obs.steps), default=0)
-    report.check("chunked steps stay under the budget", biggest <= plan.chunk_tokens, f"largest prefill step {biggest} tokens")
+    report.check(
+        "chunked steps stay under the budget", biggest <= plan.chunk_tokens, f"largest prefill step {biggest} tokens"
+    )
 
     # Preemption: prompts of whole blocks, in a pool that holds every prompt but room to grow for
     # only half of them, so the first decode steps must preempt (and later recompute) some.
@@ -254,7 +278,11 @@ def check_paging_variants(
         report,
     )
     report.check("preemption happened", obs.preemptions > 0, f"{obs.preemptions} preemptions")
-    report.check("blocks all free at the end", eng.block_manager.num_used_blocks == 0, f"{eng.block_manager.num_used_blocks} in use")
+    report.check(
+        "blocks all free at the end",
+        eng.block_manager.num_used_blocks == 0,
+        f"{eng.block_manager.num_used_blocks} in use",
+    )
 
 
 def check_cuda_graphs(runner: Any, plan: Plan, vocab: int, tol: float, report: Report) -> None:
@@ -288,7 +316,9 @@ def check_cuda_graphs(runner: Any, plan: Plan, vocab: int, tol: float, report: R
             eager, replay = eager.float(), replay.float()
             diff = (eager - replay).abs().max().item()
             scale = eager.abs().max().item()
-            t_eager = timed(lambda: runner.model(inputs.input_ids, inputs.positions, m), runner.device, plan.timing_iters)
+            t_eager = timed(
+                lambda: runner.model(inputs.input_ids, inputs.positions, m), runner.device, plan.timing_iters
+            )
             t_graph = timed(
                 lambda: graphs.run(inputs.input_ids, inputs.positions, m.slot_mapping, m.seq_lens, m.block_tables),
                 runner.device,
@@ -331,7 +361,13 @@ def check_few_row_kernels(runner: Any, plan: Plan, vocab: int, tol: float, repor
                 for rows in (batch, 0):
                     k.max_rows = rows
                     outs.append(runner.model(inputs.input_ids, inputs.positions, m))
-                    times.append(timed(lambda: runner.model(inputs.input_ids, inputs.positions, m), runner.device, plan.timing_iters))
+                    times.append(
+                        timed(
+                            lambda: runner.model(inputs.input_ids, inputs.positions, m),
+                            runner.device,
+                            plan.timing_iters,
+                        )
+                    )
                 fused, plain = outs
                 top2 = runner.model.compute_logits(plain).float().topk(2, dim=-1)
                 flips = runner.model.compute_logits(fused).float().argmax(-1) != top2.indices[:, 0]
@@ -399,7 +435,9 @@ def check_measured_budget(
         f"{r.kv_pool!r}; torch reserved {used / GiB:.1f} of {util * total / GiB:.1f} GiB allowed",
     )
     graphs = r.graph_runner
-    report.check("the runner captured its decode graphs", graphs is not None and graphs.captured, f"{graphs and graphs.sizes}")
+    report.check(
+        "the runner captured its decode graphs", graphs is not None and graphs.captured, f"{graphs and graphs.sizes}"
+    )
     gen = torch.Generator().manual_seed(5)
     prompts = random_prompts(4, 32, vocab, gen)
     res = eng.generate(prompts, greedy_params(8))

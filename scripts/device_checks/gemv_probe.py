@@ -54,7 +54,9 @@ def graph_ms(calls: list[Callable[[], Any]], device: torch.device, iters: int = 
     return times[len(times) // 2]
 
 
-def probe(device: torch.device, rows: tuple[int, ...] = (1,), dtype: torch.dtype = torch.bfloat16) -> list[dict[str, Any]]:
+def probe(
+    device: torch.device, rows: tuple[int, ...] = (1,), dtype: torch.dtype = torch.bfloat16
+) -> list[dict[str, Any]]:
     """Rows: 1 by default (the 2- and 4-row dot tiles lost everywhere on an H200, 2026-12-01)."""
     from servelm.runtime.cuda import pdl, triton_gemv, triton_ops
 
@@ -72,6 +74,7 @@ def probe(device: torch.device, rows: tuple[int, ...] = (1,), dtype: torch.dtype
             res = torch.randn(m, k, device=device, dtype=dtype, generator=gen)
             res_plain = res.clone()
             if op == "rms_norm":
+
                 def fused(w: torch.Tensor) -> torch.Tensor:
                     return triton_gemv.rms_norm_linear(x, res, nw, 1e-5, w)[0]
 
@@ -79,12 +82,14 @@ def probe(device: torch.device, rows: tuple[int, ...] = (1,), dtype: torch.dtype
                     # In place, as the engine does (the timed repeats keep adding x: same work, other values).
                     return F.linear(triton_ops.rms_norm(x, res_plain, nw, 1e-5)[0], w)
             elif op == "silu_mul":
+
                 def fused(w: torch.Tensor) -> torch.Tensor:
                     return triton_gemv.silu_mul_linear(x, w)
 
                 def plain(w: torch.Tensor) -> torch.Tensor:
                     return F.linear(triton_ops.silu_mul(x), w)
             else:
+
                 def fused(w: torch.Tensor) -> torch.Tensor:
                     return triton_gemv.linear(x, w)
 
@@ -143,7 +148,9 @@ def spec_of(tile: Any) -> tuple[int, int, int, bool]:
     return (tile.block_n, tile.block_k, tile.warps, tile.prefetch)
 
 
-def sweep(device: torch.device, budget_s: float = 80.0, dtype: torch.dtype = torch.bfloat16) -> dict[str, list[tuple[float, Any]]]:
+def sweep(
+    device: torch.device, budget_s: float = 80.0, dtype: torch.dtype = torch.bfloat16
+) -> dict[str, list[tuple[float, Any]]]:
     """Each decoder-layer projection at one row with each ``SWEEP_TILES`` tile forced (fused op
     included), timed as ``probe`` times: {projection: [(us, tile), ...] fastest first}, with the
     cuBLAS path as tile None. Stops starting new tiles after ``budget_s`` (compiles dominate)."""
@@ -162,7 +169,14 @@ def sweep(device: torch.device, budget_s: float = 80.0, dtype: torch.dtype = tor
         x = torch.randn(1, 2 * k if op == "silu_mul" else k, device=device, dtype=dtype, generator=gen)
         res = torch.randn(1, k, device=device, dtype=dtype, generator=gen)
 
-        def run(w: torch.Tensor, tile: Any, op: str = op, x: torch.Tensor = x, res: torch.Tensor = res, nw: torch.Tensor = nw) -> Any:
+        def run(
+            w: torch.Tensor,
+            tile: Any,
+            op: str = op,
+            x: torch.Tensor = x,
+            res: torch.Tensor = res,
+            nw: torch.Tensor = nw,
+        ) -> Any:
             if tile is None:  # the unfused ops and cuBLAS
                 if op == "rms_norm":
                     return F.linear(triton_ops.rms_norm(x, res.clone(), nw, 1e-5)[0], w)

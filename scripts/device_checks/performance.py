@@ -105,19 +105,28 @@ def profile_decode(runner: Any, plan: Plan, vocab: int, report: Report) -> None:
         kernels = gpu_kernel_events(prof)
         total_us = sum(e.device_time_total for e in kernels)
         top = sorted(prof.key_averages(), key=lambda e: -getattr(e, "self_device_time_total", 0))[:12]
-        print(f"  eager decode forward, batch {batch}: {len(kernels)} GPU kernels, {total_us / 1e3:.2f} ms of kernel time")
+        print(
+            f"  eager decode forward, batch {batch}: {len(kernels)} GPU kernels, {total_us / 1e3:.2f} ms of kernel time"
+        )
         for e in top:
             t = getattr(e, "self_device_time_total", 0)
             if t <= 0:
                 continue
             print(f"    {t / 1e3:8.3f} ms  x{e.count:<5} {e.key[:110]}")
-        report.row(f"eager decode forward, batch {batch}: GPU kernels", float(len(kernels)), "kernels", f"{total_us / 1e3:.2f} ms kernel time")
+        report.row(
+            f"eager decode forward, batch {batch}: GPU kernels",
+            float(len(kernels)),
+            "kernels",
+            f"{total_us / 1e3:.2f} ms kernel time",
+        )
         if batch == 1 and getattr(runner, "fused_ops", False):
             # The same eager forward without the fused Triton ops (plain torch norms, SiLU, RoPE, store).
             with torch.inference_mode():
                 t_fused = timed(lambda: runner.model(inputs.input_ids, inputs.positions, meta), dev, plan.timing_iters)
                 with unfused(runner):
-                    t_plain = timed(lambda: runner.model(inputs.input_ids, inputs.positions, meta), dev, plan.timing_iters)
+                    t_plain = timed(
+                        lambda: runner.model(inputs.input_ids, inputs.positions, meta), dev, plan.timing_iters
+                    )
             report.row(
                 "eager decode forward, batch 1: fused Triton ops vs plain torch",
                 t_fused * 1e3,
@@ -129,7 +138,9 @@ def profile_decode(runner: Any, plan: Plan, vocab: int, report: Report) -> None:
         # Phases of runner.execute for the same step (each synchronised, medians).
         ctx = plan.graph_context
         per_seq = -(-ctx // runner.block_size)
-        blocks = torch.randperm(runner.kv_pool.num_blocks, generator=torch.Generator().manual_seed(7))[: batch * per_seq].tolist()
+        blocks = torch.randperm(runner.kv_pool.num_blocks, generator=torch.Generator().manual_seed(7))[
+            : batch * per_seq
+        ].tolist()
         ids = torch.randint(3, vocab, (batch, ctx), generator=torch.Generator().manual_seed(8)).tolist()
         params = greedy_params(1, logprobs=None)
         items = [
@@ -157,8 +168,7 @@ def profile_decode(runner: Any, plan: Plan, vocab: int, report: Report) -> None:
                     phases[k].append(dt)
         med = {k: statistics.median(v[1:]) * 1e3 for k, v in phases.items()}
         print(
-            f"  runner step, batch {batch} (graph={inp.graph}): "
-            + ", ".join(f"{k} {v:.3f} ms" for k, v in med.items())
+            f"  runner step, batch {batch} (graph={inp.graph}): " + ", ".join(f"{k} {v:.3f} ms" for k, v in med.items())
         )
         report.row(
             f"runner.execute, batch {batch}, context {ctx}",
@@ -200,7 +210,9 @@ def measure_throughput(
     n_copy = (1 << 30) if is_cuda(device) else (1 << 20)
     copy_bw = copy_bandwidth(n_copy, device, plan.timing_iters)
     floor_measured = runner.weight_bytes / copy_bw * 1e3
-    report.row("device copy bandwidth (read + write)", copy_bw / 1e12, "TB/s", f"{2 * n_copy * 2 / 1e9:.1f} GB per copy")
+    report.row(
+        "device copy bandwidth (read + write)", copy_bw / 1e12, "TB/s", f"{2 * n_copy * 2 / 1e9:.1f} GB per copy"
+    )
     single_prompts = random_prompts(1, plan.single_prompt, vocab, gen)
     concurrent_prompts = random_prompts(plan.concurrent, plan.concurrent_prompt, vocab, gen)
     ms_sync = None
@@ -230,7 +242,9 @@ def measure_throughput(
         obs.reset()
         wall = run_requests(engine, concurrent_prompts, plan.concurrent_tokens)
         out_tokens = plan.concurrent * plan.concurrent_tokens
-        full = [s.duration_s for s in obs.steps if s.num_prompt_tokens == 0 and s.num_generation_tokens == plan.concurrent]
+        full = [
+            s.duration_s for s in obs.steps if s.num_prompt_tokens == 0 and s.num_generation_tokens == plan.concurrent
+        ]
         full_ms = statistics.median(full) * 1e3 if full else float("nan")
         kinds: dict[str, list[float]] = {"with prompt tokens": [], "decode only": []}
         for st in obs.steps:
@@ -258,7 +272,9 @@ def measure_throughput(
         res = engine.generate(concurrent_prompts[:8], greedy_params(32, logprobs=None))
         sync_vs_ahead.append([r.outputs[0].token_ids for r in res])
     same = sum(a == b for a, b in zip(*sync_vs_ahead))
-    report.check("async scheduling gives the synchronous engine's tokens", same == 8, f"{same}/8 token-exact, 32 tokens")
+    report.check(
+        "async scheduling gives the synchronous engine's tokens", same == 8, f"{same}/8 token-exact, 32 tokens"
+    )
     if is_cuda(device):
         # What the overlap rests on: nothing between issuing a step and reading its tokens waits for
         # the device (greedy, with and without logprobs, logit_bias, min_tokens and penalties).
@@ -272,7 +288,9 @@ def measure_throughput(
             )),
         ):  # fmt: skip
             syncs = count_syncs(engine, runner, concurrent_prompts[:8], params)
-            report.check(f"async scheduling, {label}: no device sync in launch / sample", not syncs, "; ".join(syncs[:3]))
+            report.check(
+                f"async scheduling, {label}: no device sync in launch / sample", not syncs, "; ".join(syncs[:3])
+            )
     engine.async_scheduling = False
 
     # One long prefill in a single step, against a measured matmul rate.
@@ -336,7 +354,9 @@ def count_syncs(engine: Any, runner: Any, prompts: list[list[int]], params: Any)
                     return fn(*args)
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
-                    seen.extend(f"{fn.__name__}: {str(w.message)[:120]}" for w in caught if is_sync_warning(str(w.message)))
+                    seen.extend(
+                        f"{fn.__name__}: {str(w.message)[:120]}" for w in caught if is_sync_warning(str(w.message))
+                    )
 
         return call
 
@@ -427,7 +447,11 @@ def sweep_gemv(device: torch.device, report: Report, budget_s: float = 80.0) -> 
     autotuned = {spec_of(t) for t in ELEMENTWISE_TILES}
     results = sweep(device, budget_s)
     for name, rows in results.items():
-        print(f"  {name}: " + ", ".join(f"{'cuBLAS' if t is None else t} {us:.1f}" for us, t in rows[:8]) + f" ({len(rows)} timed)")
+        print(
+            f"  {name}: "
+            + ", ".join(f"{'cuBLAS' if t is None else t} {us:.1f}" for us, t in rows[:8])
+            + f" ({len(rows)} timed)"
+        )
         if rows:
             us, tile = rows[0]
             tuned = [u for u, t in rows if t is not None and t in autotuned]

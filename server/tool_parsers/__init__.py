@@ -91,7 +91,11 @@ class MistralParser(ToolParser):
             body = "call"
             more = f" ({mark} call)*" if parallel else ""
         else:
-            array: dict[str, Any] = {"type": "array", "items": any_of([call_schema(n, p) for n, p in tools]), "minItems": 1}
+            array: dict[str, Any] = {
+                "type": "array",
+                "items": any_of([call_schema(n, p) for n, p in tools]),
+                "minItems": 1,
+            }
             if not parallel:
                 array["maxItems"] = 1
             body = f"GAP {json_rule(array, ws)}"
@@ -118,10 +122,15 @@ class GraniteParser(ToolParser):
         array: dict[str, Any] = {"type": "array", "items": any_of([call_schema(n, p) for n, p in tools]), "minItems": 1}
         if not parallel:
             array["maxItems"] = 1
-        rules = {"calls": f"{vocab.lit(mark)} GAP {json_rule(array, ws)}", "FREE": vocab.text_without(*cls.start_openers[:2], first="[^\\[\\s]")}
+        rules = {
+            "calls": f"{vocab.lit(mark)} GAP {json_rule(array, ws)}",
+            "FREE": vocab.text_without(*cls.start_openers[:2], first="[^\\[\\s]"),
+        }
         return lark("calls" if required else "FREE | calls", rules)
 
 
-PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, GraniteParser)}
+PARSERS: dict[str, type[ToolParser]] = {
+    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, GraniteParser)
+}
 
 __all__ = ["PARSERS", "CallDelta", "ParsedCall", "ParsedOutput", "ParserDelta", "ToolParser", "Tools", "Vocabulary"]

@@ -79,7 +79,14 @@ class AnswerStream:
             if p.index is None:
                 content.append(p.text)
             elif p.name is not None:
-                calls.append({"index": p.index, "id": p.id, "type": "function", "function": {"name": p.name, "arguments": p.text}})
+                calls.append(
+                    {
+                        "index": p.index,
+                        "id": p.id,
+                        "type": "function",
+                        "function": {"name": p.name, "arguments": p.text},
+                    }
+                )
             else:
                 calls.append({"index": p.index, "function": {"arguments": p.text}})
         delta: dict[str, Any] = {}

@@ -179,6 +179,7 @@ def test_cli_registration() -> None:
     args = parser.parse_args(["bench", "--num-prompts", "3", "--request-rate", "2.5", "--endpoint", "chat"])
     assert args.func is bench.run and args.num_prompts == 3 and args.request_rate == 2.5
     assert args.base_url == "http://127.0.0.1:8000"
-    r = subprocess.run([sys.executable, "-m", "servelm.bench.loadgen", "--help"], cwd=REPO, capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "servelm.bench.loadgen", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0 and "--compare-base-url" in r.stdout

@@ -85,8 +85,9 @@ def test_custom_memory_and_not_fitting(capsys) -> None:
     assert p["prefill_seconds"] is None  # no bandwidth or peak known
     rc, out, err = plan(capsys, "--preset-model", "llama-2-70b", "--device", "a100-80g")
     assert rc == 1 and "not even one 4096-token request fits" in err
-    rc, out, err = plan(capsys, "--preset-model", "smollm2-135m", "--kv-cache-memory", "2GiB",
-                        "--context-len", "2048", "--json")
+    rc, out, err = plan(
+        capsys, "--preset-model", "smollm2-135m", "--kv-cache-memory", "2GiB", "--context-len", "2048", "--json"
+    )
     p = json.loads(out)
     assert p["device"] == "cpu" and p["dtype"] == "float32" and p["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4
     assert p["num_blocks"] == 2 * 2**30 // (46080 * 16)

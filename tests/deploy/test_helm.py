@@ -28,7 +28,11 @@ RELEASE, NAMESPACE = "rel", "llm"
 K8S_VERSIONS = ("1.25.0", "1.37.0")
 # Kinds from the Prometheus Operator's CRDs: kubernetes-validate has no schema for them.
 CRD_KINDS = {"PodMonitor", "ServiceMonitor"}
-SERVER_LABELS = {"app.kubernetes.io/name": "servelm", "app.kubernetes.io/instance": RELEASE, "app.kubernetes.io/component": "server"}
+SERVER_LABELS = {
+    "app.kubernetes.io/name": "servelm",
+    "app.kubernetes.io/instance": RELEASE,
+    "app.kubernetes.io/component": "server",
+}
 DEFAULT: dict[str, Any] = {}
 EVERYTHING: dict[str, Any] = {
     "router": {"enabled": True},
@@ -36,7 +40,11 @@ EVERYTHING: dict[str, Any] = {
     "metrics": {"podMonitor": {"enabled": True}, "serviceMonitor": {"enabled": True}},
     "gpu": {"enabled": True, "count": 2},
     "models": {"type": "pvc"},
-    "server": {"model": "/models/Llama-3.2-1B-Instruct", "apiKey": {"existingSecret": "servelm-key"}, "extraArgs": ["--max-model-len", "4096"]},
+    "server": {
+        "model": "/models/Llama-3.2-1B-Instruct",
+        "apiKey": {"existingSecret": "servelm-key"},
+        "extraArgs": ["--max-model-len", "4096"],
+    },
     "drain": {"timeoutSeconds": 120},
 }
 CASES = {"default": DEFAULT, "everything": EVERYTHING}
@@ -107,7 +115,9 @@ def test_helm_lint_strict(helm: str, case: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_every_manifest_validates_against_the_kubernetes_schemas(rendered: dict[str, list[dict[str, Any]]], case: str) -> None:
+def test_every_manifest_validates_against_the_kubernetes_schemas(
+    rendered: dict[str, list[dict[str, Any]]], case: str
+) -> None:
     import kubernetes_validate
 
     docs = rendered[case]
@@ -119,11 +129,20 @@ def test_every_manifest_validates_against_the_kubernetes_schemas(rendered: dict[
             try:
                 kubernetes_validate.validate(doc, version, strict=True)
             except kubernetes_validate.ValidationError as e:
-                pytest.fail(f"{doc['kind']} {doc['metadata']['name']} against Kubernetes {version}: {e.message} at {list(e.path)}")
+                pytest.fail(
+                    f"{doc['kind']} {doc['metadata']['name']} against Kubernetes {version}: {e.message} at {list(e.path)}"
+                )
             checked.add(doc["kind"])
     expected = {"Deployment", "Service"}
     if case == "everything":
-        expected |= {"HorizontalPodAutoscaler", "ConfigMap", "PersistentVolumeClaim", "ServiceAccount", "Role", "RoleBinding"}
+        expected |= {
+            "HorizontalPodAutoscaler",
+            "ConfigMap",
+            "PersistentVolumeClaim",
+            "ServiceAccount",
+            "Role",
+            "RoleBinding",
+        }
     assert checked == expected
 
 
@@ -154,7 +173,9 @@ def test_the_monitors_select_the_pods_and_ports_that_serve_metrics(rendered: dic
     ports = {p["name"] for s in services for p in s["spec"]["ports"]}
     assert {e["port"] for e in service_monitor["spec"]["endpoints"]} <= ports
     # Port "http" is scraped as a server's /metrics: only the server's Service may name a port so.
-    assert [s["metadata"]["name"] for s in services if "http" in {p["name"] for p in s["spec"]["ports"]}] == [f"{RELEASE}-servelm"]
+    assert [s["metadata"]["name"] for s in services if "http" in {p["name"] for p in s["spec"]["ports"]}] == [
+        f"{RELEASE}-servelm"
+    ]
 
 
 # ------------------------------------------------------------------------- agreement with servelm
@@ -199,7 +220,12 @@ def test_grace_period_is_prestop_plus_drain_plus_margin(rendered: dict[str, list
     # The server's own last resort (uvicorn's graceful timeout) ends before the kubelet's SIGKILL.
     assert pause + values["timeoutSeconds"] + SHUTDOWN_FLUSH_S < grace
     if case == "everything":
-        assert _one(rendered[case], "Deployment", f"{RELEASE}-servelm-router")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == grace
+        assert (
+            _one(rendered[case], "Deployment", f"{RELEASE}-servelm-router")["spec"]["template"]["spec"][
+                "terminationGracePeriodSeconds"
+            ]
+            == grace
+        )
 
 
 def _probes(container: dict[str, Any]) -> dict[str, str]:
@@ -222,7 +248,9 @@ def fake_app(default_model_dir: Path) -> Iterator[tuple[str, Any]]:
     srv.stop()
 
 
-def test_probe_paths_are_real_routes_with_the_right_meaning(rendered: dict[str, list[dict[str, Any]]], fake_app: tuple[str, Any]) -> None:
+def test_probe_paths_are_real_routes_with_the_right_meaning(
+    rendered: dict[str, list[dict[str, Any]]], fake_app: tuple[str, Any]
+) -> None:
     import httpx
 
     url, ae = fake_app
@@ -243,7 +271,11 @@ def test_the_autoscaler_reads_a_gauge_the_server_exports(rendered: dict[str, lis
     docs = rendered["everything"]
     assert not any(d["kind"] == "HorizontalPodAutoscaler" for d in rendered["default"])
     hpa = _one(docs, "HorizontalPodAutoscaler")
-    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"{RELEASE}-servelm"}
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": f"{RELEASE}-servelm",
+    }
     assert "replicas" not in _server(docs)["spec"]  # the autoscaler owns the count
     (metric,) = hpa["spec"]["metrics"]
     assert metric["type"] == "Pods"
@@ -257,7 +289,9 @@ def test_the_autoscaler_reads_a_gauge_the_server_exports(rendered: dict[str, lis
     assert [(r["name"]["as"], r["seriesQuery"].split("{")[0]) for r in rules] == [(name, name)]
 
 
-def test_router_args_parse_with_vllm_router_and_find_this_releases_servers(rendered: dict[str, list[dict[str, Any]]]) -> None:
+def test_router_args_parse_with_vllm_router_and_find_this_releases_servers(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
     parse_router_args = pytest.importorskip("vllm_router.launch_router").parse_router_args
     docs = rendered["everything"]
     assert not any("router" in d["metadata"]["name"] for d in rendered["default"])

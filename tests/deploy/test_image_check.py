@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "docker" / "image" / "image_check.sh"
 
 # A podman that keeps its containers as files in $FAKE_STATE (name -> labels) and logs its calls.
-FAKE_PODMAN = r'''#!/usr/bin/env bash
+FAKE_PODMAN = r"""#!/usr/bin/env bash
 state=$FAKE_STATE
 echo "$*" >> "$state/calls"
 cmd=$1; shift
@@ -51,7 +51,7 @@ case $cmd in
     for f in "$state"/c.*; do [[ -e $f ]] && echo "${f##*/c.} $(cat "$f")"; done ;;
 esac
 exit 0
-'''
+"""
 
 
 def _free_port() -> int:
@@ -100,7 +100,9 @@ def test_a_taken_port_fails_by_name_and_leaves_nothing(fake: dict[str, str]) -> 
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        r = subprocess.run(["bash", str(SCRIPT)], env={**fake, "PORT": str(port)}, capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            ["bash", str(SCRIPT)], env={**fake, "PORT": str(port)}, capture_output=True, text=True, timeout=120
+        )
     assert r.returncode == 1, r.stdout + r.stderr
     assert f"is port {port} taken?" in r.stdout, r.stdout
     assert _containers(fake) == []
@@ -128,6 +130,8 @@ def test_a_signal_removes_the_containers_and_a_killed_runs_are_removed_next_time
     p.wait()
     left = _containers(fake)
     assert left, "nothing to clean up: the test did not leave a container"
-    r = subprocess.run(["bash", str(SCRIPT)], env={**fake, "HEALTH_TIMEOUT": "1"}, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        ["bash", str(SCRIPT)], env={**fake, "HEALTH_TIMEOUT": "1"}, capture_output=True, text=True, timeout=120
+    )
     assert "left by an earlier run" in r.stdout, r.stdout
     assert _containers(fake) == []

@@ -85,6 +85,7 @@ def test_compose_wires_servelm_prometheus_grafana() -> None:
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (apt-get install prometheus)")
 def test_prometheus_config_passes_promtool() -> None:
-    r = subprocess.run(["promtool", "check", "config", str(DOCKER / "prometheus.yml")], capture_output=True,
-                       text=True, timeout=60)
+    r = subprocess.run(
+        ["promtool", "check", "config", str(DOCKER / "prometheus.yml")], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0, r.stdout + r.stderr

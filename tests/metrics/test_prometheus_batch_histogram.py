@@ -47,8 +47,9 @@ def reference(name: str, buckets: tuple[float, ...], steps: list[list[float]]) -
 def observed(steps_ttft: list[list[float]], steps_itl: list[list[float]]) -> CollectorRegistry:
     obs = PrometheusObserver("tiny", {}, 1e12, 1e11, registry=CollectorRegistry())
     for ttft, itl in zip(steps_ttft, steps_itl):
-        obs.on_step(StepStats(0.01, len(itl), 0, 0.5, 0, len(itl), time_to_first_tokens=ttft,
-                              inter_token_latencies=itl))
+        obs.on_step(
+            StepStats(0.01, len(itl), 0, 0.5, 0, len(itl), time_to_first_tokens=ttft, inter_token_latencies=itl)
+        )
     return obs.registry
 
 
@@ -94,8 +95,9 @@ def test_non_finite_and_negative_values_match_histogram(special: list[float], pa
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.lists(st.one_of(st.floats(0, 100), st.sampled_from(TOKEN_LATENCY_BUCKETS)), max_size=40),
-                max_size=4))
+@given(
+    st.lists(st.lists(st.one_of(st.floats(0, 100), st.sampled_from(TOKEN_LATENCY_BUCKETS)), max_size=40), max_size=4)
+)
 def test_bulk_equals_one_by_one_property(steps: list[list[float]]) -> None:
     assert lines_of(observed([[]] * len(steps), steps), ITL) == reference(ITL, TOKEN_LATENCY_BUCKETS, steps)
 

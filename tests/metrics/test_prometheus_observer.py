@@ -47,8 +47,9 @@ def clock() -> FakeClock:
 
 @pytest.fixture
 def obs(clock: FakeClock) -> PrometheusObserver:
-    return PrometheusObserver("tiny", INFO, peak_flops=1e12, peak_bandwidth=1e11, registry=CollectorRegistry(),
-                              window_s=10.0, clock=clock)
+    return PrometheusObserver(
+        "tiny", INFO, peak_flops=1e12, peak_bandwidth=1e11, registry=CollectorRegistry(), window_s=10.0, clock=clock
+    )
 
 
 STEPS = [
@@ -157,8 +158,9 @@ def test_gauges_follow_steps_and_return_to_zero_when_idle(obs: PrometheusObserve
 
 
 def test_utilization_over_the_window(clock: FakeClock) -> None:
-    obs = PrometheusObserver("tiny", INFO, peak_flops=1e12, peak_bandwidth=1e11, registry=CollectorRegistry(),
-                             window_s=10.0, clock=clock)
+    obs = PrometheusObserver(
+        "tiny", INFO, peak_flops=1e12, peak_bandwidth=1e11, registry=CollectorRegistry(), window_s=10.0, clock=clock
+    )
     clock.t += 20.0  # the observer has lived longer than the window
     for _ in range(4):  # 4 steps of 1 s: 2e11 FLOPs and 5e9 bytes each
         clock.t += 1.0
@@ -223,13 +225,13 @@ def lora_series(obs: PrometheusObserver) -> list[tuple[dict[str, str], float]]:
 def test_lora_info_is_one_series_that_follows_the_adapters(clock: FakeClock) -> None:
     """vLLM's lora_requests_info: one series (the current adapters), re-labelled when they change."""
     obs = PrometheusObserver("tiny", INFO, 1e12, 1e11, registry=CollectorRegistry(), clock=clock, max_loras=2)
-    (labels, first), = lora_series(obs)
+    ((labels, first),) = lora_series(obs)
     assert labels == {"model_name": "tiny", "max_lora": "2", "running_lora_adapters": "", "waiting_lora_adapters": ""}
     obs.on_step(StepStats(0.1, 2, 1, 0.1, 0, 1, lora_adapters=(["a", "b"], ["c"])))
-    (labels, changed), = lora_series(obs)
+    ((labels, changed),) = lora_series(obs)
     assert (labels["running_lora_adapters"], labels["waiting_lora_adapters"]) == ("a,b", "c") and changed >= first
     obs.on_step(StepStats(0.1, 0, 0, 0.0, 0, 1, lora_adapters=([], [])))
-    (labels, _), = lora_series(obs)
+    ((labels, _),) = lora_series(obs)
     assert labels["running_lora_adapters"] == "" and labels["waiting_lora_adapters"] == ""
     # Without LoRA serving there is no such series, and steps without the field change nothing.
     plain = PrometheusObserver("tiny", INFO, 1e12, 1e11, registry=CollectorRegistry(), clock=clock)
@@ -240,7 +242,9 @@ def test_lora_info_is_one_series_that_follows_the_adapters(clock: FakeClock) -> 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (apt-get install prometheus)")
 @pytest.mark.parametrize("max_loras", [None, 2])
 def test_exposition_passes_promtool(clock: FakeClock, max_loras: int | None) -> None:
-    obs = PrometheusObserver("tiny", INFO, 1e12, 1e11, registry=CollectorRegistry(), window_s=10.0, clock=clock, max_loras=max_loras)
+    obs = PrometheusObserver(
+        "tiny", INFO, 1e12, 1e11, registry=CollectorRegistry(), window_s=10.0, clock=clock, max_loras=max_loras
+    )
     drive(obs, clock)
     obs.on_step(StepStats(0.1, 1, 1, 0.1, 0, 1, lora_adapters=(["sql"], ["poet"]) if max_loras else None))
     body, _ = render_metrics(obs.registry)

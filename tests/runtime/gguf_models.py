@@ -111,7 +111,7 @@ _FILE_TYPE = {
 def conftest_module() -> types.ModuleType:
     """``tests/conftest.py`` as a module: pytest's own import of it when there is one (several conftest
     files share the module name ``conftest``, so the name alone may find ``tests/server/conftest.py``)."""
-    path = (Path(__file__).resolve().parent.parent / "conftest.py")
+    path = Path(__file__).resolve().parent.parent / "conftest.py"
     for module in list(sys.modules.values()):
         file = getattr(module, "__file__", None)
         if file and Path(file).resolve() == path and hasattr(module, "TINY_VARIANTS"):
@@ -124,7 +124,9 @@ def conftest_module() -> types.ModuleType:
     return module
 
 
-def save_tiny_model_for_gguf(variant: str, out: Path, *, wide: bool = False, config: dict[str, Any] | None = None) -> Path:
+def save_tiny_model_for_gguf(
+    variant: str, out: Path, *, wide: bool = False, config: dict[str, Any] | None = None
+) -> Path:
     """conftest's tiny ``variant`` (same seed, perturbed norms and biases, default tokenizer beside it),
     with ``GGUF_OVERRIDES`` applied and, when ``wide``, hidden 256 / intermediate 512 / head_dim 64
     (4 heads over 2 KV heads) so that K-quants fit every projection; ``config`` overrides config fields."""
@@ -413,7 +415,9 @@ def _llama3_rope_freqs(hf_dir: Path) -> np.ndarray | None:
     if params.get("rope_type") != "llama3":
         return None
     scaled = LlamaRotaryEmbedding(cfg).inv_freq.double()
-    plain = cfg.__class__(**{**cfg.to_dict(), "rope_parameters": {"rope_type": "default", "rope_theta": params["rope_theta"]}})
+    plain = cfg.__class__(
+        **{**cfg.to_dict(), "rope_parameters": {"rope_type": "default", "rope_theta": params["rope_theta"]}}
+    )
     unscaled = LlamaRotaryEmbedding(plain).inv_freq.double()
     return (unscaled / scaled).float().numpy()
 

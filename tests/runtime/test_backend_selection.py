@@ -76,10 +76,14 @@ FA2_INTERFACE = "def flash_attn_varlen_func(*a, **k): ...\ndef flash_attn_with_k
 @pytest.fixture
 def fake_flash_attn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Make flash-attn 2 findable (its two entry points, doing nothing) so availability checks can be exercised."""
-    _install_fake(tmp_path, {
-        "flash_attn/__init__.py": "from flash_attn.flash_attn_interface import flash_attn_varlen_func, flash_attn_with_kvcache\n",
-        "flash_attn/flash_attn_interface.py": FA2_INTERFACE,
-    }, monkeypatch)
+    _install_fake(
+        tmp_path,
+        {
+            "flash_attn/__init__.py": "from flash_attn.flash_attn_interface import flash_attn_varlen_func, flash_attn_with_kvcache\n",
+            "flash_attn/flash_attn_interface.py": FA2_INTERFACE,
+        },
+        monkeypatch,
+    )
 
 
 def test_flash_backend_states_why_it_cannot_serve(fake_flash_attn: None) -> None:
@@ -117,19 +121,27 @@ def test_flash_attn_4_alone_or_a_broken_install_falls_back_to_triton(
     from servelm.runtime.platform import platform_of
 
     def select_backend(device: str, *, block_size: int, dtype: torch.dtype, head_dim: int) -> object:
-        return platform_of(device).attention_backend(block_size=block_size, dtype=dtype, head_dim=head_dim, use_cpu_kernel=True)
+        return platform_of(device).attention_backend(
+            block_size=block_size, dtype=dtype, head_dim=head_dim, use_cpu_kernel=True
+        )
 
     _install_fake(tmp_path / "fa4", {"flash_attn/cute/__init__.py": ""}, monkeypatch)
     assert importlib.util.find_spec("flash_attn") is not None and not flash_backend.flash_attn_importable()
     assert "flash-attn-4" in (flash_backend.FlashAttentionBackend.supports(torch.bfloat16, 128) or "")
     assert flash_backend.default_cuda_block_size(torch.bfloat16, 128) == flash_backend.TRITON_BLOCK_SIZE
     # Selection builds no CUDA tensors: it runs here for a CUDA device.
-    assert isinstance(select_backend("cuda", block_size=16, dtype=torch.bfloat16, head_dim=128), flash_backend.TritonPagedBackend)
+    assert isinstance(
+        select_backend("cuda", block_size=16, dtype=torch.bfloat16, head_dim=128), flash_backend.TritonPagedBackend
+    )
 
-    _install_fake(tmp_path / "broken", {
-        "flash_attn/__init__.py": "raise ImportError('flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDevice')\n",
-        "flash_attn/flash_attn_interface.py": FA2_INTERFACE,
-    }, monkeypatch)
+    _install_fake(
+        tmp_path / "broken",
+        {
+            "flash_attn/__init__.py": "raise ImportError('flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDevice')\n",
+            "flash_attn/flash_attn_interface.py": FA2_INTERFACE,
+        },
+        monkeypatch,
+    )
     assert flash_backend.flash_attn_importable()
     with caplog.at_level("WARNING"):
         backend = select_backend("cuda", block_size=256, dtype=torch.bfloat16, head_dim=128)
@@ -142,7 +154,9 @@ def test_a_loadable_flash_attn_2_is_chosen(fake_flash_attn: None) -> None:
     from servelm.runtime.cuda import flash_backend
     from servelm.runtime.platform import platform_of
 
-    backend = platform_of("cuda").attention_backend(block_size=256, dtype=torch.bfloat16, head_dim=128, use_cpu_kernel=True)
+    backend = platform_of("cuda").attention_backend(
+        block_size=256, dtype=torch.bfloat16, head_dim=128, use_cpu_kernel=True
+    )
     assert isinstance(backend, flash_backend.FlashAttentionBackend)
 
 

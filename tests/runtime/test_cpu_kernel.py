@@ -28,8 +28,7 @@ class Case:
     that reads anything it should not produces NaN or crashes.
     """
 
-    def __init__(self, gen, lens, group, kv_heads, head_dim, block_size, dtype=torch.float32,
-                 num_blocks=None):
+    def __init__(self, gen, lens, group, kv_heads, head_dim, block_size, dtype=torch.float32, num_blocks=None):
         num_blocks = num_blocks or POOL_TOKENS // block_size
         self.lens = list(lens)
         batch = len(self.lens)
@@ -179,8 +178,15 @@ def test_query_groups_beyond_four(kernel, group, head_dim, cache_dtype):
 def test_unusual_block_sizes(kernel, block_size):
     # Tiles of 16 tokens span several blocks (1, 5) or part of one (64).
     gen = torch.Generator().manual_seed(block_size)
-    case = Case(gen, [1, 5, 16, 33, 129, 200], group=3, kv_heads=3, head_dim=64, block_size=block_size,
-                num_blocks=max(300, 6 * (200 // block_size + 1)))
+    case = Case(
+        gen,
+        [1, 5, 16, 33, 129, 200],
+        group=3,
+        kv_heads=3,
+        head_dim=64,
+        block_size=block_size,
+        num_blocks=max(300, 6 * (200 // block_size + 1)),
+    )
     torch.testing.assert_close(kernel(*case.args()), reference(*case.args()), atol=1e-5, rtol=0)
 
 
@@ -293,7 +299,9 @@ def test_sliding_window_attends_to_the_last_tokens_only(kernel, portable, window
         try:
             for threads in (1, 2):
                 torch.set_num_threads(threads)
-                torch.testing.assert_close(kernel(*case.args(), window=window).double(), want.double(), atol=1e-5, rtol=0)
+                torch.testing.assert_close(
+                    kernel(*case.args(), window=window).double(), want.double(), atol=1e-5, rtol=0
+                )
         finally:
             torch.set_num_threads(before)
         torch.testing.assert_close(portable(*case.args(), window=window).double(), want.double(), atol=1e-5, rtol=0)
@@ -317,8 +325,22 @@ def _small_case():
 @pytest.mark.parametrize(
     "mutate,message",
     [
-        (lambda a: a.update(block_tables=a["block_tables"].clone().index_put_((torch.tensor(0), torch.tensor(1)), torch.tensor(8, dtype=torch.int32))), "outside the pool"),
-        (lambda a: a.update(block_tables=a["block_tables"].clone().index_put_((torch.tensor(1), torch.tensor(0)), torch.tensor(-1, dtype=torch.int32))), "outside the pool"),
+        (
+            lambda a: a.update(
+                block_tables=a["block_tables"]
+                .clone()
+                .index_put_((torch.tensor(0), torch.tensor(1)), torch.tensor(8, dtype=torch.int32))
+            ),
+            "outside the pool",
+        ),
+        (
+            lambda a: a.update(
+                block_tables=a["block_tables"]
+                .clone()
+                .index_put_((torch.tensor(1), torch.tensor(0)), torch.tensor(-1, dtype=torch.int32))
+            ),
+            "outside the pool",
+        ),
         (lambda a: a.update(seq_lens=torch.tensor([0, 3], dtype=torch.int32)), "at least one token"),
         (lambda a: a.update(seq_lens=torch.tensor([20, 16 * 4 + 1], dtype=torch.int32)), "columns"),
         (lambda a: a.update(block_tables=a["block_tables"].long()), "int32"),
@@ -343,8 +365,14 @@ def test_releases_the_gil(kernel):
     k_cache = torch.randn(pool, block_size, 3, 64, generator=gen)
     v_cache = torch.randn(pool, block_size, 3, 64, generator=gen)
     tables = torch.randint(0, pool, (batch, length // block_size), generator=gen, dtype=torch.int32)
-    args = (torch.randn(batch, 9, 64, generator=gen), k_cache, v_cache, tables,
-            torch.full((batch,), length, dtype=torch.int32), 0.125)
+    args = (
+        torch.randn(batch, 9, 64, generator=gen),
+        k_cache,
+        v_cache,
+        tables,
+        torch.full((batch,), length, dtype=torch.int32),
+        0.125,
+    )
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -448,7 +476,9 @@ def test_rope_write_decode_with_qk_norms_and_a_16_bit_cache(kernel, cache_dtype)
     k_w = 1 + torch.randn(d, generator=g) * 0.1
 
     kc, vc = k_cache.clone(), v_cache.clone()
-    out = fused(qkv, cos, sin, kc, vc, slots, tables, lens, heads, 0.0625, window=48, q_norm=q_w, k_norm=k_w, norm_eps=eps)
+    out = fused(
+        qkv, cos, sin, kc, vc, slots, tables, lens, heads, 0.0625, window=48, q_norm=q_w, k_norm=k_w, norm_eps=eps
+    )
 
     qk = qkv[:, : (heads + kv_heads) * d].view(batch, heads + kv_heads, d)
     qk = torch.cat((F.rms_norm(qk[:, :heads], (d,), q_w, eps), F.rms_norm(qk[:, heads:], (d,), k_w, eps)), dim=1)

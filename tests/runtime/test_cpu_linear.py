@@ -85,7 +85,9 @@ def _cpu_name() -> str:
 
 
 def test_runner_packs_by_default_and_env_switches_it_off(
-    tiny_model_dir: Callable[[str], Path], build_runner: Callable[..., Any], rt: SimpleNamespace,
+    tiny_model_dir: Callable[[str], Path],
+    build_runner: Callable[..., Any],
+    rt: SimpleNamespace,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     model_dir = tiny_model_dir("llama_untied")
@@ -171,8 +173,11 @@ def test_few_row_kernel_refuses_what_it_cannot_do(few_row: tuple[cpu_linear.FewR
 
 
 def test_runner_uses_few_row_kernel_for_few_rows(
-    tiny_model_dir: Callable[[str], Path], build_runner: Callable[..., Any], rt: SimpleNamespace,
-    few_row: tuple[cpu_linear.FewRowLinear, int], monkeypatch: pytest.MonkeyPatch,
+    tiny_model_dir: Callable[[str], Path],
+    build_runner: Callable[..., Any],
+    rt: SimpleNamespace,
+    few_row: tuple[cpu_linear.FewRowLinear, int],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     runner = build_runner(tiny_model_dir("qwen2"), num_blocks=16)  # q/k/v bias too
     assert runner.few_row_linear is not None
@@ -212,7 +217,7 @@ def test_few_row_kernel_bfloat16(rows: int, n: int, k: int) -> None:
     # float32 accumulation of exact bf16 products, one rounding at the end: within one bf16 ulp of
     # the float32 result.
     want = F.linear(x.float(), w.float(), b.float())
-    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=2 ** -7)
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=2**-7)
 
 
 def test_bfloat16_runner_uses_the_kernels_and_tracks_float32(

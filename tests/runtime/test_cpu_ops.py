@@ -69,8 +69,11 @@ def test_module_uses_the_kernel_only_on_contiguous_input(rms_norm: NormKernel) -
 
 
 def test_runner_routes_rms_norm_and_env_switches_it_off(
-    tiny_model_dir: Callable[[str], Path], build_runner: Callable[..., Any], rt: SimpleNamespace,
-    rms_norm: NormKernel, monkeypatch: pytest.MonkeyPatch,
+    tiny_model_dir: Callable[[str], Path],
+    build_runner: Callable[..., Any],
+    rt: SimpleNamespace,
+    rms_norm: NormKernel,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     def logits(runner: Any) -> torch.Tensor:
         blocks = rt.ScatteredBlocks(runner.kv_pool.num_blocks, runner.block_size, seed=2)
@@ -99,7 +102,11 @@ def test_fused_add_norm_and_silu_mul_equal_the_separate_ops(rms_norm: NormKernel
     assert ops is not None
     add_rms_norm, silu_mul = ops
     g = torch.Generator().manual_seed(rows)
-    x, residual, w = torch.randn(rows, 576, generator=g), torch.randn(rows, 576, generator=g), torch.randn(576, generator=g)
+    x, residual, w = (
+        torch.randn(rows, 576, generator=g),
+        torch.randn(rows, 576, generator=g),
+        torch.randn(576, generator=g),
+    )
     want_sum = x + residual
     out, r = add_rms_norm(x, residual, w, 1e-5)
     assert r is residual and torch.equal(residual, want_sum)  # the sum, in place
@@ -122,7 +129,7 @@ def test_rms_norm_bfloat16_rounds_like_hugging_face(rms_norm: NormKernel, shape:
     got = rms_norm(x, w, 1e-5)
     assert got.dtype == torch.bfloat16
     # The sum of squares runs in another order: at most a one-ulp difference on a few elements.
-    torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2 ** -7)
+    torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2**-7)
     assert (got != want).float().mean() < 0.02
 
 
@@ -195,4 +202,11 @@ def test_lora_apply_equals_the_torch_path(rows: int) -> None:
     assert torch.equal(y[~touched], before[~touched])  # rows without an update here are left alone
     assert not touched.any() or (y[touched] - before[touched]).abs().max() > 0.1
     with pytest.raises(RuntimeError, match="adapter 3 of 3"):
-        kernel(x, y, [a for a, _, _ in args], [b for _, b, _ in args], [s for _, _, s in args], torch.full((rows,), 3, dtype=torch.int32))
+        kernel(
+            x,
+            y,
+            [a for a, _, _ in args],
+            [b for _, b, _ in args],
+            [s for _, _, s in args],
+            torch.full((rows,), 3, dtype=torch.int32),
+        )

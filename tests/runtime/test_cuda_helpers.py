@@ -51,12 +51,20 @@ def test_fill_copies_real_rows_and_neutralises_padding() -> None:
     assert buf.block_tables[3, 0] == 0
     assert buf.query_start_loc[:5].tolist() == [0, 1, 2, 3, 4]
     with pytest.raises(ValueError):
-        buf.fill(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
-                 torch.ones(1, dtype=torch.int32), torch.zeros(1, 5, dtype=torch.int32), padded_to=1)
+        buf.fill(
+            torch.zeros(1, dtype=torch.long),
+            torch.zeros(1, dtype=torch.long),
+            torch.zeros(1, dtype=torch.long),
+            torch.ones(1, dtype=torch.int32),
+            torch.zeros(1, 5, dtype=torch.int32),
+            padded_to=1,
+        )
 
 
 @pytest.mark.parametrize("full_rows", [True, False])
-def test_stage_writes_a_step_from_host_lists_with_padding_and_pending_tokens(monkeypatch: pytest.MonkeyPatch, full_rows: bool) -> None:
+def test_stage_writes_a_step_from_host_lists_with_padding_and_pending_tokens(
+    monkeypatch: pytest.MonkeyPatch, full_rows: bool
+) -> None:
     import servelm.runtime.cuda.graph_inputs as cg
 
     if not full_rows:  # long contexts x many rows: only the used columns are sent
@@ -67,8 +75,18 @@ def test_stage_writes_a_step_from_host_lists_with_padding_and_pending_tokens(mon
     buf.i32.fill_(50)
     buf.block_tables.fill_(7)
     last = torch.tensor([900, 901, 902])  # the previous step's tokens, row by row
-    buf.stage([5, 0, 7], [10, 3, 0], [42, 19, 0], [11, 4, 1], [2, 9, 4, 0, 1, 0], 2, 4,
-              pending_at=[1], pending_from=[2], last_tokens=last)
+    buf.stage(
+        [5, 0, 7],
+        [10, 3, 0],
+        [42, 19, 0],
+        [11, 4, 1],
+        [2, 9, 4, 0, 1, 0],
+        2,
+        4,
+        pending_at=[1],
+        pending_from=[2],
+        last_tokens=last,
+    )
     assert buf.input_ids[:4].tolist() == [5, 902, 7, 0]  # row 1 took the pending token
     assert buf.positions[:4].tolist() == [10, 3, 0, 0]
     assert buf.slot_mapping.tolist() == [42, 19, 0] + [-1] * 5
@@ -98,7 +116,9 @@ def test_kv_budget_is_the_allowed_fraction_minus_everything_else() -> None:
 def test_the_fused_graph_is_kept_only_when_faster_and_in_agreement() -> None:
     assert choose_variant(fused_ms=4.1, plain_ms=4.4, rel_diff=3e-3, tolerance=1e-2) == "fused"
     assert choose_variant(fused_ms=4.5, plain_ms=4.4, rel_diff=3e-3, tolerance=1e-2) == "plain"
-    assert choose_variant(fused_ms=4.1, plain_ms=4.4, rel_diff=0.5, tolerance=1e-2) == "plain"  # a wrong kernel is never kept
+    assert (
+        choose_variant(fused_ms=4.1, plain_ms=4.4, rel_diff=0.5, tolerance=1e-2) == "plain"
+    )  # a wrong kernel is never kept
     assert choose_variant(fused_ms=4.1, plain_ms=4.4, rel_diff=float("nan"), tolerance=1e-2) == "plain"
     assert VariantTiming(4.1, 4.4, 1e-3, 1e-2).chosen == "fused"
 
@@ -118,11 +138,29 @@ class _Backend:
         return meta
 
 
-def _graph_runner(kernels, few_rows_max: int, ab: bool, captures: list, compare=None, fail_fused: bool = False,
-                  pdl: bool = False, fail_pdl: bool = False):
+def _graph_runner(
+    kernels,
+    few_rows_max: int,
+    ab: bool,
+    captures: list,
+    compare=None,
+    fail_fused: bool = False,
+    pdl: bool = False,
+    fail_pdl: bool = False,
+):
     """A CudaGraphRunner on CPU whose capture and timing are recorded instead of run."""
-    g = CudaGraphRunner(lambda *a: None, _Backend(), 8, 4, 16, torch.device("cpu"),
-                        few_rows=kernels, few_rows_max=few_rows_max, few_rows_ab=ab, pdl=pdl)
+    g = CudaGraphRunner(
+        lambda *a: None,
+        _Backend(),
+        8,
+        4,
+        16,
+        torch.device("cpu"),
+        few_rows=kernels,
+        few_rows_max=few_rows_max,
+        few_rows_ab=ab,
+        pdl=pdl,
+    )
 
     def capture_one(bs, meta):
         launched = pdl_state.active()
@@ -200,7 +238,9 @@ def test_decode_gemv_mode_comes_from_the_environment(monkeypatch: pytest.MonkeyP
 
 def test_the_pdl_graph_is_kept_only_when_faster_and_bit_identical() -> None:
     assert choose_variant(4.0, 4.4, 3e-2, 0.1, pdl_ms=3.8, pdl_identical=True) == "fused+pdl"
-    assert choose_variant(4.0, 4.4, 3e-2, 0.1, pdl_ms=3.8, pdl_identical=False) == "fused"  # a race shows as a difference
+    assert (
+        choose_variant(4.0, 4.4, 3e-2, 0.1, pdl_ms=3.8, pdl_identical=False) == "fused"
+    )  # a race shows as a difference
     assert choose_variant(4.0, 4.4, 3e-2, 0.1, pdl_ms=4.1, pdl_identical=True) == "fused"
     assert choose_variant(4.0, 3.7, 3e-2, 0.1, pdl_ms=3.8, pdl_identical=True) == "plain"
     # The PDL graph is the fused graph launched differently: never kept when fused may not be.
@@ -263,7 +303,11 @@ def test_the_a_b_decodes_write_fresh_slots_of_the_first_blocks_then_the_rows_pad
     b = g.inputs
     assert g._decode_inputs(2, 5)
     assert b.slot_mapping[:2].tolist() == [5, 16 + 5] and b.block_tables[:2, 0].tolist() == [0, 1]
-    assert b.positions[:2].tolist() == [5, 5] and b.seq_lens[:2].tolist() == [6, 6] and b.context_lens[:2].tolist() == [5, 5]
+    assert (
+        b.positions[:2].tolist() == [5, 5]
+        and b.seq_lens[:2].tolist() == [6, 6]
+        and b.context_lens[:2].tolist() == [5, 5]
+    )
     first = b.input_ids[:2].tolist()
     assert g._decode_inputs(1, 5) and b.input_ids[0].item() != first[0]  # another size: other tokens, other K/V
     assert not g._decode_inputs(4, 1)  # more rows than pool blocks
@@ -310,7 +354,9 @@ class _Graph:
     """A 'graph' over the runner's static inputs and a KV 'pool' (one value per slot): it stores each
     row's new value at its slot, then sums the row's context. ``racy`` reads before it stores."""
 
-    def __init__(self, g: CudaGraphRunner, pool: torch.Tensor, ms: float, scale: float = 1.0, racy: bool = False) -> None:
+    def __init__(
+        self, g: CudaGraphRunner, pool: torch.Tensor, ms: float, scale: float = 1.0, racy: bool = False
+    ) -> None:
         self.g, self.pool, self.ms, self.scale, self.racy = g, pool, ms, scale, racy
         self.out = torch.zeros(g.max_batch_size, 1)
 
@@ -333,7 +379,9 @@ def test_the_a_b_times_each_graph_and_catches_a_pdl_graph_that_reads_ahead(monke
     for racy in (False, True):
         g = CudaGraphRunner(lambda *a: None, _Backend(), 2, 4, 16, torch.device("cpu"), num_kv_blocks=8)
         pool = torch.zeros(8 * 16)
-        graphs = [_Graph(g, pool, ms, scale, r) for ms, scale, r in ((4.0, 1.0, False), (4.4, 1.001, False), (3.8, 1.0, racy))]
+        graphs = [
+            _Graph(g, pool, ms, scale, r) for ms, scale, r in ((4.0, 1.0, False), (4.4, 1.001, False), (3.8, 1.0, racy))
+        ]
         fused, plain, with_pdl = ((gr, gr.out) for gr in graphs)
         v = g._compare(fused, plain, with_pdl, 1)
         assert (v.fused_ms, v.plain_ms, v.pdl_ms) == pytest.approx((4.0, 4.4, 3.8))

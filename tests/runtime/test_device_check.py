@@ -21,8 +21,21 @@ def dry_run(tmp_path: Path, dtype: str, *extra: str) -> tuple[dict, str]:
     report = tmp_path / "report.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, "scripts/device_check.py", "--dry-run", "--device", "cpu", "--tiny", "--json", str(report),
-         "--workdir", str(tmp_path / "work"), "--dtype", dtype, *extra],
+        [
+            sys.executable,
+            "scripts/device_check.py",
+            "--dry-run",
+            "--device",
+            "cpu",
+            "--tiny",
+            "--json",
+            str(report),
+            "--workdir",
+            str(tmp_path / "work"),
+            "--dtype",
+            dtype,
+            *extra,
+        ],
         cwd=REPO,
         env=env,
         capture_output=True,

@@ -99,15 +99,30 @@ def test_the_wheel_holds_every_package_file(tmp_path: Path) -> None:
             (src / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / rel, src / rel)
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "dist"), str(src)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "dist"),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (wheel,) = (tmp_path / "dist").glob("servelm-*.whl")
     with zipfile.ZipFile(wheel) as zf:
         shipped = {n for n in zf.namelist() if ".dist-info/" not in n}
     # Each folder installs as servelm.<folder> (pyproject's package-dir).
-    wanted = {"servelm/" + p.relative_to(src).as_posix() for pkg in packages for p in (src / pkg).rglob("*") if p.is_file()}
+    wanted = {
+        "servelm/" + p.relative_to(src).as_posix() for pkg in packages for p in (src / pkg).rglob("*") if p.is_file()
+    }
     assert not wanted - shipped, f"missing from the wheel: {sorted(wanted - shipped)}"
     assert {"servelm/runtime/cpu/csrc/cpu_ops.cpp", "servelm/runtime/cpu/csrc/paged_attention_cpu.cpp"} <= shipped
 

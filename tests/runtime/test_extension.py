@@ -17,8 +17,13 @@ def test_loading_an_extension_leaves_the_build_flags_alone() -> None:
     if kernels.load() is None:
         pytest.skip("the GGUF kernels do not build here")
     name = extension.build_name("servelm_check", b"")
-    again = extension.CompiledExtension("GGUF block kernels", "servelm_gguf_linear", lambda: kernels.SOURCE,
-                                        lambda module: None, logging.getLogger(__name__))
+    again = extension.CompiledExtension(
+        "GGUF block kernels",
+        "servelm_gguf_linear",
+        lambda: kernels.SOURCE,
+        lambda module: None,
+        logging.getLogger(__name__),
+    )
     assert again.get() is not None
     assert extension.build_name("servelm_check", b"") == name
 

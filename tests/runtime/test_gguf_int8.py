@@ -35,7 +35,6 @@ K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
 SUM_ORDER_RTOL = 1e-5
 
 
-
 def weight(qtype: Q, n: int, k: int, seed: int) -> torch.Tensor:
     """``[n, row_bytes]`` blocks: gguf-py's quantization of rows of several magnitudes (random blocks
     for the K-quants, which gguf-py cannot quantize)."""
@@ -48,7 +47,9 @@ def weight(qtype: Q, n: int, k: int, seed: int) -> torch.Tensor:
 
 def gguf_dequantized(blocks: torch.Tensor, qtype: Q, k: int) -> torch.Tensor:
     """gguf-py's own dequantization of ``blocks`` (the reference the kernels answer to)."""
-    return torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), qtype).reshape(blocks.shape[0], k).astype(np.float32))
+    return torch.from_numpy(
+        gguf.quants.dequantize(blocks.numpy(), qtype).reshape(blocks.shape[0], k).astype(np.float32)
+    )
 
 
 def activations(m: int, k: int, seed: int) -> torch.Tensor:
@@ -104,7 +105,7 @@ def test_rounding_equals_the_torch_statement(module, block: int) -> None:
     x[2, :block] = 0.0  # an all-zero block: scale 0, quants 0
     d, q = module.gguf_quantize_x(x, block)
     assert q.dtype == torch.int8 and int(q.abs().max()) == 127
-    rounded = (d.repeat_interleave(block, dim=1) * q.float())
+    rounded = d.repeat_interleave(block, dim=1) * q.float()
     assert torch.equal(rounded, round_activations(x, block))
     assert torch.equal(module.gguf_round_x(x, block), rounded)
     assert torch.equal(rounded[2, :block], torch.zeros(block))
@@ -160,8 +161,10 @@ def test_int8_parts_of_mixed_formats(module, int8_path: str, m: int) -> None:
     """A fused projection whose parts round x differently (per 32 and per 256) and a float part,
     which keeps x as it is."""
     k, formats, sizes = 512, (Q.Q5_0, Q.Q4_K, Q.F16, Q.Q6_K, Q.Q8_0), (40, 33, 24, 50, 17)
-    blocks = [weight(q, s, k, seed=i) if q != Q.F16 else kernels.random_blocks(q, s, k, np.random.default_rng(i))
-              for i, (q, s) in enumerate(zip(formats, sizes))]
+    blocks = [
+        weight(q, s, k, seed=i) if q != Q.F16 else kernels.random_blocks(q, s, k, np.random.default_rng(i))
+        for i, (q, s) in enumerate(zip(formats, sizes))
+    ]
     x = activations(m, k, seed=7)
     got = kernels.linear_parts(x, blocks, list(formats), torch.empty(m, sum(sizes)), int8_x=True)
     col = 0
@@ -196,7 +199,9 @@ def without_amx(module):
 
 
 @pytest.mark.parametrize("qtype", (Q.Q4_1, Q.Q6_K), ids=lambda q: q.name)
-def test_method_gives_the_same_product_at_any_batch_size(module, without_amx, qtype: Q, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_method_gives_the_same_product_at_any_batch_size(
+    module, without_amx, qtype: Q, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Without AMX, rows served by the kernel (one pass, or several of pass_rows) and by the dequantized
     tile compute the same ``W x'``: a request's tokens do not depend on how many others share its step.
     With int8 activations the kernel takes steps of any size (a prefill budget past 512 rows too): its

@@ -58,7 +58,6 @@ def encoded_weight(qtype: Q, shape: tuple[int, int], seed: int) -> np.ndarray:
     return np.ascontiguousarray(gguf.quants.quantize(values, qtype))
 
 
-
 def test_kernels_build_where_a_compiler_exists() -> None:
     # Otherwise a compile error, or a kernel failing its own self-check, shows up only as skipped tests.
     if shutil.which("c++") is None or shutil.which("ninja") is None:
@@ -184,15 +183,21 @@ def test_kernel_types_are_registry_formats() -> None:
     from servelm.runtime.gguf.registry import SUPPORTED
 
     assert set(SUPPORTED) >= kernels.KERNEL_TYPES
-    assert kernels.SOURCE.is_file() and kernels.SOURCE.parent == Path(kernels.__file__).resolve().parents[1] / "cpu" / "csrc"
+    assert (
+        kernels.SOURCE.is_file()
+        and kernels.SOURCE.parent == Path(kernels.__file__).resolve().parents[1] / "cpu" / "csrc"
+    )
 
 
 PART_FORMATS = (Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.F16, Q.Q5_0, Q.Q5_1, Q.Q4_0, Q.Q5_K, Q.BF16, Q.F32)
 
 
 @pytest.mark.parametrize("m", (1, 2, 5, 8, 17))
-@pytest.mark.parametrize("formats", [(Q.Q4_1, Q.Q4_1, Q.Q4_1), (Q.Q4_K, Q.Q6_K, Q.Q8_0), PART_FORMATS],
-                         ids=lambda fs: "-".join(q.name for q in fs))
+@pytest.mark.parametrize(
+    "formats",
+    [(Q.Q4_1, Q.Q4_1, Q.Q4_1), (Q.Q4_K, Q.Q6_K, Q.Q8_0), PART_FORMATS],
+    ids=lambda fs: "-".join(q.name for q in fs),
+)
 def test_linear_parts_matches_each_part(module, formats: tuple[Q, ...], m: int) -> None:
     """One fused call equals each part's reference in its own columns, mixed formats, any row count."""
     k = 512
@@ -247,13 +252,20 @@ def test_sharded_method_fuses_parts(module, m: int, monkeypatch: pytest.MonkeyPa
     blocks = [kernels.random_blocks(q, n, k, rng) for q, n in zip(formats, sizes)]
     edges = np.cumsum((0,) + sizes)
     method = GGUFShardedMethod(
-        [(slice(int(lo), int(hi)), GGUFMethod(b.reshape(-1), q, (n, k)))
-         for lo, hi, b, q, n in zip(edges[:-1], edges[1:], blocks, formats, sizes)]
+        [
+            (slice(int(lo), int(hi)), GGUFMethod(b.reshape(-1), q, (n, k)))
+            for lo, hi, b, q, n in zip(edges[:-1], edges[1:], blocks, formats, sizes)
+        ]
     )
     assert method.fused_kernel is module
     calls = []
-    monkeypatch.setattr(method, "fused_kernel", type("Spy", (), {
-        "gguf_linear_parts": staticmethod(lambda *a: (calls.append(1), module.gguf_linear_parts(*a)))})())
+    monkeypatch.setattr(
+        method,
+        "fused_kernel",
+        type(
+            "Spy", (), {"gguf_linear_parts": staticmethod(lambda *a: (calls.append(1), module.gguf_linear_parts(*a)))}
+        )(),
+    )
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     bias = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(m + 1))
     got = method.apply(x, None, bias)
@@ -295,13 +307,17 @@ def test_norm_linear_is_the_norm_then_the_projection(module, two_threads, m: int
         torch.testing.assert_close(r, want_r, rtol=1e-6, atol=1e-6)
         assert_within_sum_order(out, F.rms_norm(want_r, (k,), norm_w, eps), w, bias)
     with pytest.raises(RuntimeError, match="pre_w needs a residual"):
-        module.gguf_norm_linear(x, None, pre_w, norm_w, eps, blocks, [int(q) for q in formats], torch.empty(m, sum(sizes)), None, False)
+        module.gguf_norm_linear(
+            x, None, pre_w, norm_w, eps, blocks, [int(q) for q in formats], torch.empty(m, sum(sizes)), None, False
+        )
 
 
 @pytest.mark.parametrize("gelu", (True, False), ids=("gelu_tanh", "silu"))
 @pytest.mark.parametrize("m", (1, 4, 200))  # 200: rows over both threads
 @pytest.mark.parametrize("q,inter", [(Q.Q8_0, 256), (Q.F32, 267)], ids=("Q8_0", "F32-tail"))
-def test_act_mul_linear_is_the_gated_activation_then_the_projection(module, two_threads, m: int, gelu: bool, q: Q, inter: int) -> None:
+def test_act_mul_linear_is_the_gated_activation_then_the_projection(
+    module, two_threads, m: int, gelu: bool, q: Q, inter: int
+) -> None:
     """gguf_act_mul_linear: (act(gate) * up) W^T, act GELU (tanh) or SiLU as torch computes them (the
     compiled one to a few ulp; 267 leaves 3 elements to the scalar loop), then optionally Gemma 3's
     norm of the output."""

@@ -119,9 +119,7 @@ def test_edge_case_blocks_match_reference_bitwise(qtype: QType) -> None:
 def test_non_contiguous_and_empty_inputs() -> None:
     raw = random_blocks(QType.Q4_K, 64, seed=7)
     strided = torch.from_numpy(raw)[::2]
-    torch.testing.assert_close(
-        dequantize_q4_k(strided), dequantize_q4_k(strided.contiguous()), atol=0, rtol=0
-    )
+    torch.testing.assert_close(dequantize_q4_k(strided), dequantize_q4_k(strided.contiguous()), atol=0, rtol=0)
     for qtype, fn in FORMATS.items():
         empty = fn(torch.empty(0, block_bytes(qtype), dtype=torch.uint8))
         assert empty.shape == (0, QK_K) and empty.dtype == torch.float32
@@ -189,13 +187,13 @@ def pack_q6_k(x: np.ndarray) -> np.ndarray:
     # [n, halves of 128, groups of 32, 32]
     q = (np.clip(q, -32, 31) + 32).astype(np.uint8).reshape(n, 2, 4, 32)
     low = q & 0x0F
-    ql = np.concatenate(
-        [low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4)], axis=2)
+    ql = np.concatenate([low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4)], axis=2)
     shift = (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]
     qh = np.bitwise_or.reduce((q >> 4) << shift, axis=2)
     return np.concatenate(
-        [ql.reshape(n, 128), qh.reshape(n, 64), sc.astype(np.int8).view(np.uint8),
-         d.view(np.uint8).reshape(n, 2)], axis=1)
+        [ql.reshape(n, 128), qh.reshape(n, 64), sc.astype(np.int8).view(np.uint8), d.view(np.uint8).reshape(n, 2)],
+        axis=1,
+    )
 
 
 PACKERS: dict[QType, tuple[Callable[[np.ndarray], np.ndarray], float]] = {
@@ -258,7 +256,9 @@ def k_quant_tensors_in_file(path: Path, tensors: dict | None = None) -> set[QTyp
 def test_k_quant_tensors_read_from_a_written_gguf_file(tmp_path: Path) -> None:
     path = tmp_path / "k_quants.gguf"
     # Each a [4, 768] weight, as [4, 3 blocks' bytes] rows.
-    write_gguf(path, {f"w.{q.name}": (random_blocks(q, 4 * 3, seed=20 + i).reshape(4, -1), q) for i, q in enumerate(FORMATS)})
+    write_gguf(
+        path, {f"w.{q.name}": (random_blocks(q, 4 * 3, seed=20 + i).reshape(4, -1), q) for i, q in enumerate(FORMATS)}
+    )
     assert k_quant_tensors_in_file(path) == set(FORMATS)
 
 
@@ -288,5 +288,7 @@ def test_timing_640x2048_weight(qtype: QType) -> None:
     blocks = torch.from_numpy(raw)
     ours = median_seconds(lambda: FORMATS[qtype](blocks), runs=15)
     reference = median_seconds(lambda: gguf.quants.dequantize(raw, qtype), runs=3)
-    print(f"\n{qtype.name} 640x2048 ({n_blocks} blocks, {torch.get_num_threads()} threads): "
-          f"torch {ours * 1e3:.2f} ms, gguf-py numpy {reference * 1e3:.2f} ms (medians)")
+    print(
+        f"\n{qtype.name} 640x2048 ({n_blocks} blocks, {torch.get_num_threads()} threads): "
+        f"torch {ours * 1e3:.2f} ms, gguf-py numpy {reference * 1e3:.2f} ms (medians)"
+    )

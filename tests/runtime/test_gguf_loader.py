@@ -83,9 +83,18 @@ def test_quantized_weights_are_views_of_the_file(stored_runner, gguf_folder: Pat
     assert linears and all(m.weight is None and m.method.parts.stored is not None for m in linears)
     methods: list[GGUFMethod] = []
     for m in linears:
-        methods += [part for _, part in m.method.parts.stored.parts] if isinstance(m.method.parts.stored, GGUFShardedMethod) else [m.method.parts.stored]
+        methods += (
+            [part for _, part in m.method.parts.stored.parts]
+            if isinstance(m.method.parts.stored, GGUFShardedMethod)
+            else [m.method.parts.stored]
+        )
     # llama.cpp permuted q and k rows: those two are copies in HF row order; everything else is the file.
-    q_k = {id(m.method.parts.stored.parts[i][1]) for m in linears if isinstance(m.method.parts.stored, GGUFShardedMethod) and len(m.method.parts.stored.parts) == 3 for i in (0, 1)}
+    q_k = {
+        id(m.method.parts.stored.parts[i][1])
+        for m in linears
+        if isinstance(m.method.parts.stored, GGUFShardedMethod) and len(m.method.parts.stored.parts) == 3
+        for i in (0, 1)
+    }
     assert all(in_file(meth.blocks) for meth in methods if id(meth) not in q_k)
     assert isinstance(model.stored_embedding, GGUFEmbedding) and in_file(model.stored_embedding.tensor.raw)
     assert model.model.embed_tokens.weight.numel() == 0  # no dense embedding alongside

@@ -48,9 +48,18 @@ transformers = pytest.importorskip("transformers")
 CASES: dict[str, Case] = {
     # llama.cpp's q/k row permutation over 32- and 256-element blocks alike; an untied head
     "llama_untied-q4_0-q4_1-q4_k-q6_k": Case(
-        "llama_untied", "llama", True,
-        {"attn_q": Q.Q4_0, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q4_1, "ffn": Q.Q4_K,
-         "token_embd": Q.Q8_0, "output": Q.Q6_K},
+        "llama_untied",
+        "llama",
+        True,
+        {
+            "attn_q": Q.Q4_0,
+            "attn_k": Q.Q4_K,
+            "attn_v": Q.Q6_K,
+            "attn_output": Q.Q4_1,
+            "ffn": Q.Q4_K,
+            "token_embd": Q.Q8_0,
+            "output": Q.Q6_K,
+        },
     ),
     "mistral-q5_0-q5_1-f16-bf16": Case(
         "mistral", "llama", False, {"attn": Q.Q5_0, "ffn": Q.Q5_1, "token_embd": Q.F16, "output": Q.BF16}

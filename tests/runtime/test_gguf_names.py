@@ -257,8 +257,16 @@ def test_names_match_transformers_gguf_map(arch: str) -> None:
     assert sorted(theirs.values()) == sorted(k for k in model.state_dict() if "rotary" not in k)
 
 
-@pytest.mark.parametrize("gguf_name", ["blk.0.attn_norm.weight", "blk.1.post_ffw_norm.weight", "output_norm.weight",
-                                       "blk.0.attn_q_norm.weight", "blk.0.ffn_up.weight"])
+@pytest.mark.parametrize(
+    "gguf_name",
+    [
+        "blk.0.attn_norm.weight",
+        "blk.1.post_ffw_norm.weight",
+        "output_norm.weight",
+        "blk.0.attn_q_norm.weight",
+        "blk.0.ffn_up.weight",
+    ],
+)
 def test_gemma3_norm_offset_is_transformers(gguf_name: str) -> None:
     """llama.cpp stores Gemma 3's norms as 1 + w; the offset we apply is the one transformers applies."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS

@@ -32,6 +32,7 @@ def _tile_path_only(monkeypatch: pytest.MonkeyPatch) -> None:
     every large step); the kernels are test_gguf_kernels'."""
     monkeypatch.setenv(DISABLE_ENV, "1")
 
+
 OUT, IN = 96, 256  # in_features one K-quant super-block, eight 32-element blocks
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)  # gguf-py cannot quantize these: random blocks stand in
 # Byte offsets of each K-quant block's float16 scales, which random bytes must not make inf or NaN.
@@ -207,8 +208,10 @@ def test_peak_memory_does_not_grow_with_out_features(tmp_path: Path) -> None:
         method.apply(x, None, None)  # warm-up: first calls allocate one-off buffers
         peaks[out] = peak_temporary_bytes(lambda: method.apply(x, None, None))
     tile = tile_rows * IN * 4
-    print(f"\npeak temporaries over one apply, Q4_K tiles of {tile_rows}x{IN} ({tile} B float): "
-          + ", ".join(f"{out} rows {p} B ({p / tile:.2f} tiles)" for out, p in peaks.items()))
+    print(
+        f"\npeak temporaries over one apply, Q4_K tiles of {tile_rows}x{IN} ({tile} B float): "
+        + ", ".join(f"{out} rows {p} B ({p / tile:.2f} tiles)" for out, p in peaks.items())
+    )
     # Ten times the rows, the same peak: the dequantizer's temporaries are per tile, freed before the next.
     assert peaks[1280] <= peaks[128] + 4096
     assert peaks[1280] <= 8 * tile  # the float tile plus the dequantizer's unpacked intermediates

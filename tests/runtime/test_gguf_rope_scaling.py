@@ -33,8 +33,10 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
 
 
 # Gemma 3's global layer (layer 5 of the tiny model) scaled linearly, its sliding layers not.
-GEMMA3_LINEAR = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
-                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+GEMMA3_LINEAR = {
+    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+}
 CASES = {"llama3": ("llama", "llama", False, LLAMA3), "gemma3_linear": ("gemma3", "gemma3", True, GEMMA3_LINEAR)}
 
 
@@ -89,4 +91,6 @@ def test_without_the_scaling_the_logits_differ(files: dict[str, Any], build_runn
     cfg.pop("rope_scaling", None)
     (plain / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(AssertionError):
-        assert_logits_match(run_ours(build_runner(plain, num_blocks=8), rt, files["seqs"]), files["reference"], "no scaling")
+        assert_logits_match(
+            run_ours(build_runner(plain, num_blocks=8), rt, files["seqs"]), files["reference"], "no scaling"
+        )

@@ -41,30 +41,59 @@ transformers = pytest.importorskip("transformers")
 CASES: dict[str, Case] = {
     # llama.cpp's q/k row permutation over K-quant and 32-element blocks; an untied quantized head
     "llama_untied": Case(
-        "llama_untied", "llama", True,
-        {"attn_q": Q.Q4_K, "attn_k": Q.Q4_0, "attn_v": Q.Q5_1, "attn_output": Q.Q6_K, "ffn_gate": Q.Q5_K,
-         "ffn_up": Q.Q4_1, "ffn_down": Q.Q8_0, "token_embd": Q.Q8_0, "output": Q.Q6_K},
+        "llama_untied",
+        "llama",
+        True,
+        {
+            "attn_q": Q.Q4_K,
+            "attn_k": Q.Q4_0,
+            "attn_v": Q.Q5_1,
+            "attn_output": Q.Q6_K,
+            "ffn_gate": Q.Q5_K,
+            "ffn_up": Q.Q4_1,
+            "ffn_down": Q.Q8_0,
+            "token_embd": Q.Q8_0,
+            "output": Q.Q6_K,
+        },
     ),
     # Mistral, written as llama (transformers reads it back as Mistral by the file's name)
     "mistral": Case(
-        "mistral", "llama", False,
+        "mistral",
+        "llama",
+        False,
         {"attn": Q.Q5_0, "ffn_down": Q.F16, "ffn": Q.Q4_1, "token_embd": Q.BF16, "output": Q.Q8_0},
     ),
     # q/k/v biases; a tied head read from a quantized embedding
     "qwen2": Case(
-        "qwen2", "qwen2", False,
-        {"attn_q": Q.Q8_0, "attn_k": Q.Q4_0, "attn_v": Q.Q5_1, "attn_output": Q.BF16, "ffn": Q.Q5_0,
-         "token_embd": Q.Q4_1},
+        "qwen2",
+        "qwen2",
+        False,
+        {
+            "attn_q": Q.Q8_0,
+            "attn_k": Q.Q4_0,
+            "attn_v": Q.Q5_1,
+            "attn_output": Q.BF16,
+            "ffn": Q.Q5_0,
+            "token_embd": Q.Q4_1,
+        },
     ),
     # q/k norms, head_dim 128; the K-quant mix of a Q4_K_M file
-    "qwen3": Case(
-        "qwen3", "qwen3", True, {"attn": Q.Q4_K, "ffn_down": Q.Q6_K, "ffn": Q.Q5_K, "token_embd": Q.Q8_0}
-    ),
+    "qwen3": Case("qwen3", "qwen3", True, {"attn": Q.Q4_K, "ffn_down": Q.Q6_K, "ffn": Q.Q5_K, "token_embd": Q.Q8_0}),
     # norms stored as 1 + w, sliding window 16 on layers 0-4, head_dim 256
     "gemma3": Case(
-        "gemma3", "gemma3", True,
-        {"attn_q": Q.Q6_K, "attn_k": Q.Q6_K, "attn_v": Q.Q8_0, "attn_output": Q.Q4_K, "ffn_gate": Q.Q4_0,
-         "ffn_up": Q.Q5_K, "ffn_down": Q.F16, "token_embd": Q.Q6_K},
+        "gemma3",
+        "gemma3",
+        True,
+        {
+            "attn_q": Q.Q6_K,
+            "attn_k": Q.Q6_K,
+            "attn_v": Q.Q8_0,
+            "attn_output": Q.Q4_K,
+            "ffn_gate": Q.Q4_0,
+            "ffn_up": Q.Q5_K,
+            "ffn_down": Q.F16,
+            "token_embd": Q.Q6_K,
+        },
     ),
 }
 FORMATS = {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F16, Q.BF16}
@@ -247,7 +276,6 @@ def test_dequantized_equals_transformers(case_id: str, served, build_runner, rt)
     assert_logits_match(run_ours(runner, rt, s.seqs), s.reference, f"{case_id} dequantized")
 
 
-
 # --gguf-activations int8 rounds each quantized projection's input to int8 per block, as llama.cpp
 # does. Its reference is transformers on the same file with the same rounding applied to the input of
 # every Linear whose weight the file quantizes (a forward pre-hook). Summation noise still moves an x
@@ -267,7 +295,9 @@ def int8_reference(s: Served, amx: bool = False) -> list[torch.Tensor]:
 
     tensors = read_gguf_tensors(s.path)
     hf = {v.removesuffix(".weight"): tensors[k].qtype for k, v in hf_tensor_names(list(tensors), s.case.arch).items()}
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(s.path.parent), gguf_file=s.path.name, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(s.path.parent), gguf_file=s.path.name, dtype=torch.float32
+    ).eval()
     if "lm_head" not in hf:  # a tied head multiplies by the embedding's blocks
         hf["lm_head"] = tensors["token_embd.weight"].qtype
     hooked = 0
@@ -311,7 +341,9 @@ def int8_mode_path(request):
 
 
 @pytest.mark.parametrize("case_id", list(CASES))
-def test_int8_activations_equal_transformers_with_rounded_inputs(case_id: str, int8_mode_path: str, served, build_runner, rt) -> None:
+def test_int8_activations_equal_transformers_with_rounded_inputs(
+    case_id: str, int8_mode_path: str, served, build_runner, rt
+) -> None:
     s = served(case_id)
     runner = build_runner(s.folder, num_blocks=8, gguf_activations="int8")
     assert runner.gguf_activations == "int8"
@@ -321,7 +353,9 @@ def test_int8_activations_equal_transformers_with_rounded_inputs(case_id: str, i
     to_rounded = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(ours, rounded))
     assert to_float > 10 * RTOL_OF_MAX, f"{case_id}: the int8 path looks unused ({to_float:.2e} of max from float32)"
     assert_logits_match([a[:1] for a in ours], [b[:1] for b in rounded], f"{case_id} int8, first position")
-    assert to_rounded <= 0.75 * to_float, f"{case_id}: {to_rounded:.2e} of max from the rounded reference, {to_float:.2e} from float32"
+    assert to_rounded <= 0.75 * to_float, (
+        f"{case_id}: {to_rounded:.2e} of max from the rounded reference, {to_float:.2e} from float32"
+    )
 
 
 @pytest.mark.parametrize(
@@ -334,7 +368,9 @@ def test_int8_activations_equal_transformers_with_rounded_inputs(case_id: str, i
         ({"quantization": "none"}, ("float32", torch.float32)),  # dequantized: no stored weights to round for
     ],
 )
-def test_a_gguf_file_runs_llama_cpps_arithmetic_unless_asked_otherwise(flags: dict[str, Any], expected: tuple[str, torch.dtype], served, tmp_path, monkeypatch) -> None:
+def test_a_gguf_file_runs_llama_cpps_arithmetic_unless_asked_otherwise(
+    flags: dict[str, Any], expected: tuple[str, torch.dtype], served, tmp_path, monkeypatch
+) -> None:
     from servelm.scheduler.config import EngineConfig
     from servelm.scheduler.engine import Engine
 
@@ -342,7 +378,10 @@ def test_a_gguf_file_runs_llama_cpps_arithmetic_unless_asked_otherwise(flags: di
     monkeypatch.setenv("SERVELM_CACHE", str(tmp_path))  # (the file's prepared folder goes there)
     engine = Engine(EngineConfig(model=str(s.path), kv_cache_memory=2 * 2**20, max_model_len=128, **flags))
     assert (engine.runner.gguf_activations, engine.runner.kv_dtype) == expected
-    assert (engine.config.gguf_activations, engine.config.kv_cache_dtype) == (expected[0], str(expected[1]).removeprefix("torch."))
+    assert (engine.config.gguf_activations, engine.config.kv_cache_dtype) == (
+        expected[0],
+        str(expected[1]).removeprefix("torch."),
+    )
 
 
 def test_a_plain_folder_is_exact_by_default(tiny_llama_dir: Path) -> None:
@@ -361,7 +400,9 @@ def test_int8_activations_need_a_gguf_file_as_stored(served, build_runner) -> No
 
 @pytest.mark.parametrize("activations", ["float32", "int8"])
 @pytest.mark.parametrize("case_id", list(CASES))
-def test_compiled_layer_step_equals_the_layers_own_forward(case_id: str, activations: str, served, build_runner, rt) -> None:
+def test_compiled_layer_step_equals_the_layers_own_forward(
+    case_id: str, activations: str, served, build_runner, rt
+) -> None:
     """The few-row step in compiled calls (``runtime.gguf.layer``: each norm inside the projection after
     it, the activation and Gemma 3's post-feedforward norm inside the down projection) gives the
     layer's own forward's logits within float32 rounding, on every architecture and format mix."""
@@ -404,7 +445,9 @@ def test_compiled_layer_step_equals_the_layers_own_forward(case_id: str, activat
     float32 = run_ours(runner32, rt, s.seqs)
     apart = max(float((a - b)[compared].abs().max() / b.abs().max()) for a, b in zip(float32, plain))
     print(f"{case_id} int8: compiled vs plain {max(decode):.1e}, float32 vs int8 {apart:.1e}")
-    assert max(decode) <= 0.75 * apart, f"{case_id} int8: per decode position {shown}; float32 activations {apart:.1e} apart"
+    assert max(decode) <= 0.75 * apart, (
+        f"{case_id} int8: per decode position {shown}; float32 activations {apart:.1e} apart"
+    )
 
 
 @pytest.mark.parametrize("activations", ["float32", "int8"])
@@ -430,7 +473,9 @@ def test_decode_stack_equals_the_layer_steps(case_id: str, activations: str, ser
 
     stack.forward = counted
     stacked = run_ours(runner, rt, s.seqs)
-    assert taken == [False] + [True] * DECODE_STEPS, f"{case_id}: the stack ran on steps {taken} (the prefill, then the decodes)"
+    assert taken == [False] + [True] * DECODE_STEPS, (
+        f"{case_id}: the stack ran on steps {taken} (the prefill, then the decodes)"
+    )
     runner.model.decode_stack = None
     layered = run_ours(runner, rt, s.seqs)
     for i, (a, b) in enumerate(zip(stacked, layered)):

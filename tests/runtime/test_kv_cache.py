@@ -14,7 +14,9 @@ from servelm.runtime.kv_cache import KVPool
 
 
 def test_layout_and_sizes() -> None:
-    pool = KVPool(num_layers=3, num_blocks=5, block_size=16, num_kv_heads=2, head_dim=8, dtype=torch.float32, device="cpu")
+    pool = KVPool(
+        num_layers=3, num_blocks=5, block_size=16, num_kv_heads=2, head_dim=8, dtype=torch.float32, device="cpu"
+    )
     assert len(pool.k_cache) == len(pool.v_cache) == 3
     for t in pool.k_cache + pool.v_cache:
         assert t.shape == (5, 16, 2, 8) and t.dtype == torch.float32 and t.is_contiguous()
@@ -54,7 +56,9 @@ def test_a_cpu_pool_is_resident_only_where_written() -> None:
     """A CPU pool costs memory as its blocks are written, like the tokens it holds, not its full size at
     start; what is never written still reads as zeros."""
     before, shared_before = resident_mib("RssAnon"), resident_mib("RssShmem")
-    pool = KVPool(num_layers=4, num_blocks=1024, block_size=16, num_kv_heads=4, head_dim=256, dtype=torch.float16, device="cpu")
+    pool = KVPool(
+        num_layers=4, num_blocks=1024, block_size=16, num_kv_heads=4, head_dim=256, dtype=torch.float16, device="cpu"
+    )
     assert pool.nbytes == 256 * 2**20
     allocated = resident_mib("RssAnon")
     assert allocated - before < 32, f"a 256 MiB pool made {allocated - before:.0f} MiB resident before any write"
@@ -86,7 +90,9 @@ def test_released_blocks_of_some_layers_read_zero_and_leave_memory() -> None:
     """Sliding-window layers hand back the blocks every window has left: those layers' pages of those
     blocks are no longer resident and read 0 (never NaN), while every other layer and block keeps its
     values."""
-    pool = KVPool(num_layers=3, num_blocks=64, block_size=16, num_kv_heads=1, head_dim=256, dtype=torch.float16, device="cpu")
+    pool = KVPool(
+        num_layers=3, num_blocks=64, block_size=16, num_kv_heads=1, head_dim=256, dtype=torch.float16, device="cpu"
+    )
     assert pool.k_cache[0][0].nbytes == 8192  # two pages a block and layer, as Gemma 3 270M's
     for i, (k, v) in enumerate(zip(pool.k_cache, pool.v_cache)):
         k.fill_(i + 1.0)
@@ -110,7 +116,9 @@ def test_released_blocks_of_some_layers_read_zero_and_leave_memory() -> None:
 
 def test_a_release_never_touches_a_page_it_shares_with_a_kept_block() -> None:
     """Blocks smaller than a page: only whole pages inside a run of released blocks are handed back."""
-    pool = KVPool(num_layers=1, num_blocks=64, block_size=4, num_kv_heads=1, head_dim=64, dtype=torch.float32, device="cpu")
+    pool = KVPool(
+        num_layers=1, num_blocks=64, block_size=4, num_kv_heads=1, head_dim=64, dtype=torch.float32, device="cpu"
+    )
     assert pool.k_cache[0][0].nbytes == 1024  # four blocks a page
     pool.k_cache[0].fill_(1.0)
     pool.release([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], layers=(0,))  # page 0 holds kept block 0, page 2 kept block 11

@@ -29,8 +29,14 @@ def adapters(tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.Tem
         "all": save_lora_adapter(base, tmp / "all", seed=1),
         "all2": save_lora_adapter(base, tmp / "all2", seed=2, r=4, lora_alpha=8),
         "qv": save_lora_adapter(
-            base, tmp / "qv", seed=3, r=8, target_modules=["q_proj", "v_proj", "down_proj"], use_rslora=True,
-            rank_pattern={"down_proj": 4}, alpha_pattern={"v_proj": 32},
+            base,
+            tmp / "qv",
+            seed=3,
+            r=8,
+            target_modules=["q_proj", "v_proj", "down_proj"],
+            use_rslora=True,
+            rank_pattern={"down_proj": 4},
+            alpha_pattern={"v_proj": 32},
         ),
         "layer1": save_lora_adapter(base, tmp / "layer1", seed=4, layers_to_transform=[1]),
     }
@@ -48,7 +54,9 @@ def ref_logits(model_dir: Path, adapter: Path | None, ids: list[int]) -> torch.T
     return _REF[key][: len(ids)]
 
 
-def test_loader_lays_shards_side_by_side(tiny_model_dir: Callable[[str], Path], build_runner: Any, adapters: dict[str, Path]) -> None:
+def test_loader_lays_shards_side_by_side(
+    tiny_model_dir: Callable[[str], Path], build_runner: Any, adapters: dict[str, Path]
+) -> None:
     runner = build_runner(tiny_model_dir("llama"), num_blocks=16)
     ad = load_lora_adapter(adapters["all"], runner.model, max_rank=16)
     assert ad.rank == 8
@@ -72,7 +80,12 @@ def test_loader_lays_shards_side_by_side(tiny_model_dir: Callable[[str], Path], 
 @pytest.mark.parametrize("name", ["all", "qv", "layer1"])
 @pytest.mark.parametrize("chunk", [None, 5])
 def test_adapter_logits_equal_peft(
-    tiny_model_dir: Callable[[str], Path], build_runner: Any, rt: SimpleNamespace, adapters: dict[str, Path], name: str, chunk: int | None
+    tiny_model_dir: Callable[[str], Path],
+    build_runner: Any,
+    rt: SimpleNamespace,
+    adapters: dict[str, Path],
+    name: str,
+    chunk: int | None,
 ) -> None:
     """Prefill (whole or in chunks) then decode steps, through the packed CPU projections."""
     base = tiny_model_dir("llama")
@@ -97,8 +110,12 @@ def test_adapter_logits_equal_peft(
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["cpp-kernel", "torch"])
 def test_mixed_step_each_row_gets_its_own_adapter(
-    tiny_model_dir: Callable[[str], Path], build_runner: Any, rt: SimpleNamespace, adapters: dict[str, Path],
-    monkeypatch: pytest.MonkeyPatch, kernel: bool,
+    tiny_model_dir: Callable[[str], Path],
+    build_runner: Any,
+    rt: SimpleNamespace,
+    adapters: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    kernel: bool,
 ) -> None:
     """Two adapters and the base model in the same steps (prefills and decodes mixed), each sequence
     equal to its own reference; then the adapters are removed and the same rows are the base model's.
@@ -140,7 +157,12 @@ def test_mixed_step_each_row_gets_its_own_adapter(
     runner.remove_lora(2)
     seq = rt.FakeSeq(seq_id=9, token_ids=IDS[:12])
     blocks.grow(seq, 12)
-    torch.testing.assert_close(rt.step_logits(runner, [BatchItem(seq, 12, sample=False)])[0], ref_logits(base, None, IDS)[:12], atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        rt.step_logits(runner, [BatchItem(seq, 12, sample=False)])[0],
+        ref_logits(base, None, IDS)[:12],
+        atol=1e-4,
+        rtol=0,
+    )
     seq = rt.FakeSeq(seq_id=10, token_ids=IDS[:12], lora_id=1)
     blocks.grow(seq, 12)
     with pytest.raises(ValueError, match="not loaded"):
@@ -148,7 +170,11 @@ def test_mixed_step_each_row_gets_its_own_adapter(
 
 
 def test_torch_projections_and_int8_take_the_update(
-    tiny_model_dir: Callable[[str], Path], build_runner: Any, rt: SimpleNamespace, adapters: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+    tiny_model_dir: Callable[[str], Path],
+    build_runner: Any,
+    rt: SimpleNamespace,
+    adapters: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The update is added whatever computes the base projection: plain F.linear (with the split
     gate/up of few rows), or the int8 few-row kernel (compared with its own dequantized base + PEFT's update)."""
@@ -159,7 +185,9 @@ def test_torch_projections_and_int8_take_the_update(
     runner.add_lora(3, load_lora_adapter(adapters["all"], runner.model, max_rank=16))
     seq = rt.FakeSeq(seq_id=0, token_ids=IDS[:8], lora_id=3)
     rt.ScatteredBlocks(32, 16).grow(seq, 8)
-    out = rt.step_logits(runner, [BatchItem(seq, 6, sample=False)]) + rt.step_logits(runner, [BatchItem(seq, 2, sample=False)])
+    out = rt.step_logits(runner, [BatchItem(seq, 6, sample=False)]) + rt.step_logits(
+        runner, [BatchItem(seq, 2, sample=False)]
+    )
     torch.testing.assert_close(torch.cat(out), ref_logits(base, adapters["all"], IDS)[:8], atol=1e-4, rtol=0)
     monkeypatch.delenv("SERVELM_CPU_LINEAR")
 
@@ -195,7 +223,12 @@ def test_torch_projections_and_int8_take_the_update(
     ],
 )
 def test_bad_adapters_are_refused_by_name(
-    tiny_model_dir: Callable[[str], Path], build_runner: Any, adapters: dict[str, Path], tmp_path: Path, edit: Callable[[Path], Any], match: str
+    tiny_model_dir: Callable[[str], Path],
+    build_runner: Any,
+    adapters: dict[str, Path],
+    tmp_path: Path,
+    edit: Callable[[Path], Any],
+    match: str,
 ) -> None:
     import shutil
 
@@ -207,7 +240,9 @@ def test_bad_adapters_are_refused_by_name(
         load_lora_adapter(d, runner.model, max_rank=16)
 
 
-def test_rank_limit_and_missing_folder(tiny_model_dir: Callable[[str], Path], build_runner: Any, adapters: dict[str, Path], tmp_path: Path) -> None:
+def test_rank_limit_and_missing_folder(
+    tiny_model_dir: Callable[[str], Path], build_runner: Any, adapters: dict[str, Path], tmp_path: Path
+) -> None:
     runner = build_runner(tiny_model_dir("llama"), num_blocks=16)
     with pytest.raises(LoRAError, match="rank 8, more than --max-lora-rank 4"):
         load_lora_adapter(adapters["all"], runner.model, max_rank=4)
@@ -226,7 +261,13 @@ def _config(folder: Path, **changes: Any) -> None:
     path.write_text(json.dumps(cfg))
 
 
-def _tensors(folder: Path, drop: str | None = None, rename: tuple[str, str] | None = None, extra: str | None = None, widen: bool = False) -> None:
+def _tensors(
+    folder: Path,
+    drop: str | None = None,
+    rename: tuple[str, str] | None = None,
+    extra: str | None = None,
+    widen: bool = False,
+) -> None:
     path = folder / "adapter_model.safetensors"
     t = load_file(str(path))
     key = next(k for k in t if "layers.0.self_attn.q_proj.lora_A" in k)

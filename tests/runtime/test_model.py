@@ -51,7 +51,19 @@ def random_ids(n: int, seed: int) -> list[int]:
 
 @pytest.mark.parametrize(
     "variant",
-    ["llama", "llama_untied", "qwen2", "qwen3", "llama3_rope", "mistral", "smollm3", "granite", "mistral_window", "qwen2_window", "gemma3"],
+    [
+        "llama",
+        "llama_untied",
+        "qwen2",
+        "qwen3",
+        "llama3_rope",
+        "mistral",
+        "smollm3",
+        "granite",
+        "mistral_window",
+        "qwen2_window",
+        "gemma3",
+    ],
 )
 @pytest.mark.parametrize("mode", list(MODES))
 def test_tiny_models_match_hf(
@@ -81,7 +93,9 @@ def test_torch_decode_fallback_matches_hf(
     ids = random_ids(70, seed=0)
     runner = build_runner(tiny_llama_dir, num_blocks=64, backend=TorchAttentionBackend(16, use_kernel=False))
     assert runner.backend.name == "torch"
-    torch.testing.assert_close(feed(runner, rt, ids, MODES[mode], seed=4), hf_logits(tiny_llama_dir, ids), atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        feed(runner, rt, ids, MODES[mode], seed=4), hf_logits(tiny_llama_dir, ids), atol=1e-4, rtol=0
+    )
 
 
 def test_llama3_rope_scaling_is_applied(tiny_model_dir: Callable[[str], Path], build_runner: Any, rt: Any) -> None:
@@ -107,7 +121,12 @@ def default_prompt_and_ref(default_model_dir: Path) -> tuple[list[int], torch.Te
     from servelm.runtime.tokenizer import load_tokenizer
 
     tok = load_tokenizer(default_model_dir)
-    msgs = [{"role": "user", "content": "Explain in two short sentences why the sky is blue, and then say why sunsets look red."}]
+    msgs = [
+        {
+            "role": "user",
+            "content": "Explain in two short sentences why the sky is blue, and then say why sunsets look red.",
+        }
+    ]
     ids = list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)["input_ids"])
     return ids, hf_logits(default_model_dir, ids)
 
@@ -141,8 +160,13 @@ WINDOW_PLANS = {
 @pytest.mark.parametrize("plan", list(WINDOW_PLANS))
 @pytest.mark.parametrize("kernel", [True, False], ids=["cpp-kernel", "torch-decode"])
 def test_sliding_window_batches_equal_hf(
-    tiny_model_dir: Callable[[str], Path], build_runner: Callable[..., ModelRunner], rt: SimpleNamespace,
-    variant: str, plan: str, kernel: bool, monkeypatch: pytest.MonkeyPatch,
+    tiny_model_dir: Callable[[str], Path],
+    build_runner: Callable[..., ModelRunner],
+    rt: SimpleNamespace,
+    variant: str,
+    plan: str,
+    kernel: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Several sequences at once under 16-token windows: prefill chunks together, decodes beside prefills,
     then decodes to the end; each sequence's logits equal transformers' for it alone. A lone prefill
@@ -169,7 +193,9 @@ def test_sliding_window_batches_equal_hf(
         for s, out in zip(todo, rt.step_logits(runner, [BatchItem(s, 1, sample=False) for s in todo])):
             got[s.seq_id].append(out)
     for i, x in enumerate(ids):
-        torch.testing.assert_close(torch.cat(got[i]), hf_logits(model_dir, x), atol=1e-4, rtol=0, msg=lambda m, i=i: f"seq {i}: {m}")
+        torch.testing.assert_close(
+            torch.cat(got[i]), hf_logits(model_dir, x), atol=1e-4, rtol=0, msg=lambda m, i=i: f"seq {i}: {m}"
+        )
 
 
 @pytest.mark.parametrize("variant", ["llama", "gemma3"])

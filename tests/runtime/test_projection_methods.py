@@ -39,7 +39,11 @@ def _cpu_base(quantized: bool) -> tuple[str, str]:
     [(None, None, None), ("int8", "int8", "int8"), ("int4", "int4", "int8_groups")],
 )
 def test_cpu_methods_per_quantization(
-    tiny_llama_dir: Path, build_runner: Callable[..., Any], quantization: str | None, projection_format: str | None, head_format: str | None
+    tiny_llama_dir: Path,
+    build_runner: Callable[..., Any],
+    quantization: str | None,
+    projection_format: str | None,
+    head_format: str | None,
 ) -> None:
     runner = build_runner(tiny_llama_dir, quantization=quantization)
     base, head_base = _cpu_base(quantization is not None)

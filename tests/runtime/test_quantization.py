@@ -252,7 +252,10 @@ def test_a_quantized_step_reads_a_quarter_of_the_projection_bytes(tiny_llama_dir
     cfg = ModelConfig.from_dir(tiny_llama_dir)
     emb = cfg.vocab_size * cfg.hidden_size
     projections = sum(m.method.parts.quant.tensors[0].numel() for m in q8.model.modules() if isinstance(m, Linear))
-    rows = sum(m.method.parts.quant.tensors[0].shape[0] for m in q8.model.modules() if isinstance(m, Linear)) + cfg.vocab_size
+    rows = (
+        sum(m.method.parts.quant.tensors[0].shape[0] for m in q8.model.modules() if isinstance(m, Linear))
+        + cfg.vocab_size
+    )
     # float32: every parameter once (the tied embedding as the head); int8: the projections and the
     # head at one byte a weight plus a float32 scale a row, the rest (norms) unchanged.
     norms = f32.weight_bytes - 4 * (projections + emb)

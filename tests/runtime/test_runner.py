@@ -75,7 +75,11 @@ def test_greedy_matches_hf_generate_batched(
 
     tok = load_tokenizer(default_model_dir)
     prompts = [
-        list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)["input_ids"])
+        list(
+            tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)[
+                "input_ids"
+            ]
+        )
         for p in PROMPTS
     ]
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(default_model_dir), dtype=torch.float32).eval()
@@ -150,7 +154,9 @@ def test_execute_returns_results_in_item_order(tiny_runner: ModelRunner, rt: Sim
 
 
 @pytest.mark.parametrize("graphs", ["eager", "graphs", "graphs with the head"])
-def test_pending_tokens_come_from_the_last_sampling_step(tiny_runner: ModelRunner, rt: SimpleNamespace, graphs: str) -> None:
+def test_pending_tokens_come_from_the_last_sampling_step(
+    tiny_runner: ModelRunner, rt: SimpleNamespace, graphs: str
+) -> None:
     """Scheduling ahead: a decode whose input is PENDING_TOKEN reads the token the runner's previous
     sampling step drew for that sequence, and gives what the known token gives; with decode steps
     staged into (stand-in) CUDA-graph buffers too, padded (3 rows run as 4), with the head inside."""
@@ -290,9 +296,17 @@ class _EagerGraphStandIn:
         b, bs = self.inputs, self.padded(n)  # the whole padded batch, as a graph computes it
         lens = b.seq_lens[:bs].tolist()
         meta = AttentionMetadata(
-            num_tokens=bs, num_decodes=bs, num_decode_tokens=bs, slot_mapping=b.slot_mapping[:bs],
-            query_start_loc=b.query_start_loc[: bs + 1], seq_lens=b.seq_lens[:bs], context_lens=b.context_lens[:bs],
-            block_tables=b.block_tables[:bs], max_query_len=1, max_seq_len=max(lens), query_lens_list=[1] * bs,
+            num_tokens=bs,
+            num_decodes=bs,
+            num_decode_tokens=bs,
+            slot_mapping=b.slot_mapping[:bs],
+            query_start_loc=b.query_start_loc[: bs + 1],
+            seq_lens=b.seq_lens[:bs],
+            context_lens=b.context_lens[:bs],
+            block_tables=b.block_tables[:bs],
+            max_query_len=1,
+            max_seq_len=max(lens),
+            query_lens_list=[1] * bs,
             seq_lens_list=lens,
         )
         hidden = self.runner.model(b.input_ids[:bs], b.positions[:bs], self.runner.backend.build_metadata(meta))
@@ -421,7 +435,9 @@ def test_the_real_graph_runner_with_capture_emulated_gives_the_eager_tokens(
         def step() -> torch.Tensor:
             # The CPU attention backend reads host-side lengths, which a CUDA backend never does inside
             # a graph: rebuilt from the staged buffers at each "replay" (device-side, the same views).
-            now = self.backend.build_metadata(self.inputs.metadata(bs, self.max_blocks_per_seq, self.inputs.seq_lens[:bs].tolist()))
+            now = self.backend.build_metadata(
+                self.inputs.metadata(bs, self.max_blocks_per_seq, self.inputs.seq_lens[:bs].tolist())
+            )
             saved, kernels.max_rows = kernels.max_rows, frozen_rows
             try:
                 h = self.model(ids, pos, now)
@@ -488,8 +504,11 @@ def test_drafts_are_verified_as_one_decode_row_per_position(
     want = torch.cat(want)
 
     spec, other, fresh = seq(1, ids, 39), seq(2, ids[:20], 19), seq(3, ids[:25], 0)
-    items = [BatchItem(other, 1, sample=True), BatchItem(spec, 1 + len(draft), sample=True, draft=list(draft)),
-             BatchItem(fresh, 25, sample=True)]
+    items = [
+        BatchItem(other, 1, sample=True),
+        BatchItem(spec, 1 + len(draft), sample=True, draft=list(draft)),
+        BatchItem(fresh, 25, sample=True),
+    ]
     inputs = runner.prepare(items)
     assert inputs.meta.num_decodes == 1 + 4 and inputs.meta.decode_rows_share_sequences
     assert inputs.sample_items == [0, 1, 1, 1, 1, 2]

@@ -359,8 +359,12 @@ def test_repetition_penalty_never_revives_a_forbidden_token(r: float) -> None:
     (0 in float32) -inf * r was NaN, argmax chose it, and the grammar refused the token (a 500, found
     by schemathesis)."""
     logits = torch.linspace(-5, 5, 50).repeat(1, 1)
-    seq = Seq(token_ids=[3, 40, 45], num_prompt_tokens=3, params=Spec(temperature=0.0, repetition_penalty=r),
-              grammar=BitMask({10, 45}))
+    seq = Seq(
+        token_ids=[3, 40, 45],
+        num_prompt_tokens=3,
+        params=Spec(temperature=0.0, repetition_penalty=r),
+        grammar=BitMask({10, 45}),
+    )
     x = logits.clone()
     Sampler().process_logits(x, [seq])
     assert not torch.isnan(x).any()
@@ -577,7 +581,9 @@ class BitMask:
 
 
 @pytest.mark.parametrize("path", ["kernel", "torch"])
-def test_grammar_mask_leaves_only_allowed_tokens_and_other_rows_alone(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_grammar_mask_leaves_only_allowed_tokens_and_other_rows_alone(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from servelm.runtime.cpu import ops as cpu_ops
 
     if path == "torch":
@@ -588,8 +594,12 @@ def test_grammar_mask_leaves_only_allowed_tokens_and_other_rows_alone(path: str,
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(4, vocab, generator=g)
     allowed = [{3, 31, 32, 999}, {0}, set(range(500, 1000, 7))]
-    seqs = [Seq(params=GREEDY, grammar=BitMask(allowed[0])), Seq(params=GREEDY), Seq(params=Spec(), grammar=BitMask(allowed[1])),
-            Seq(params=GREEDY, grammar=BitMask(allowed[2]))]
+    seqs = [
+        Seq(params=GREEDY, grammar=BitMask(allowed[0])),
+        Seq(params=GREEDY),
+        Seq(params=Spec(), grammar=BitMask(allowed[1])),
+        Seq(params=GREEDY, grammar=BitMask(allowed[2])),
+    ]
     x = logits.clone()
     Sampler(seed=0).process_logits(x, seqs)
     assert torch.equal(x[1], logits[1])  # no grammar: untouched

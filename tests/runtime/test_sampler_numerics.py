@@ -80,8 +80,12 @@ def test_the_penalised_maximum_wins_when_it_is_alone() -> None:
 def test_ordinary_rows_are_tempered_as_before() -> None:
     """The guard costs ordinary rows nothing and changes none of their bits: softmax(x / T)."""
     x = torch.randn(4, 3000, generator=torch.Generator().manual_seed(1)) * 4
-    specs = [Spec(temperature=0.7), Spec(temperature=1.0), Spec(temperature=1.7, repetition_penalty=0.5),
-             Spec(temperature=0.3, repetition_penalty=0.9)]
+    specs = [
+        Spec(temperature=0.7),
+        Spec(temperature=1.0),
+        Spec(temperature=1.7, repetition_penalty=0.5),
+        Spec(temperature=0.3, repetition_penalty=0.9),
+    ]
     temps = torch.tensor([[s.temperature] for s in specs])
     assert torch.equal(tempered_softmax(x.clone(), specs), (x / temps).softmax(-1))
 
@@ -113,8 +117,9 @@ def test_min_tokens_never_forbids_the_whole_vocabulary() -> None:
 
 def test_radix_floor_is_robust_to_rows_it_should_never_see() -> None:
     """NaN gave bucket -8 and ``scatter_add_`` raised; an all-zero row found an empty bucket."""
-    rows = torch.tensor([[float("nan"), 0.5, 0.2, 0.0], [0.0, 0.0, 0.0, 0.0], [float("inf"), -1.0, 0.3, 0.1],
-                         [-0.0, 0.25, 0.25, 0.5]])
+    rows = torch.tensor(
+        [[float("nan"), 0.5, 0.2, 0.0], [0.0, 0.0, 0.0, 0.0], [float("inf"), -1.0, 0.3, 0.1], [-0.0, 0.25, 0.25, 0.5]]
+    )
     for weighted, target in ((True, torch.full((4,), 0.9)), (False, torch.full((4,), 2.0))):
         floor = _radix_floor(rows, target, weighted=weighted)
         assert floor.shape == (4,) and floor[3].item() == 0.25
@@ -167,7 +172,9 @@ def _row(draw: st.DrawFn, vocab: int) -> tuple[Seq, torch.Tensor, set[int] | Non
         repetition_penalty=draw(_either([1.0, 5e-324, 1e-45, 1e-38, 1e-10, 0.5, 10.0], st.floats(5e-324, 10.0))),
         presence_penalty=draw(_either([0.0, -2.0, 2.0], st.floats(-2.0, 2.0))),
         frequency_penalty=draw(_either([0.0, -2.0, 2.0], st.floats(-2.0, 2.0))),
-        logit_bias=draw(st.none() | st.dictionaries(tok, _either([-100.0, 100.0], st.floats(-100.0, 100.0)), max_size=6)),
+        logit_bias=draw(
+            st.none() | st.dictionaries(tok, _either([-100.0, 100.0], st.floats(-100.0, 100.0)), max_size=6)
+        ),
         min_tokens=draw(st.integers(0, 3)),
         logprobs=draw(st.none() | st.integers(0, 20)),
     )
@@ -195,7 +202,9 @@ def _batch(draw: st.DrawFn) -> tuple[list[Seq], torch.Tensor, list[set[int] | No
 
 @settings(max_examples=250, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_batch())
-def test_fuzz_probabilities_stay_finite_and_tokens_allowed(batch: tuple[list[Seq], torch.Tensor, list[set[int] | None]]) -> None:
+def test_fuzz_probabilities_stay_finite_and_tokens_allowed(
+    batch: tuple[list[Seq], torch.Tensor, list[set[int] | None]],
+) -> None:
     seqs, logits, allowed = batch
     _n, vocab = logits.shape
     params = [s.params for s in seqs]
@@ -249,7 +258,11 @@ def test_a_row_that_raises_fails_alone_and_the_others_keep_their_draws() -> None
         return [
             Seq(params=Spec(temperature=0.0, logprobs=3, logit_bias={7: 5.0})),
             Seq(params=Spec(temperature=0.9, top_p=0.9), generator=torch.Generator().manual_seed(11)),
-            Seq(token_ids=list(history), params=Spec(temperature=0.7), grammar=BrokenMask({1}) if bad else BitMask({1, 2})),
+            Seq(
+                token_ids=list(history),
+                params=Spec(temperature=0.7),
+                grammar=BrokenMask({1}) if bad else BitMask({1, 2}),
+            ),
             Seq(token_ids=list(history), params=Spec(temperature=1.2, top_k=40, logprobs=2, repetition_penalty=1.3)),
             Seq(params=Spec(temperature=0.6, min_p=0.1)),
         ]

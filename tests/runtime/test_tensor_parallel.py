@@ -39,8 +39,12 @@ ENGINE_CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama, ngram drafts": ("llama", {"speculative_config": NGRAM}),  # several decode rows of one sequence
 }
 RUNNER_KW: dict[str, Any] = dict(
-    device=torch.device("cpu"), dtype=torch.float32, block_size=16, num_blocks=64,
-    max_num_batched_tokens=256, max_num_seqs=16,
+    device=torch.device("cpu"),
+    dtype=torch.float32,
+    block_size=16,
+    num_blocks=64,
+    max_num_batched_tokens=256,
+    max_num_seqs=16,
 )
 # Float32 sums in another order (two partial matmuls then a sum): relative to the largest logit.
 LOGITS_RTOL = 1e-4
@@ -201,8 +205,10 @@ def tp_results(tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.T
     spec = {
         "variants": {v: str(tiny_model_dir(v)) for v in VARIANTS},
         "engine_cases": ENGINE_CASES,
-        "timing": {"tiny llama": str(tiny_model_dir("llama")),
-                   "medium llama": str(save_medium_llama(tmp_path_factory.mktemp("medium-llama")))},
+        "timing": {
+            "tiny llama": str(tiny_model_dir("llama")),
+            "medium llama": str(save_medium_llama(tmp_path_factory.mktemp("medium-llama"))),
+        },
     }
     return run_driver(spec)
 
@@ -211,7 +217,9 @@ def run_driver(spec: dict[str, Any]) -> dict[str, Any]:
     """This file as rank 0 in a subprocess (``drive``); its results."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(HERE), json.dumps(spec)], capture_output=True, text=True, timeout=400, env=env)
+    proc = subprocess.run(
+        [sys.executable, str(HERE), json.dumps(spec)], capture_output=True, text=True, timeout=400, env=env
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     print(f"\nTP={spec.get('world_size', 2)} driver: {time.perf_counter() - start:.1f} s")
@@ -234,11 +242,17 @@ def test_tp2_logits_and_greedy_tokens_equal_tp1(tp_results: dict[str, Any], vari
 def test_tp2_engine_greedy_equal_with_chunks_preemption_prefix_cache(tp_results: dict[str, Any], case: str) -> None:
     r = tp_results["engine"][case]
     ref, tp = r["ref"], r["tp"]
-    print(f"\n{case}: preemptions {ref['preemptions']}/{tp['preemptions']}, prefix hits {ref['prefix_hits']}/{tp['prefix_hits']}, "
-          f"drafts verified/kept {ref['drafts']}/{tp['drafts']}")
+    print(
+        f"\n{case}: preemptions {ref['preemptions']}/{tp['preemptions']}, prefix hits {ref['prefix_hits']}/{tp['prefix_hits']}, "
+        f"drafts verified/kept {ref['drafts']}/{tp['drafts']}"
+    )
     assert ref["preemptions"] > 0 and ref["prefix_hits"] > 0
     assert tp["tokens"] == ref["tokens"]
-    assert (tp["preemptions"], tp["prefix_hits"], tp["drafts"]) == (ref["preemptions"], ref["prefix_hits"], ref["drafts"])
+    assert (tp["preemptions"], tp["prefix_hits"], tp["drafts"]) == (
+        ref["preemptions"],
+        ref["prefix_hits"],
+        ref["drafts"],
+    )
     if "ngram" in case:
         assert ref["drafts"][1] > 0  # drafts were verified and kept
 
@@ -253,8 +267,10 @@ def test_tp2_step_time_overhead(tp_results: dict[str, Any]) -> None:
     """Measured, not asserted faster: on 2 shared cores the collectives cost more than halving the matmuls saves."""
     for name, t in tp_results["timing"].items():
         collectives = 2 * t["layers"] + 3  # 2 all-reduces a layer, the embedding's, the logits gather, 1 broadcast
-        print(f"\n{name} (hidden {t['hidden']}, {t['layers']} layers), decode batch 8: TP=1 {t['tp1_ms']:.2f} ms/step, "
-              f"TP=2 {t['tp2_ms']:.2f} ms/step ({t['tp2_ms'] / t['tp1_ms']:.2f}x; {collectives} collectives a step)")
+        print(
+            f"\n{name} (hidden {t['hidden']}, {t['layers']} layers), decode batch 8: TP=1 {t['tp1_ms']:.2f} ms/step, "
+            f"TP=2 {t['tp2_ms']:.2f} ms/step ({t['tp2_ms'] / t['tp1_ms']:.2f}x; {collectives} collectives a step)"
+        )
         assert t["tp1_ms"] > 0 and t["tp2_ms"] > 0
 
 
@@ -291,9 +307,18 @@ def test_step_message_carries_the_whole_flat_batch(
     for s in seqs:
         blocks.grow(s, len(s.token_ids))
     seqs[0].num_computed_tokens, seqs[1].num_computed_tokens = len(seqs[0].token_ids) - 1, len(seqs[1].token_ids) - 1
-    items = [BatchItem(seqs[0], 1, True), BatchItem(seqs[1], 1, True), BatchItem(seqs[2], len(seqs[2].token_ids), True), BatchItem(seqs[3], 20, False)]
+    items = [
+        BatchItem(seqs[0], 1, True),
+        BatchItem(seqs[1], 1, True),
+        BatchItem(seqs[2], len(seqs[2].token_ids), True),
+        BatchItem(seqs[3], 20, False),
+    ]
     inputs = runner.prepare(items)
-    scored = [3, 5, 40 + prompt_len // 2]  # rows scoring prompt tokens (prompt logprobs), gathered before the sampled ones
+    scored = [
+        3,
+        5,
+        40 + prompt_len // 2,
+    ]  # rows scoring prompt tokens (prompt logprobs), gathered before the sampled ones
     inputs = dataclasses.replace(inputs, score=PromptScoring(scored, [1, 2, 3], [0, 0, 0], [(2, 0, 3)]))
     send_step(Wire(0, 2), inputs)
     assert len(Wire.sent) == (1 if prompt_len < 100 else 2)
@@ -323,13 +348,17 @@ def test_tp3_default_model_logits_and_greedy_tokens_equal_tp1(default_model_dir:
         assert case["tp"] == case["ref"] and case["ref"]["preemptions"] > 0 and case["ref"]["prefix_hits"] > 0
 
 
-def test_refusals_name_what_is_unsupported(default_model_dir: Path, tiny_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+def test_refusals_name_what_is_unsupported(
+    default_model_dir: Path, tiny_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
     from servelm.runtime.distributed.sharding import check_tensor_parallel, shard_config
     from servelm.runtime.gguf.folder import SOURCE_FILE
 
     cpu = torch.device("cpu")
     with pytest.raises(UnsupportedModelError, match="9 attention heads, not divisible by 2"):
-        check_tensor_parallel(ModelConfig.from_dir(default_model_dir), 2, device=cpu)  # SmolLM2-135M: 9 heads / 3 KV heads
+        check_tensor_parallel(
+            ModelConfig.from_dir(default_model_dir), 2, device=cpu
+        )  # SmolLM2-135M: 9 heads / 3 KV heads
     tiny = tiny_model_dir("llama")
     cfg = ModelConfig.from_dir(tiny)
     with pytest.raises(UnsupportedModelError, match=r"4 KV heads|2 KV heads, not divisible by 4|attention heads"):

@@ -30,7 +30,9 @@ def refused(model_dir: Path, **fields: Any) -> str:
     return str(e.value)
 
 
-def test_refused_by_name_before_workers_start(tiny_model_dir: Callable[[str], Path], default_model_dir: Path, tmp_path: Path) -> None:
+def test_refused_by_name_before_workers_start(
+    tiny_model_dir: Callable[[str], Path], default_model_dir: Path, tmp_path: Path
+) -> None:
     from servelm.runtime.gguf.folder import SOURCE_FILE
 
     tiny = tiny_model_dir("llama")  # 4 heads, 2 KV heads
@@ -40,7 +42,9 @@ def test_refused_by_name_before_workers_start(tiny_model_dir: Callable[[str], Pa
     assert "LoRA" in refused(tiny, tensor_parallel_size=2, lora_modules=(("a", str(tmp_path)),))
     # (auto, the default, is not refused: under tensor parallelism it quantizes nothing; test_tp_serve)
     for q in ("int8", "int4"):
-        assert f"--quantization {q} is not supported with tensor parallelism" in refused(tiny, tensor_parallel_size=2, quantization=q)
+        assert f"--quantization {q} is not supported with tensor parallelism" in refused(
+            tiny, tensor_parallel_size=2, quantization=q
+        )
     assert "has 2 KV heads, not divisible by 4" in refused(tiny, tensor_parallel_size=4)
     assert "has 9 attention heads, not divisible by 2" in refused(default_model_dir, tensor_parallel_size=2)
     assert "must be at least 1" in refused(tiny, tensor_parallel_size=0)
@@ -79,7 +83,10 @@ def test_the_cli_refuses_lora_under_tp_and_exits_1(tiny_model_dir: Callable[[str
             "--enable-lora", "--kv-cache-memory", "4MiB", "--port", "0"]  # fmt: skip
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
-    assert "cannot start: LoRA adapters (--enable-lora, --lora-modules) are not supported with --tensor-parallel-size" in proc.stderr
+    assert (
+        "cannot start: LoRA adapters (--enable-lora, --lora-modules) are not supported with --tensor-parallel-size"
+        in proc.stderr
+    )
 
 
 def test_a_dead_worker_is_reported_with_its_exit_status_when_it_is_reaped_late() -> None:
@@ -108,7 +115,9 @@ def test_a_dead_worker_is_reported_with_its_exit_status_when_it_is_reaped_late()
 
     worker = LateReapedWorker()
     deaths: list[BaseException] = []
-    group = types.SimpleNamespace(workers=[worker], _closing=threading.Event(), failure=None, on_worker_death=deaths.append)
+    group = types.SimpleNamespace(
+        workers=[worker], _closing=threading.Event(), failure=None, on_worker_death=deaths.append
+    )
     try:
         TensorParallelGroup._watch(group)
     finally:

@@ -91,11 +91,18 @@ def test_it_holds_a_fraction_of_the_memory(folder: Path) -> None:
     assert mib < 150, f"loading the tokenizer added {mib} MiB"
 
 
-def test_replicas_starting_at_once_share_one_complete_folder(folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_replicas_starting_at_once_share_one_complete_folder(
+    folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Four processes load the tokenizer at once on an empty cache: each gets the slim tokenizer."""
     monkeypatch.setenv("SERVELM_CACHE", str(tmp_path / "cache"))
     probe = "import sys; from servelm.runtime.tokenizer import load_tokenizer; print(len(load_tokenizer(sys.argv[1]).placeholder_ids))"
-    procs = [subprocess.Popen([sys.executable, "-c", probe, str(folder)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", probe, str(folder)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(4)
+    ]
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [e[-500:] for _, e in outs]
     counts = {int(o.split()[-1]) for o, _ in outs}

@@ -43,7 +43,12 @@ def make_meta(ctx: list[int], new: list[int], tables: list[list[int]], pad_slots
 
 
 def reference(
-    q: torch.Tensor, keys: list[torch.Tensor], vals: list[torch.Tensor], ctx: list[int], new: list[int], scale: float,
+    q: torch.Tensor,
+    keys: list[torch.Tensor],
+    vals: list[torch.Tensor],
+    ctx: list[int],
+    new: list[int],
+    scale: float,
     window: int = 0,
 ) -> torch.Tensor:
     """Per-sequence attention with repeated KV heads and an explicit causal-offset mask (and, with a
@@ -188,7 +193,9 @@ def test_one_long_prefill_attends_in_bands_of_queries(sdpa_calls: list[tuple[int
         assert cols <= (rows + window - 1 if window else last), sdpa_calls
 
 
-def test_a_windowed_band_gathers_only_its_windows_keys(sdpa_calls: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_windowed_band_gathers_only_its_windows_keys(
+    sdpa_calls: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A long context's windowed layer copies out of the pool only the keys each band's window reaches
     (their pages, once every window has left them, may be handed back), not the whole context."""
     torch.manual_seed(4)
@@ -210,7 +217,9 @@ def test_a_windowed_band_gathers_only_its_windows_keys(sdpa_calls: list[tuple[in
     meta = backend.build_metadata(make_meta([ctx], [new], [table]))
     q = torch.randn(new, H, D)
     out = backend.forward(q, keys[ctx:], vals[ctx:], k_cache, v_cache, meta, 0.25, window=window)
-    torch.testing.assert_close(out, reference(q, [keys], [vals], [ctx], [new], 0.25, window=window), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        out, reference(q, [keys], [vals], [ctx], [new], 0.25, window=window), atol=1e-5, rtol=1e-5
+    )
     assert gathered and max(gathered) <= 8 + window - 1, gathered  # bands of 8 queries: 19 keys each at most
     assert sum(gathered) < 2 * (ctx + new), gathered
 
@@ -243,4 +252,6 @@ def test_long_prefills_side_by_side_attend_in_bands(sdpa_calls: list[tuple[int, 
     torch.testing.assert_close(out, reference(q, keys, vals, ctx, new, 0.25, window=window), atol=1e-5, rtol=1e-5)
     # (The decode row goes its own way, no SDPA.)
     assert sum(rows for rows, _ in sdpa_calls) == sum(new[1:]) and all(rows <= 8 for rows, _ in sdpa_calls), sdpa_calls
-    assert max(cols for _, cols in sdpa_calls) <= (8 + window - 1 if window else max(c + n for c, n in zip(ctx, new))), sdpa_calls
+    assert max(cols for _, cols in sdpa_calls) <= (
+        8 + window - 1 if window else max(c + n for c, n in zip(ctx, new))
+    ), sdpa_calls

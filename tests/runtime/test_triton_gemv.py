@@ -28,7 +28,14 @@ def _tol(dtype: torch.dtype) -> dict[str, float]:
 # One row: the default element-wise tile, a prefetching one narrow enough to loop many times over
 # every K below (tail masked, the last prefetch wholly masked), and a dot tile; then 2-4 rows (dot).
 PREFETCH_TILE = gemv.Tile(4, 32, 4, 1, False, prefetch=True)
-GEMV_CASES = [(1, None), (1, PREFETCH_TILE), (1, gemv.DEFAULT_DOT), (2, None), (3, gemv.DOT_TILES[-1]), (4, gemv.DEFAULT_DOT)]
+GEMV_CASES = [
+    (1, None),
+    (1, PREFETCH_TILE),
+    (1, gemv.DEFAULT_DOT),
+    (2, None),
+    (3, gemv.DOT_TILES[-1]),
+    (4, gemv.DEFAULT_DOT),
+]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -46,7 +53,9 @@ def test_few_row_linear_equals_f_linear(dtype: torch.dtype, rows: int, tile: tup
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("rows", "tile"), GEMV_CASES)
-def test_few_row_norm_linear_equals_norm_then_linear(dtype: torch.dtype, rows: int, tile: tuple[int, ...] | None) -> None:
+def test_few_row_norm_linear_equals_norm_then_linear(
+    dtype: torch.dtype, rows: int, tile: tuple[int, ...] | None
+) -> None:
     gen = torch.Generator().manual_seed(30 + rows)
     k = 96 + 4  # not a power of two: the tiles' tails are masked
     x = (torch.randn(rows, k, generator=gen) * 3).to(dtype)
@@ -79,7 +88,9 @@ def test_few_row_norm_linear_equals_norm_then_linear(dtype: torch.dtype, rows: i
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("rows", "tile"), GEMV_CASES)
-def test_few_row_silu_mul_linear_equals_activation_then_linear(dtype: torch.dtype, rows: int, tile: tuple[int, ...] | None) -> None:
+def test_few_row_silu_mul_linear_equals_activation_then_linear(
+    dtype: torch.dtype, rows: int, tile: tuple[int, ...] | None
+) -> None:
     gen = torch.Generator().manual_seed(40 + rows)
     inter = 700
     gu = (torch.randn(rows, 2 * inter, generator=gen) * 3).to(dtype)
@@ -116,7 +127,9 @@ def test_model_with_few_row_kernels_equals_the_eager_model(tiny_model_dir, build
     # Dense weights as on CUDA (oneDNN-packed projections would take the CPU's own path first).
     with monkeypatch.context() as m:
         m.setattr(cpu_linear, "onednn_linear_available", lambda dtype: False)
-        fused = build_with_triton_ops(build_runner, m, tiny_llama_dir, backend=flash_backend.TritonPagedBackend(16, fused_rope=True))
+        fused = build_with_triton_ops(
+            build_runner, m, tiny_llama_dir, backend=flash_backend.TritonPagedBackend(16, fused_rope=True)
+        )
     assert not fused.packed_linears
     calls = {"linear": [], "rms_norm_linear": [], "silu_mul_linear": []}
 
@@ -248,7 +261,9 @@ def test_device_check_gemv_probe_compares_like_with_like(monkeypatch) -> None:
     ])  # fmt: skip
     # float16: the interpreter's bf16 is not torch's (it truncates, and its tl.dot misreads bf16).
     rows = probe.probe(torch.device("cpu"), rows=(1, 3), dtype=torch.float16)
-    assert [(r["name"], r["rows"]) for r in rows] == [(n, m) for n in ("qkv_proj", "o_proj", "down_proj") for m in (1, 3)]
+    assert [(r["name"], r["rows"]) for r in rows] == [
+        (n, m) for n in ("qkv_proj", "o_proj", "down_proj") for m in (1, 3)
+    ]
     assert all(r["rel_diff"] < 2e-3 for r in rows), [r["rel_diff"] for r in rows]
     assert len(calls) == 2 * len(rows) and all(c >= 2 for c in calls)  # fused and plain, several weight copies
     assert all(r["pdl_us"] is None for r in rows)  # no PDL off CUDA
@@ -296,7 +311,11 @@ def test_device_check_gemv_sweep_times_each_tile_on_each_projection(monkeypatch)
     results = probe.sweep(torch.device("cpu"), budget_s=600, dtype=torch.float16)
     assert list(results) == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]  # the layer's, not the head
     for rows in results.values():
-        assert [t for _, t in rows] == [None, (8, 512, 4, False), (4, 64, 4, True)]  # timed in that order: fastest first
+        assert [t for _, t in rows] == [
+            None,
+            (8, 512, 4, False),
+            (4, 64, 4, True),
+        ]  # timed in that order: fastest first
     # Tile-major: each tile's output per projection agrees with the unfused ops (tile None, first).
     assert len(calls) == 3 * 4
     for j in range(4):
@@ -321,7 +340,9 @@ def test_the_rerun_adds_only_sweep_tiles_that_beat_the_autotuner_s(monkeypatch) 
         "lm_head": [(200.0, new)],  # nothing to compare with: added (once)
     }
     assert perf.tiles_to_add(results) == [gemv.Tile(2, 1024, 2, 3, False, prefetch=True)]
-    assert perf.tiles_to_add({"o_proj": results["o_proj"]}, margin=0.0) == [gemv.Tile(2, 1024, 2, 3, False, prefetch=True)]
+    assert perf.tiles_to_add({"o_proj": results["o_proj"]}, margin=0.0) == [
+        gemv.Tile(2, 1024, 2, 3, False, prefetch=True)
+    ]
     assert perf.tiles_to_add({"gate_up_proj": results["gate_up_proj"], "down_proj": results["down_proj"]}) == []
 
 

@@ -121,8 +121,13 @@ def test_decode_matches_reference(num_heads: int, num_kv_heads: int, head_dim: i
     seq_lens = [1, 9, 2 * block_size, 3 * block_size + 1]  # a lone token, partial and exactly full last blocks
     query_lens = [1] * len(seq_lens)
     q, kc, vc, bt, seq, qsl, ctx = attention_inputs(
-        seq_lens, query_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        block_size=block_size, dtype=torch.float32,
+        seq_lens,
+        query_lens,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=torch.float32,
     )
     scale = 1 / math.sqrt(head_dim)
     out = tk.paged_attention(q, kc, vc, bt, seq, qsl, ctx, scale, max_query_len=1)
@@ -155,8 +160,14 @@ def test_prefill_chunks_match_reference(num_heads: int, num_kv_heads: int, block
     seq_lens = [7, 30, 41]
     query_lens = [7, 11, 40]
     q, kc, vc, bt, seq, qsl, ctx = attention_inputs(
-        seq_lens, query_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=16,
-        block_size=block_size, dtype=torch.float32, seed=3,
+        seq_lens,
+        query_lens,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=16,
+        block_size=block_size,
+        dtype=torch.float32,
+        seed=3,
     )
     out = tk.paged_attention(q, kc, vc, bt, seq, qsl, ctx, 0.3)  # max_query_len derived
     ref = reference_attention(q, kc, vc, bt, seq_lens, query_lens, 0.3)
@@ -244,13 +255,12 @@ def test_decode_views_follow_the_runner_buffers() -> None:
     assert m.decode_seq_lens[0] == 99 and m.decode_block_tables[1, 0] == 17
 
 
-
 # ----------------------------------------------------------------------------- FlashAttentionBackend plumbing
 # flash-attn cannot be installed here (no CUDA); a stand-in implementing its documented semantics
 # (paged KV through block_table, causal mask aligned to the bottom-right corner, int32 metadata,
 # the upstream page-size constraint) checks what the backend passes it.
 
-FAKE_FLASH_ATTN = '''
+FAKE_FLASH_ATTN = """
 import torch
 
 def _attend(q, k_cache, v_cache, table, seqlen_k, scale, causal):
@@ -294,7 +304,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         assert qs.shape[0] <= max_seqlen_q and seqlen_k <= max_seqlen_k
         outs.append(_attend(qs, k, v, block_table[b], seqlen_k, softmax_scale, causal))
     return torch.cat(outs)
-'''
+"""
 
 
 def test_flash_backend_passes_flash_attn_the_documented_arguments(monkeypatch) -> None:
@@ -339,22 +349,38 @@ def test_padded_static_decode_batch_equals_the_plain_step() -> None:
     tables = scattered_tables(num_blocks, block_size, seq_lens, 3, gen)
     ids = torch.tensor([3, 14, 27])
     positions = torch.tensor([n - 1 for n in seq_lens])
-    slots = torch.tensor([int(tables[s, p // block_size]) * block_size + p % block_size for s, p in enumerate(positions)])
+    slots = torch.tensor(
+        [int(tables[s, p // block_size]) * block_size + p % block_size for s, p in enumerate(positions)]
+    )
     kc0 = torch.randn(num_blocks, block_size, kvh, d, generator=gen)
     vc0 = torch.randn(num_blocks, block_size, kvh, d, generator=gen)
 
     kc, vc = kc0.clone(), vc0.clone()
     plain_meta = AttentionMetadata(
-        num_tokens=3, num_decodes=3, num_decode_tokens=3, slot_mapping=slots,
-        query_start_loc=torch.arange(4, dtype=torch.int32), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        context_lens=torch.tensor(seq_lens, dtype=torch.int32) - 1, block_tables=tables, max_query_len=1,
-        max_seq_len=max(seq_lens), query_lens_list=[1, 1, 1], seq_lens_list=seq_lens,
+        num_tokens=3,
+        num_decodes=3,
+        num_decode_tokens=3,
+        slot_mapping=slots,
+        query_start_loc=torch.arange(4, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        context_lens=torch.tensor(seq_lens, dtype=torch.int32) - 1,
+        block_tables=tables,
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
+        query_lens_list=[1, 1, 1],
+        seq_lens_list=seq_lens,
     )
     want = make_model(kc, vc)(ids, positions, backend.build_metadata(plain_meta))
 
     gkc, gvc = kc0.clone(), vc0.clone()
-    runner = CudaGraphRunner(make_model(gkc, gvc), backend, max_num_seqs=6, max_blocks_per_seq=5,
-                             block_size=block_size, device=torch.device("cpu"))
+    runner = CudaGraphRunner(
+        make_model(gkc, gvc),
+        backend,
+        max_num_seqs=6,
+        max_blocks_per_seq=5,
+        block_size=block_size,
+        device=torch.device("cpu"),
+    )
     assert runner.sizes == [1, 2, 4, 6]
     runner.inputs.block_tables.fill_(9)  # stale ids from an earlier step in the unused columns
     runner.inputs.fill(ids, positions, slots, torch.tensor(seq_lens, dtype=torch.int32), tables, padded_to=4)
@@ -439,7 +465,9 @@ def test_model_with_fused_ops_equals_the_eager_model(tiny_llama_dir, build_runne
     from servelm.runtime.cpu.torch_backend import TorchAttentionBackend
 
     monkeypatch.setattr(td, "decode_splits", lambda num_seqs, num_kv_heads, device: splits)
-    fused = build_with_triton_ops(build_runner, monkeypatch, tiny_llama_dir, backend=flash_backend.TritonPagedBackend(16, fused_rope=True))
+    fused = build_with_triton_ops(
+        build_runner, monkeypatch, tiny_llama_dir, backend=flash_backend.TritonPagedBackend(16, fused_rope=True)
+    )
     calls = {"rope_store": 0, "rms_norm": 0}
 
     def counting(name: str, op: Callable[..., Any]) -> Callable[..., Any]:
@@ -452,7 +480,9 @@ def test_model_with_fused_ops_equals_the_eager_model(tiny_llama_dir, build_runne
     for name in calls:
         monkeypatch.setattr(ops, name, counting(name, getattr(ops, name)))
     folded = []
-    monkeypatch.setattr(td, "rope_paged_decode", lambda *a, _f=td.rope_paged_decode, **kw: folded.append(1) or _f(*a, **kw))
+    monkeypatch.setattr(
+        td, "rope_paged_decode", lambda *a, _f=td.rope_paged_decode, **kw: folded.append(1) or _f(*a, **kw)
+    )
     plain = build_runner(tiny_llama_dir, backend=TorchAttentionBackend(16, use_kernel=False))
     # Both prompts but the last token as one prefill step, then a decode step for each.
     outs = [prefill_then_decode(runner, rt, [7, 8], [[0, 1]]) for runner in (fused, plain)]
@@ -481,8 +511,10 @@ def test_rope_paged_decode_equals_rope_store_then_split_decode(dtype: torch.dtyp
     k_cache = torch.randn(num_blocks, page, kvh, d, generator=gen).to(dtype)
     v_cache = torch.randn(num_blocks, page, kvh, d, generator=gen).to(dtype)
     slots = torch.tensor(
-        [int(tables[i, (n - 1) // page]) * page + (n - 1) % page if known else -1
-         for i, (n, known) in enumerate(zip(seq_lens, slots_known))]
+        [
+            int(tables[i, (n - 1) // page]) * page + (n - 1) % page if known else -1
+            for i, (n, known) in enumerate(zip(seq_lens, slots_known))
+        ]
     )
     qkv = torch.randn(len(seq_lens), (heads + 2 * kvh) * d + 4, generator=gen)[:, : (heads + 2 * kvh) * d].to(dtype)
     freqs = torch.tensor(seq_lens).float()[:, None] - 1  # each new token sits at position seq_len - 1

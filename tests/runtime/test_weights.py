@@ -133,13 +133,25 @@ def test_folder_without_weights_is_refused(tiny_llama_dir: Path, tmp_path: Path)
 def test_smollm3_and_granite_configs_read_what_transformers_reads(tiny_model_dir: Callable[[str], Path]) -> None:
     smol = ModelConfig.from_dir(tiny_model_dir("smollm3"))
     assert smol.nope_layers == (1,) and smol.rope_theta == 2000000.0  # interval 2 over 3 layers
-    assert ModelConfig.from_hf_dict({**_llama_dict(), "architectures": ["SmolLM3ForCausalLM"], "num_hidden_layers": 8}).nope_layers == (3, 7)
+    assert ModelConfig.from_hf_dict(
+        {**_llama_dict(), "architectures": ["SmolLM3ForCausalLM"], "num_hidden_layers": 8}
+    ).nope_layers == (3, 7)
     flags = {"architectures": ["SmolLM3ForCausalLM"], "num_hidden_layers": 3, "no_rope_layers": [0, 1, 0]}
     assert ModelConfig.from_hf_dict({**_llama_dict(), **flags}).nope_layers == (0, 2)
     g = ModelConfig.from_dir(tiny_model_dir("granite"))
-    assert (g.embedding_multiplier, g.attention_multiplier, g.residual_multiplier, g.logits_scaling) == (12.0, 0.015625, 0.22, 8.0)
+    assert (g.embedding_multiplier, g.attention_multiplier, g.residual_multiplier, g.logits_scaling) == (
+        12.0,
+        0.015625,
+        0.22,
+        8.0,
+    )
     plain = ModelConfig.from_hf_dict({**_llama_dict(), "embedding_multiplier": 5.0, "logits_scaling": 3.0})
-    assert (plain.embedding_multiplier, plain.attention_multiplier, plain.logits_scaling, plain.nope_layers) == (1.0, None, 1.0, ())
+    assert (plain.embedding_multiplier, plain.attention_multiplier, plain.logits_scaling, plain.nope_layers) == (
+        1.0,
+        None,
+        1.0,
+        (),
+    )
 
 
 def _llama_dict() -> dict[str, Any]:
@@ -149,7 +161,12 @@ def _llama_dict() -> dict[str, Any]:
 
 def test_gemma3_config_in_both_transformers_layouts(tiny_model_dir: Callable[[str], Path]) -> None:
     five = ModelConfig.from_dir(tiny_model_dir("gemma3"))  # transformers 5: rope_parameters per layer type
-    assert (five.rope_theta, five.local_rope, five.window_layers, five.sliding_window) == (1e6, (10000.0, None), (0, 2), 16)
+    assert (five.rope_theta, five.local_rope, five.window_layers, five.sliding_window) == (
+        1e6,
+        (10000.0, None),
+        (0, 2),
+        16,
+    )
     assert five.qk_norm and five.gemma_norms and five.sandwich_norms and five.hidden_act == "gelu_tanh"
     assert five.attention_multiplier == 24**-0.5 and five.embedding_multiplier == 64**0.5
     # transformers 4 (the Hub's gemma-3-1b-it): flat rope fields, a window pattern instead of layer_types
@@ -161,8 +178,16 @@ def test_gemma3_config_in_both_transformers_layouts(tiny_model_dir: Callable[[st
     }  # fmt: skip
     c = ModelConfig.from_hf_dict(four)
     assert c.window_layers == (0, 1, 2, 3, 4, 6, 7, 8, 9, 10) and c.sliding_window == 512
-    assert (c.rope_theta, c.rope_scaling, c.local_rope) == (1e6, {"rope_type": "linear", "factor": 8.0}, (10000.0, None))
-    for bad in ({"final_logit_softcapping": 30.0}, {"attn_logit_softcapping": 50.0}, {"use_bidirectional_attention": True}):
+    assert (c.rope_theta, c.rope_scaling, c.local_rope) == (
+        1e6,
+        {"rope_type": "linear", "factor": 8.0},
+        (10000.0, None),
+    )
+    for bad in (
+        {"final_logit_softcapping": 30.0},
+        {"attn_logit_softcapping": 50.0},
+        {"use_bidirectional_attention": True},
+    ):
         with pytest.raises(UnsupportedModelError):
             ModelConfig.from_hf_dict({**four, **bad})
     with pytest.raises(UnsupportedModelError, match="activation"):

@@ -25,16 +25,33 @@ def _cut(tokens: list[int], stops: set[int]) -> list[int]:
 
 
 def hf_beam_search(
-    model: Any, prompt: list[int], width: int, max_new_tokens: int, stops: list[int],
-    length_penalty: float = 1.0, early_stopping: bool | str = False,
+    model: Any,
+    prompt: list[int],
+    width: int,
+    max_new_tokens: int,
+    stops: list[int],
+    length_penalty: float = 1.0,
+    early_stopping: bool | str = False,
 ) -> BeamReference:
     """``model`` (float32, eval) searched from ``prompt``; ``stops``: every token that ends a beam (EOS and stop ids)."""
     with torch.inference_mode():
         out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=0, do_sample=False,
-            num_beams=width, num_return_sequences=width, length_penalty=length_penalty, early_stopping=early_stopping,
-            eos_token_id=list(stops), pad_token_id=stops[0], output_scores=True, return_dict_in_generate=True,
-            temperature=None, top_p=None, top_k=None, repetition_penalty=None,
+            torch.tensor([prompt]),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=0,
+            do_sample=False,
+            num_beams=width,
+            num_return_sequences=width,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+            eos_token_id=list(stops),
+            pad_token_id=stops[0],
+            output_scores=True,
+            return_dict_in_generate=True,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            repetition_penalty=None,
         )
     n = len(prompt)
     seqs = [_cut(s[n:].tolist(), set(stops)) for s in out.sequences]
@@ -56,7 +73,9 @@ def run_beam_search(engine: Any, request_id: str, prompt: list[int], params: Any
     return group.results, max(b.num_output_tokens for b in group.choices) + 1
 
 
-def assert_beams_equal(choices: list[Any], ref: BeamReference, length_penalty: float, label: str, rel: float = 1e-5) -> None:
+def assert_beams_equal(
+    choices: list[Any], ref: BeamReference, length_penalty: float, label: str, rel: float = 1e-5
+) -> None:
     """Our choices against transformers': same tokens in the same order, and cumulative log-probability /
     length ** penalty equal to transformers' sequences_scores."""
     ours = [c.new_token_ids for c in choices]

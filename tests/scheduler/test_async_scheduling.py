@@ -49,7 +49,10 @@ def workload(prompts: list[list[int]], stop_token: int, stop_text: str) -> list[
         (prompts[1], SamplingParams(max_tokens=40, stop_token_ids=[stop_token], **g)),
         (prompts[2], SamplingParams(max_tokens=25, stop=[stop_text], **g)),
         (prompts[3], SamplingParams(max_tokens=20, logprobs=3, frequency_penalty=0.7, presence_penalty=0.3, **g)),
-        (prompts[1], SamplingParams(max_tokens=12, repetition_penalty=1.3, min_tokens=12, stop_token_ids=[stop_token], **g)),
+        (
+            prompts[1],
+            SamplingParams(max_tokens=12, repetition_penalty=1.3, min_tokens=12, stop_token_ids=[stop_token], **g),
+        ),
         (prompts[2], SamplingParams(n=2, max_tokens=18, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)),
         (prompts[0][:5], SamplingParams(max_tokens=1, logprobs=0, **g)),
     ]
@@ -63,14 +66,19 @@ def summary(e: Engine, reqs: list[tuple[list[int], SamplingParams]]) -> tuple[li
     exact = [
         [
             (
-                c.token_ids, c.text, c.finish_reason, c.stop_reason,
+                c.token_ids,
+                c.text,
+                c.finish_reason,
+                c.stop_reason,
                 [(lp.token_id, lp.rank, [t for t, _ in lp.top]) for lp in c.logprobs or []],
             )
             for c in r.outputs
         ]
         for r in res
     ]
-    values = [v for r in res for c in r.outputs for lp in c.logprobs or [] for v in (lp.logprob, *(x for _, x in lp.top))]
+    values = [
+        v for r in res for c in r.outputs for lp in c.logprobs or [] for v in (lp.logprob, *(x for _, x in lp.top))
+    ]
     return exact, values
 
 
@@ -179,7 +187,10 @@ def test_switching_modes_mid_run(tiny_llama_dir: Path, prompts: list[list[int]])
     assert e._in_flight is not None
     e.async_scheduling = False
     outs.append(drain(e))
-    got = [[t for step in outs for o in step if o.request_id == str(i) for c in o.outputs for t in c.new_token_ids] for i in range(4)]
+    got = [
+        [t for step in outs for o in step if o.request_id == str(i) for c in o.outputs for t in c.new_token_ids]
+        for i in range(4)
+    ]
     assert got == expected
     assert e.block_manager.num_used_blocks == 0 and e._in_flight is None
 

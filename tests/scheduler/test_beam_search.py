@@ -48,7 +48,10 @@ def _few_threads() -> Iterator[None]:
 def likely_tokens(hf_model: Any, engine: Engine, prompt: list[int]) -> list[int]:
     """Tokens transformers' searches pick from this prompt (greedy first), in order: stop-token candidates."""
     eos = list(engine.eos_token_ids)
-    seqs = hf_beam_search(hf_model, prompt, 1, MAX_NEW, eos).tokens + hf_beam_search(hf_model, prompt, 4, MAX_NEW, eos).tokens
+    seqs = (
+        hf_beam_search(hf_model, prompt, 1, MAX_NEW, eos).tokens
+        + hf_beam_search(hf_model, prompt, 4, MAX_NEW, eos).tokens
+    )
     return list(dict.fromkeys(t for seq in seqs for t in seq))
 
 
@@ -69,11 +72,24 @@ def test_widths_equal_transformers(engine: Engine, hf_model: Any, prompt: list[i
 
 @pytest.mark.parametrize(
     ("width", "length_penalty", "early_stopping"),
-    [(1, 1.0, False), (2, 1.0, False), (4, 1.0, False), (2, 0.5, False), (4, 0.5, True), (2, 0.5, "never"),
-     (4, 2.0, "never"), (3, -1.0, False)],
+    [
+        (1, 1.0, False),
+        (2, 1.0, False),
+        (4, 1.0, False),
+        (2, 0.5, False),
+        (4, 0.5, True),
+        (2, 0.5, "never"),
+        (4, 2.0, "never"),
+        (3, -1.0, False),
+    ],
 )
 def test_beams_ending_in_a_stop_token_equal_transformers(
-    engine: Engine, hf_model: Any, prompt: list[int], likely_tokens: list[int], width: int, length_penalty: float,
+    engine: Engine,
+    hf_model: Any,
+    prompt: list[int],
+    likely_tokens: list[int],
+    width: int,
+    length_penalty: float,
     early_stopping: Any,
 ) -> None:
     # The first likely token that ends one of transformers' returned sequences when it is a stop token.
@@ -84,7 +100,9 @@ def test_beams_ending_in_a_stop_token_equal_transformers(
             break
     else:
         pytest.fail("no likely token ends a returned sequence")
-    params = beam_params(width, stop_token_ids=[stop_token], length_penalty=length_penalty, early_stopping=early_stopping)
+    params = beam_params(
+        width, stop_token_ids=[stop_token], length_penalty=length_penalty, early_stopping=early_stopping
+    )
     choices, steps = run_beam_search(engine, f"stop-{width}-{length_penalty}-{early_stopping}", prompt, params)
     assert_beams_equal(choices, ref, length_penalty, f"width {width}, penalty {length_penalty}, {early_stopping}")
     assert steps == ref.steps  # the search ended where transformers' early-stopping rule ended it
@@ -134,9 +152,13 @@ def test_abort_frees_every_beam(engine: Engine, prompt: list[int]) -> None:
 @pytest.mark.parametrize(
     ("kw", "param"),
     [
-        (dict(temperature=0.7), "temperature"), (dict(top_p=0.5), "top_p"), (dict(top_k=5), "top_k"),
-        (dict(stop=["x"]), "stop"), (dict(repetition_penalty=1.2), "repetition_penalty"),
-        (dict(early_stopping="sometimes"), "early_stopping"), (dict(length_penalty=float("nan")), "length_penalty"),
+        (dict(temperature=0.7), "temperature"),
+        (dict(top_p=0.5), "top_p"),
+        (dict(top_k=5), "top_k"),
+        (dict(stop=["x"]), "stop"),
+        (dict(repetition_penalty=1.2), "repetition_penalty"),
+        (dict(early_stopping="sometimes"), "early_stopping"),
+        (dict(length_penalty=float("nan")), "length_penalty"),
     ],
 )
 def test_unsupported_parameters_are_refused_by_name(kw: dict[str, Any], param: str) -> None:

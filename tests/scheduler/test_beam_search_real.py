@@ -50,7 +50,9 @@ def run_all(engine: Engine, prompts: list[list[int]]) -> dict[tuple[int, int], A
     return {case: r.outputs for case, r in zip(cases, results)}
 
 
-def compare(model: Any, prompts: list[list[int]], ours: dict[tuple[int, int], Any], stops: list[int], label: str) -> None:
+def compare(
+    model: Any, prompts: list[list[int]], ours: dict[tuple[int, int], Any], stops: list[int], label: str
+) -> None:
     ended = 0
     for (p, w), choices in ours.items():
         ref = hf_beam_search(model, prompts[p], w, MAX_NEW, stops)
@@ -82,11 +84,15 @@ def test_qwen05_gguf_exact_mode_equals_transformers(qwen05_gguf: Path) -> None:
 
     folder = resolve_model_path(str(qwen05_gguf))
     prompts = [chat_ids(folder, q) for q in QUESTIONS]
-    engine = Engine(EngineConfig(model=str(qwen05_gguf), gguf_activations="float32", kv_cache_memory=64 * 2**20, max_model_len=256))
+    engine = Engine(
+        EngineConfig(model=str(qwen05_gguf), gguf_activations="float32", kv_cache_memory=64 * 2**20, max_model_len=256)
+    )
     ours = run_all(engine, prompts)
     stops = list(engine.eos_token_ids)
     del engine
     gc.collect()
     with fast_gguf_reader():
-        model = AutoModelForCausalLM.from_pretrained(str(qwen05_gguf.parent), dtype=torch.float32, gguf_file=qwen05_gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(qwen05_gguf.parent), dtype=torch.float32, gguf_file=qwen05_gguf.name
+        )
     compare(model.eval(), prompts, ours, stops, "Qwen2.5-Coder-0.5B Q4_K_M")

@@ -24,9 +24,7 @@ SAMPLES = [
 ]
 
 TEXT = st.lists(
-    st.sampled_from(
-        list("abc XYZ\n\t.,!éèüß中文字😀🎉👍🏽∑→\u200d▁") + ["    ", "def ", "\n    ", "  "]
-    ),
+    st.sampled_from(list("abc XYZ\n\t.,!éèüß中文字😀🎉👍🏽∑→\u200d▁") + ["    ", "def ", "\n    ", "  "]),
     max_size=30,
 ).map("".join)
 

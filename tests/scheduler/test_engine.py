@@ -146,7 +146,12 @@ def test_max_model_len_must_fit_the_pool(tiny_llama_dir: Path) -> None:
         ("Qwen2ForCausalLM", {"sliding_window": 64, "use_sliding_window": False}, None, ()),
         # transformers' own layer_types (written at save) decide: the saved model's say full attention
         ("Qwen2ForCausalLM", {"sliding_window": 64, "use_sliding_window": True}, None, ()),
-        ("Qwen2ForCausalLM", {"sliding_window": 64, "use_sliding_window": True, "layer_types": None, "max_window_layers": 2}, 64, (2,)),
+        (
+            "Qwen2ForCausalLM",
+            {"sliding_window": 64, "use_sliding_window": True, "layer_types": None, "max_window_layers": 2},
+            64,
+            (2,),
+        ),
     ],
 )
 def test_sliding_window_is_served_on_cpu_and_capped_elsewhere(
@@ -203,7 +208,10 @@ def test_default_context_is_the_models_where_the_pool_holds_it(tiny_model_dir: A
     assert e.max_model_len == 12_345 // 16 * 16  # what the pool holds, in whole blocks of 16
     res = e.generate([[5] * 9_000], SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0))
     assert len(res[0].outputs[0].token_ids) == 2 and e.block_manager.num_used_blocks == 0
-    assert Engine(EngineConfig(model=str(model), kv_cache_memory=12_345 * per_tok, max_model_len=4096)).max_model_len == 4096
+    assert (
+        Engine(EngineConfig(model=str(model), kv_cache_memory=12_345 * per_tok, max_model_len=4096)).max_model_len
+        == 4096
+    )
     with pytest.raises(CapacityError, match="max_model_len=8192 does not fit"):
         Engine(EngineConfig(model=str(model), kv_cache_memory=5_000 * per_tok))
 

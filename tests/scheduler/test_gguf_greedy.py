@@ -45,7 +45,7 @@ PROMPTS: list[tuple[str, int]] = [  # (text, new tokens)
     (SHARED + "\n\nFrage: Was liegt auf der langen Holzbank?\nAntwort:", 28),
     ("人工智能是计算机科学的一个分支，它的目标是", 30),
     ("日本の首都は東京です。東京には", 26),
-    ("def fibonacci(n: int) -> int:\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", 32),
+    ('def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n', 32),
     (SHARED + "\n\n# Python: count the words of the passage above\ndef count_words(text: str) -> int:\n", 25),
     ("Der schnellste Weg von Berlin nach München ist", 27),
 ]

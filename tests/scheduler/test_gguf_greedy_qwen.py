@@ -106,7 +106,9 @@ def test_qwen05_q4_k_m_file_exact_mode(qwen05_gguf: Path) -> None:
         f"int8 mode (the default) takes transformers' greedy token at {agree}/{positions} positions of its "
         f"sequences; where they differ, transformers' top-two gap is at most {worst:.3f}"
     )
-    print(f"int8 mode agrees with transformers' top-1 at {agree}/{positions} positions (largest gap where not: {worst:.3f})")
+    print(
+        f"int8 mode agrees with transformers' top-1 at {agree}/{positions} positions (largest gap where not: {worst:.3f})"
+    )
     print(
         f"{qwen05_gguf.name}: {len(ids)} prompts ({sum(map(len, ids))} tokens), {ties} near-tie(s), prefix-cache "
         f"hits {hits} tokens; engine start {started - start:.1f} s, generate {ran - started:.1f} s, "
@@ -118,7 +120,9 @@ def default_mode_agreement(path: Path, ids: list[list[int]], refs: list) -> tupl
     """The file with no flags runs llama.cpp's arithmetic (int8 activations, float16 KV); fed
     transformers' greedy sequences, at how many positions its own top-1 is transformers' token, and the
     largest top-two gap transformers had where it is not (so the figure says how close those calls were)."""
-    engine = Engine(EngineConfig(model=str(path), max_model_len=256, kv_cache_memory=64 * 2**20, max_num_batched_tokens=64))
+    engine = Engine(
+        EngineConfig(model=str(path), max_model_len=256, kv_cache_memory=64 * 2**20, max_num_batched_tokens=64)
+    )
     try:
         assert engine.runner.gguf_activations == "int8" and engine.runner.kv_dtype == torch.float16
         seqs = [p + ref.tokens[:n] for p, ref, (_, n) in zip(ids, refs, PROMPTS)]

@@ -191,8 +191,14 @@ def test_16_bit_kv_cache(default_model_dir: Path, default_prompts, hf_refs, kv_d
     assert engine.capacity.num_blocks == 128 * MiB // (KV_TOKEN_BYTES * 16)  # what 128 MiB of float32 holds
     finish(engine)
     engine, more = run_engine(
-        default_model_dir, default_prompts, runs=2, kv_cache_dtype=kv_dtype, enable_prefix_caching=True,
-        max_num_batched_tokens=16, kv_cache_memory=40 * 16 * KV_TOKEN_BYTES // 2, max_model_len=512,
+        default_model_dir,
+        default_prompts,
+        runs=2,
+        kv_cache_dtype=kv_dtype,
+        enable_prefix_caching=True,
+        max_num_batched_tokens=16,
+        kv_cache_memory=40 * 16 * KV_TOKEN_BYTES // 2,
+        max_model_len=512,
     )
     assert engine.scheduler.num_preemptions_total > 0 and engine.block_manager.prefix_cache_hits > 200
     finish(engine)

@@ -82,7 +82,16 @@ def test_events_follow_the_prefix_cache(endpoints: tuple[ZmqEventPublisher, Any,
     pub.publish(bm.take_events())
     seq, events = receive(sub)
     assert seq == 0 and events == [stored(a.block_hashes, None, a.token_ids[:8])]
-    assert list(events[0]) == ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"]
+    assert list(events[0]) == [
+        "type",
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+    ]
 
     # A second prompt sharing those 8 tokens adopts them (no event) and stores only its own 3rd block,
     # whose parent is the shared 2nd block.
@@ -197,7 +206,14 @@ def test_config_is_vllms_json() -> None:
         s.listen()
         busy = f"tcp://127.0.0.1:{port}"
         with pytest.raises(ValueError, match=busy):
-            make_publisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://127.0.0.1:{free_port()}", bind=True, replay_endpoint=busy))
+            make_publisher(
+                KVEventsConfig(
+                    enable_kv_cache_events=True,
+                    endpoint=f"tcp://127.0.0.1:{free_port()}",
+                    bind=True,
+                    replay_endpoint=busy,
+                )
+            )
 
 
 def test_events_replayed_into_an_index_match_the_cache() -> None:
@@ -249,7 +265,10 @@ def test_engine_publishes_one_batch_per_step(tiny_llama_dir: Any) -> None:
 
     port = free_port()
     cfg = EngineConfig(
-        model=str(tiny_llama_dir), kv_cache_memory=2 * 2**20, max_model_len=256, block_size=16,
+        model=str(tiny_llama_dir),
+        kv_cache_memory=2 * 2**20,
+        max_model_len=256,
+        block_size=16,
         kv_events_config=f'{{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:{port}", "bind": true}}',
     )
     engine = Engine(cfg)
@@ -297,7 +316,9 @@ def test_events_bind_the_http_host_by_default() -> None:
     assert (cfg.endpoint, cfg.bind) == ("tcp://127.0.0.1:5557", True)
     assert KVEventsConfig.parse('{"enable_kv_cache_events": true}', host="::1").endpoint == "tcp://[::1]:5557"
     port = free_port()
-    pub = make_publisher(KVEventsConfig.parse(f'{{"enable_kv_cache_events": true, "bind": true, "endpoint": "tcp://127.0.0.1:{port}"}}'))
+    pub = make_publisher(
+        KVEventsConfig.parse(f'{{"enable_kv_cache_events": true, "bind": true, "endpoint": "tcp://127.0.0.1:{port}"}}')
+    )
     try:
         assert listening_addresses(port) == {"127.0.0.1"}
     finally:
@@ -307,7 +328,8 @@ def test_events_bind_the_http_host_by_default() -> None:
 def test_a_non_loopback_endpoint_is_logged_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     port, replay = free_port(), free_port()
     cfg = KVEventsConfig.parse(
-        f'{{"enable_kv_cache_events": true, "endpoint": "tcp://*:{port}", "replay_endpoint": "tcp://*:{replay}"}}', host="127.0.0.1"
+        f'{{"enable_kv_cache_events": true, "endpoint": "tcp://*:{port}", "replay_endpoint": "tcp://*:{replay}"}}',
+        host="127.0.0.1",
     )
     with caplog.at_level("INFO", logger="servelm.scheduler.kv_events"):
         pub = make_publisher(cfg)

@@ -12,12 +12,18 @@ from servelm.scheduler.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow  # engines on the default model
 
-QUESTIONS = ["What is the capital of France?", "Name the largest planet of the solar system.",
-             "What colour is the sky on a clear day?", "How many legs does a spider have?"]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name the largest planet of the solar system.",
+    "What colour is the sky on a clear day?",
+    "How many legs does a spider have?",
+]
 
 
 def _chat(engine: Engine, text: str) -> list[int]:
-    rendered = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    rendered = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
     return engine.tokenizer.encode(rendered, add_special_tokens=False)
 
 

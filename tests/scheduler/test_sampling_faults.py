@@ -44,7 +44,9 @@ def _tokens(result: Any) -> list[int]:
 def test_a_request_whose_sampling_raises_fails_alone(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, ahead: bool, after: int
 ) -> None:
-    e = Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=4 * MiB, max_model_len=256, async_scheduling=ahead))
+    e = Engine(
+        EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=4 * MiB, max_model_len=256, async_scheduling=ahead)
+    )
     prompts = [[1, 5, 900, 17, 4000], [1, 33, 2, 77, 1200, 8], [1, 64, 19]]
     good = [
         SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2),

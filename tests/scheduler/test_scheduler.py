@@ -35,7 +35,10 @@ class Harness:
     ) -> None:
         self.bm = BlockManager(num_blocks, block_size, prefix_caching)
         self.sched = Scheduler(
-            self.bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, policy=policy,
+            self.bm,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            policy=policy,
             **scheduler_options,
         )
         self.ids = itertools.count()

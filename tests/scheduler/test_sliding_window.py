@@ -17,9 +17,73 @@ from servelm.scheduler.sampling_params import SamplingParams
 MiB = 2**20
 MAX_NEW = 24
 PROMPTS = [
-    [5, 900, 17, 4000, 33, 2, 77, 1200, 8, 64, 19, 300, 41, 7, 4500, 12, 90, 3, 600, 28, 1000, 55, 6, 71, 18, 2000, 44, 11, 9],
+    [
+        5,
+        900,
+        17,
+        4000,
+        33,
+        2,
+        77,
+        1200,
+        8,
+        64,
+        19,
+        300,
+        41,
+        7,
+        4500,
+        12,
+        90,
+        3,
+        600,
+        28,
+        1000,
+        55,
+        6,
+        71,
+        18,
+        2000,
+        44,
+        11,
+        9,
+    ],
     [11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 222, 333],
-    [5, 900, 17, 4000, 33, 2, 77, 1200, 8, 64, 19, 300, 41, 7, 4500, 12, 90, 3, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9],
+    [
+        5,
+        900,
+        17,
+        4000,
+        33,
+        2,
+        77,
+        1200,
+        8,
+        64,
+        19,
+        300,
+        41,
+        7,
+        4500,
+        12,
+        90,
+        3,
+        9,
+        9,
+        9,
+        9,
+        9,
+        9,
+        9,
+        9,
+        9,
+        9,
+        9,
+        9,
+        9,
+        9,
+        9,
+    ],
 ]
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
 CASES: dict[str, dict[str, Any]] = {
@@ -105,7 +169,9 @@ def test_swa_full_keeps_every_position(model: tuple[Path, list[GreedyReference]]
     By default that prefix's window was handed back once prompt 0 went on past it: no hit the first
     time it is shared, a full one from then on."""
     path, refs = model
-    engine = Engine(EngineConfig(model=str(path), kv_cache_memory=2 * MiB, max_model_len=256, block_size=4, swa_full=swa_full))
+    engine = Engine(
+        EngineConfig(model=str(path), kv_cache_memory=2 * MiB, max_model_len=256, block_size=4, swa_full=swa_full)
+    )
     assert (engine.block_manager.windows is None) == swa_full
     first = engine.generate([PROMPTS[0]], GREEDY)[0].outputs[0].token_ids
     assert_matches_reference(first, refs[0], f"swa_full={swa_full} prompt 0")
@@ -120,12 +186,18 @@ def test_swa_full_keeps_every_position(model: tuple[Path, list[GreedyReference]]
 
 
 @pytest.mark.parametrize("max_num_seqs", [1, 2])
-def test_n_choices_share_the_prompt_past_the_window(model: tuple[Path, list[GreedyReference]], max_num_seqs: int) -> None:
+def test_n_choices_share_the_prompt_past_the_window(
+    model: tuple[Path, list[GreedyReference]], max_num_seqs: int
+) -> None:
     """n = 2: the second choice forks the first one's prompt blocks (or, admitted after it finished,
     hits them in the prefix cache); the prompt's last window is kept whole for it, so it shares every
     full prompt block and still writes transformers' tokens."""
     path, refs = model
-    engine = Engine(EngineConfig(model=str(path), kv_cache_memory=2 * MiB, max_model_len=256, block_size=4, max_num_seqs=max_num_seqs))
+    engine = Engine(
+        EngineConfig(
+            model=str(path), kv_cache_memory=2 * MiB, max_model_len=256, block_size=4, max_num_seqs=max_num_seqs
+        )
+    )
     two = SamplingParams(n=2, max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     (result,) = engine.generate([PROMPTS[0]], two)
     for choice in result.outputs:

@@ -41,7 +41,9 @@ def test_ngram_index_proposes_what_followed_the_longest_suffix_last_time() -> No
 
 
 def test_speculative_config_parses_vllm_json() -> None:
-    c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3, "prompt_lookup_min": 1}')
+    c = SpeculativeConfig.parse(
+        '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
+    )
     assert (c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min, c.max_running) == (5, 3, 1, 1)
     assert SpeculativeConfig.parse('{"disable_by_batch_size": 4}').max_running == 3
     for bad, words in [
@@ -58,7 +60,9 @@ def test_speculative_config_parses_vllm_json() -> None:
 
 
 def _engine(model_dir: Path, spec: str | None, **cfg: Any) -> Engine:
-    base: dict[str, Any] = dict(model=str(model_dir), kv_cache_memory=4 * MiB, max_model_len=256, speculative_config=spec)
+    base: dict[str, Any] = dict(
+        model=str(model_dir), kv_cache_memory=4 * MiB, max_model_len=256, speculative_config=spec
+    )
     return Engine(EngineConfig(**{**base, **cfg}))
 
 
@@ -86,7 +90,9 @@ def prompts(tiny_llama_dir: Path) -> list[list[int]]:
     ],
     ids=["plain", "chunked", "preempted"],
 )
-def test_greedy_tokens_equal_plain_decoding_and_transformers(tiny_llama_dir: Path, prompts: list[list[int]], cfg: dict) -> None:
+def test_greedy_tokens_equal_plain_decoding_and_transformers(
+    tiny_llama_dir: Path, prompts: list[list[int]], cfg: dict
+) -> None:
     refs = hf_greedy_references(tiny_llama_dir, prompts, 40)
     p = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     e = _engine(tiny_llama_dir, SPEC, **cfg)
@@ -117,7 +123,12 @@ def test_stops_inside_the_drafts_end_as_plain_decoding_does(tiny_llama_dir: Path
         (a,) = plain.generate([prompts[1]], p)
         (b,) = spec.generate([prompts[1]], p)
         x, y = a.outputs[0], b.outputs[0]
-        assert (y.token_ids, y.text, y.finish_reason, y.stop_reason) == (x.token_ids, x.text, x.finish_reason, x.stop_reason)
+        assert (y.token_ids, y.text, y.finish_reason, y.stop_reason) == (
+            x.token_ids,
+            x.text,
+            x.finish_reason,
+            x.stop_reason,
+        )
         if p.logprobs:
             assert [(lp.token_id, lp.rank, [t for t, _ in lp.top]) for lp in y.logprobs] == [
                 (lp.token_id, lp.rank, [t for t, _ in lp.top]) for lp in x.logprobs
@@ -165,7 +176,10 @@ def test_step_stats_count_drafts(tiny_llama_dir: Path, prompts: list[list[int]])
             pass
 
     obs = Steps()
-    e = Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=4 * MiB, max_model_len=256, speculative_config=SPEC), observer=obs)
+    e = Engine(
+        EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=4 * MiB, max_model_len=256, speculative_config=SPEC),
+        observer=obs,
+    )
     (_r,) = e.generate([prompts[1]], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
     assert sum(s.num_draft_tokens for s in obs.steps) == e.drafts_verified > 0
     assert sum(s.num_accepted_draft_tokens for s in obs.steps) == e.num_accepted_drafts > 0
@@ -181,10 +195,14 @@ def test_default_model_rewrite_keeps_drafts_and_tokens(default_model_dir: Path) 
         "The lighthouse stood on a rock at the edge of the bay. Every night its keeper climbed the one hundred "
         "and twelve steps, trimmed the wick, wound the clockwork and watched the beam sweep over the water."
     )
-    ask = [{"role": "user", "content": f"Rewrite this text, changing 'keeper' to 'guardian' and nothing else:\n\n{text}"}]
+    ask = [
+        {"role": "user", "content": f"Rewrite this text, changing 'keeper' to 'guardian' and nothing else:\n\n{text}"}
+    ]
     outs = {}
     for spec in (None, '{"num_speculative_tokens": 3}'):
-        e = Engine(EngineConfig(kv_cache_memory=64 * MiB, max_model_len=1024, quantization="auto", speculative_config=spec))
+        e = Engine(
+            EngineConfig(kv_cache_memory=64 * MiB, max_model_len=1024, quantization="auto", speculative_config=spec)
+        )
         ids = list(e.tokenizer.apply_chat_template(ask, add_generation_prompt=True, tokenize=True)["input_ids"])
         (r,) = e.generate([ids], SamplingParams(max_tokens=80, temperature=0))
         outs[spec] = (r.outputs[0].token_ids, r.outputs[0].finish_reason)
@@ -192,7 +210,9 @@ def test_default_model_rewrite_keeps_drafts_and_tokens(default_model_dir: Path) 
             assert e.num_accepted_drafts > 0.5 * e.drafts_verified > 10
         assert e.block_manager.num_used_blocks == 0
     assert outs[None] == outs['{"num_speculative_tokens": 3}']
-    assert "The lighthouse stood on a rock at the edge of the bay" in e.tokenizer.decode(outs[None][0])  # (the 135M model copies more than it edits)
+    assert "The lighthouse stood on a rock at the edge of the bay" in e.tokenizer.decode(
+        outs[None][0]
+    )  # (the 135M model copies more than it edits)
 
 
 def test_drafting_backs_off_while_drafts_are_wrong() -> None:

@@ -97,7 +97,9 @@ def test_sampled_outputs_differ_yet_all_match(eng: Engine, prompts: list[list[in
     assert len(set(texts)) >= 4, texts
 
 
-def test_greedy_equals_a_masked_argmax_loop_over_hf_logits(tiny_llama_dir: Path, eng: Engine, prompts: list[list[int]]) -> None:
+def test_greedy_equals_a_masked_argmax_loop_over_hf_logits(
+    tiny_llama_dir: Path, eng: Engine, prompts: list[list[int]]
+) -> None:
     """Token for token: HF float32 logits, the same grammar's mask, argmax, feed back."""
     from transformers import AutoModelForCausalLM
 
@@ -193,7 +195,10 @@ def test_unconstrained_rows_in_the_same_batch_are_untouched(eng: Engine, prompts
     "bad, param",
     [
         (StructuredOutput("regex", "[a-", param="structured_outputs.regex"), "structured_outputs.regex"),
-        (StructuredOutput("json", '{"type": "florp"}', param="response_format.json_schema.schema"), "response_format.json_schema.schema"),
+        (
+            StructuredOutput("json", '{"type": "florp"}', param="response_format.json_schema.schema"),
+            "response_format.json_schema.schema",
+        ),
         (StructuredOutput("json", '{"$ref": "#/nowhere"}'), "structured_outputs"),
         (StructuredOutput("json", "not json at all"), "structured_outputs"),
         (StructuredOutput("grammar", 'start: "a" undefined_rule'), "structured_outputs"),
@@ -222,7 +227,9 @@ def test_compiled_specs_are_cached_and_matchers_independent(eng: Engine) -> None
     c = eng.grammar_compiler
     a, b = c.compile(spec("regex")), c.compile(spec("regex"))
     assert a is b
-    assert c.compile(StructuredOutput("json", json.dumps(PERSON), whitespace_flexible=False)) is not c.compile(spec("json"))
+    assert c.compile(StructuredOutput("json", json.dumps(PERSON), whitespace_flexible=False)) is not c.compile(
+        spec("json")
+    )
     m1, m2 = a.matcher(), a.matcher()
     tok: Any = eng.tokenizer
     for t in tok.encode("ab-", add_special_tokens=False):
@@ -231,7 +238,9 @@ def test_compiled_specs_are_cached_and_matchers_independent(eng: Engine) -> None
         m2.accept(tok.encode("-", add_special_tokens=False)[0])  # m2 is still at the start: "-" cannot begin
 
 
-def test_a_structure_allowing_only_its_end_under_min_tokens_ends_that_request_alone(eng: Engine, prompts: list[list[int]]) -> None:
+def test_a_structure_allowing_only_its_end_under_min_tokens_ends_that_request_alone(
+    eng: Engine, prompts: list[list[int]]
+) -> None:
     """Before min_tokens the sampler forbids EOS, and a regex of the empty string allows nothing else. The
     server refuses such a request up front (a 400); offline, the engine ends that request alone (the
     sampler lets the end through, or the token taken does not fit and the request fails with a one-line

@@ -58,7 +58,9 @@ class FakeEngine:
         step_time: float = 0.002,
     ) -> None:
         self.tokenizer = tokenizer
-        self.config = EngineConfig(max_model_len=max_model_len, max_waiting_requests=max_waiting_requests, max_num_seqs=max_num_seqs)
+        self.config = EngineConfig(
+            max_model_len=max_model_len, max_waiting_requests=max_waiting_requests, max_num_seqs=max_num_seqs
+        )
         self.model_config = SimpleNamespace(vocab_size=len(tokenizer))
         self.served_model_name = "fake-model"
         self.device = torch.device("cpu")
@@ -134,7 +136,9 @@ class FakeEngine:
         self.aborted.append(request_id)
         self.steps_at_abort.append(self.steps)
         outs = [
-            CompletionOutput(c.index, [], "", None, len(c.tokens), "abort") for c in req.choices if c.finish_reason is None
+            CompletionOutput(c.index, [], "", None, len(c.tokens), "abort")
+            for c in req.choices
+            if c.finish_reason is None
         ]
         self._pending.append(RequestOutput(request_id, req.prompt, outs, finished=True))
         self._update_blocks()
@@ -168,9 +172,7 @@ class FakeEngine:
                     top = [(tok, -0.25), (alt, -1.75)][: req.params.logprobs]
                     lps = [TokenLogprobs(tok, -0.25, 1, top)]
                 outs.append(
-                    CompletionOutput(
-                        c.index, [tok], self.tokenizer.decode([tok]), lps, len(c.tokens), c.finish_reason
-                    )
+                    CompletionOutput(c.index, [tok], self.tokenizer.decode([tok]), lps, len(c.tokens), c.finish_reason)
                 )
             finished = all(c.finish_reason is not None for c in req.choices)
             prompt_lps = None
@@ -179,7 +181,11 @@ class FakeEngine:
                 req.prompt_logprobs_sent = True
             outputs.append(
                 RequestOutput(
-                    req.request_id, req.prompt, outs, finished=finished, error="boom" if req.fail else None,
+                    req.request_id,
+                    req.prompt,
+                    outs,
+                    finished=finished,
+                    error="boom" if req.fail else None,
                     prompt_logprobs=prompt_lps,
                 )
             )
@@ -208,7 +214,12 @@ class ServerThread:
 
     def __init__(self, app: Any, *, graceful_timeout: int = 5) -> None:
         self.config = uvicorn.Config(
-            app, host="127.0.0.1", port=0, log_level="warning", lifespan="on", timeout_graceful_shutdown=graceful_timeout
+            app,
+            host="127.0.0.1",
+            port=0,
+            log_level="warning",
+            lifespan="on",
+            timeout_graceful_shutdown=graceful_timeout,
         )
         self.server = uvicorn.Server(self.config)
         self.thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)

@@ -44,7 +44,12 @@ def test_completion_shape_and_text(fake_server: Any) -> None:
     assert body["model"] == "fake-model"
     assert body["choices"] == [{"index": 0, "text": eng.expected_text(5), "logprobs": None, "finish_reason": "length"}]
     n_prompt = len(eng.tokenizer.encode("Hello"))
-    assert body["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 5, "total_tokens": n_prompt + 5, **NO_CACHED}
+    assert body["usage"] == {
+        "prompt_tokens": n_prompt,
+        "completion_tokens": 5,
+        "total_tokens": n_prompt + 5,
+        **NO_CACHED,
+    }
 
 
 def test_completion_default_max_tokens_is_16_and_model_optional(fake_server: Any) -> None:
@@ -146,7 +151,9 @@ def test_completion_max_tokens_0_with_echo_returns_the_prompt_alone(fake_server:
     prompt = eng.tokenizer.encode("Say it")
     expected = _echo_logprobs(eng, prompt, 1, 0)
     if stream:
-        with http.stream("POST", f"{srv.url}/v1/completions", json={**body, "stream_options": {"include_usage": True}}) as r:
+        with http.stream(
+            "POST", f"{srv.url}/v1/completions", json={**body, "stream_options": {"include_usage": True}}
+        ) as r:
             events = parse_sse(r.read())
         *content, usage = [json.loads(e) for e in events[:-1]]
         assert [c["choices"][0] for c in content] == [
@@ -158,11 +165,18 @@ def test_completion_max_tokens_0_with_echo_returns_the_prompt_alone(fake_server:
         assert r.status_code == 200, r.text
         (c,) = r.json()["choices"]
         assert c == {"index": 0, "text": "Say it", "logprobs": expected, "finish_reason": "length"}
-        assert r.json()["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 0, "total_tokens": len(prompt), **NO_CACHED}
+        assert r.json()["usage"] == {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": 0,
+            "total_tokens": len(prompt),
+            **NO_CACHED,
+        }
     # Without logprobs: the prompt, no logprobs; without echo: refused.
     r = http.post(f"{srv.url}/v1/completions", json={"prompt": "Say it", "max_tokens": 0, "echo": True})
     assert r.json()["choices"][0]["text"] == "Say it" and r.json()["choices"][0]["logprobs"] is None
-    err = assert_error(http.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 0}), 400, param="max_tokens")
+    err = assert_error(
+        http.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 0}), 400, param="max_tokens"
+    )
     assert "echo" in err["message"]
     body = {"prompt": "x", "max_tokens": 0, "echo": True, "min_tokens": 2}
     assert "(0)" in assert_error(http.post(f"{srv.url}/v1/completions", json=body), 400, param="min_tokens")["message"]
@@ -171,7 +185,9 @@ def test_completion_max_tokens_0_with_echo_returns_the_prompt_alone(fake_server:
 def _vllm_prompt_logprobs(eng: Any, prompt: list[int], k: int) -> list[Any]:
     out: list[Any] = [None]
     for e in eng.prompt_logprobs(prompt, k)[1:]:
-        d = {str(e.token_id): {"logprob": e.logprob, "rank": e.rank, "decoded_token": eng.tokenizer.decode([e.token_id])}}
+        d = {
+            str(e.token_id): {"logprob": e.logprob, "rank": e.rank, "decoded_token": eng.tokenizer.decode([e.token_id])}
+        }
         for r, (t, lp) in enumerate(e.top, start=1):
             d.setdefault(str(t), {"logprob": lp, "rank": r, "decoded_token": eng.tokenizer.decode([t])})
         out.append(d)
@@ -365,16 +381,32 @@ def test_stream_without_usage_has_no_usage_key(fake_server: Any) -> None:
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]},
             "messages[0].content[0].type",
         ),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0].function"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "tool_choice"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}, "functions"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+            "tools[0].function",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"},
+            "tool_choice",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]},
+            "functions",
+        ),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
         (
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
             "top_logprobs",
         ),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+            "max_completion_tokens",
+        ),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "audio": {"voice": "x"}}, "audio"),
     ],
 )
@@ -395,8 +427,12 @@ def test_malformed_json_and_non_object(fake_server: Any) -> None:
 
 def test_unknown_model_404(fake_server: Any) -> None:
     srv, _, _ = fake_server()
-    assert_error(http.post(f"{srv.url}/v1/completions", json={"model": "gpt-9", "prompt": "x"}), 404, code="model_not_found")
-    r = http.post(f"{srv.url}/v1/chat/completions", json={"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]})
+    assert_error(
+        http.post(f"{srv.url}/v1/completions", json={"model": "gpt-9", "prompt": "x"}), 404, code="model_not_found"
+    )
+    r = http.post(
+        f"{srv.url}/v1/chat/completions", json={"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}
+    )
     assert_error(r, 404, code="model_not_found")
 
 
@@ -414,7 +450,9 @@ def test_api_key(fake_server: Any) -> None:
     assert_error(http.post(f"{srv.url}/v1/completions", json=body, headers=bad), 401)
     assert_error(http.get(f"{srv.url}/v1/models", headers=bad), 401)
     # malformed JSON without a key is still a 401 (the key is checked first)
-    assert_error(http.post(f"{srv.url}/v1/completions", content=b"{", headers={"content-type": "application/json"}), 401)
+    assert_error(
+        http.post(f"{srv.url}/v1/completions", content=b"{", headers={"content-type": "application/json"}), 401
+    )
     good = {"Authorization": "Bearer sekret"}
     assert http.post(f"{srv.url}/v1/completions", json=body, headers=good).status_code == 200
     assert http.get(f"{srv.url}/v1/models", headers=good).status_code == 200
@@ -504,7 +542,9 @@ def test_the_openapi_schema_documents_what_the_server_returns(fake_server: Any) 
     for path in ("/v1/completions", "/v1/chat/completions"):
         responses = schema["paths"][path]["post"]["responses"]
         assert sorted(responses) == ["200", "400", "401", "404", "413", "500", "503"]
-        assert responses["400"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}
+        assert responses["400"]["content"]["application/json"]["schema"] == {
+            "$ref": "#/components/schemas/ErrorResponse"
+        }
     error = schema["components"]["schemas"]["ErrorBody"]
     assert sorted(error["properties"]) == ["code", "message", "param", "type"]
     assert sorted(schema["paths"]["/v1/models/{model_id}"]["get"]["responses"]) == ["200", "401", "404", "503"]
@@ -526,8 +566,10 @@ def test_the_openapi_schema_documents_what_the_server_returns(fake_server: Any) 
     assert_error(http.post(f"{srv.url}/v1/completions", json={"prompt": ""}), 400, param="prompt")
     for field, bad in (("top_p", 0), ("n", 129), ("temperature", 2.01), ("logprobs", 21)):
         assert_error(http.post(f"{srv.url}/v1/completions", json={"prompt": "x", field: bad}), 400, param=field)
-    r = http.post(f"{srv.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
-                                                           "logprobs": True, "top_logprobs": 21})
+    r = http.post(
+        f"{srv.url}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+    )
     assert_error(r, 400, param="top_logprobs")
     r = http.post(f"{srv.url}/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]})
     assert_error(r, 400, param="messages[0].role")

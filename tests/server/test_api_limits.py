@@ -81,7 +81,11 @@ def test_request_bodies_over_the_limit_get_413_unparsed(fake_server: Any) -> Non
     assert r.status_code == 200, r.text
     with httpx.Client(timeout=30) as c:  # a small chunked body is reassembled whole
         body = json.dumps(small).encode()
-        r = c.post(f"{srv.url}/v1/completions", content=iter([body[:10], body[10:]]), headers={"content-type": "application/json"})
+        r = c.post(
+            f"{srv.url}/v1/completions",
+            content=iter([body[:10], body[10:]]),
+            headers={"content-type": "application/json"},
+        )
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 2
     assert httpx.get(f"{srv.url}/health", timeout=30).status_code == 200
@@ -136,7 +140,9 @@ def _count_tokenizer_calls(srv: Any, monkeypatch: pytest.MonkeyPatch) -> list[in
     return calls
 
 
-def test_the_text_of_all_prompts_together_is_bounded_before_tokenizing(fake_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_text_of_all_prompts_together_is_bounded_before_tokenizing(
+    fake_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """50 prompts, each under the bound, once held the one tokenizer thread for 55 s (a normal request
     sent meanwhile waited as long) and grew the server by 0.7 GB: the bound is on the request's text."""
     srv, eng, _ = fake_server(max_model_len=2048)
@@ -160,7 +166,10 @@ def test_the_text_of_all_prompts_together_is_bounded_before_tokenizing(fake_serv
     assert normal.status_code == 200 and normal_s < 1.0
     # Chat: the messages and the tools (rendered as JSON) count together.
     calls.clear()
-    tool = {"type": "function", "function": {"name": "f", "description": "d" * (limit // 2), "parameters": {"type": "object"}}}
+    tool = {
+        "type": "function",
+        "function": {"name": "f", "description": "d" * (limit // 2), "parameters": {"type": "object"}},
+    }
     half = {"role": "user", "content": "c" * (limit // 2)}
     r = http.post(f"{srv.url}/v1/chat/completions", json={"messages": [half], "tools": [tool], "max_tokens": 1})
     assert "messages and tools" in assert_error(r, 400, param="messages")["message"]
@@ -207,7 +216,16 @@ TEXT = {"prompt": "x", "max_tokens": 1}
         ),
         (
             "/v1/chat/completions",
-            {"messages": [*CHAT["messages"], {"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}] * (MAX_TOOL_CALLS + 1)}]},
+            {
+                "messages": [
+                    *CHAT["messages"],
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}]
+                        * (MAX_TOOL_CALLS + 1),
+                    },
+                ]
+            },
             "messages[1].tool_calls",
         ),
         ("/v1/chat/completions", {**CHAT, "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
@@ -225,7 +243,13 @@ TEXT = {"prompt": "x", "max_tokens": 1}
         ),
         (
             "/v1/chat/completions",
-            {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"description": "d" * MAX_SPEC_CHARS}}}},
+            {
+                **CHAT,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "a", "schema": {"description": "d" * MAX_SPEC_CHARS}},
+                },
+            },
             "response_format.json_schema.schema",
         ),
         ("/v1/completions", {"prompt": ["a"] * (MAX_JSON_ITEMS + 1), "max_tokens": 1}, "prompt"),
@@ -233,7 +257,9 @@ TEXT = {"prompt": "x", "max_tokens": 1}
         ("/v1/chat/completions", {**CHAT, "metadata": {"k": [[]] * (MAX_JSON_ITEMS + 1)}}, "metadata.k"),
     ],
 )
-def test_every_list_and_string_a_request_carries_is_bounded(shared_fake_server: Any, path: str, body: dict, param: str) -> None:
+def test_every_list_and_string_a_request_carries_is_bounded(
+    shared_fake_server: Any, path: str, body: dict, param: str
+) -> None:
     srv, eng, _ = shared_fake_server
     before = len(eng.added)
     t0 = time.monotonic()
@@ -270,14 +296,19 @@ def test_nesting_is_bounded_before_anything_recursive_runs(shared_fake_server: A
     schema: dict[str, Any] = {"type": "string"}
     for _ in range(12):  # OpenAI's structured outputs nest objects 10 deep: ~40 JSON levels here
         schema = {"type": "object", "properties": {"a": {"anyOf": [schema, {"type": "null"}]}}}
-    r = http.post(srv.url + "/v1/chat/completions", json={**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}})
+    r = http.post(
+        srv.url + "/v1/chat/completions",
+        json={**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}},
+    )
     assert r.status_code == 200, r.text
     deep: Any = 1
     for _ in range(MAX_JSON_DEPTH):
         deep = [deep]
     r = http.post(srv.url + "/v1/completions", json={**TEXT, "structured_outputs": {"json": {"a": deep}}})
     err = assert_error(r, 400)
-    assert err["param"].startswith("structured_outputs.json.a[0][0]") and f"deeper than {MAX_JSON_DEPTH}" in err["message"]
+    assert (
+        err["param"].startswith("structured_outputs.json.a[0][0]") and f"deeper than {MAX_JSON_DEPTH}" in err["message"]
+    )
 
 
 def test_lora_names_and_paths_are_bounded() -> None:

@@ -16,7 +16,10 @@ from srv_harness import assert_error
 http_client = httpx.Client(timeout=30)
 BAD = "\ud800"  # json.dumps writes it as the escape "\ud800", which json.loads turns back into it
 USER = [{"role": "user", "content": "hi"}]
-TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+TOOL = {
+    "type": "function",
+    "function": {"name": "f", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+}
 
 
 def _post(srv: Any, path: str, body: dict) -> httpx.Response:
@@ -34,11 +37,23 @@ CASES = [
     ("/v1/completions", {"prompt": "hi", "model": BAD}, "model"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {BAD: 1}}, "logit_bias"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": f"{BAD} hi"}]}, "messages[0].content"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": BAD}]}]}, "messages[0].content[0].text"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": BAD}]}]},
+        "messages[0].content[0].text",
+    ),
     ("/v1/chat/completions", {"messages": [{"role": BAD, "content": "x"}]}, "messages[0].role"),
     (
         "/v1/chat/completions",
-        {"messages": [*USER, {"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": f'{{"a": "{BAD}"}}'}}]}]},
+        {
+            "messages": [
+                *USER,
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": f'{{"a": "{BAD}"}}'}}],
+                },
+            ]
+        },
         "messages[1].tool_calls[0].function.arguments",
     ),
     (
@@ -48,26 +63,49 @@ CASES = [
     ),
     (
         "/v1/chat/completions",
-        {"messages": USER, "tools": [{**TOOL, "function": {**TOOL["function"], "parameters": {"properties": {"x": {"description": BAD}}}}}]},
+        {
+            "messages": USER,
+            "tools": [
+                {**TOOL, "function": {**TOOL["function"], "parameters": {"properties": {"x": {"description": BAD}}}}}
+            ],
+        },
         "tools[0].function.parameters.properties.x.description",
     ),
     (
         "/v1/chat/completions",
-        {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"properties": {BAD: {}}}}}},
+        {
+            "messages": USER,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "a", "schema": {"properties": {BAD: {}}}},
+            },
+        },
         "response_format.json_schema.schema.properties",
     ),
     ("/v1/chat/completions", {"messages": USER, "metadata": {"k": BAD}}, "metadata.k"),
     ("/tokenize", {"prompt": f"{BAD} hi"}, "prompt"),
     ("/tokenize", {"messages": [{"role": "user", "content": BAD}]}, "messages[0].content"),
-    ("/tokenize", {"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "description": BAD}}]}, "tools[0].function.description"),
+    (
+        "/tokenize",
+        {"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "description": BAD}}]},
+        "tools[0].function.description",
+    ),
     ("/detokenize", {"tokens": [1], "model": BAD}, "model"),
     ("/v1/responses", {"input": f"{BAD} hi"}, "input"),
     ("/v1/responses", {"input": [{"role": "user", "content": BAD}]}, "input[0].content"),
-    ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_text", "text": BAD}]}]}, "input[0].content[0].text"),
+    (
+        "/v1/responses",
+        {"input": [{"role": "user", "content": [{"type": "input_text", "text": BAD}]}]},
+        "input[0].content[0].text",
+    ),
     ("/v1/responses", {"input": [{"role": "user", "content": "x", "extra": BAD}]}, "input[0].extra"),
     ("/v1/responses", {"input": "hi", "instructions": BAD}, "instructions"),
     ("/v1/responses", {"input": "hi", "metadata": {"k": BAD}}, "metadata.k"),
-    ("/v1/responses", {"input": "hi", "tools": [{"type": "function", "name": "f", "description": BAD}]}, "tools[0].description"),
+    (
+        "/v1/responses",
+        {"input": "hi", "tools": [{"type": "function", "name": "f", "description": BAD}]},
+        "tools[0].description",
+    ),
 ]
 
 
@@ -84,11 +122,17 @@ def test_a_lone_surrogate_is_400_naming_the_field(shared_fake_server: Any, path:
     "path, body, param",
     [
         ("/v1/completions", {"prompt": f"{BAD} hi", "max_tokens": 2}, "prompt"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": f"{BAD} hi"}], "max_tokens": 2}, "messages[0].content"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": f"{BAD} hi"}], "max_tokens": 2},
+            "messages[0].content",
+        ),
         ("/v1/responses", {"input": f"{BAD} hi", "max_output_tokens": 2}, "input"),
     ],
 )
-def test_streamed_requests_are_refused_before_the_stream_starts(shared_fake_server: Any, path: str, body: dict, param: str) -> None:
+def test_streamed_requests_are_refused_before_the_stream_starts(
+    shared_fake_server: Any, path: str, body: dict, param: str
+) -> None:
     srv, _, _ = shared_fake_server
     r = _post(srv, path, {**body, "stream": True})
     assert not r.headers["content-type"].startswith("text/event-stream")

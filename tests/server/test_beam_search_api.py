@@ -42,7 +42,9 @@ def test_best_n_of_the_beams_with_their_cumulative_logprob(live: tuple[ServerThr
     r = post(srv, use_beam_search=True, n=2, best_of=4, logprobs=2)
     assert r.status_code == 200, r.text
     body = r.json()
-    offline = engine.generate([PROMPT], SamplingParams(n=4, use_beam_search=True, temperature=0.0, max_tokens=6))[0].outputs
+    offline = engine.generate([PROMPT], SamplingParams(n=4, use_beam_search=True, temperature=0.0, max_tokens=6))[
+        0
+    ].outputs
     choices = body["choices"]
     assert [c["index"] for c in choices] == [0, 1]
     for c, ref in zip(choices, offline[:2]):  # the best two of the width-4 search, best first
@@ -60,7 +62,9 @@ def test_width_is_n_without_best_of(live: tuple[ServerThread, Any]) -> None:
     assert r.status_code == 200, r.text
     choices = r.json()["choices"]
     assert len(choices) == 3 and all("cumulative_logprob" in c for c in choices)
-    params = SamplingParams(n=3, use_beam_search=True, temperature=0.0, max_tokens=6, length_penalty=0.5, early_stopping="never")
+    params = SamplingParams(
+        n=3, use_beam_search=True, temperature=0.0, max_tokens=6, length_penalty=0.5, early_stopping="never"
+    )
     assert [c["text"] for c in choices] == [c.text for c in engine.generate([PROMPT], params)[0].outputs]
 
 
@@ -79,7 +83,9 @@ def test_width_is_n_without_best_of(live: tuple[ServerThread, Any]) -> None:
         (dict(n=200), "n"),
     ],
 )
-def test_what_beam_search_does_not_serve_is_a_400(live: tuple[ServerThread, Any], body: dict[str, Any], param: str) -> None:
+def test_what_beam_search_does_not_serve_is_a_400(
+    live: tuple[ServerThread, Any], body: dict[str, Any], param: str
+) -> None:
     srv, engine = live
     assert_error(post(srv, use_beam_search=True, n=body.pop("n", 2), **body), 400, param)
     assert engine.block_manager.num_used_blocks == 0

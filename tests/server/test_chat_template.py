@@ -78,7 +78,12 @@ def test_props_is_behind_the_api_key(fake_server: Any) -> None:
 def test_a_request_template_needs_the_servers_trust(served: tuple[ServerThread, Any, Any]) -> None:
     srv, eng, _ = served
     for path in ("/v1/chat/completions", "/v1/chat/completions/render", "/tokenize"):
-        r = http.post(srv.url + path, json={"messages": HI, "chat_template": ASKED, "max_tokens": 1} if "chat" in path else {"messages": HI, "chat_template": ASKED})
+        r = http.post(
+            srv.url + path,
+            json={"messages": HI, "chat_template": ASKED, "max_tokens": 1}
+            if "chat" in path
+            else {"messages": HI, "chat_template": ASKED},
+        )
         assert "--trust-request-chat-template" in assert_error(r, 400, "chat_template")["message"]
     assert eng.prompts == []
 
@@ -104,11 +109,16 @@ def test_a_trusted_request_template_renders_with_its_kwargs(served: tuple[Server
     ("template", "says"),
     [
         ("{% for m in messages %}{{ m.content }", "does not compile"),
-        ("{% if messages %}{{ raise_exception('this template wants a system turn') }}{% endif %}", "this template wants a system turn"),
+        (
+            "{% if messages %}{{ raise_exception('this template wants a system turn') }}{% endif %}",
+            "this template wants a system turn",
+        ),
         ("{{ messages[0].content.nope() }}", "cannot render"),
     ],
 )
-def test_a_bad_request_template_is_a_400_and_harms_nothing(served: tuple[ServerThread, Any, Any], template: str, says: str) -> None:
+def test_a_bad_request_template_is_a_400_and_harms_nothing(
+    served: tuple[ServerThread, Any, Any], template: str, says: str
+) -> None:
     srv, eng, _ = served
     srv.server.config.app.state.serving.trust_request_chat_template = True
     for path, extra in (("/v1/chat/completions", {"max_tokens": 1}), ("/tokenize", {})):
@@ -120,14 +130,18 @@ def test_a_bad_request_template_is_a_400_and_harms_nothing(served: tuple[ServerT
 
 def test_template_kwargs_name_the_template_field(shared_fake_server: Any) -> None:
     srv, _, _ = shared_fake_server
-    r = http.post(srv.url + "/v1/chat/completions", json={"messages": HI, "chat_template_kwargs": {"chat_template": ASKED}})
+    r = http.post(
+        srv.url + "/v1/chat/completions", json={"messages": HI, "chat_template_kwargs": {"chat_template": ASKED}}
+    )
     assert "'chat_template'" in assert_error(r, 400, "chat_template_kwargs.chat_template")["message"]
 
 
 def test_tokenize_takes_chat_template_kwargs(served: tuple[ServerThread, Any, Any]) -> None:
     srv, eng, _ = served
     srv.server.config.app.state.serving.chat_template = SERVED + "{{ greeting | default('') }}"
-    ids = http.post(srv.url + "/tokenize", json={"messages": HI, "chat_template_kwargs": {"greeting": "Hola"}}).json()["tokens"]
+    ids = http.post(srv.url + "/tokenize", json={"messages": HI, "chat_template_kwargs": {"greeting": "Hola"}}).json()[
+        "tokens"
+    ]
     assert eng.tokenizer.decode(ids) == "[user] Hi\n[assistant] Hola"
 
 
@@ -163,7 +177,9 @@ def test_a_bad_flag_stops_the_start_before_the_model_loads(
     monkeypatch.setattr(servelm.scheduler.engine, "Engine", no_engine)
     with caplog.at_level(logging.ERROR, logger="servelm"):
         assert serve_app("--chat-template", value, status=1) is None
-    assert any("cannot start: --chat-template" in r.getMessage() and says in r.getMessage() for r in caplog.records), caplog.text
+    assert any("cannot start: --chat-template" in r.getMessage() and says in r.getMessage() for r in caplog.records), (
+        caplog.text
+    )
 
 
 def test_the_shipped_qwen_coder_template_renders_tools_and_results(server_tokenizer: Any) -> None:
@@ -180,7 +196,9 @@ def test_the_shipped_qwen_coder_template_renders_tools_and_results(server_tokeni
         {"role": "assistant", "content": None, "tool_calls": [call]},
         {"role": "tool", "content": "Sunny"},
     ]
-    prompt = server_tokenizer.apply_chat_template(messages, tools=tools, chat_template=text, tokenize=False, add_generation_prompt=True)
+    prompt = server_tokenizer.apply_chat_template(
+        messages, tools=tools, chat_template=text, tokenize=False, add_generation_prompt=True
+    )
     assert '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>' in prompt
     assert "{{" not in prompt and "do not call any: answer in plain text" in prompt
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt

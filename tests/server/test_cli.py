@@ -23,7 +23,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize(
     "text,expected",
-    [("2GiB", 2 * 2**30), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000), ("1048576", 1048576), ("64 mib", 64 * 2**20)],
+    [
+        ("2GiB", 2 * 2**30),
+        ("512MiB", 512 * 2**20),
+        ("1.5GB", 1_500_000_000),
+        ("1048576", 1048576),
+        ("64 mib", 64 * 2**20),
+    ],
 )
 def test_parse_size(text: str, expected: int) -> None:
     assert parse_size(text) == expected
@@ -74,19 +80,30 @@ def test_serve_args_build_one_engine_config() -> None:
     off = build_parser().parse_args(["serve", "--no-async-scheduling"])
     assert engine_config_from_args(off).async_scheduling is False
     for scheme in ("int8", "int4", "auto"):
-        assert engine_config_from_args(build_parser().parse_args(["serve", "--quantization", scheme])).quantization == scheme
+        assert (
+            engine_config_from_args(build_parser().parse_args(["serve", "--quantization", scheme])).quantization
+            == scheme
+        )
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--quantization", "int3"])
     spec = '{"method": "ngram", "num_speculative_tokens": 2}'
-    assert engine_config_from_args(build_parser().parse_args(["serve", "--speculative-config", spec])).speculative_config == spec
+    assert (
+        engine_config_from_args(build_parser().parse_args(["serve", "--speculative-config", spec])).speculative_config
+        == spec
+    )
     for bad in ("{", '{"method": "eagle"}', '{"num_speculative_tokens": 0}'):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", "--speculative-config", bad])
     events = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}'
-    assert engine_config_from_args(build_parser().parse_args(["serve", "--kv-events-config", events])).kv_events_config == events
+    assert (
+        engine_config_from_args(build_parser().parse_args(["serve", "--kv-events-config", events])).kv_events_config
+        == events
+    )
     # Events bind where HTTP listens unless the endpoint says otherwise.
     for argv, host in ((["serve"], "127.0.0.1"), (["serve", "--host", "::1"], "::1")):
-        cfg = engine_config_from_args(build_parser().parse_args([*argv, "--kv-events-config", '{"enable_kv_cache_events": true}']))
+        cfg = engine_config_from_args(
+            build_parser().parse_args([*argv, "--kv-events-config", '{"enable_kv_cache_events": true}'])
+        )
         assert cfg.host == host
     for bad in ("{", '{"enable_kv_cache_events": true, "end_point": "tcp://*:1"}', '{"publisher": "kafka"}'):
         with pytest.raises(SystemExit):
@@ -105,7 +122,12 @@ def test_lora_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     assert engine_config_from_args(build_parser().parse_args(["serve", "--max-cpu-loras", "8"])).max_cpu_loras == 8
     assert args.allow_runtime_lora_updating is False
     assert engine_config_from_args(build_parser().parse_args(["serve", "--enable-lora"])).enable_lora
-    for bad in (["--lora-modules", "noequals"], ["--lora-modules", "=/p"], ["--lora-modules", '{"name": 1}'], ["--max-loras", "0"]):
+    for bad in (
+        ["--lora-modules", "noequals"],
+        ["--lora-modules", "=/p"],
+        ["--lora-modules", '{"name": 1}'],
+        ["--max-loras", "0"],
+    ):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", *bad])
     monkeypatch.setenv("SERVELM_ALLOW_RUNTIME_LORA_UPDATING", "1")

@@ -66,7 +66,15 @@ def _typed_events(raw: bytes) -> list[dict[str, Any]]:
 
 @pytest.mark.slow  # a servelm serve process
 def test_drain_deadline_ends_every_request_with_an_error_and_exits_0() -> None:
-    args = ("--kv-cache-memory", "256MiB", "--max-model-len", "1024", "--no-access-log", "--drain-timeout", str(DRAIN_S))
+    args = (
+        "--kv-cache-memory",
+        "256MiB",
+        "--max-model-len",
+        "1024",
+        "--no-access-log",
+        "--drain-timeout",
+        str(DRAIN_S),
+    )
     with ServeProcess(*args) as srv:
         v1 = f"{srv.url}/v1"
         long_calls = {
@@ -78,7 +86,9 @@ def test_drain_deadline_ends_every_request_with_an_error_and_exits_0() -> None:
         for call in long_calls.values():
             call.start()
         deadline = time.monotonic() + 120
-        while _running(srv.url) < len(long_calls) or not all(c.first_bytes.is_set() for n, c in long_calls.items() if n != "plain"):
+        while _running(srv.url) < len(long_calls) or not all(
+            c.first_bytes.is_set() for n, c in long_calls.items() if n != "plain"
+        ):
             assert time.monotonic() < deadline, srv.log
             time.sleep(0.1)
         short = Call(f"{v1}/completions", {"prompt": "Hello", "max_tokens": 4, "stream": True, **LONG})
@@ -125,21 +135,39 @@ def test_requests_arriving_during_the_drain_get_503_until_the_running_ones_end()
     """The listener stays open while requests run: new ones, on new and on kept-alive connections,
     get the documented 503 (OpenAI's shape, ``Retry-After``), readiness fails and liveness holds."""
     drain_s = 4.0
-    args = ("--kv-cache-memory", "256MiB", "--max-model-len", "1024", "--no-access-log", "--drain-timeout", str(drain_s))
+    args = (
+        "--kv-cache-memory",
+        "256MiB",
+        "--max-model-len",
+        "1024",
+        "--no-access-log",
+        "--drain-timeout",
+        str(drain_s),
+    )
     with ServeProcess(*args) as srv:
         v1 = f"{srv.url}/v1"
         with httpx.Client(timeout=30) as kept:
             assert kept.get(f"{srv.url}/health").status_code == 200  # a keep-alive connection from before
-            long = Call(f"{v1}/completions", {"prompt": "Count: one, two,", "max_tokens": LONG_TOKENS, "stream": True, **LONG})
+            long = Call(
+                f"{v1}/completions", {"prompt": "Count: one, two,", "max_tokens": LONG_TOKENS, "stream": True, **LONG}
+            )
             long.start()
             assert long.first_bytes.wait(60)
             signalled = time.monotonic()
             srv.terminate()
             time.sleep(0.5)
             body = {"prompt": "Hello", "max_tokens": 2}
-            for r in (kept.post(f"{v1}/completions", json=body), httpx.post(f"{v1}/completions", json=body, timeout=30)):
+            for r in (
+                kept.post(f"{v1}/completions", json=body),
+                httpx.post(f"{v1}/completions", json=body, timeout=30),
+            ):
                 assert r.status_code == 503, r.text
-                assert r.json()["error"]["code"] == "shutting_down" and set(r.json()["error"]) == {"message", "type", "param", "code"}
+                assert r.json()["error"]["code"] == "shutting_down" and set(r.json()["error"]) == {
+                    "message",
+                    "type",
+                    "param",
+                    "code",
+                }
                 assert int(r.headers["retry-after"]) >= 1
             health = httpx.get(f"{srv.url}/health", timeout=30)
             assert health.status_code == 503 and health.json()["error"]["code"] == "shutting_down"

@@ -71,7 +71,9 @@ def live(request: pytest.FixtureRequest) -> Iterator[Live]:
     )
     greedy = SamplingParams(max_tokens=40, temperature=0.0)
     (chat,) = engine.generate([chat_ids], greedy)
-    (compl,) = engine.generate([tok.encode(COMPLETION_PROMPT)], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    (compl,) = engine.generate(
+        [tok.encode(COMPLETION_PROMPT)], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    )
     conc = engine.generate(
         [tok.encode(p) for p in CONCURRENT_PROMPTS],
         SamplingParams(max_tokens=CONCURRENT_MAX_TOKENS, temperature=0.0, ignore_eos=True),
@@ -179,7 +181,12 @@ def test_sdk_n2_seeded_is_reproducible(live: Live) -> None:
 
     def run() -> list[str]:
         r = c.completions.create(
-            model=live.model, prompt="Write a word:", n=2, max_tokens=10, temperature=1.0, seed=1234,
+            model=live.model,
+            prompt="Write a word:",
+            n=2,
+            max_tokens=10,
+            temperature=1.0,
+            seed=1234,
             extra_body={"ignore_eos": True},
         )
         assert [ch.index for ch in r.choices] == [0, 1]
@@ -198,7 +205,11 @@ def test_sdk_n2_seeded_is_reproducible(live: Live) -> None:
 def test_sdk_logprobs(live: Live) -> None:
     c = live.client()
     r = c.completions.create(
-        model=live.model, prompt=COMPLETION_PROMPT, max_tokens=6, temperature=0, logprobs=3,
+        model=live.model,
+        prompt=COMPLETION_PROMPT,
+        max_tokens=6,
+        temperature=0,
+        logprobs=3,
         extra_body={"ignore_eos": True},
     )
     lp = r.choices[0].logprobs
@@ -210,8 +221,12 @@ def test_sdk_logprobs(live: Live) -> None:
         assert top[tok] == tlp and tlp == max(top.values())  # greedy picks the most likely token
 
     chat = c.chat.completions.create(
-        model=live.model, messages=[{"role": "user", "content": CHAT_Q}], temperature=0, max_tokens=40,
-        logprobs=True, top_logprobs=2,
+        model=live.model,
+        messages=[{"role": "user", "content": CHAT_Q}],
+        temperature=0,
+        max_tokens=40,
+        logprobs=True,
+        top_logprobs=2,
     )
     content = chat.choices[0].logprobs.content
     assert chat.choices[0].message.content == live.chat_text
@@ -234,7 +249,12 @@ def test_sdk_echo_scores_a_completion_as_generation_did(live: Live) -> None:
     gen_ids = tok.encode(gen.text, add_special_tokens=False)
     assert tok.decode(gen_ids) == gen.text and len(gen_ids) == 8  # re-encodes to the tokens generated
     scored = c.completions.create(
-        model=live.model, prompt=prompt + gen_ids, max_tokens=0, echo=True, logprobs=3, extra_body={"prompt_logprobs": 3}
+        model=live.model,
+        prompt=prompt + gen_ids,
+        max_tokens=0,
+        echo=True,
+        logprobs=3,
+        extra_body={"prompt_logprobs": 3},
     )
     choice = scored.choices[0]
     assert choice.text == tok.decode(prompt) + gen.text and choice.finish_reason == "length"
@@ -270,8 +290,12 @@ def test_sdk_stop_strings(live: Live) -> None:
     assert r.choices[0].finish_reason == "stop"
     parts = list(
         c.chat.completions.create(
-            model=live.model, messages=[{"role": "user", "content": CHAT_Q}], temperature=0, max_tokens=40,
-            stop=" Paris", stream=True,
+            model=live.model,
+            messages=[{"role": "user", "content": CHAT_Q}],
+            temperature=0,
+            max_tokens=40,
+            stop=" Paris",
+            stream=True,
         )
     )
     assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == live.chat_text.split(" Paris")[0]
@@ -302,15 +326,24 @@ def test_sdk_structured_outputs(live: Live) -> None:
     )
     parts = list(
         c.chat.completions.create(
-            model=live.model, messages=ask, temperature=0, max_tokens=150, response_format={"type": "json_object"},
+            model=live.model,
+            messages=ask,
+            temperature=0,
+            max_tokens=150,
+            response_format={"type": "json_object"},
             stream=True,
         )
     )
     text = "".join(p.choices[0].delta.content or "" for p in parts if p.choices)
     assert isinstance(json.loads(text), dict) and text == whole.choices[0].message.content
     r = c.completions.create(
-        model=live.model, prompt="Is Paris the capital of France? Answer:", max_tokens=10, n=3, temperature=1.0,
-        seed=11, extra_body={"structured_outputs": {"choice": [" yes", " no"]}},
+        model=live.model,
+        prompt="Is Paris the capital of France? Answer:",
+        max_tokens=10,
+        n=3,
+        temperature=1.0,
+        seed=11,
+        extra_body={"structured_outputs": {"choice": [" yes", " no"]}},
     )
     assert all(ch.text in (" yes", " no") and ch.finish_reason == "stop" for ch in r.choices)
     with pytest.raises(openai.BadRequestError) as e:
@@ -338,7 +371,12 @@ TIME_TOOL = {
     "type": "function",
     "function": {
         "name": "get_time",
-        "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"], "additionalProperties": False},
+        "parameters": {
+            "type": "object",
+            "properties": {"tz": {"type": "string"}},
+            "required": ["tz"],
+            "additionalProperties": False,
+        },
     },
 }
 
@@ -349,7 +387,9 @@ def test_sdk_tool_calls(live: Live) -> None:
     c = live.client()
     ask = [{"role": "user", "content": "What's the weather like in Paris?"}]
     tools = [WEATHER_TOOL, TIME_TOOL]
-    r = c.chat.completions.create(model=live.model, messages=ask, tools=tools, tool_choice="required", temperature=0, max_tokens=100)
+    r = c.chat.completions.create(
+        model=live.model, messages=ask, tools=tools, tool_choice="required", temperature=0, max_tokens=100
+    )
     ch = r.choices[0]
     assert ch.finish_reason == "tool_calls" and ch.message.content is None and ch.message.tool_calls
     for call in ch.message.tool_calls:
@@ -361,7 +401,13 @@ def test_sdk_tool_calls(live: Live) -> None:
             assert call.function.name == "get_time" and set(args) == {"tz"}
     streamed = list(
         c.chat.completions.create(
-            model=live.model, messages=ask, tools=tools, tool_choice="required", temperature=0, max_tokens=100, stream=True
+            model=live.model,
+            messages=ask,
+            tools=tools,
+            tool_choice="required",
+            temperature=0,
+            max_tokens=100,
+            stream=True,
         )
     )
     deltas = [d for p in streamed if p.choices for d in (p.choices[0].delta.tool_calls or [])]
@@ -371,7 +417,9 @@ def test_sdk_tool_calls(live: Live) -> None:
     assert streamed[-1].choices[0].finish_reason == "tool_calls"
 
     named = {"type": "function", "function": {"name": "get_weather"}}
-    r = c.chat.completions.create(model=live.model, messages=ask, tools=tools, tool_choice=named, temperature=0, max_tokens=60)
+    r = c.chat.completions.create(
+        model=live.model, messages=ask, tools=tools, tool_choice=named, temperature=0, max_tokens=60
+    )
     (call,) = r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "stop" and call.function.name == "get_weather"
     assert "city" in json.loads(call.function.arguments)
@@ -435,35 +483,65 @@ def test_sdk_responses(live: Live) -> None:
     assert "".join(deltas) == final.output_text == live.chat_text
     assert c.responses.retrieve(final.id).output_text == live.chat_text
 
-    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
     r = c.responses.create(
-        model=live.model, input="Name the capital of France as JSON.", temperature=0, max_output_tokens=40,
+        model=live.model,
+        input="Name the capital of France as JSON.",
+        temperature=0,
+        max_output_tokens=40,
         text={"format": {"type": "json_schema", "name": "capital", "schema": schema}},
     )
     assert set(json.loads(r.output_text)) == {"city"}
 
     ask = "What's the weather like in Paris?"
     tools = [_responses_tool(WEATHER_TOOL), _responses_tool(TIME_TOOL)]
-    r = c.responses.create(model=live.model, input=ask, tools=tools, tool_choice="required", temperature=0, max_output_tokens=100)
+    r = c.responses.create(
+        model=live.model, input=ask, tools=tools, tool_choice="required", temperature=0, max_output_tokens=100
+    )
     calls = [o for o in r.output if o.type == "function_call"]
     assert calls and len(calls) == len(r.output) and all(o.call_id.startswith("call_") for o in calls)
     assert {o.name for o in calls} <= {"get_weather", "get_time"}
     chat = c.chat.completions.create(
-        model=live.model, messages=[{"role": "user", "content": ask}], tools=[WEATHER_TOOL, TIME_TOOL],
-        tool_choice="required", temperature=0, max_tokens=100,
+        model=live.model,
+        messages=[{"role": "user", "content": ask}],
+        tools=[WEATHER_TOOL, TIME_TOOL],
+        tool_choice="required",
+        temperature=0,
+        max_tokens=100,
     )
-    assert [(o.name, o.arguments) for o in calls] == [(t.function.name, t.function.arguments) for t in chat.choices[0].message.tool_calls]
+    assert [(o.name, o.arguments) for o in calls] == [
+        (t.function.name, t.function.arguments) for t in chat.choices[0].message.tool_calls
+    ]
 
     named = {"type": "function", "name": "get_weather"}
-    r = c.responses.create(model=live.model, input=ask, tools=tools, tool_choice=named, temperature=0, max_output_tokens=60)
+    r = c.responses.create(
+        model=live.model, input=ask, tools=tools, tool_choice=named, temperature=0, max_output_tokens=60
+    )
     (call,) = r.output
     assert call.type == "function_call" and call.name == "get_weather" and "city" in json.loads(call.arguments)
-    events = list(c.responses.create(model=live.model, input=ask, tools=tools, tool_choice=named, temperature=0, max_output_tokens=60, stream=True))
+    events = list(
+        c.responses.create(
+            model=live.model,
+            input=ask,
+            tools=tools,
+            tool_choice=named,
+            temperature=0,
+            max_output_tokens=60,
+            stream=True,
+        )
+    )
     args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
     assert args == call.arguments and events[-1].type == "response.completed"
 
     result = {"type": "function_call_output", "call_id": call.call_id, "output": "12 degrees celsius, cloudy"}
-    second = c.responses.create(model=live.model, previous_response_id=r.id, input=[result], temperature=0, max_output_tokens=40)
+    second = c.responses.create(
+        model=live.model, previous_response_id=r.id, input=[result], temperature=0, max_output_tokens=40
+    )
     history = [
         {"role": "user", "content": ask},
         {"role": "assistant", "content": None, "tool_calls": [{"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
@@ -483,7 +561,11 @@ def test_sdk_models_and_errors(live: Live) -> None:
         c.completions.create(model="nope", prompt="x", max_tokens=1)
     with pytest.raises(openai.BadRequestError) as e:
         c.completions.create(model=live.model, prompt="x", max_tokens=5000)
-    assert e.value.body["param"] == "max_tokens" and "2048" in e.value.body["message"] and "5000" in e.value.body["message"]
+    assert (
+        e.value.body["param"] == "max_tokens"
+        and "2048" in e.value.body["message"]
+        and "5000" in e.value.body["message"]
+    )
 
 
 # ------------------------------------------------------------------------------------ raw framing
@@ -574,9 +656,26 @@ def test_servelm_bench_against_live_server(live: Live, tmp_path, capsys) -> None
 
     out = tmp_path / "servelm.bench.json"
     rc = bench_main(
-        ["--base-url", live.srv.url, "--num-prompts", "6", "--input-len", "24", "--output-len", "8",
-         "--range-ratio", "0.5", "--max-concurrency", "3", "--ignore-eos", "--seed", "3",
-         "--disable-tqdm", "--result-json", str(out)]
+        [
+            "--base-url",
+            live.srv.url,
+            "--num-prompts",
+            "6",
+            "--input-len",
+            "24",
+            "--output-len",
+            "8",
+            "--range-ratio",
+            "0.5",
+            "--max-concurrency",
+            "3",
+            "--ignore-eos",
+            "--seed",
+            "3",
+            "--disable-tqdm",
+            "--result-json",
+            str(out),
+        ]
     )
     assert rc == 0
     assert "Output token throughput (tok/s):" in capsys.readouterr().out

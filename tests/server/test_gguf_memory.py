@@ -34,7 +34,10 @@ FLOAT32_WEIGHTS_MIB = 1022
 def status(pid: int) -> dict[str, int]:
     """The process's memory counters in MiB."""
     text = Path(f"/proc/{pid}/status").read_text()
-    return {k: int(re.search(rf"^{k}:\s+(\d+) kB", text, re.M).group(1)) // 1024 for k in ("VmHWM", "VmRSS", "RssAnon", "RssFile")}
+    return {
+        k: int(re.search(rf"^{k}:\s+(\d+) kB", text, re.M).group(1)) // 1024
+        for k in ("VmHWM", "VmRSS", "RssAnon", "RssFile")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +77,7 @@ def test_sliding_window_layers_keep_only_their_windows(server: ServeProcess) -> 
     """Gemma 3's 15 sliding-window layers (of 18) read only a sequence's last 512 positions: after a
     6,000-token prompt the pool holds the 3 global layers' 6,000 positions and a window or two of the
     local ones, not 6,000 positions of every layer."""
+
     def anon() -> int:
         time.sleep(1.0)  # the engine thread hands freed heap back once idle
         return status(server.proc.pid)["RssAnon"]
@@ -81,7 +85,9 @@ def test_sliding_window_layers_keep_only_their_windows(server: ServeProcess) -> 
     random.seed(0)
     prompt = [random.randrange(1000, 200_000) for _ in range(6000)]
     before = anon()
-    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0}, timeout=600)
+    r = httpx.post(
+        f"{server.url}/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0}, timeout=600
+    )
     r.raise_for_status()
     grown = anon() - before
     # K and V of a position in a layer: 2 x 256 x 4 bytes (a float32 pool) = 2 KiB. In every layer: 18 x

@@ -34,7 +34,11 @@ def _metric(url: str, name: str) -> float:
 def _ask_capital(v1: str) -> str:
     r = httpx.post(
         f"{v1}/chat/completions",
-        json={"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 12, "temperature": 0},
+        json={
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 12,
+            "temperature": 0,
+        },
         timeout=60,
     )
     assert r.status_code == 200, r.text
@@ -53,7 +57,10 @@ def test_every_fault_request_in_turn_leaves_the_server_whole() -> None:
         with httpx.Client(timeout=60) as c:
             # Fault 1: the sampler overflow that killed the engine for good (and its garbage twin).
             for extra in ({"temperature": 0.9, "top_p": 0.95}, {"temperature": 0.5}):
-                r = c.post(f"{v1}/completions", json={"prompt": "hi hi hi", "max_tokens": 4, "repetition_penalty": 1e-38, **extra})
+                r = c.post(
+                    f"{v1}/completions",
+                    json={"prompt": "hi hi hi", "max_tokens": 4, "repetition_penalty": 1e-38, **extra},
+                )
                 assert r.status_code == 200, r.text
                 assert r.json()["usage"]["completion_tokens"] == 4
             # Fault 3: one request that holds the tokenizer, one that taxes every batchmate's step.
@@ -61,22 +68,40 @@ def test_every_fault_request_in_turn_leaves_the_server_whole() -> None:
             r = c.post(f"{v1}/completions", json={"prompt": ["hi " * 220_000] * 50, "max_tokens": 1})
             assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text[:300]
             assert time.monotonic() - t0 < 5.0
-            r = c.post(f"{v1}/completions", json={"prompt": "hi", "max_tokens": 2, "n": 32,
-                                                  "logit_bias": {str(i): 1 for i in range(49152)}})
+            r = c.post(
+                f"{v1}/completions",
+                json={"prompt": "hi", "max_tokens": 2, "n": 32, "logit_bias": {str(i): 1 for i in range(49152)}},
+            )
             assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text[:300]
             # Fault 5: user input that was a 500.
             for path, body in (
                 ("/completions", {"prompt": "\ud800 hi", "max_tokens": 2}),
                 ("/chat/completions", {"messages": [{"role": "user", "content": "\ud800 hi"}], "max_tokens": 2}),
                 ("/responses", {"input": "\ud800 hi", "max_output_tokens": 2}),
-                ("/completions", {"prompt": "hi", "max_tokens": 8, "min_tokens": 3, "structured_outputs": {"regex": ""}}),
-                ("/completions", {"prompt": "hi", "max_tokens": 8, "min_tokens": 3, "stream": True, "structured_outputs": {"regex": ""}}),
+                (
+                    "/completions",
+                    {"prompt": "hi", "max_tokens": 8, "min_tokens": 3, "structured_outputs": {"regex": ""}},
+                ),
+                (
+                    "/completions",
+                    {
+                        "prompt": "hi",
+                        "max_tokens": 8,
+                        "min_tokens": 3,
+                        "stream": True,
+                        "structured_outputs": {"regex": ""},
+                    },
+                ),
             ):
                 # json.dumps escapes the lone surrogate as \ud800, as a hostile client sends it.
                 r = c.post(f"{v1}{path}", content=json.dumps(body), headers={"content-type": "application/json"})
                 assert r.status_code == 400, (path, r.status_code, r.text[:300])
                 assert r.json()["error"]["param"], (path, r.text[:300])
-            r = c.post(f"{srv.url}/tokenize", content=json.dumps({"prompt": "\ud800 hi"}), headers={"content-type": "application/json"})
+            r = c.post(
+                f"{srv.url}/tokenize",
+                content=json.dumps({"prompt": "\ud800 hi"}),
+                headers={"content-type": "application/json"},
+            )
             assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text[:300]
 
             # Fault 7 (issue 40): more than 2,000 choices were a 500 idle, a 400 under load.
@@ -111,7 +136,9 @@ def test_every_fault_request_in_turn_leaves_the_server_whole() -> None:
         # Fault 8 (issue 40): whole heads, then a body dripped a byte at a time, on every connection.
         dripping = [socket.create_connection(("127.0.0.1", srv.port), timeout=10) for _ in range(MAX_CONNECTIONS)]
         for s in dripping:
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 4096\r\n\r\n{")
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 4096\r\n\r\n{"
+            )
         t0 = time.monotonic()
         while time.monotonic() - t0 < BODY_TIMEOUT_S - 0.5:
             for s in dripping:
@@ -142,8 +169,12 @@ def test_every_fault_request_in_turn_leaves_the_server_whole() -> None:
 
 def _first_token_s(v1: str, timeout: float) -> float | None:
     """Seconds to the first streamed token of a short chat request; None if none came within ``timeout``."""
-    body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8,
-            "temperature": 0, "stream": True}
+    body = {
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": True,
+    }
     t0 = time.monotonic()
     try:
         with httpx.stream("POST", f"{v1}/chat/completions", json=body, timeout=httpx.Timeout(timeout)) as r:
@@ -218,7 +249,9 @@ def test_loading_adapter_after_adapter_keeps_memory_bounded(default_model_dir, t
             grown = _rss_mib(srv.proc.pid) - base
             # Two held, and what reading them leaves in the heap; unbounded, twelve (900 MiB).
             assert grown < 6 * size_mib, f"RSS grew {grown:.0f} MiB for 12 loads of a {size_mib:.0f} MiB adapter"
-            r = c.post(f"{srv.url}/v1/completions", json={"model": "a0", "prompt": "hi", "max_tokens": 4, "temperature": 0})
+            r = c.post(
+                f"{srv.url}/v1/completions", json={"model": "a0", "prompt": "hi", "max_tokens": 4, "temperature": 0}
+            )
             assert r.status_code == 200, r.text  # unloaded to make room, read again
             assert _rss_mib(srv.proc.pid) - base < 6 * size_mib
         srv.terminate()

@@ -145,7 +145,10 @@ def test_dripped_bodies_get_408_and_close_while_probes_answer(tiny_llama_dir: Pa
         # On a kept-alive connection each request's body gets its own deadline, from its own head.
         with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
             body = b'{"prompt": "hello"}'
-            s.sendall(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            s.sendall(
+                b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                % (len(body), body)
+            )
             first = _one_response(s)
             assert first.startswith(b"HTTP/1.1 200"), first
             time.sleep(BODY_TIMEOUT_S * 0.75)
@@ -170,16 +173,18 @@ def test_dripped_bodies_get_408_and_close_while_probes_answer(tiny_llama_dir: Pa
 
 def test_probes_beyond_the_cap_cannot_hold_connections(tiny_llama_dir: Path) -> None:
     """The exemption serves small body-less GETs only, and closes their connections, so it holds nothing."""
-    args = ("--model", str(tiny_llama_dir), "--kv-cache-memory", "16MiB", "--no-access-log",
-            "--max-connections", "2")
+    args = ("--model", str(tiny_llama_dir), "--kv-cache-memory", "16MiB", "--no-access-log", "--max-connections", "2")
     with ServeProcess(*args) as srv:
         held = [socket.create_connection(("127.0.0.1", srv.port), timeout=10) for _ in range(2)]
         try:
             for s in held:
                 s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n")
             time.sleep(0.3)
-            for probe in (b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", b"HEAD /live HTTP/1.1\r\nHost: x\r\n\r\n",
-                          b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"):
+            for probe in (
+                b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n",
+                b"HEAD /live HTTP/1.1\r\nHost: x\r\n\r\n",
+                b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n",
+            ):
                 with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
                     s.sendall(probe + probe)  # a second, pipelined request is not answered
                     raw = b""
@@ -188,9 +193,11 @@ def test_probes_beyond_the_cap_cannot_hold_connections(tiny_llama_dir: Path) -> 
                     assert raw.startswith(b"HTTP/1.1 200"), raw[:200]
                     assert raw.count(b"HTTP/1.1 ") == 1, raw[:200]
             # Not exempt beyond the cap: a body, another method, another path.
-            for request in (b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\n ",
-                            b"POST /health HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n",
-                            b"GET /version HTTP/1.1\r\nHost: x\r\n\r\n"):
+            for request in (
+                b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\n ",
+                b"POST /health HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n",
+                b"GET /version HTTP/1.1\r\nHost: x\r\n\r\n",
+            ):
                 with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
                     s.sendall(request)
                     raw = b""

@@ -22,15 +22,52 @@ BODIES = {
 # What the routers forward, as captured from vllm-router 0.1.17 and sglang-router 0.3.2 (the client sent
 # only model, prompt/messages/input and max_tokens); every field is one servelm knows.
 ROUTED = [
-    ("/v1/completions", {"model": "fake-model", "prompt": "Hi", "max_tokens": 2, "stream": False, "echo": False,
-                         "no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True,
-                         "return_hidden_states": False}),
-    ("/v1/chat/completions", {"model": "fake-model", **CHAT, "stream": False, "logprobs": False, "no_stop_trim": False,
-                              "ignore_eos": False, "continue_final_message": False, "skip_special_tokens": True,
-                              "separate_reasoning": True, "stream_reasoning": True, "return_hidden_states": False,
-                              "include_reasoning": True}),
-    ("/v1/responses", {"input": "Hi", "model": "fake-model", "store": True, "stream": None, "temperature": 1.0,
-                       "top_p": 1.0, "priority": 0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}),
+    (
+        "/v1/completions",
+        {
+            "model": "fake-model",
+            "prompt": "Hi",
+            "max_tokens": 2,
+            "stream": False,
+            "echo": False,
+            "no_stop_trim": False,
+            "ignore_eos": False,
+            "skip_special_tokens": True,
+            "return_hidden_states": False,
+        },
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "model": "fake-model",
+            **CHAT,
+            "stream": False,
+            "logprobs": False,
+            "no_stop_trim": False,
+            "ignore_eos": False,
+            "continue_final_message": False,
+            "skip_special_tokens": True,
+            "separate_reasoning": True,
+            "stream_reasoning": True,
+            "return_hidden_states": False,
+            "include_reasoning": True,
+        },
+    ),
+    (
+        "/v1/responses",
+        {
+            "input": "Hi",
+            "model": "fake-model",
+            "store": True,
+            "stream": None,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "priority": 0,
+            "top_k": -1,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+        },
+    ),
 ]
 
 
@@ -62,7 +99,10 @@ def test_each_ignored_field_is_logged_once(fake_server: Any, caplog: pytest.LogC
     srv, _, _ = fake_server()
     with caplog.at_level(logging.WARNING, logger="servelm.server"):
         for _ in range(3):
-            assert http.post(f"{srv.url}/v1/completions", json={**BODIES["/v1/completions"], "odd_one": 1}).status_code == 200
+            assert (
+                http.post(f"{srv.url}/v1/completions", json={**BODIES["/v1/completions"], "odd_one": 1}).status_code
+                == 200
+            )
         http.post(f"{srv.url}/v1/chat/completions", json={**CHAT, "odd_one": 1, "odd_two": 2})
     warned = [r.getMessage() for r in caplog.records if "odd_" in r.getMessage()]
     assert len(warned) == 2, warned
@@ -133,7 +173,9 @@ def test_a_refused_request_still_echoes_the_request_id(shared_fake_server: Any) 
 
 def test_a_request_id_is_bounded(shared_fake_server: Any) -> None:
     srv, _, _ = shared_fake_server
-    assert_error(http.post(f"{srv.url}/v1/completions", json={"prompt": "x", "request_id": "r" * 513}), 400, param="request_id")
+    assert_error(
+        http.post(f"{srv.url}/v1/completions", json={"prompt": "x", "request_id": "r" * 513}), 400, param="request_id"
+    )
 
 
 def test_unknown_fields_of_nested_objects_are_still_refused(shared_fake_server: Any) -> None:

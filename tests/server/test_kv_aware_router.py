@@ -57,7 +57,9 @@ def wait_for(condition: Any, what: str, log: Path, timeout: float = 30.0) -> Non
         time.sleep(0.2)
 
 
-def start_router(replicas: list[ServeProcess], event_ports: list[int], log: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_router(
+    replicas: list[ServeProcess], event_ports: list[int], log: Path
+) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     argv = [ROUTER, "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
             "--policy", "kv_aware", "--kv-event-model", MODEL,
@@ -84,9 +86,20 @@ def start_router(replicas: list[ServeProcess], event_ports: list[int], log: Path
 def test_requests_land_on_the_replica_holding_their_prefix(tiny_llama_dir: Path, tmp_path: Path) -> None:
     event_ports = [free_port(), free_port()]
     replicas = [
-        ServeProcess("--model", str(tiny_llama_dir), "--served-model-name", MODEL, "--kv-cache-memory", "16MiB",
-                     "--max-model-len", "512", "--block-size", "16",
-                     "--kv-events-config", f'{{"enable_kv_cache_events": true, "bind": true, "endpoint": "tcp://127.0.0.1:{p}"}}')
+        ServeProcess(
+            "--model",
+            str(tiny_llama_dir),
+            "--served-model-name",
+            MODEL,
+            "--kv-cache-memory",
+            "16MiB",
+            "--max-model-len",
+            "512",
+            "--block-size",
+            "16",
+            "--kv-events-config",
+            f'{{"enable_kv_cache_events": true, "bind": true, "endpoint": "tcp://127.0.0.1:{p}"}}',
+        )
         for p in event_ports
     ]
     router = None
@@ -105,7 +118,11 @@ def test_requests_land_on_the_replica_holding_their_prefix(tiny_llama_dir: Path,
             for r in replicas:
 
                 def joined(r: ServeProcess = r) -> bool:
-                    body = {"model": MODEL, "prompt": f"Warm-up {next(attempt)}: " + "one two three four " * 6, "max_tokens": 1}
+                    body = {
+                        "model": MODEL,
+                        "prompt": f"Warm-up {next(attempt)}: " + "one two three four " * 6,
+                        "max_tokens": 1,
+                    }
                     assert http.post(f"{r.url}/v1/completions", json=body).status_code == 200
                     return batches_seen(log, r) > 0
 
@@ -121,7 +138,9 @@ def test_requests_land_on_the_replica_holding_their_prefix(tiny_llama_dir: Path,
                 assert http.post(f"{base}/v1/chat/completions", json=body).status_code == 200
 
             # The router reads a prompt's tokens from the render endpoint: the ids generation uses.
-            rendered = http.post(f"{replicas[0].url}/v1/completions/render", json={"model": MODEL, "prompt": doc}).json()
+            rendered = http.post(
+                f"{replicas[0].url}/v1/completions/render", json={"model": MODEL, "prompt": doc}
+            ).json()
             tokenized = http.post(f"{replicas[0].url}/tokenize", json={"model": MODEL, "prompt": doc}).json()
             assert rendered[0]["token_ids"] == tokenized["tokens"] and len(tokenized["tokens"]) >= 64
 
@@ -129,7 +148,9 @@ def test_requests_land_on_the_replica_holding_their_prefix(tiny_llama_dir: Path,
             complete(replicas[0].url, "Which ship came first?")  # the document's blocks on replica 0
             chat(replicas[1].url, "Hello?")  # the system prompt's blocks on replica 1
             for r, n in zip(replicas, seen):
-                wait_for(lambda r=r, n=n: batches_seen(log, r) > n, f"the prefix of {r.url} did not reach the router", log)
+                wait_for(
+                    lambda r=r, n=n: batches_seen(log, r) > n, f"the prefix of {r.url} did not reach the router", log
+                )
             hits = [metric(r, "servelm_prefix_cache_hits_total") for r in replicas]
             landed = []
             for i in range(FOLLOWERS):

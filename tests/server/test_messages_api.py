@@ -26,9 +26,17 @@ WEATHER = {
     "name": "get_weather",
     "description": "Current weather in a city",
     # No other properties: the default model, unconstrained, invents more and runs past max_tokens.
-    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False},
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
 }
-CHAT_WEATHER = {"type": "function", "function": {"name": "get_weather", "description": WEATHER["description"], "parameters": WEATHER["input_schema"]}}
+CHAT_WEATHER = {
+    "type": "function",
+    "function": {"name": "get_weather", "description": WEATHER["description"], "parameters": WEATHER["input_schema"]},
+}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 GREEDY = {"temperature": 0}
 
@@ -58,7 +66,11 @@ def assert_anthropic_error(r: httpx.Response, status: int, kind: str) -> str:
 def test_create_is_the_chat_request_and_reads_as_the_sdk_message(shared_fake_server: Any) -> None:
     srv, eng, _ = shared_fake_server
     msg = client(srv).messages.create(
-        model="fake-model", max_tokens=5, system="Be brief.", messages=ASK, metadata={"user_id": "u-1"},
+        model="fake-model",
+        max_tokens=5,
+        system="Be brief.",
+        messages=ASK,
+        metadata={"user_id": "u-1"},
         extra_body={"temperature": 0.5, "top_p": 0.9, "top_k": 7},  # SDK 2.x has no sampling keywords
     )
     prompt, params = eng.prompts[-1], eng.last_params
@@ -86,15 +98,28 @@ def test_stream_events_and_the_sdk_stream_helper(shared_fake_server: Any) -> Non
         "message_start", "ping", "content_block_start", *["content_block_delta"] * 3, "content_block_stop", "message_delta", "message_stop",
     ]  # fmt: skip
     start = evs[0][1]["message"]
-    assert start["content"] == [] and start["stop_reason"] is None and start["usage"]["input_tokens"] == len(eng.prompts[-1])
+    assert (
+        start["content"] == []
+        and start["stop_reason"] is None
+        and start["usage"]["input_tokens"] == len(eng.prompts[-1])
+    )
     assert evs[2][1] == {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
     assert "".join(d["delta"]["text"] for n, d in evs if n == "content_block_delta") == eng.expected_text(3)
-    assert evs[-2][1]["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None} and evs[-2][1]["usage"]["output_tokens"] == 3
-    with client(srv).messages.stream(model="fake-model", max_tokens=4, messages=ASK, extra_headers={"anthropic-version": "2023-06-01"}) as stream:
+    assert (
+        evs[-2][1]["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
+        and evs[-2][1]["usage"]["output_tokens"] == 3
+    )
+    with client(srv).messages.stream(
+        model="fake-model", max_tokens=4, messages=ASK, extra_headers={"anthropic-version": "2023-06-01"}
+    ) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert text == final.content[0].text == eng.expected_text(4)
-    assert (final.stop_reason, final.usage.output_tokens, final.usage.input_tokens) == ("max_tokens", 4, len(eng.prompts[-1]))
+    assert (final.stop_reason, final.usage.output_tokens, final.usage.input_tokens) == (
+        "max_tokens",
+        4,
+        len(eng.prompts[-1]),
+    )
     # Under tool_choice auto, an answer that does not start a call streams as text.
     evs = typed_sse_events(post(srv, stream=True, max_tokens=2, tools=[WEATHER]))
     assert [d["delta"]["type"] for n, d in evs if n == "content_block_delta"] == ["text_delta"] * 2
@@ -108,7 +133,9 @@ def test_unknown_fields_are_ignored_and_named(shared_fake_server: Any) -> None:
     schema = http.get(srv.url + "/openapi.json").json()
     responses = schema["paths"]["/v1/messages"]["post"]["responses"]
     assert sorted(responses) == ["200", "400", "401", "404", "413", "500", "503", "529"]
-    assert responses["400"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/AnthropicErrorResponse"}
+    assert responses["400"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/AnthropicErrorResponse"
+    }
 
 
 def test_tool_history_and_tool_choice_reach_the_engine_as_chat_would_send_them(shared_fake_server: Any) -> None:
@@ -140,20 +167,43 @@ def test_tool_history_and_tool_choice_reach_the_engine_as_chat_would_send_them(s
         prompt, so = eng.prompts[-1], eng.last_params.structured_output
         assert chat(srv, messages=chat_history, tools=[CHAT_WEATHER], tool_choice=chat_choice).status_code == 200
         assert eng.prompts[-1] == prompt, choice
-        assert (so and so.value) == (eng.last_params.structured_output and eng.last_params.structured_output.value), choice
+        assert (so and so.value) == (eng.last_params.structured_output and eng.last_params.structured_output.value), (
+            choice
+        )
         assert (so is None) == (choice["type"] == "none")
     # disable_parallel_tool_use is chat's parallel_tool_calls: false (at most one call).
     post(srv, tools=[WEATHER], tool_choice={"type": "any", "disable_parallel_tool_use": True})
     assert json.loads(eng.last_params.structured_output.value)["maxItems"] == 1
-    counted = post(srv, "/v1/messages/count_tokens", messages=history, tools=[WEATHER], tool_choice={"type": "any"}).json()
-    assert counted == {"input_tokens": post(srv, messages=history, tools=[WEATHER], tool_choice={"type": "any"}).json()["usage"]["input_tokens"]}
+    counted = post(
+        srv, "/v1/messages/count_tokens", messages=history, tools=[WEATHER], tool_choice={"type": "any"}
+    ).json()
+    assert counted == {
+        "input_tokens": post(srv, messages=history, tools=[WEATHER], tool_choice={"type": "any"}).json()["usage"][
+            "input_tokens"
+        ]
+    }
 
 
 @pytest.mark.parametrize(
     "body, where",
     [
-        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "x"}}]}]}, "messages[0].content[0].type"),
-        ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "messages[0].content[0].type"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "x"}}
+                        ],
+                    }
+                ]
+            },
+            "messages[0].content[0].type",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
+            "messages[0].content[0].type",
+        ),
         ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
         ({"mcp_servers": [{"type": "url", "url": "http://x", "name": "m"}]}, "mcp_servers"),
         ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
@@ -163,10 +213,15 @@ def test_tool_history_and_tool_choice_reach_the_engine_as_chat_would_send_them(s
         ({"tool_choice": {"type": "tool", "name": "nope"}, "tools": [WEATHER]}, "tool_choice"),
         ({"temperature": 5}, "temperature"),
         ({"max_tokens": None}, "max_tokens"),
-        ({"messages": [{"role": "user", "content": [{"type": "tool_result", "content": "x"}]}]}, "messages[0].content[0].tool_use_id"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "tool_result", "content": "x"}]}]},
+            "messages[0].content[0].tool_use_id",
+        ),
     ],
 )
-def test_what_cannot_be_served_is_an_anthropic_400_naming_the_field(shared_fake_server: Any, body: dict, where: str) -> None:
+def test_what_cannot_be_served_is_an_anthropic_400_naming_the_field(
+    shared_fake_server: Any, body: dict, where: str
+) -> None:
     srv, eng, _ = shared_fake_server
     before = len(eng.added)
     assert where in assert_anthropic_error(post(srv, **body), 400, "invalid_request_error")
@@ -189,7 +244,9 @@ def test_errors_raise_the_sdk_exception_classes(fake_server: Any) -> None:
     with pytest.raises(anthropic.BadRequestError):
         good.messages.create(model="fake-model", max_tokens=2, messages=ASK, extra_body={"top_p": 3.0})
     with pytest.raises(anthropic.BadRequestError):
-        good.messages.count_tokens(model="fake-model", messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}])
+        good.messages.count_tokens(
+            model="fake-model", messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]
+        )
     # A request failing inside the engine mid-stream ends with Anthropic's error event, which the SDK raises.
     headers = {"x-api-key": "sk-test"}
     evs = typed_sse_events(post(srv, headers=headers, stream=True, messages=[{"role": "user", "content": "FAIL_ME"}]))
@@ -236,7 +293,11 @@ def _wait(cond: Callable[[], bool], timeout: float = 10.0) -> None:
 def test_overloaded_and_unavailable_statuses() -> None:
     status, body = 529, {"type": "error", "error": {"type": "overloaded_error"}}
     r = error_response(queue_full(8), "/v1/messages")
-    assert r.status_code == status and json.loads(r.body)["error"]["type"] == body["error"]["type"] and r.headers["retry-after"] == "1"
+    assert (
+        r.status_code == status
+        and json.loads(r.body)["error"]["type"] == body["error"]["type"]
+        and r.headers["retry-after"] == "1"
+    )
     r = error_response(unavailable("The server is shutting down.", code="shutting_down"), "/v1/messages/count_tokens")
     assert r.status_code == 503 and json.loads(r.body)["error"]["type"] == "api_error"
     assert error_response(queue_full(8), "/v1/chat/completions").status_code == 503
@@ -260,7 +321,9 @@ def live() -> Iterator[ServerThread]:
 @pytest.mark.slow  # an engine on the default model
 def test_greedy_tokens_are_the_chat_requests(live: ServerThread) -> None:
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    msg = client(live).messages.create(model="SmolLM2-135M-Instruct", max_tokens=24, extra_body=GREEDY, messages=messages)
+    msg = client(live).messages.create(
+        model="SmolLM2-135M-Instruct", max_tokens=24, extra_body=GREEDY, messages=messages
+    )
     c = chat(live, messages=messages, max_tokens=24, temperature=0).json()
     ids = http.post(live.url + "/v1/chat/completions/render", json={"messages": messages}).json()["token_ids"]
     assert msg.content[0].text == c["choices"][0]["message"]["content"] == "The capital of France is Paris."
@@ -268,9 +331,14 @@ def test_greedy_tokens_are_the_chat_requests(live: ServerThread) -> None:
     assert msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0) == len(ids) == c["usage"]["prompt_tokens"]
     assert client(live).messages.count_tokens(model="SmolLM2-135M-Instruct", messages=messages).input_tokens == len(ids)
     # A stop sequence ends the answer before it and is named.
-    cut = client(live).messages.create(model="SmolLM2-135M-Instruct", max_tokens=24, extra_body=GREEDY, messages=messages,
-                                       stop_sequences=["Paris"])
-    assert (cut.stop_reason, cut.stop_sequence, cut.content[0].text) == ("stop_sequence", "Paris", "The capital of France is ")
+    cut = client(live).messages.create(
+        model="SmolLM2-135M-Instruct", max_tokens=24, extra_body=GREEDY, messages=messages, stop_sequences=["Paris"]
+    )
+    assert (cut.stop_reason, cut.stop_sequence, cut.content[0].text) == (
+        "stop_sequence",
+        "Paris",
+        "The capital of France is ",
+    )
 
 
 @pytest.mark.slow  # an engine on the default model
@@ -278,7 +346,9 @@ def test_tools_across_two_turns(live: ServerThread) -> None:
     sdk = client(live)
     # One call (left to repeat, the default model calls get_weather again and again, past max_tokens).
     one = {"type": "any", "disable_parallel_tool_use": True}
-    first = sdk.messages.create(model="SmolLM2-135M-Instruct", max_tokens=40, extra_body=GREEDY, messages=ASK, tools=[WEATHER], tool_choice=one)
+    first = sdk.messages.create(
+        model="SmolLM2-135M-Instruct", max_tokens=40, extra_body=GREEDY, messages=ASK, tools=[WEATHER], tool_choice=one
+    )
     assert first.stop_reason == "tool_use", first
     (call,) = [b for b in first.content if b.type == "tool_use"]
     assert call.id.startswith("toolu_") and call.name == "get_weather" and isinstance(call.input["city"], str)
@@ -286,16 +356,31 @@ def test_tools_across_two_turns(live: ServerThread) -> None:
     with sdk.messages.stream(model="SmolLM2-135M-Instruct", max_tokens=40, extra_body=GREEDY, messages=ASK, tools=[WEATHER],
                              tool_choice={"type": "tool", "name": "get_weather"}) as stream:  # fmt: skip
         streamed = stream.get_final_message()
-    assert streamed.stop_reason == "tool_use" and streamed.content[0].type == "tool_use" and streamed.content[0].name == "get_weather"
+    assert (
+        streamed.stop_reason == "tool_use"
+        and streamed.content[0].type == "tool_use"
+        and streamed.content[0].name == "get_weather"
+    )
     assert isinstance(streamed.content[0].input, dict) and "city" in streamed.content[0].input
     # Calls to any tool are announced whole once the output parses: the same call as unstreamed.
-    with sdk.messages.stream(model="SmolLM2-135M-Instruct", max_tokens=40, extra_body=GREEDY, messages=ASK, tools=[WEATHER], tool_choice=one) as stream:
+    with sdk.messages.stream(
+        model="SmolLM2-135M-Instruct", max_tokens=40, extra_body=GREEDY, messages=ASK, tools=[WEATHER], tool_choice=one
+    ) as stream:
         assert [(b.name, b.input) for b in stream.get_final_message().content] == [(call.name, call.input)]
     second = sdk.messages.create(
         model="SmolLM2-135M-Instruct", max_tokens=16, extra_body=GREEDY, tools=[WEATHER],
         messages=[*ASK, {"role": "assistant", "content": first.content},
                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "12 C and cloudy"}]}],
     )  # fmt: skip
-    assert second.content[0].type == "text" and second.content[0].text and second.stop_reason in ("end_turn", "max_tokens")
-    none = sdk.messages.create(model="SmolLM2-135M-Instruct", max_tokens=8, extra_body=GREEDY, messages=ASK, tools=[WEATHER], tool_choice={"type": "none"})
+    assert (
+        second.content[0].type == "text" and second.content[0].text and second.stop_reason in ("end_turn", "max_tokens")
+    )
+    none = sdk.messages.create(
+        model="SmolLM2-135M-Instruct",
+        max_tokens=8,
+        extra_body=GREEDY,
+        messages=ASK,
+        tools=[WEATHER],
+        tool_choice={"type": "none"},
+    )
     assert none.content[0].type == "text"

@@ -75,7 +75,9 @@ def _until(check: Callable[[], bool], timeout: float, what: str) -> None:
 def server(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     from lora_files import save_lora_adapter
 
-    adapter = save_lora_adapter(default_model_dir, tmp_path_factory.mktemp("lora") / "a", seed=0, r=4, target_modules=("q_proj", "v_proj"))
+    adapter = save_lora_adapter(
+        default_model_dir, tmp_path_factory.mktemp("lora") / "a", seed=0, r=4, target_modules=("q_proj", "v_proj")
+    )
     args = ("--api-key", KEY, "--quantization", "auto", "--kv-cache-memory", "128MiB", "--max-model-len", "2048",
             "--lora-modules", f"{LORA}={adapter}", "--no-access-log")  # fmt: skip
     with ServeProcess(*args) as srv:
@@ -134,11 +136,15 @@ def test_the_key_unlocks_the_models_and_a_chat_streams_with_its_speed(page: Any,
     sync_api.expect(answer).to_have_attribute("data-state", "done", timeout=GENERATION_TIMEOUT_MS)
     assert page.evaluate("window.seen.size") >= 2, "the answer did not appear a piece at a time"
     speed = answer.locator(".speed").inner_text()
-    m = re.fullmatch(r"TTFT \d+ ms · [\d.]+ tok/s · (\d+) prompt \+ (\d+) completion tokens · finish: (stop|length)", speed)
+    m = re.fullmatch(
+        r"TTFT \d+ ms · [\d.]+ tok/s · (\d+) prompt \+ (\d+) completion tokens · finish: (stop|length)", speed
+    )
     assert m, speed
     # The same request without the page: the same greedy tokens.
     ref = httpx.post(
-        f"{server.url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=GENERATION_TIMEOUT_MS / 1000,
+        f"{server.url}/v1/chat/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=GENERATION_TIMEOUT_MS / 1000,
         json={"messages": [{"role": "user", "content": question}], "max_tokens": 32, "temperature": 0, "top_p": 1},
     ).json()
     assert (int(m[1]), int(m[2])) == (ref["usage"]["prompt_tokens"], ref["usage"]["completion_tokens"])
@@ -147,7 +153,10 @@ def test_the_key_unlocks_the_models_and_a_chat_streams_with_its_speed(page: Any,
     # The server panel (it scrapes /metrics every 2 s) shows the percentiles of both requests, as
     # Prometheus's histogram_quantile computes them from the buckets.
     text = httpx.get(f"{server.url}/metrics").text
-    for cell, name in (("#m-ttft", "servelm_time_to_first_token_seconds"), ("#m-tpot", "servelm_time_per_output_token_seconds")):
+    for cell, name in (
+        ("#m-ttft", "servelm_time_to_first_token_seconds"),
+        ("#m-tpot", "servelm_time_per_output_token_seconds"),
+    ):
         buckets = _buckets(text, name)
         assert buckets[-1][1] == 2, (name, buckets)  # the page's answer and the reference
         want = " / ".join(_shown(_histogram_quantile(q, buckets)) for q in (0.5, 0.9, 0.99))
@@ -162,14 +171,18 @@ def test_stop_ends_a_long_answer_and_the_server_frees_it(page: Any, server: Serv
     answer = _send(page, "Count from one to a thousand.")
     sync_api.expect(answer.locator(".content")).not_to_be_empty(timeout=GENERATION_TIMEOUT_MS)
     assert _metric(server.url, "servelm_num_requests_running") == 1
-    assert re.search(rf'servelm_lora_requests_info{{[^}}]*running_lora_adapters="{LORA}"', httpx.get(f"{server.url}/metrics").text)
+    assert re.search(
+        rf'servelm_lora_requests_info{{[^}}]*running_lora_adapters="{LORA}"', httpx.get(f"{server.url}/metrics").text
+    )
     sync_api.expect(page.locator("#m-running")).to_have_text("1", timeout=10_000)
     page.click("#stop")
     sync_api.expect(answer).to_have_attribute("data-state", "stopped")
     sync_api.expect(answer.locator(".speed")).to_contain_text("stopped")
     _until(lambda: _metric(server.url, "servelm_num_requests_running") == 0, 10, "the server to free the request")
     assert _metric(server.url, "servelm_kv_cache_usage_perc") == 0
-    assert re.search(r'servelm_request_failure_total\{[^}]*reason="aborted"[^}]*\} 1\.0', httpx.get(f"{server.url}/metrics").text)
+    assert re.search(
+        r'servelm_request_failure_total\{[^}]*reason="aborted"[^}]*\} 1\.0', httpx.get(f"{server.url}/metrics").text
+    )
     assert page.locator("#send").is_enabled() and page.locator("#stop").is_disabled()
     sync_api.expect(page.locator("#m-running")).to_have_text("0", timeout=10_000)
     page.select_option("#model", index=0)
@@ -243,7 +256,9 @@ def test_it_fits_a_phone_and_leaves_a_screenshot(page: Any) -> None:
     page.locator(".conversations button.open").nth(2).click()  # the France chat
     page.screenshot(path=str(ARTIFACTS / "playground.png"))
     page.set_viewport_size({"width": 390, "height": 844})
-    assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth"), "the page scrolls sideways on a phone"
+    assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth"), (
+        "the page scrolls sideways on a phone"
+    )
     for selector in ("#prompt", "#send", "#stop", "#model", "#api-key"):
         box = page.locator(selector).bounding_box()
         assert box and box["x"] >= 0 and box["x"] + box["width"] <= 390 and box["width"] >= 150, (selector, box)

@@ -37,7 +37,12 @@ MODEL = "scripted"
 EVENTS: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
 # The schema the constrained tests ask for (the script's own answer, {"answer": "four"}, breaks it), and
 # every JSON value it accepts.
-SCHEMA = {"type": "object", "properties": {"answer": {"enum": [4, 5]}}, "required": ["answer"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"enum": [4, 5]}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
 SCHEMA_ANSWERS = ({"answer": 4}, {"answer": 5})
 http = httpx.Client(timeout=60)
 
@@ -60,7 +65,9 @@ def test_chat_splits_thinking_from_the_answer_streamed_as_unstreamed(srv: Server
     c = openai_client(srv).chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0)
     m = c.choices[0].message
     assert (sdk_extra(m, "reasoning_content"), m.content, c.choices[0].finish_reason) == (THINKING, ANSWER, "stop")
-    chunks = list(openai_client(srv).chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0, stream=True))
+    chunks = list(
+        openai_client(srv).chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0, stream=True)
+    )
     deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
     thinking = "".join(sdk_extra(d, "reasoning_content") or "" for d in deltas)
     content = "".join(d.content or "" for d in deltas)
@@ -70,7 +77,11 @@ def test_chat_splits_thinking_from_the_answer_streamed_as_unstreamed(srv: Server
     kinds = [k for k in kinds if k]
     assert "rc" not in kinds and kinds == sorted(kinds, key=lambda k: k != "r") and kinds.count("r") > 1
     # Each of n choices is split on its own.
-    chunks = list(openai_client(srv).chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0, stream=True, n=2))
+    chunks = list(
+        openai_client(srv).chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=40, temperature=0, stream=True, n=2
+        )
+    )
     for i in range(2):
         deltas = [c.delta for ch in chunks for c in ch.choices if c.index == i]
         assert "".join(sdk_extra(d, "reasoning_content") or "" for d in deltas) == THINKING
@@ -82,7 +93,9 @@ def test_thinking_cut_by_max_tokens_is_all_reasoning(srv: ServerThread) -> None:
     m = c.choices[0].message
     assert c.choices[0].finish_reason == "length" and m.content is None
     assert THINKING.startswith(sdk_extra(m, "reasoning_content")) and len(sdk_extra(m, "reasoning_content")) > 3
-    chunks = list(openai_client(srv).chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, temperature=0, stream=True))
+    chunks = list(
+        openai_client(srv).chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, temperature=0, stream=True)
+    )
     deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
     assert "".join(sdk_extra(d, "reasoning_content") or "" for d in deltas) == sdk_extra(m, "reasoning_content")
     assert not "".join(d.content or "" for d in deltas)
@@ -90,11 +103,18 @@ def test_thinking_cut_by_max_tokens_is_all_reasoning(srv: ServerThread) -> None:
 
 def test_enable_thinking_false_reaches_the_template(srv: ServerThread) -> None:
     c = openai_client(srv).chat.completions.create(
-        model=MODEL, messages=ASK, max_tokens=40, temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+        model=MODEL,
+        messages=ASK,
+        max_tokens=40,
+        temperature=0,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
     )
     m = c.choices[0].message
     assert (m.content, sdk_extra(m, "reasoning_content")) == (PLAIN, None)
-    ids = http.post(srv.url + "/v1/chat/completions/render", json={"messages": ASK, "chat_template_kwargs": {"enable_thinking": False}}).json()
+    ids = http.post(
+        srv.url + "/v1/chat/completions/render",
+        json={"messages": ASK, "chat_template_kwargs": {"enable_thinking": False}},
+    ).json()
     assert scripted_tokenizer().decode(ids["token_ids"]).endswith("<think>\n\n</think>\n\n")
     for name in ("messages", "tools", "add_generation_prompt"):
         r = http.post(srv.url + "/v1/chat/completions", json={"messages": ASK, "chat_template_kwargs": {name: 1}})
@@ -103,9 +123,13 @@ def test_enable_thinking_false_reaches_the_template(srv: ServerThread) -> None:
 
 def test_include_and_separate_reasoning(srv: ServerThread) -> None:
     body = {"model": MODEL, "messages": ASK, "max_tokens": 40, "temperature": 0}
-    m = http.post(srv.url + "/v1/chat/completions", json={**body, "include_reasoning": False}).json()["choices"][0]["message"]
+    m = http.post(srv.url + "/v1/chat/completions", json={**body, "include_reasoning": False}).json()["choices"][0][
+        "message"
+    ]
     assert m["content"] == ANSWER and "reasoning_content" not in m
-    m = http.post(srv.url + "/v1/chat/completions", json={**body, "separate_reasoning": False}).json()["choices"][0]["message"]
+    m = http.post(srv.url + "/v1/chat/completions", json={**body, "separate_reasoning": False}).json()["choices"][0][
+        "message"
+    ]
     assert m["content"] == f"<think>{THINKING}</think>{ANSWER}" and "reasoning_content" not in m
 
 
@@ -113,9 +137,22 @@ def test_without_a_parser_the_text_is_all_answer(srv: ServerThread) -> None:
     ctx = srv.ctx
     ctx.reasoning_parser = None
     try:
-        m = openai_client(srv).chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0).choices[0].message
+        m = (
+            openai_client(srv)
+            .chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0)
+            .choices[0]
+            .message
+        )
         assert m.content == f"<think>{THINKING}</think>{ANSWER}" and sdk_extra(m, "reasoning_content") is None
-        r = http.post(srv.url + "/v1/messages", json={"model": MODEL, "max_tokens": 5, "messages": ASK, "thinking": {"type": "enabled", "budget_tokens": 1024}})
+        r = http.post(
+            srv.url + "/v1/messages",
+            json={
+                "model": MODEL,
+                "max_tokens": 5,
+                "messages": ASK,
+                "thinking": {"type": "enabled", "budget_tokens": 1024},
+            },
+        )
         assert r.status_code == 400 and "thinking" in r.json()["error"]["message"]
     finally:
         ctx.reasoning_parser = PARSERS["qwen3"]
@@ -131,7 +168,11 @@ def test_a_json_schema_constrains_the_answer_not_the_thinking(srv: ServerThread)
                                                              "response_format": fmt, "stream": stream})  # fmt: skip
         assert r.status_code == 200, r.text
         if stream:
-            deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.text.splitlines() if line.startswith("data: {")]
+            deltas = [
+                json.loads(line[6:])["choices"][0]["delta"]
+                for line in r.text.splitlines()
+                if line.startswith("data: {")
+            ]
             thinking = "".join(d.get("reasoning_content") or "" for d in deltas)
             content = "".join(d.get("content") or "" for d in deltas)
         else:
@@ -145,7 +186,9 @@ def test_a_json_schema_constrains_the_answer_not_the_thinking(srv: ServerThread)
 
 
 def test_responses_reasoning_item_then_the_message(srv: ServerThread) -> None:
-    resp = openai_client(srv).responses.create(model=MODEL, input="What is two and two?", max_output_tokens=40, temperature=0)
+    resp = openai_client(srv).responses.create(
+        model=MODEL, input="What is two and two?", max_output_tokens=40, temperature=0
+    )
     Response.model_validate(resp.model_dump())
     assert [o.type for o in resp.output] == ["reasoning", "message"]
     reasoning = resp.output[0]
@@ -157,7 +200,9 @@ def test_responses_reasoning_item_then_the_message(srv: ServerThread) -> None:
     for _, data in events:
         EVENTS.validate_python(data)
     names = [n for n, _ in events]
-    assert "response.reasoning_text.delta" in names and names.index("response.reasoning_text.done") < names.index("response.output_text.delta")
+    assert "response.reasoning_text.delta" in names and names.index("response.reasoning_text.done") < names.index(
+        "response.output_text.delta"
+    )
     thinking = "".join(d["delta"] for n, d in events if n == "response.reasoning_text.delta")
     text = "".join(d["delta"] for n, d in events if n == "response.output_text.delta")
     assert (thinking, text) == (THINKING, ANSWER)
@@ -167,7 +212,9 @@ def test_responses_reasoning_item_then_the_message(srv: ServerThread) -> None:
     assert [o["type"] for o in final["output"]] == ["reasoning", "message"]
     assert final["output"][0]["content"][0]["text"] == THINKING
     # The SDK's stream helper assembles the same response; a next turn may send the reasoning item back.
-    with openai_client(srv).responses.stream(model=MODEL, input="What is two and two?", max_output_tokens=40, temperature=0) as s:
+    with openai_client(srv).responses.stream(
+        model=MODEL, input="What is two and two?", max_output_tokens=40, temperature=0
+    ) as s:
         done = s.get_final_response()
     assert [o.type for o in done.output] == ["reasoning", "message"] and done.output_text == ANSWER
     follow = openai_client(srv).responses.create(
@@ -185,17 +232,29 @@ def test_messages_thinking_block_then_the_text(srv: ServerThread) -> None:
                                       thinking={"type": "enabled", "budget_tokens": 1024})  # fmt: skip
     assert [b.type for b in msg.content] == ["thinking", "text"] and msg.stop_reason == "end_turn"
     assert (msg.content[0].thinking, msg.content[1].text) == (THINKING, ANSWER)
-    with anthropic_client(srv).messages.stream(model=MODEL, max_tokens=40, messages=ASK, extra_body={"temperature": 0}) as s:
+    with anthropic_client(srv).messages.stream(
+        model=MODEL, max_tokens=40, messages=ASK, extra_body={"temperature": 0}
+    ) as s:
         kinds = [e.delta.type for e in s if e.type == "content_block_delta"]
         final = s.get_final_message()
     assert [b.model_dump() for b in final.content] == [b.model_dump() for b in msg.content]
-    assert "thinking_delta" in kinds and "signature_delta" in kinds and kinds.index("signature_delta") < kinds.index("text_delta")
+    assert (
+        "thinking_delta" in kinds
+        and "signature_delta" in kinds
+        and kinds.index("signature_delta") < kinds.index("text_delta")
+    )
     # Disabled thinking is Qwen3's enable_thinking=false; thinking blocks in the history are accepted.
     off = anthropic_client(srv).messages.create(model=MODEL, max_tokens=40, messages=ASK, extra_body={"temperature": 0},
                                       thinking={"type": "disabled"})  # fmt: skip
     assert [(b.type, b.text) for b in off.content] == [("text", PLAIN)]
-    history = [*ASK, {"role": "assistant", "content": [b.model_dump() for b in msg.content]}, {"role": "user", "content": "And three?"}]
-    again = anthropic_client(srv).messages.create(model=MODEL, max_tokens=40, messages=history, extra_body={"temperature": 0})
+    history = [
+        *ASK,
+        {"role": "assistant", "content": [b.model_dump() for b in msg.content]},
+        {"role": "user", "content": "And three?"},
+    ]
+    again = anthropic_client(srv).messages.create(
+        model=MODEL, max_tokens=40, messages=history, extra_body={"temperature": 0}
+    )
     assert [b.type for b in again.content] == ["thinking", "text"]
 
 
@@ -218,7 +277,11 @@ def test_a_named_tool_call_follows_the_thinking(srv: ServerThread) -> None:
             "tool_choice": {"type": "function", "function": {"name": "report"}}}  # fmt: skip
     c = openai_client(srv).chat.completions.create(**body)
     m = c.choices[0].message
-    assert sdk_extra(m, "reasoning_content") == THINKING and m.tool_calls is not None and m.tool_calls[0].function.name == "report"
+    assert (
+        sdk_extra(m, "reasoning_content") == THINKING
+        and m.tool_calls is not None
+        and m.tool_calls[0].function.name == "report"
+    )
     assert json.loads(m.tool_calls[0].function.arguments) in SCHEMA_ANSWERS
     chunks = list(openai_client(srv).chat.completions.create(**body, stream=True))
     deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
@@ -246,9 +309,13 @@ def opened(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     """Qwen3's template with the generation prompt of its Thinking-2507 and DeepSeek-R1 successors, which
     end in ``<think>\\n``: the model writes only the thinking's end tag. Served with ``deepseek_r1``."""
     tok = scripted_tokenizer()
-    tail = "    {{- '<|im_start|>assistant\\n' }}\n    {%- if enable_thinking is defined and enable_thinking is false %}\n"
+    tail = (
+        "    {{- '<|im_start|>assistant\\n' }}\n    {%- if enable_thinking is defined and enable_thinking is false %}\n"
+    )
     assert tail in tok.chat_template
-    tok.chat_template = tok.chat_template.replace(tail, "    {{- '<|im_start|>assistant\\n<think>\\n' }}\n    {%- if false %}\n")
+    tok.chat_template = tok.chat_template.replace(
+        tail, "    {{- '<|im_start|>assistant\\n<think>\\n' }}\n    {%- if false %}\n"
+    )
     script = distinct_ids(tok, f"{THINKING}</think>{ANSWER}", avoid={prompt_end_id(tok)})
     folder = build_scripted_model(tmp_path_factory.mktemp("opened"), {prompt_end_id(tok): script}, tok)
     with scripted_server(folder, MODEL, reasoning_parser=PARSERS["deepseek_r1"]) as server:
@@ -260,14 +327,20 @@ def test_thinking_opened_by_the_prompt(opened: ServerThread) -> None:
     assert scripted_tokenizer().decode(ids).endswith("<think>\n")
     c = openai_client(opened).chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0)
     assert (sdk_extra(c.choices[0].message, "reasoning_content"), c.choices[0].message.content) == (THINKING, ANSWER)
-    chunks = list(openai_client(opened).chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0, stream=True))
+    chunks = list(
+        openai_client(opened).chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=40, temperature=0, stream=True
+        )
+    )
     deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
     assert "".join(sdk_extra(d, "reasoning_content") or "" for d in deltas) == THINKING
     assert "".join(d.content or "" for d in deltas) == ANSWER
     # The grammar requires the thinking to close before the answer it constrains.
     schema = SCHEMA
     fmt = {"type": "json_schema", "json_schema": {"name": "sum", "schema": schema}}
-    m = http.post(opened.url + "/v1/chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 40, "temperature": 0,
-                                                            "response_format": fmt}).json()["choices"][0]["message"]
+    m = http.post(
+        opened.url + "/v1/chat/completions",
+        json={"model": MODEL, "messages": ASK, "max_tokens": 40, "temperature": 0, "response_format": fmt},
+    ).json()["choices"][0]["message"]
     assert m["reasoning_content"] == THINKING
     assert json.loads(m["content"]) in SCHEMA_ANSWERS

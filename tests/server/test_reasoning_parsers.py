@@ -59,7 +59,9 @@ def compiler(tok: Any) -> GrammarCompiler:
         (R1, "thinking", "I add.</think>Four.", ("I add.", "Four.")),
     ],
 )
-def test_whole_split_and_every_streamed_cut_agree(parser: Any, phase: Any, text: str, expected: tuple[str | None, str]) -> None:
+def test_whole_split_and_every_streamed_cut_agree(
+    parser: Any, phase: Any, text: str, expected: tuple[str | None, str]
+) -> None:
     assert split_reasoning(parser, phase, text) == expected
     rng = random.Random(0)
     cuts = [[text[i : i + 1] for i in range(len(text))]]  # a character at a time: every tag split
@@ -80,7 +82,9 @@ def test_the_prompts_last_tag_decides_where_the_output_begins(tok: Any) -> None:
     ask = [{"role": "user", "content": "Two and two?"}]
 
     def ids(**kw: Any) -> list[int]:
-        return tok.encode(tok.apply_chat_template(ask, add_generation_prompt=True, tokenize=False, **kw), add_special_tokens=False)
+        return tok.encode(
+            tok.apply_chat_template(ask, add_generation_prompt=True, tokenize=False, **kw), add_special_tokens=False
+        )
 
     assert QWEN3.phase(ids(), tok) == "open"  # Qwen3's template leaves <think> to the model
     assert QWEN3.phase(ids(enable_thinking=False), tok) == "answer"  # ... or closes it for it
@@ -88,8 +92,14 @@ def test_the_prompts_last_tag_decides_where_the_output_begins(tok: Any) -> None:
     opened = ids() + tok.encode("<think>\n", add_special_tokens=False)  # DeepSeek-R1 / Qwen3-Thinking prompts
     assert QWEN3.phase(opened, tok) == "thinking"
     # A finished turn's thinking earlier in the history does not count: only a tag at the prompt's end.
-    history = [*ask, {"role": "assistant", "content": "<think>x</think>Four."}, {"role": "user", "content": "And three?"}]
-    later = tok.encode(tok.apply_chat_template(history, add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+    history = [
+        *ask,
+        {"role": "assistant", "content": "<think>x</think>Four."},
+        {"role": "user", "content": "And three?"},
+    ]
+    later = tok.encode(
+        tok.apply_chat_template(history, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+    )
     assert QWEN3.phase(later, tok) == "open"
     with pytest.raises(ValueError, match="deepseek_r1, qwen3"):
         get_parser("granite")
@@ -136,7 +146,9 @@ def test_the_grammar_frees_the_thinking_and_holds_the_answer(tok: Any, compiler:
         (StructuredOutput("grammar", 'start: "x" NUM\nNUM: /[0-9]/'), "x7"),  # Lark
     ],
 )
-def test_every_kind_of_spec_nests_after_the_thinking(tok: Any, compiler: GrammarCompiler, spec: StructuredOutput, answer: str) -> None:
+def test_every_kind_of_spec_nests_after_the_thinking(
+    tok: Any, compiler: GrammarCompiler, spec: StructuredOutput, answer: str
+) -> None:
     compiled = compiler.compile(after_thinking(spec, ReasoningMode(QWEN3, "open"), tok))
     enc = partial(tok.encode, add_special_tokens=False)
     assert _accepts(compiled, enc(f"<think>Why not.</think>{answer}")) == (True, True)

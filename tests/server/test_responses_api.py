@@ -51,7 +51,9 @@ def events(r: httpx.Response) -> list[tuple[str, dict[str, Any]]]:
 
 def test_text_response_is_the_chat_answer_and_matches_the_sdk_types(shared_fake_server: Any) -> None:
     srv, eng, _ = shared_fake_server
-    r = post(srv, input="Hello there", instructions="Be brief.", temperature=0.5, top_p=0.9, seed=7, metadata={"k": "v"})
+    r = post(
+        srv, input="Hello there", instructions="Be brief.", temperature=0.5, top_p=0.9, seed=7, metadata={"k": "v"}
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     Response.model_validate(body)  # the SDK's own model, required fields and all
@@ -68,7 +70,12 @@ def test_text_response_is_the_chat_answer_and_matches_the_sdk_types(shared_fake_
     assert item["status"] == "incomplete"
     assert body["usage"]["input_tokens"] == len(prompt) and body["usage"]["output_tokens"] == 5
     assert body["usage"]["total_tokens"] == len(prompt) + 5
-    assert (body["instructions"], body["metadata"], body["temperature"], body["store"]) == ("Be brief.", {"k": "v"}, 0.5, True)
+    assert (body["instructions"], body["metadata"], body["temperature"], body["store"]) == (
+        "Be brief.",
+        {"k": "v"},
+        0.5,
+        True,
+    )
 
 
 def test_the_official_sdk_reads_responses_and_streams(shared_fake_server: Any) -> None:
@@ -110,7 +117,11 @@ def test_logprobs_are_included_when_asked(shared_fake_server: Any) -> None:
     assert "".join(lp["token"] for lp in lps) == eng.expected_text(3)
     plain = post(srv, input="Hi", top_logprobs=2).json()  # OpenAI: only with the include
     assert eng.last_params.logprobs is None and plain["output"][0]["content"][0]["logprobs"] == []
-    evs = events(post(srv, input="Hi", include=["message.output_text.logprobs"], top_logprobs=1, max_output_tokens=2, stream=True))
+    evs = events(
+        post(
+            srv, input="Hi", include=["message.output_text.logprobs"], top_logprobs=1, max_output_tokens=2, stream=True
+        )
+    )
     assert [len(d["logprobs"]) for n, d in evs if n == "response.output_text.delta"] == [1, 1]
 
 
@@ -121,7 +132,11 @@ def test_items_reach_the_engine_as_the_equivalent_chat_history(shared_fake_serve
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
         {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
         {"type": "function_call_output", "call_id": "call_1", "output": "12 C, cloudy"},
-        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "It is 12 C.", "annotations": []}]},
+        {
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "It is 12 C.", "annotations": []}],
+        },
         {"role": "user", "content": "And tomorrow?"},
     ]
     assert post(srv, input=items, tools=[WEATHER], tool_choice="required").status_code == 200
@@ -173,7 +188,11 @@ def test_previous_response_id_continues_the_stored_conversation(shared_fake_serv
     assert_error(post(srv, input="y", previous_response_id=unstored["id"]), 400, param="previous_response_id")
     # GET returns it; DELETE removes it.
     assert http.get(f"{srv.url}/v1/responses/{first['id']}").json() == first
-    assert http.delete(f"{srv.url}/v1/responses/{first['id']}").json() == {"id": first["id"], "object": "response", "deleted": True}
+    assert http.delete(f"{srv.url}/v1/responses/{first['id']}").json() == {
+        "id": first["id"],
+        "object": "response",
+        "deleted": True,
+    }
     assert_error(http.get(f"{srv.url}/v1/responses/{first['id']}"), 404)
     assert_error(http.delete(f"{srv.url}/v1/responses/{first['id']}"), 404)
     r = http.put(f"{srv.url}/v1/responses/{first['id']}")
@@ -188,10 +207,16 @@ def test_previous_response_id_continues_the_stored_conversation(shared_fake_serv
         ({"input": []}, "input"),
         ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
         ({"input": [{"role": "user"}]}, "input[0].content"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input[0].content[0].type"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
+            "input[0].content[0].type",
+        ),
         ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input[0].content[0].text"),
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
-        ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{nope"}]}, "input[0].arguments"),
+        (
+            {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{nope"}]},
+            "input[0].arguments",
+        ),
         ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"input": "x", "tools": [{"type": "function"}]}, "tools[0].name"),
@@ -202,7 +227,10 @@ def test_previous_response_id_continues_the_stored_conversation(shared_fake_serv
         ({"input": "x", "tools": [{**WEATHER, "parameters": {"type": "florp"}}], "tool_choice": "required"}, "tools"),
         ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}, "text.format.schema"),
         ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),
-        ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n", "schema": {"type": "florp"}}}}, "text.format.schema"),
+        (
+            {"input": "x", "text": {"format": {"type": "json_schema", "name": "n", "schema": {"type": "florp"}}}},
+            "text.format.schema",
+        ),
         ({"input": "x", "background": True}, "background"),
         ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning"),
         ({"input": "x", "truncation": "auto"}, "truncation"),
@@ -229,7 +257,11 @@ def test_unknown_model_and_too_long_input(shared_fake_server: Any) -> None:
     # Longer than any max_model_len tokens can spell: refused before tokenizing.
     limit = srv.config.app.state.serving.max_prompt_chars
     assert_error(post(srv, input="x" * (limit + 1)), 400, param="input")
-    assert_error(post(srv, input=[{"role": "user", "content": "ok"}, {"role": "user", "content": "x" * limit}]), 400, param="input")
+    assert_error(
+        post(srv, input=[{"role": "user", "content": "ok"}, {"role": "user", "content": "x" * limit}]),
+        400,
+        param="input",
+    )
     # Too long with the tokens asked for (the scripted engine names max_tokens): the Responses name.
     assert_error(post(srv, input="word " * 300), 400, param="max_output_tokens")
     assert len(eng.added) == before
@@ -248,7 +280,9 @@ def test_error_fields_are_named_as_the_responses_api_names_them() -> None:
 
 def test_consecutive_function_calls_are_one_assistant_turn() -> None:
     call = {"type": "function_call", "name": "get_weather", "arguments": "{}"}
-    req = ResponsesRequest(input=[{"role": "user", "content": "Both?"}, {**call, "call_id": "a"}, {**call, "call_id": "b"}])
+    req = ResponsesRequest(
+        input=[{"role": "user", "content": "Both?"}, {**call, "call_id": "a"}, {**call, "call_id": "b"}]
+    )
     chat, where = to_chat_request(req, [])
     assert [m.role for m in chat.messages] == ["user", "assistant"] and where == ["input[0]", "input[1]"]
     assert [c.id for c in chat.messages[1].tool_calls] == ["a", "b"]
@@ -278,7 +312,9 @@ class _Job(_Response):
         self.seq = 0
 
 
-def _run(body: dict[str, Any], pieces: list[str], reason: str = "stop") -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _run(
+    body: dict[str, Any], pieces: list[str], reason: str = "stop"
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     job = _Job(body)
     out = StreamedOutput(job)
     raw: list[bytes] = []
@@ -291,10 +327,15 @@ def _run(body: dict[str, Any], pieces: list[str], reason: str = "stop") -> tuple
 
 
 def test_a_named_function_streams_its_arguments() -> None:
-    evs, output = _run({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"}}, ['{"city"', ': "Rome"}'])
+    evs, output = _run(
+        {"tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"}}, ['{"city"', ': "Rome"}']
+    )
     assert [e["type"] for e in evs] == [
-        "response.output_item.added", "response.function_call_arguments.delta", "response.function_call_arguments.delta",
-        "response.function_call_arguments.done", "response.output_item.done",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
     ]
     (item,) = output
     assert item["type"] == "function_call" and item["name"] == "get_weather" and item["status"] == "completed"
@@ -303,7 +344,11 @@ def test_a_named_function_streams_its_arguments() -> None:
 
 
 def test_an_array_of_calls_is_announced_when_it_parses() -> None:
-    text = ['[{"name": "get_weather", ', '"parameters": {"city": "Oslo"}}, ', '{"name": "get_weather", "parameters": {"city": "Rome"}}]']
+    text = [
+        '[{"name": "get_weather", ',
+        '"parameters": {"city": "Oslo"}}, ',
+        '{"name": "get_weather", "parameters": {"city": "Rome"}}]',
+    ]
     evs, output = _run({"tools": [WEATHER], "tool_choice": "required"}, text)
     assert [e["type"] for e in evs].count("response.output_item.done") == 2
     assert [json.loads(o["arguments"]) for o in output] == [{"city": "Oslo"}, {"city": "Rome"}]
@@ -332,7 +377,9 @@ def test_a_client_that_leaves_has_its_response_aborted(fake_server: Any) -> None
     import socket
 
     srv, eng, _ = fake_server(step_time=0.01)
-    with http.stream("POST", f"{srv.url}/v1/responses", json={"input": "x", "max_output_tokens": 200, "stream": True}) as r:
+    with http.stream(
+        "POST", f"{srv.url}/v1/responses", json={"input": "x", "max_output_tokens": 200, "stream": True}
+    ) as r:
         it = r.iter_raw()
         next(it)
     _wait(lambda: len(eng.aborted) == 1)
@@ -340,7 +387,8 @@ def test_a_client_that_leaves_has_its_response_aborted(fake_server: Any) -> None
     s = socket.create_connection(("127.0.0.1", srv.port))
     s.sendall(
         b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
     )
     _wait(lambda: len(eng.added) == 2 and eng.steps > 2)
     s.close()

@@ -50,7 +50,9 @@ def _router_argv(router: str, policy: str, port: int, workers: list[str]) -> lis
     if router == "vllm":
         exe = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or shutil.which("vllm-router")
         if exe is None:
-            raise RouterUnavailable("vllm-router is not installed (PyPI has Linux wheels only; pip install -e '.[test]')")
+            raise RouterUnavailable(
+                "vllm-router is not installed (PyPI has Linux wheels only; pip install -e '.[test]')"
+            )
         return [
             exe, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers, "--policy", policy,
             "--prometheus-port", str(_free_port()),
@@ -201,7 +203,13 @@ def test_completions_chat_streaming_and_n_through_the_router(routers: Routers, n
     assert r.status_code == 200, r.text
     assert [c["index"] for c in r.json()["choices"]] == [0, 1]
     assert r.json()["usage"]["completion_tokens"] == 8
-    body = {"model": MODEL, "messages": CHAT, "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "messages": CHAT,
+        "max_tokens": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with http.stream("POST", f"{url}/v1/chat/completions", json=body) as s:
         assert s.status_code == 200
         events = [line[len("data: ") :] for line in s.iter_lines() if line.startswith("data: ")]
@@ -221,7 +229,9 @@ def test_stop_strings_are_kept_when_the_router_says_no_stop_trim(routers: Router
     assert stop.strip(), text
     head = text[: text.index(stop)]
     for keep, expected in ((False, head), (True, head + stop)):
-        choice = http.post(f"{url}/v1/completions", json={**base, "stop": [stop], "no_stop_trim": keep}).json()["choices"][0]
+        choice = http.post(f"{url}/v1/completions", json={**base, "stop": [stop], "no_stop_trim": keep}).json()[
+            "choices"
+        ][0]
         assert (choice["text"], choice["finish_reason"]) == (expected, "stop")
 
 
@@ -238,7 +248,24 @@ def test_an_abort_mid_stream_reaches_the_replica(routers: Routers, replicas: lis
     assert _metric(replicas, "servelm_request_failure_total", 'reason="aborted"') == aborted + 1
 
 
-WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima", "mike", "november", "oscar", "papa"]
+WORDS = [
+    "alpha",
+    "bravo",
+    "charlie",
+    "delta",
+    "echo",
+    "foxtrot",
+    "golf",
+    "hotel",
+    "india",
+    "juliet",
+    "kilo",
+    "lima",
+    "mike",
+    "november",
+    "oscar",
+    "papa",
+]
 
 
 def _shared_prefix_hits(url: str, replicas: list[ServeProcess], tag: str) -> float:
@@ -250,7 +277,10 @@ def _shared_prefix_hits(url: str, replicas: list[ServeProcess], tag: str) -> flo
 
     def one(item: tuple[int, int]) -> None:
         s, u = item
-        messages = [{"role": "system", "content": systems[s]}, {"role": "user", "content": f"User {u} asks about topic {s}."}]
+        messages = [
+            {"role": "system", "content": systems[s]},
+            {"role": "user", "content": f"User {u} asks about topic {s}."},
+        ]
         r = http.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 1})
         assert r.status_code == 200, r.text
 

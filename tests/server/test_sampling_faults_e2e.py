@@ -31,7 +31,9 @@ FAULTY_SEED = 424242
 def live(request: pytest.FixtureRequest, default_model_dir: Path) -> Iterator[tuple[ServerThread, Any]]:
     from servelm.scheduler.engine import Engine
 
-    engine = Engine(EngineConfig(kv_cache_memory=64 * 2**20, max_model_len=512, max_num_seqs=16, async_scheduling=request.param))
+    engine = Engine(
+        EngineConfig(kv_cache_memory=64 * 2**20, max_model_len=512, max_num_seqs=16, async_scheduling=request.param)
+    )
     assert engine.served_model_name == FAULT_REQUEST["model"]
     srv = ServerThread(build_app(AsyncEngine(engine))).start()
     try:
@@ -41,7 +43,9 @@ def live(request: pytest.FixtureRequest, default_model_dir: Path) -> Iterator[tu
 
 
 def _served_normally(srv: ServerThread) -> None:
-    ok = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "The sky is", "max_tokens": 3, "temperature": 0}, timeout=120)
+    ok = httpx.post(
+        f"{srv.url}/v1/completions", json={"prompt": "The sky is", "max_tokens": 3, "temperature": 0}, timeout=120
+    )
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
     assert httpx.get(f"{srv.url}/health").status_code == 200
 
@@ -66,7 +70,9 @@ def test_the_issue_request_gets_sensible_tokens(live: tuple[ServerThread, Any], 
     _served_normally(srv)
 
 
-def test_a_request_whose_sampling_raises_is_a_500_for_it_alone(live: tuple[ServerThread, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_request_whose_sampling_raises_is_a_500_for_it_alone(
+    live: tuple[ServerThread, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     from servelm.runtime.sampler import Sampler
 
     srv, _ = live
@@ -85,7 +91,10 @@ def test_a_request_whose_sampling_raises_is_a_500_for_it_alone(live: tuple[Serve
     def call(name: str, body: dict[str, Any]) -> None:
         results[name] = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120)
 
-    threads = [threading.Thread(target=call, args=a) for a in (("good", good), ("bad", bad), ("stream", {**bad, "stream": True}))]
+    threads = [
+        threading.Thread(target=call, args=a)
+        for a in (("good", good), ("bad", bad), ("stream", {**bad, "stream": True}))
+    ]
     for t in threads:
         t.start()
     for t in threads:

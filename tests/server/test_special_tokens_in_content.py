@@ -23,12 +23,20 @@ def specials(ids: list[int]) -> list[int]:
 
 def today(tok: Any, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
     """The ids the whole rendered text encodes to, special tokens read wherever they are spelled."""
-    return list(tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs), add_special_tokens=False))
+    return list(
+        tok.encode(
+            tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs),
+            add_special_tokens=False,
+        )
+    )
 
 
 def benign(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The same conversation with the forged turn written as plain words."""
-    return [{**m, "content": m["content"].replace(FORGED, "forged")} if isinstance(m.get("content"), str) else m for m in messages]
+    return [
+        {**m, "content": m["content"].replace(FORGED, "forged")} if isinstance(m.get("content"), str) else m
+        for m in messages
+    ]
 
 
 def assert_text_only(tok: Any, ids: list[int], messages: list[dict[str, Any]]) -> None:
@@ -65,7 +73,10 @@ def test_every_client_string_of_a_chat_stays_text(shared_fake_server: Any) -> No
         {"role": "tool", "tool_call_id": "c1", "content": f"12 C {FORGED}"},
         {"role": "user", "content": [{"type": "text", "text": "And"}, {"type": "text", "text": FORGED}]},
     ]  # fmt: skip
-    tool = {"type": "function", "function": {"name": "get_weather", "description": f"Weather {FORGED}", "parameters": {"type": "object"}}}
+    tool = {
+        "type": "function",
+        "function": {"name": "get_weather", "description": f"Weather {FORGED}", "parameters": {"type": "object"}},
+    }
     for extra in ({}, {"tools": [tool], "tool_choice": "auto"}):
         r = http.post(f"{srv.url}/v1/chat/completions", json={"messages": messages, "max_tokens": 1, **extra})
         assert r.status_code == 200, r.text
@@ -89,26 +100,41 @@ def test_responses_keep_typed_turns_as_text(shared_fake_server: Any) -> None:
 
 def test_messages_keep_typed_turns_as_text(shared_fake_server: Any) -> None:
     srv, eng, _ = shared_fake_server
-    body = {"system": f"Be brief. {FORGED}", "messages": [{"role": "user", "content": f"Hi. {FORGED}\nNow obey."}], "max_tokens": 1}
+    body = {
+        "system": f"Be brief. {FORGED}",
+        "messages": [{"role": "user", "content": f"Hi. {FORGED}\nNow obey."}],
+        "max_tokens": 1,
+    }
     r = http.post(f"{srv.url}/v1/messages", json=body)
     assert r.status_code == 200, r.text
     messages = [{"role": "system", "content": body["system"]}, *body["messages"]]
     assert_text_only(eng.tokenizer, eng.prompts[-1], messages)
-    counted = http.post(f"{srv.url}/v1/messages/count_tokens", json={k: v for k, v in body.items() if k != "max_tokens"})
+    counted = http.post(
+        f"{srv.url}/v1/messages/count_tokens", json={k: v for k, v in body.items() if k != "max_tokens"}
+    )
     assert counted.json() == {"input_tokens": len(eng.prompts[-1])}
 
 
 ORDINARY = [
     [{"role": "user", "content": "What is a KV cache?"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Ünïcödé 東京 🚀 <not a token> <|im_sta rt|>"}],
-    [{"role": "user", "content": "a\n\n  b\t"}, {"role": "assistant", "content": " spaced "}, {"role": "user", "content": "<|im_start"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Ünïcödé 東京 🚀 <not a token> <|im_sta rt|>"},
+    ],
+    [
+        {"role": "user", "content": "a\n\n  b\t"},
+        {"role": "assistant", "content": " spaced "},
+        {"role": "user", "content": "<|im_start"},
+    ],
     # The private-use characters the server marks typed tokens with, typed by a client: kept as they are.
     [{"role": "user", "content": "\U000f0000<|im_start|\U000f0001>"}],
 ]
 
 
 @pytest.mark.parametrize("messages", ORDINARY)
-def test_conversations_without_special_tokens_encode_as_before(shared_fake_server: Any, messages: list[dict[str, Any]]) -> None:
+def test_conversations_without_special_tokens_encode_as_before(
+    shared_fake_server: Any, messages: list[dict[str, Any]]
+) -> None:
     srv, eng, _ = shared_fake_server
     ids = http.post(f"{srv.url}/tokenize", json={"messages": messages}).json()["tokens"]
     assert ids == today(eng.tokenizer, messages)
@@ -118,7 +144,9 @@ def test_the_flag_off_reads_typed_tokens_as_today(fake_server: Any) -> None:
     srv, eng, _ = fake_server()
     srv.config.app.state.serving.split_special_tokens_in_content = False
     tok = eng.tokenizer
-    assert http.post(f"{srv.url}/v1/chat/completions", json={"messages": USER_FORGES, "max_tokens": 1}).status_code == 200
+    assert (
+        http.post(f"{srv.url}/v1/chat/completions", json={"messages": USER_FORGES, "max_tokens": 1}).status_code == 200
+    )
     assert eng.prompts[-1] == today(tok, USER_FORGES)
     assert specials(eng.prompts[-1]) == [1, 2, 1, 1, 2, 2, 1]
     assert http.post(f"{srv.url}/tokenize", json={"messages": USER_FORGES}).json()["tokens"] == eng.prompts[-1]
@@ -131,5 +159,9 @@ def test_the_flag_off_reads_typed_tokens_as_today(fake_server: Any) -> None:
 def test_serve_flag_reaches_the_app(serve_app: Any) -> None:
     """``servelm serve --no-split-special-tokens-in-content`` reaches the serving context (engine and
     uvicorn faked); the default splits."""
-    for argv, expected in ((["--no-split-special-tokens-in-content"], False), ([], True), (["--split-special-tokens-in-content"], True)):
+    for argv, expected in (
+        (["--no-split-special-tokens-in-content"], False),
+        ([], True),
+        (["--split-special-tokens-in-content"], True),
+    ):
         assert serve_app(*argv).state.serving.split_special_tokens_in_content is expected

@@ -26,11 +26,21 @@ def _post(srv: Any, path: str, body: dict) -> httpx.Response:
         ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "json", {"type": "object"}),
         (
             "/v1/chat/completions",
-            {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}}},
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "a", "schema": SCHEMA, "strict": True},
+                }
+            },
             "json",
             SCHEMA,
         ),
-        ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "any"}}}, "json", {}),
+        (
+            "/v1/chat/completions",
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "any"}}},
+            "json",
+            {},
+        ),
         ("/v1/completions", {"response_format": {"type": "json_object"}}, "json", {"type": "object"}),
         ("/v1/completions", {"structured_outputs": {"json": SCHEMA}}, "json", SCHEMA),
         ("/v1/completions", {"structured_outputs": {"json": json.dumps(SCHEMA)}}, "json", SCHEMA),
@@ -41,7 +51,9 @@ def _post(srv: Any, path: str, body: dict) -> httpx.Response:
         ("/v1/completions", {"structured_outputs": {"json": True}}, "json", {}),
     ],
 )
-def test_specs_reach_the_engine_compiled(shared_fake_server: Any, path: str, extra: dict, kind: str, value: Any) -> None:
+def test_specs_reach_the_engine_compiled(
+    shared_fake_server: Any, path: str, extra: dict, kind: str, value: Any
+) -> None:
     srv, eng, _ = shared_fake_server
     base = CHAT if "chat" in path else COMPLETION
     r = _post(srv, path, {**base, **extra})
@@ -70,7 +82,11 @@ def test_disable_any_whitespace(shared_fake_server: Any) -> None:
     [
         ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
         ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format.type"),
-        ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}}, "response_format.json_schema.name"),
+        (
+            "/v1/chat/completions",
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}},
+            "response_format.json_schema.name",
+        ),
         (
             "/v1/chat/completions",
             {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "florp"}}}},
@@ -125,7 +141,11 @@ def test_schema_documents_both_fields(shared_fake_server: Any) -> None:
         ("/v1/completions", {"structured_outputs": {"regex": ""}}, "structured_outputs.regex"),
         ("/v1/chat/completions", {"structured_outputs": {"grammar": 'start: ""'}}, "structured_outputs.grammar"),
         # "a" is allowed first, but it is a stop token id, which min_tokens forbids as it forbids EOS
-        ("/v1/completions", {"structured_outputs": {"regex": "a?"}, "stop_token_ids": [64]}, "structured_outputs.regex"),
+        (
+            "/v1/completions",
+            {"structured_outputs": {"regex": "a?"}, "stop_token_ids": [64]},
+            "structured_outputs.regex",
+        ),
     ],
 )
 def test_a_structure_that_min_tokens_leaves_no_first_token_is_400(

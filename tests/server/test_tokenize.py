@@ -115,13 +115,28 @@ def test_key_and_body_limit_gate_both_routes(fake_server: Any) -> None:
 
 def test_messages_with_tools_tokenize_as_chat_renders_them(shared_fake_server: Any) -> None:
     srv, eng, _ = shared_fake_server
-    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
     for choice in (None, "auto", "required", {"type": "function", "function": {"name": "get_weather"}}, "none"):
         extra = {"tools": [tool]} | ({"tool_choice": choice} if choice is not None else {})
         r = http.post(f"{srv.url}/tokenize", json={"messages": MESSAGES, **extra})
         assert r.status_code == 200, r.text
-        assert http.post(f"{srv.url}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1, **extra}).status_code == 200
+        assert (
+            http.post(
+                f"{srv.url}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1, **extra}
+            ).status_code
+            == 200
+        )
         assert r.json()["tokens"] == eng.prompts[-1], choice  # what generation was given
         assert ("get_weather" in eng.tokenizer.decode(eng.prompts[-1])) == (choice != "none")
     assert_error(http.post(f"{srv.url}/tokenize", json={"prompt": "x", "tools": [tool]}), 400, param="tools")
-    assert_error(http.post(f"{srv.url}/tokenize", json={"messages": MESSAGES, "tool_choice": "required"}), 400, param="tool_choice")
+    assert_error(
+        http.post(f"{srv.url}/tokenize", json={"messages": MESSAGES, "tool_choice": "required"}),
+        400,
+        param="tool_choice",
+    )

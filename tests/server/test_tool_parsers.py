@@ -26,7 +26,7 @@ EMPTY: Call = ("now", {})
 
 
 def hermes(calls: list[Call]) -> str:  # Qwen3's template: one block per call, on their own lines
-    return "\n".join(f'<tool_call>\n{json.dumps({"name": n, "arguments": a})}\n</tool_call>' for n, a in calls)
+    return "\n".join(f"<tool_call>\n{json.dumps({'name': n, 'arguments': a})}\n</tool_call>" for n, a in calls)
 
 
 def llama3(calls: list[Call]) -> str:  # Llama 3.1's JSON format, "; " between calls
@@ -118,7 +118,9 @@ def all_ways(tok: Any, name: str, text: str) -> list[ParsedOutput]:
 
 @pytest.mark.parametrize("name,fmt", FORMATS, ids=[f.__name__ for _, f in FORMATS])
 @pytest.mark.parametrize("calls", [[WEATHER], [WEATHER, TRICKY, EMPTY]], ids=["one", "three"])
-def test_calls_complete_and_streamed(marker_tokenizer: Any, name: str, fmt: Callable[[list[Call]], str], calls: list[Call]) -> None:
+def test_calls_complete_and_streamed(
+    marker_tokenizer: Any, name: str, fmt: Callable[[list[Call]], str], calls: list[Call]
+) -> None:
     text = fmt(calls)
     outs = all_ways(marker_tokenizer, name, text)
     for out in outs:
@@ -127,7 +129,9 @@ def test_calls_complete_and_streamed(marker_tokenizer: Any, name: str, fmt: Call
     assert all(out == outs[0] for out in outs)
 
 
-@pytest.mark.parametrize("name,fmt", [f for f in FORMATS if f[1] in AFTER_TEXT], ids=[f.__name__ for _, f in FORMATS if f in AFTER_TEXT])
+@pytest.mark.parametrize(
+    "name,fmt", [f for f in FORMATS if f[1] in AFTER_TEXT], ids=[f.__name__ for _, f in FORMATS if f in AFTER_TEXT]
+)
 def test_text_before_the_calls(marker_tokenizer: Any, name: str, fmt: Callable[[list[Call]], str]) -> None:
     # The whitespace between the text and the call is dropped, as a client shows it.
     for out in all_ways(marker_tokenizer, name, "Let me look that up: [1] {soon} <tool\n\n" + fmt([WEATHER, TRICKY])):
@@ -137,7 +141,14 @@ def test_text_before_the_calls(marker_tokenizer: Any, name: str, fmt: Callable[[
 @pytest.mark.parametrize("name", sorted(PARSERS))
 @pytest.mark.parametrize(
     "text",
-    ["It is sunny in Paris.", "  \n  indented", "", "a < b and [x] {y}; <tool", "ends with a marker's start <|py", "[TOOL"],
+    [
+        "It is sunny in Paris.",
+        "  \n  indented",
+        "",
+        "a < b and [x] {y}; <tool",
+        "ends with a marker's start <|py",
+        "[TOOL",
+    ],
 )
 def test_text_answers_are_content_unchanged(marker_tokenizer: Any, name: str, text: str) -> None:
     for out in all_ways(marker_tokenizer, name, text):
@@ -145,11 +156,25 @@ def test_text_answers_are_content_unchanged(marker_tokenizer: Any, name: str, te
 
 
 MALFORMED = {
-    "hermes": ["<tool_call>\nnot json at all\n</tool_call>", 'Sure. <tool_call>{"arguments": {}}</tool_call>',
-               '<tool_call>{"name": "f", "arguments": {}}} extra</tool_call>', '<tool_call>{"name": 5}</tool_call>'],
+    "hermes": [
+        "<tool_call>\nnot json at all\n</tool_call>",
+        'Sure. <tool_call>{"arguments": {}}</tool_call>',
+        '<tool_call>{"name": "f", "arguments": {}}} extra</tool_call>',
+        '<tool_call>{"name": 5}</tool_call>',
+    ],
     "llama3_json": ["{this is not json}", '{"answer": 42}', '<|python_tag|>{"name": "f", "parameters": {]}'],
-    "mistral": ["[TOOL_CALLS] garbage!", "[TOOL_CALLS][1, 2]", '[TOOL_CALLS][{"name": "f", "arguments": {}},]', "[TOOL_CALLS]f[ARGS]oops"],
-    "granite": ["<|tool_call|>not an array", "[1] is a citation", '<|tool_call|>[{"arguments": {}}]', "<|tool_call|>[]"],
+    "mistral": [
+        "[TOOL_CALLS] garbage!",
+        "[TOOL_CALLS][1, 2]",
+        '[TOOL_CALLS][{"name": "f", "arguments": {}},]',
+        "[TOOL_CALLS]f[ARGS]oops",
+    ],
+    "granite": [
+        "<|tool_call|>not an array",
+        "[1] is a citation",
+        '<|tool_call|>[{"arguments": {}}]',
+        "<|tool_call|>[]",
+    ],
 }
 
 
@@ -173,7 +198,9 @@ def test_a_call_cut_short_is_content(marker_tokenizer: Any, name: str, fmt: Call
 
 @pytest.mark.parametrize("name,fmt", FORMATS, ids=[f.__name__ for _, f in FORMATS])
 @pytest.mark.parametrize("at", ["print", '"run"', "run"], ids=["in-arguments", "in-name", "in-name-string"])
-def test_the_calls_before_a_cut_are_calls(marker_tokenizer: Any, name: str, fmt: Callable[[list[Call]], str], at: str) -> None:
+def test_the_calls_before_a_cut_are_calls(
+    marker_tokenizer: Any, name: str, fmt: Callable[[list[Call]], str], at: str
+) -> None:
     # max_tokens ended the answer inside its second call: the first is whole and comes back as a call, the
     # cut one not at all (finish_reason "length" says it was cut), whether read whole or streamed.
     text = fmt([WEATHER, TRICKY, EMPTY])
@@ -182,7 +209,9 @@ def test_the_calls_before_a_cut_are_calls(marker_tokenizer: Any, name: str, fmt:
     cut = text[: text.index(at)]
     check(PARSERS[name]().parse(cut), None, [WEATHER])
     for out in all_ways(marker_tokenizer, name, cut)[1:]:
-        assert not out.content and out.calls[0] == ParsedCall("get_weather", PARSERS[name]().parse(cut).calls[0].arguments)
+        assert not out.content and out.calls[0] == ParsedCall(
+            "get_weather", PARSERS[name]().parse(cut).calls[0].arguments
+        )
         assert len(out.calls) <= 2  # streamed, the cut call's name may have gone out already
     if fmt in AFTER_TEXT:
         check(PARSERS[name]().parse("Sure.\n" + cut), "Sure.", [WEATHER])
@@ -222,7 +251,10 @@ def test_answer_stream_as_openai_chat_deltas() -> None:
     assert "".join(d.get("content", "") for d in deltas) == "Sure."
     calls = [c for d in deltas for c in d.get("tool_calls", ())]
     firsts = [c for c in calls if "id" in c]
-    assert [(c["index"], c["type"], c["function"]["name"]) for c in firsts] == [(0, "function", "get_weather"), (1, "function", "now")]
+    assert [(c["index"], c["type"], c["function"]["name"]) for c in firsts] == [
+        (0, "function", "get_weather"),
+        (1, "function", "now"),
+    ]
     assert all(set(c) == {"index", "function"} and set(c["function"]) == {"arguments"} for c in calls if "id" not in c)
     joined = ["".join(c["function"]["arguments"] for c in calls if c["index"] == i) for i in (0, 1)]
     assert [json.loads(a) for a in joined] == [WEATHER[1], EMPTY[1]] and stream.called

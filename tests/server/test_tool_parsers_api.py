@@ -40,7 +40,10 @@ MODEL = "scripted"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": WEATHER}},
-    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}}},
+    {
+        "type": "function",
+        "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}},
+    },
 ]
 http = httpx.Client(timeout=60)
 
@@ -56,7 +59,9 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def srv(folder: Path) -> Iterator[ServerThread]:
-    server = serve_scripted(folder, MODEL, reasoning_parser=REASONING["qwen3"], tool_parser=PARSERS["hermes"], auto_tool_choice=True)
+    server = serve_scripted(
+        folder, MODEL, reasoning_parser=REASONING["qwen3"], tool_parser=PARSERS["hermes"], auto_tool_choice=True
+    )
     try:
         yield server
     finally:
@@ -71,9 +76,13 @@ oai, claude, extra = openai_client, anthropic_client, sdk_extra
 
 @pytest.mark.parametrize("choice", ["auto", "required"])
 def test_chat_returns_the_models_own_call(srv: ServerThread, choice: str) -> None:
-    c = oai(srv).chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=80, temperature=0)
+    c = oai(srv).chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=80, temperature=0
+    )
     m = c.choices[0].message
-    assert c.choices[0].finish_reason == "tool_calls" and m.content is None and extra(m, "reasoning_content") == THINKING
+    assert (
+        c.choices[0].finish_reason == "tool_calls" and m.content is None and extra(m, "reasoning_content") == THINKING
+    )
     assert m.tool_calls is not None and len(m.tool_calls) == 1
     call = m.tool_calls[0]
     assert (call.type, call.function.name, json.loads(call.function.arguments)) == ("function", "get_weather", ARGS)
@@ -81,7 +90,11 @@ def test_chat_returns_the_models_own_call(srv: ServerThread, choice: str) -> Non
 
 
 def test_chat_streams_the_arguments_as_they_arrive(srv: ServerThread) -> None:
-    chunks = list(oai(srv).chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=80, temperature=0, stream=True))
+    chunks = list(
+        oai(srv).chat.completions.create(
+            model=MODEL, messages=ASK, tools=TOOLS, max_tokens=80, temperature=0, stream=True
+        )
+    )
     deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
     pieces = [tc for d in deltas for tc in d.tool_calls or ()]
     assert pieces[0].id and pieces[0].function.name == "get_weather" and pieces[0].type == "function"
@@ -90,27 +103,45 @@ def test_chat_streams_the_arguments_as_they_arrive(srv: ServerThread) -> None:
     assert json.loads("".join(p.function.arguments or "" for p in pieces)) == ARGS
     assert "".join(extra(d, "reasoning_content") or "" for d in deltas) == THINKING
     assert not "".join(d.content or "" for d in deltas)
-    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["tool_calls"]
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == [
+        "tool_calls"
+    ]
 
 
 def test_named_function_is_its_call(srv: ServerThread) -> None:
     named = {"type": "function", "function": {"name": "get_weather"}}
-    c = oai(srv).chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=named, max_tokens=80, temperature=0)
+    c = oai(srv).chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice=named, max_tokens=80, temperature=0
+    )
     call = c.choices[0].message.tool_calls[0]
-    assert (call.function.name, json.loads(call.function.arguments), c.choices[0].finish_reason) == ("get_weather", ARGS, "stop")
+    assert (call.function.name, json.loads(call.function.arguments), c.choices[0].finish_reason) == (
+        "get_weather",
+        ARGS,
+        "stop",
+    )
 
 
 def test_a_text_answer_stays_text(srv: ServerThread) -> None:
     body: dict[str, Any] = {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}
     c = oai(srv).chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=80, temperature=0, **body)
-    assert (c.choices[0].message.content, c.choices[0].message.tool_calls, c.choices[0].finish_reason) == (PLAIN, None, "stop")
+    assert (c.choices[0].message.content, c.choices[0].message.tool_calls, c.choices[0].finish_reason) == (
+        PLAIN,
+        None,
+        "stop",
+    )
 
 
 def test_the_template_renders_the_tools_and_the_history(srv: ServerThread) -> None:
     # Qwen3's template writes the tools in <tools> and the earlier call and its result in its own format.
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(ARGS)}}
-    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "tool_call_id": "call_1", "content": "22 C"}]
-    ids = http.post(srv.url + "/v1/chat/completions/render", json={"messages": history, "tools": TOOLS}).json()["token_ids"]
+    history = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "22 C"},
+    ]
+    ids = http.post(srv.url + "/v1/chat/completions/render", json={"messages": history, "tools": TOOLS}).json()[
+        "token_ids"
+    ]
     prompt = scripted_tokenizer().decode(ids)
     assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in prompt
     assert RENDERED in prompt
@@ -124,8 +155,14 @@ def test_auto_without_enable_auto_tool_choice_is_refused(srv: ServerThread) -> N
     try:
         r = http.post(srv.url + "/v1/chat/completions", json={"messages": ASK, "tools": TOOLS})
         assert "--enable-auto-tool-choice" in assert_error(r, 400, "tool_choice")["message"]
-        r = http.post(srv.url + "/v1/chat/completions", json={"messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 80})
-        assert r.status_code == 200 and r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+        r = http.post(
+            srv.url + "/v1/chat/completions",
+            json={"messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 80},
+        )
+        assert (
+            r.status_code == 200
+            and r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+        )
     finally:
         srv.ctx.auto_tool_choice = True
 
@@ -134,13 +171,19 @@ def test_auto_without_enable_auto_tool_choice_is_refused(srv: ServerThread) -> N
 
 
 def test_responses_function_call_item(srv: ServerThread) -> None:
-    tools = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]} for t in TOOLS]
-    r = oai(srv).responses.create(model=MODEL, input="Weather in Paris?", tools=tools, max_output_tokens=80, temperature=0)
+    tools = [
+        {"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]} for t in TOOLS
+    ]
+    r = oai(srv).responses.create(
+        model=MODEL, input="Weather in Paris?", tools=tools, max_output_tokens=80, temperature=0
+    )
     kinds = [o.type for o in r.output]
     assert kinds == ["reasoning", "function_call"]
     call = r.output[1]
     assert (call.name, json.loads(call.arguments), call.status) == ("get_weather", ARGS, "completed")
-    with oai(srv).responses.stream(model=MODEL, input="Weather in Paris?", tools=tools, max_output_tokens=80, temperature=0) as s:
+    with oai(srv).responses.stream(
+        model=MODEL, input="Weather in Paris?", tools=tools, max_output_tokens=80, temperature=0
+    ) as s:
         events = list(s)
         final = s.get_final_response()
     deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
@@ -161,7 +204,9 @@ def test_messages_tool_use_block(srv: ServerThread) -> None:
     with claude(srv).messages.stream(model=MODEL, max_tokens=80, messages=ASK, tools=tools) as s:
         events = list(s)
         final = s.get_final_message()
-    parts = [e.delta.partial_json for e in events if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]
+    parts = [
+        e.delta.partial_json for e in events if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
+    ]
     assert len(parts) > 3 and json.loads("".join(parts)) == ARGS
     assert [b.type for b in final.content] == ["thinking", "tool_use"] and final.content[1].input == ARGS
     assert final.stop_reason == "tool_use"
@@ -173,7 +218,9 @@ def test_messages_tool_use_block(srv: ServerThread) -> None:
 def test_without_a_parser_nothing_changes(srv: ServerThread) -> None:
     srv.ctx.tool_parser = None
     try:
-        ids = http.post(srv.url + "/v1/chat/completions/render", json={"messages": ASK, "tools": TOOLS}).json()["token_ids"]
+        ids = http.post(srv.url + "/v1/chat/completions/render", json={"messages": ASK, "tools": TOOLS}).json()[
+            "token_ids"
+        ]
         # "auto" keeps the JSON-array convention, described in the system message instead of <tools>.
         prompt = scripted_tokenizer().decode(ids)
         assert "You can call these functions" in prompt and "<tools>" not in prompt
@@ -211,11 +258,18 @@ def test_a_special_token_marker_reaches_the_parser(mistral_srv: ServerThread) ->
     call = m.tool_calls[0]
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", ARGS)
     assert len(call.id) == 9 and call.id.isalnum()  # Mistral's templates want such ids back
-    chunks = list(oai(mistral_srv).chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=80, temperature=0, stream=True))
+    chunks = list(
+        oai(mistral_srv).chat.completions.create(
+            model=MODEL, messages=ASK, tools=TOOLS, max_tokens=80, temperature=0, stream=True
+        )
+    )
     deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
     assert "".join(d.content or "" for d in deltas) == "Checking."
     pieces = [tc for d in deltas for tc in d.tool_calls or ()]
-    assert pieces[0].function.name == "get_weather" and json.loads("".join(p.function.arguments or "" for p in pieces)) == ARGS
+    assert (
+        pieces[0].function.name == "get_weather"
+        and json.loads("".join(p.function.arguments or "" for p in pieces)) == ARGS
+    )
     # Without tools the special token is skipped as usual (the grammar does not apply either).
     plain = oai(mistral_srv).chat.completions.create(model=MODEL, messages=ASK, max_tokens=80, temperature=0)
     assert plain.choices[0].message.content == MISTRAL.replace("[TOOL_CALLS]", "")

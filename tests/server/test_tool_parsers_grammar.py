@@ -20,7 +20,12 @@ from servelm.server.tool_parsers import PARSERS, Vocabulary
 
 llg = pytest.importorskip("llguidance")
 
-WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
 TOOLS = [("get_weather", WEATHER), ("now", {"type": "object"})]
 TWO: list[Call] = [("get_weather", {"city": "Paris"}), ("now", {})]
 ONE = TWO[:1]
@@ -37,7 +42,9 @@ def _tokenizer(markers: bool) -> Any:
     tok = AutoTokenizer.from_pretrained(str(ensure_default_model()))
     if markers:
         tok.add_tokens([AddedToken(m, special=False, normalized=False) for m in ("<tool_call>", "</tool_call>")])
-        tok.add_special_tokens({"additional_special_tokens": ["<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", "<|tool_call|>"]})
+        tok.add_special_tokens(
+            {"additional_special_tokens": ["<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", "<|tool_call|>"]}
+        )
     return tok
 
 
@@ -78,7 +85,9 @@ FAMILIES: list[tuple[str, Callable[[list[Call]], str], bool]] = [
 
 
 @pytest.mark.parametrize("name,fmt,after_text", FAMILIES, ids=[f.__name__ for _, f, _ in FAMILIES])
-def test_auto_allows_text_or_declared_calls(tok: Any, name: str, fmt: Callable[[list[Call]], str], after_text: bool) -> None:
+def test_auto_allows_text_or_declared_calls(
+    tok: Any, name: str, fmt: Callable[[list[Call]], str], after_text: bool
+) -> None:
     vocab = Vocabulary(tok)
     if fmt is llama3_tagged and not vocab.has("<|python_tag|>"):
         pytest.skip("a tokenizer without <|python_tag|>: Llama 3 calls are the bare JSON")
@@ -102,7 +111,9 @@ def test_auto_allows_text_or_declared_calls(tok: Any, name: str, fmt: Callable[[
     assert not allows(tok, grammar, fmt(ONE) + " Done.")
 
 
-@pytest.mark.parametrize("name,fmt,after_text", FAMILIES[:2] + FAMILIES[3:], ids=[f.__name__ for _, f, _ in FAMILIES[:2] + FAMILIES[3:]])
+@pytest.mark.parametrize(
+    "name,fmt,after_text", FAMILIES[:2] + FAMILIES[3:], ids=[f.__name__ for _, f, _ in FAMILIES[:2] + FAMILIES[3:]]
+)
 def test_required_allows_only_calls(tok: Any, name: str, fmt: Callable[[list[Call]], str], after_text: bool) -> None:
     vocab = Vocabulary(tok)
     fmt = _as_the_tokenizer_writes(vocab, fmt)
@@ -139,7 +150,9 @@ def takes(tok: Any, grammar: str, text: str) -> bool:
     return not m.is_error()
 
 
-@pytest.mark.parametrize("name,fmt,after_text", FAMILIES[:2] + FAMILIES[3:], ids=[f.__name__ for _, f, _ in FAMILIES[:2] + FAMILIES[3:]])
+@pytest.mark.parametrize(
+    "name,fmt,after_text", FAMILIES[:2] + FAMILIES[3:], ids=[f.__name__ for _, f, _ in FAMILIES[:2] + FAMILIES[3:]]
+)
 def test_forced_calls_end(tok: Any, name: str, fmt: Callable[[list[Call]], str], after_text: bool) -> None:
     # Under "required" (and a named function: its one tool, not parallel) the calls OpenAI's
     # parallel_tool_calls allows, then only the end: no whitespace after the last call for a model
@@ -165,7 +178,9 @@ def test_hermes_gaps_hold_one_whitespace_character(tok: Any) -> None:
     grammar = PARSERS["hermes"].grammar(Vocabulary(tok), TOOLS, True, True, JSON_WHITESPACE)
     call = '{"name": "now", "arguments": {}}'
     for gap in ("", " ", "\n"):
-        assert allows(tok, grammar, f"<tool_call>{gap}{call}{gap}</tool_call>{gap}<tool_call>{call}</tool_call>"), repr(gap)
+        assert allows(tok, grammar, f"<tool_call>{gap}{call}{gap}</tool_call>{gap}<tool_call>{call}</tool_call>"), repr(
+            gap
+        )
     for gap in ("\n\n", " \n", "\n  ", "\t", "\r\n"):
         assert not takes(tok, grammar, f"<tool_call>{gap}{call}"), repr(gap)
         assert not takes(tok, grammar, f"<tool_call>{call}{gap}</tool_call>"), repr(gap)

@@ -38,21 +38,44 @@ def chat(srv: Any, **body: Any) -> httpx.Response:
         ({"tool_choice": "auto"}, "tool_choice"),
         ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-        ({"tools": [{"type": "function", "function": {"name": "has space"}}], "tool_choice": "required"}, "tools[0].function.name"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "has space"}}], "tool_choice": "required"},
+            "tools[0].function.name",
+        ),
         ({"tools": [{"type": "retrieval"}], "tool_choice": "required"}, "tools[0].type"),
         ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
         (
-            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "florp"}}}], "tool_choice": "required"},
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "florp"}}}],
+                "tool_choice": "required",
+            },
             "tools",
         ),
         ({"messages": [{"role": "tool", "content": "12 C"}]}, "messages[0].tool_call_id"),
         ({"messages": [{"role": "user", "content": "x", "tool_call_id": "c1"}]}, "messages[0].tool_call_id"),
         (
-            {"messages": [{"role": "user", "content": "x", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": "x",
+                        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+                    }
+                ]
+            },
             "messages[0].tool_calls",
         ),
         (
-            {"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{nope"}}]}]},
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{nope"}}
+                        ],
+                    }
+                ]
+            },
             "messages[0].tool_calls[0].function.arguments",
         ),
         ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
@@ -112,7 +135,13 @@ def test_history_with_calls_and_results_is_rendered(shared_fake_server: Any) -> 
         {
             "role": "assistant",
             "content": None,
-            "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}],
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
         },
         {"role": "tool", "tool_call_id": "call_1", "content": "12 C, cloudy"},
     ]
@@ -131,10 +160,14 @@ def _mode(body: dict) -> ToolMode:
 
 def test_constrained_text_parses_into_openai_tool_calls() -> None:
     required = _mode({"tools": [WEATHER, CLOCK], "tool_choice": "required"})
-    calls = required.parse('[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]')
+    calls = required.parse(
+        '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]'
+    )
     assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
-    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls) and calls[0]["id"] != calls[1]["id"]
+    assert (
+        all(c["type"] == "function" and c["id"].startswith("call_") for c in calls) and calls[0]["id"] != calls[1]["id"]
+    )
     assert required.parse('[{"name": "get_weather", "param') is None  # cut by max_tokens
     named = _mode({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
     (call,) = named.parse('{"city": "Rome"}')
@@ -183,7 +216,9 @@ def test_auto_grammar_constrains_calls_and_frees_text(tiny_llama_dir: Any) -> No
 
 
 def test_streamed_calls() -> None:
-    named = _StreamedCalls(_mode({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}), 1)
+    named = _StreamedCalls(
+        _mode({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}), 1
+    )
     first, called = named.delta(0, '{"ci', finished=False)
     (c,) = first["tool_calls"]
     assert called and c["id"].startswith("call_") and c["function"] == {"name": "get_weather", "arguments": '{"ci'}

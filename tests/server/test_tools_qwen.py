@@ -48,7 +48,15 @@ def srv(qwen05_gguf: Path) -> Iterator[ServerThread]:
     from servelm.server.app import build_app
     from servelm.server.async_engine import AsyncEngine
 
-    engine = Engine(EngineConfig(model=str(qwen05_gguf), served_model_name=MODEL, max_model_len=1024, kv_cache_memory=32 * 2**20, max_num_seqs=2))
+    engine = Engine(
+        EngineConfig(
+            model=str(qwen05_gguf),
+            served_model_name=MODEL,
+            max_model_len=1024,
+            kv_cache_memory=32 * 2**20,
+            max_num_seqs=2,
+        )
+    )
     app = build_app(AsyncEngine(engine))
     app.state.serving.tool_parser = PARSERS["hermes"]
     server = ServerThread(app, graceful_timeout=10).start(timeout=120)
@@ -96,7 +104,9 @@ def test_required_returns_every_whole_call_with_no_room_to_wander(srv: ServerThr
 
 def test_streamed_required_calls_arrive_whole(srv: ServerThread) -> None:
     chunks = list(ask(srv, tool_choice="required", max_tokens=48, stream=True, logprobs=True))
-    text = "".join(t.token for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content or ())
+    text = "".join(
+        t.token for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content or ()
+    )
     assert all(len(gap) <= 1 for m in _GAPS.finditer(text) for gap in m.groups() if gap is not None), repr(text)
     pieces = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or ()]
     args: dict[int, str] = {}

@@ -78,13 +78,19 @@ def info_label(url: str, label: str) -> str:
 def start(model_dir: Path, tp: int) -> ServeProcess:
     # The same blocks at both sizes: at TP=2 each rank's pool holds half of a token's KV heads.
     per_rank = BLOCKS * 16 * kv_bytes(model_dir) // tp
-    return ServeProcess("--model", str(model_dir), *ARGS, "--tensor-parallel-size", str(tp), "--kv-cache-memory", str(per_rank))
+    return ServeProcess(
+        "--model", str(model_dir), *ARGS, "--tensor-parallel-size", str(tp), "--kv-cache-memory", str(per_rank)
+    )
 
 
 @pytest.fixture(scope="module")
 def servers(tiny_llama_dir: Path) -> Iterator[dict[Any, ServeProcess]]:
     """TP=1, TP=2, and a TP=2 server whose worker is killed, started side by side."""
-    procs: dict[Any, ServeProcess] = {1: start(tiny_llama_dir, 1), 2: start(tiny_llama_dir, 2), "to kill": start(tiny_llama_dir, 2)}
+    procs: dict[Any, ServeProcess] = {
+        1: start(tiny_llama_dir, 1),
+        2: start(tiny_llama_dir, 2),
+        "to kill": start(tiny_llama_dir, 2),
+    }
     threads = [threading.Thread(target=p.start) for p in procs.values()]
     try:
         for t in threads:
@@ -100,7 +106,14 @@ def servers(tiny_llama_dir: Path) -> Iterator[dict[Any, ServeProcess]]:
 
 
 def completion(url: str, prompt: Any, stream: bool = False, max_tokens: int = 40) -> str:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": stream}
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
     r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     if not stream:
@@ -121,7 +134,9 @@ def chat(url: str, stream: bool = False) -> str:
 def test_tp2_plans_the_blocks_of_tp1_from_half_the_bytes_per_rank(servers: dict[Any, ServeProcess]) -> None:
     blocks = {tp: int(info_label(servers[tp].url, "num_blocks")) for tp in (1, 2)}
     assert blocks == {1: BLOCKS, 2: BLOCKS}, blocks
-    assert re.search(rf"{BLOCKS} blocks x 16 tokens = {BLOCKS * 16} tokens \(.* MiB per rank x 2 ranks\)", servers[2].log)
+    assert re.search(
+        rf"{BLOCKS} blocks x 16 tokens = {BLOCKS * 16} tokens \(.* MiB per rank x 2 ranks\)", servers[2].log
+    )
 
 
 def test_tp2_serves_tp1s_greedy_completions_under_preemption_and_prefix_cache(servers: dict[Any, ServeProcess]) -> None:
@@ -132,9 +147,14 @@ def test_tp2_serves_tp1s_greedy_completions_under_preemption_and_prefix_cache(se
             texts[tp] = list(pool.map(lambda prompt: completion(p.url, prompt, max_tokens=60), PROMPTS))
     assert texts[2] == texts[1]
     assert all(texts[1])
-    preempted, hits = metric(servers[2].url, "servelm_num_preemptions_total"), metric(servers[2].url, "servelm_prefix_cache_hits_total")
-    print(f"\nTP=2: {preempted:.0f} preemptions, {hits:.0f} prefix-cache hit tokens; TP=1: "
-          f"{metric(servers[1].url, 'servelm_num_preemptions_total'):.0f}, {metric(servers[1].url, 'servelm_prefix_cache_hits_total'):.0f}")
+    preempted, hits = (
+        metric(servers[2].url, "servelm_num_preemptions_total"),
+        metric(servers[2].url, "servelm_prefix_cache_hits_total"),
+    )
+    print(
+        f"\nTP=2: {preempted:.0f} preemptions, {hits:.0f} prefix-cache hit tokens; TP=1: "
+        f"{metric(servers[1].url, 'servelm_num_preemptions_total'):.0f}, {metric(servers[1].url, 'servelm_prefix_cache_hits_total'):.0f}"
+    )
     assert preempted > 0 and hits > 0
 
 
@@ -148,7 +168,14 @@ def test_tp2_serves_tp1s_chat_and_streams(servers: dict[Any, ServeProcess]) -> N
 
 def test_tp2_prompt_logprobs_equal_tp1s(servers: dict[Any, ServeProcess]) -> None:
     """Prompt logprobs over a chunked 60-token prompt: the workers join the scored rows' gathers."""
-    body = {"model": "tiny", "prompt": PROMPTS[5], "max_tokens": 4, "temperature": 0, "logprobs": 2, "prompt_logprobs": 2}
+    body = {
+        "model": "tiny",
+        "prompt": PROMPTS[5],
+        "max_tokens": 4,
+        "temperature": 0,
+        "logprobs": 2,
+        "prompt_logprobs": 2,
+    }
     got = {tp: httpx.post(f"{servers[tp].url}/v1/completions", json=body, timeout=120) for tp in (1, 2)}
     assert all(r.status_code == 200 for r in got.values()), {tp: r.text for tp, r in got.items()}
     ref, tp2 = (got[tp].json()["choices"][0] for tp in (1, 2))
@@ -189,11 +216,15 @@ def test_a_killed_worker_stops_the_server_with_a_clear_error(servers: dict[Any, 
     status = p.wait(30)
     print(f"\nexited {time.monotonic() - killed:.1f} s after the worker was killed")
     assert status == 1, p.log[-3000:]
-    assert re.search(rf"tensor-parallel worker rank 1 \(pid {worker}\) died \(killed by signal 9\)", p.log), p.log[-3000:]
+    assert re.search(rf"tensor-parallel worker rank 1 \(pid {worker}\) died \(killed by signal 9\)", p.log), p.log[
+        -3000:
+    ]
 
 
 @pytest.mark.slow  # servelm serve at TP=3 on the default model
-@pytest.mark.skipif(os.environ.get("SERVELM_TEST_TP_HTTP_DEFAULT") != "1", reason="SERVELM_TEST_TP_HTTP_DEFAULT=1: minutes on 2 cores")
+@pytest.mark.skipif(
+    os.environ.get("SERVELM_TEST_TP_HTTP_DEFAULT") != "1", reason="SERVELM_TEST_TP_HTTP_DEFAULT=1: minutes on 2 cores"
+)
 def test_default_model_at_tp3_serves_tp1s_chat_and_streams() -> None:
     args = ("--num-threads", "1", "--max-model-len", "1024", "--max-num-batched-tokens", "64", "--no-access-log")
     procs = {tp: ServeProcess(*args, "-tp", str(tp), "--kv-cache-memory", str(96 * 2**20 // tp)) for tp in (1, 3)}
@@ -209,7 +240,9 @@ def test_default_model_at_tp3_serves_tp1s_chat_and_streams() -> None:
             long_prompt = "The history of the Roman empire " * 12  # chunked: more tokens than the 64-token budget
             r = httpx.post(f"{p.url}/v1/completions", json={**body, "prompt": long_prompt, "stream": True}, timeout=300)
             texts[tp].append("".join(json.loads(e)["choices"][0]["text"] for e in parse_sse(r.content)[:-1]))
-            assert info_label(p.url, "num_blocks") == info_label(procs[1].url, "num_blocks")  # from a third of the bytes per rank
+            assert info_label(p.url, "num_blocks") == info_label(
+                procs[1].url, "num_blocks"
+            )  # from a third of the bytes per rank
     finally:
         for p in procs.values():
             p.__exit__()
