@@ -155,7 +155,7 @@ class ServingContext:
             tokenizer=tok,
             model_path=str(getattr(engine.config, "model", None) or "") or None,
             eos_token_ids=tuple(getattr(engine, "eos_token_ids", ())),
-            loras=dict(getattr(engine, "lora_adapters", {})),
+            loras=dict(getattr(getattr(engine, "loras", None), "adapters", {})),  # an encoder has none
         )
 
     def resolve_model(self, model: str | None) -> str | None:
@@ -339,7 +339,7 @@ async def _add_reading_adapter(ctx: ServingContext, add: Callable[..., Awaitable
 async def _read_again(ctx: ServingContext, e: LoRANotLoadedError) -> Any:
     engine: Any = ctx.async_engine.engine
     try:
-        return await asyncio.to_thread(engine.read_lora_adapter, e.path)
+        return await asyncio.to_thread(engine.loras.read, e.path)
     except ValueError as err:  # runtime.lora.LoRAError: the folder is gone or no longer an adapter
         raise bad_request(
             f"The LoRA adapter '{e.name}' was unloaded from memory to make room (--max-cpu-loras) and cannot be "

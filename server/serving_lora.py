@@ -57,7 +57,7 @@ async def load_lora_adapter(ctx: ServingContext, req: LoadLoRAAdapterRequest) ->
     try:
         async with ctx.lora_reads:  # one read at a time: each holds a whole adapter until the engine takes it
             # Files and checks off the event loop and off the engine thread: a big adapter takes seconds.
-            adapter = await asyncio.to_thread(engine.read_lora_adapter, req.lora_path)
+            adapter = await asyncio.to_thread(engine.loras.read, req.lora_path)
             await ctx.async_engine.call(lambda e: e.loras.add(name, adapter))
     except ValueError as e:  # runtime.lora.LoRAError: the folder, or the name, is not servable
         raise bad_request(

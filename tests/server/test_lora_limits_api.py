@@ -132,13 +132,13 @@ def test_loading_more_than_the_limit_evicts_the_least_recently_used(served: Serv
     assert set(served.engine.loras.loaded) == {"n5", "m0"}
     jobs = ["n0", "n1"] * 3
     reads: list[str] = []
-    read = served.engine.read_lora_adapter
-    served.engine.read_lora_adapter = lambda path: (reads.append(path), read(path))[1]
+    read = served.engine.loras.read
+    served.engine.loras.read = lambda path: (reads.append(path), read(path))[1]
     try:
         with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
             got = list(pool.map(lambda n: _text(served.complete(n)), jobs))
     finally:
-        del served.engine.read_lora_adapter
+        del served.engine.loras.read
     assert got == [served.texts[names[n]] for n in jobs]
     assert sorted(reads) == [str(names["n0"]), str(names["n1"])]
     served.idle()
