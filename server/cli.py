@@ -6,7 +6,6 @@ import argparse
 import logging
 import math
 import os
-import signal
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -315,17 +314,9 @@ def run_serve(args: argparse.Namespace) -> int:
     return_free_heap()
     server = _make_uvicorn_server(app, args, lambda: async_engine.begin_drain(args.drain_timeout))
     server.drained = lambda: async_engine.drained(args.drain_timeout)
-    # uvicorn re-raises the signal that stopped it once it has shut down, with the handlers it found
-    # installed; make those no-ops so a graceful SIGTERM/SIGINT ends with exit status 0.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
-    server.run()
-    if not server.started:
-        return 1
-    log.info("servelm stopped")
-    return (
-        1 if async_engine.dead_reason else 0
-    )  # an engine that died (a tensor-parallel worker lost): a supervisor restarts it
+    from servelm.server.cli_models import serve_until_stopped
+
+    return serve_until_stopped(server, lambda: async_engine.dead_reason)
 
 
 # ----------------------------------------------------------------------------------------- main

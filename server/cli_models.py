@@ -148,13 +148,21 @@ def run_models(args: argparse.Namespace, base: EngineConfig, make_server: Callab
     )  # fmt: skip
     server = make_server(app, args, lambda: registry.begin_drain(args.drain_timeout))
     server.drained = lambda: registry.drained(args.drain_timeout)
+    return serve_until_stopped(server, lambda: registry.dead_reason)
+
+
+def serve_until_stopped(server: Any, dead_reason: Callable[[], object]) -> int:
+    """Run ``server`` until a signal drains and stops it: exit status 0, or 1 where it never started or
+    an engine died (a tensor-parallel worker lost: a supervisor restarts it)."""
+    # uvicorn re-raises the signal that stopped it once it has shut down, with the handlers it found
+    # installed; make those no-ops so a graceful SIGTERM/SIGINT ends with exit status 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     server.run()
     if not server.started:
         return 1
     log.info("servelm stopped")
-    return 1 if registry.dead_reason else 0
+    return 1 if dead_reason() else 0
 
 
-__all__ = ["corrected_own_template", "model_specs", "run_models"]
+__all__ = ["corrected_own_template", "model_specs", "run_models", "serve_until_stopped"]
