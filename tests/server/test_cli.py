@@ -267,7 +267,7 @@ def test_serve_builds_the_engine_in_a_thread_that_is_gone_before_serving(
     monkeypatch.setattr(servelm.scheduler.engine, "Engine", fake_engine)
     monkeypatch.setattr(servelm.server.app, "create_prometheus_observer", fake_observer)
     monkeypatch.setattr(cli, "_make_uvicorn_server", lambda app, args, on_stop: NoServer())
-    monkeypatch.setattr(cli.signal, "signal", lambda *a: None)  # keep the test session's handlers
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # keep the test session's handlers
     args = build_parser().parse_args(["serve", "--port", "0"])
     assert args.func(args) == 0
     assert seen["engine"] is seen["observer"]
