@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -94,7 +95,7 @@ def serve_app(monkeypatch: pytest.MonkeyPatch, server_tokenizer: Any) -> Callabl
     monkeypatch.setattr(servelm.scheduler.engine, "Engine", lambda config, observer=None: FakeEngine(server_tokenizer))
     monkeypatch.setattr(servelm.server.app, "create_prometheus_observer", lambda engine: None)
     monkeypatch.setattr(cli, "_make_uvicorn_server", no_server)
-    monkeypatch.setattr(cli.signal, "signal", lambda *a: None)  # keep the test session's handlers
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # keep the test session's handlers
 
     def run(*argv: str, status: int = 0) -> Any:
         args = cli.build_parser().parse_args(["serve", "--port", "0", *argv])
