@@ -102,8 +102,8 @@ def build_step(runner: ModelRunner, items: list[BatchItem]) -> StepInputs:
             # Its uncomputed tokens, then the drafts: one decode row per position, each attending up
             # to itself, so the decode kernels serve them (the prefill path would gather the whole
             # context every layer).
-            rows = [*token_ids[start:end], *(draft or ())] if draft else token_ids[start:end]
-            if PENDING_TOKEN in rows:
+            rows = [*token_ids[start:end], *draft] if draft else token_ids[start:end]
+            if item.decode_rows and PENDING_TOKEN in rows:  # drafts were checked above
                 raise ValueError(f"seq {seq.seq_id}: a pending token among its decode rows")
             for pos, token in enumerate(rows, start):
                 input_ids.append(token)
