@@ -185,7 +185,7 @@ def build_app(
         return serving_of(raw, models)
 
     # 429: every loaded LoRA adapter in use (--max-cpu-loras), which only a LoRA server returns.
-    lora_429 = (429,) if getattr(models.default.engine, "enable_lora", False) else ()
+    lora_429 = (429,) if models.default.info is not None and models.default.info.enable_lora else ()
     generation_errors = error_responses(400, 401, 404, 413, *lora_429, 500, 503)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=generation_errors)
@@ -298,7 +298,12 @@ def build_app(
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
-        body, content_type = _render_metrics(metrics_registry, models)
+        ae = models.default.async_engine
+        if metrics_registry is None and not models.multi and ae is not None and not ae.in_process and ae.is_alive:
+            # The engine's series live in its engine-core process (server.engine_core renders them).
+            body, content_type = await ae.call("metrics", draining=True)
+        else:
+            body, content_type = _render_metrics(metrics_registry, models)
         return Response(body, media_type=None, headers={"Content-Type": content_type})
 
     install_props(app, serving)

@@ -21,11 +21,12 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from servelm.metrics.observer import NullObserver, Observer
 from servelm.scheduler.outputs import RequestOutput
 from servelm.scheduler.sampling_params import SamplingParams
+from servelm.server.engine_info import EngineInfo, engine_info
 from servelm.server.engine_thread import (
     Add,
     Call,
@@ -34,6 +35,7 @@ from servelm.server.engine_thread import (
     EngineSnapshot,
     EngineStoppedError,
     EngineThread,
+    resolve,
 )
 from servelm.server.heap import HeapTrimmer
 from servelm.server.request_group import RequestGroup
@@ -61,27 +63,85 @@ class QueueFullError(RuntimeError):
         self.limit = limit
 
 
-class AsyncEngine:
-    """Runs an engine in its own thread and exposes it to asyncio code.
+class Bridge(Protocol):
+    """What carries requests to an engine and its outputs back: ``EngineThread`` (the engine steps in a
+    thread of this process) or ``server.engine_process.EngineProcess`` (it steps in a process of its own)."""
 
+    dead: BaseException | None
+    snapshot: EngineSnapshot
+
+    @property
+    def running(self) -> bool: ...
+
+    @property
+    def dead_reason(self) -> str | None: ...
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None: ...
+
+    def submit(self, cmd: Add | Call, num_seqs: int = 0, limit: int | None = None) -> bool: ...
+
+    def notify(self, path: str, *args: Any) -> None: ...
+
+    def wake(self) -> None: ...
+
+    def abort(self, request_ids: list[str]) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def join(self, timeout_s: float) -> None: ...
+
+
+class _CountRejected:
+    """The observer of a server whose engine is in another process: the one count made here goes there."""
+
+    def __init__(self, bridge: Bridge) -> None:
+        self._bridge = bridge
+
+    def on_step(self, stats: Any) -> None:
+        pass
+
+    def on_request_finished(self, stats: Any) -> None:
+        pass
+
+    def on_request_rejected(self) -> None:
+        self._bridge.notify("on_request_rejected")
+
+
+class AsyncEngine:
+    """An engine (stepping in a thread of this process, or in an engine-core process) exposed to asyncio code.
+
+    ``AsyncEngine(engine)``: ``engine`` steps in a thread here. ``AsyncEngine(bridge=..., info=...,
+    tokenizer=...)``: the bridge carries requests to an engine elsewhere, ``info`` its facts.
     ``start()`` must be called from the event loop that will consume outputs (the app's lifespan does).
     """
 
     def __init__(
         self,
-        engine: EngineLike,
+        engine: EngineLike | None = None,
         *,
+        bridge: Bridge | None = None,
+        info: EngineInfo | None = None,
+        tokenizer: Any = None,
         max_waiting_requests: int | None = None,
         observer: Observer | None = None,
         tokenizer_threads: int = 1,
         heap: HeapTrimmer | None = None,
     ) -> None:
-        self.engine = engine
+        self.engine = engine  # None when it runs in another process
+        self._info = info
+        self.tokenizer = tokenizer if tokenizer is not None else getattr(engine, "tokenizer", None)
+        if bridge is None:
+            assert engine is not None, "AsyncEngine needs an engine or a bridge"
+            bridge = EngineThread(engine, heap)
+            self.observer: Observer = observer or NullObserver()
+        else:
+            self.observer = observer or _CountRejected(bridge)
+        config = engine.config if engine is not None else info.config if info is not None else None
         self.max_waiting_requests = (
-            max_waiting_requests if max_waiting_requests is not None else engine.config.max_waiting_requests
+            max_waiting_requests if max_waiting_requests is not None else config.max_waiting_requests  # type: ignore[union-attr]
         )
-        self.observer: Observer = observer or NullObserver()
-        self._engine_thread = EngineThread(engine, heap)
+        self._engine_thread: Bridge = bridge
+        self._started = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._groups: set[RequestGroup] = set()  # event-loop thread only
         self._idle = asyncio.Event()
@@ -93,9 +153,22 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------------------- life cycle
 
+    @property
+    def info(self) -> EngineInfo:
+        """The engine's facts (served name, settled config, vocabulary...)."""
+        if self._info is None:
+            self._info = engine_info(self.engine)
+        return self._info
+
+    @property
+    def in_process(self) -> bool:
+        """The engine steps in a thread of this process (``self.engine`` is it)."""
+        return self.engine is not None
+
     def start(self) -> None:
-        if self._engine_thread.thread is not None:
+        if self._started:
             return
+        self._started = True
         self._loop = asyncio.get_running_loop()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -108,9 +181,8 @@ class AsyncEngine:
 
     @property
     def is_alive(self) -> bool:
-        """True while the engine thread runs (``/health``)."""
-        t = self._engine_thread
-        return t.thread is not None and t.thread.is_alive() and t.dead is None
+        """True while the engine runs (``/health``)."""
+        return self._engine_thread.running
 
     @property
     def is_accepting(self) -> bool:
@@ -167,10 +239,16 @@ class AsyncEngine:
         """Drain (or finish the drain ``begin_drain`` started) within ``timeout_s``, then stop the engine thread."""
         await self._start_drain(timeout_s)
         self._engine_thread.stop()
-        thread = self._engine_thread.thread
-        if thread is not None:
-            await asyncio.to_thread(thread.join, 10.0)
+        if self._started:
+            await asyncio.to_thread(self._engine_thread.join, 10.0)
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def close(self) -> None:
+        """Stop the engine now, from a thread that is not the event loop's (after a server that never
+        started or whose lifespan never ran ``shutdown``); a no-op after ``shutdown``."""
+        self._engine_thread.stop()
+        if self._started or not self.in_process:
+            self._engine_thread.join(10.0)
 
     # --------------------------------------------------------------------------- request API
 
@@ -185,7 +263,7 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine has stopped: {self.dead_reason}")
         if not self._accepting:
             raise EngineStoppedError("the server is shutting down")
-        if t.thread is None or not t.thread.is_alive():
+        if not t.running:
             raise EngineDeadError("the engine is not running")
 
     async def add(
@@ -255,14 +333,26 @@ class AsyncEngine:
         finally:
             group.close()
 
-    async def call(self, fn: Callable[[Any], T]) -> T:
-        """``fn(engine)`` in the engine thread, between two steps; its result or its exception."""
-        self._check_accepting()
+    async def call(self, path: str, *args: Any, draining: bool = False) -> Any:
+        """``engine.<path>(*args)`` between two steps (``call("loras.remove", name)``); its result or its
+        exception. Arguments and result cross processes when the engine runs in its own. ``draining``:
+        allowed while the server drains (a metrics scrape)."""
+        if not (draining and self._engine_thread.running):
+            self._check_accepting()
         assert self._loop is not None
-        fut: asyncio.Future[T] = self._loop.create_future()
-        self._engine_thread.submit(Call(fn, fut))
+        fut: asyncio.Future[Any] = self._loop.create_future()
+        self._engine_thread.submit(Call(path, args, fut))
         self._engine_thread.wake()
         return await fut
+
+    async def read_lora(self, path: str) -> Any:
+        """A LoRA adapter folder, read and checked against the model (``LoRAError``: it is not one).
+
+        In process, off the event loop and off the engine thread (a big adapter takes seconds); an engine
+        in another process reads it between two steps (only it has the model) and sends it back."""
+        if self.engine is not None:
+            return await asyncio.to_thread(resolve(self.engine, "loras.read"), path)
+        return await self.call("loras.read", path)
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Abort requests (thread-safe, non-blocking); applied before the engine's next step."""

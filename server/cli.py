@@ -114,6 +114,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--max-connections", type=positive_int, default=DEFAULT_MAX_CONNECTIONS, help="most HTTP connections (idle keep-alive ones included) and in-flight requests served at once; a request on one more connection gets uvicorn's plain-text 503 and the connection is closed, except body-less GET/HEAD /health, /live and /metrics, answered and then closed (default: %(default)s)")
     g.add_argument("--playground", action=argparse.BooleanOptionalAction, default=True, help="serve the chat page at / and /playground (it calls /v1/* with the key typed into it); --no-playground leaves / a JSON 404 (default: on)")
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True, help="log one line per HTTP request (default: on)")
+    g.add_argument("--engine-in-process", action="store_true", help="step the engine in a thread of the HTTP server's process instead of an engine-core process of its own (for debugging: tokenizing, HTTP and JSON then share one interpreter with the engine loop)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity (default: %(default)s)")
     # fmt: on
     p.set_defaults(func=run_serve, more_models=[])
@@ -239,7 +240,7 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     from servelm.runtime.capacity import CapacityError
     from servelm.runtime.config import UnsupportedModelError
-    from servelm.runtime.platform import platform_of
+    from servelm.runtime.platform import platform_of, resolve_device
     from servelm.scheduler.encoder_engine import EncoderEngine, is_encoder_model
     from servelm.scheduler.engine import Engine
     from servelm.server.app import ObserverProxy, build_app, create_prometheus_observer
@@ -267,34 +268,41 @@ def run_serve(args: argparse.Namespace) -> int:
         from servelm.server.cli_models import run_models
 
         return run_models(args, config, _make_uvicorn_server)
-    proxy = ObserverProxy()
+    metrics_registry = None
+    if args.engine_in_process:
+        proxy = ObserverProxy()
 
-    def build() -> tuple[Any, Any]:
-        # An encoder (a sentence-transformers folder, an embedding GGUF file) serves embeddings, rerank and score.
-        engine = (EncoderEngine if is_encoder_model(config.model) else Engine)(config, observer=proxy)
-        return engine, create_prometheus_observer(engine)  # (measures the CPU peaks)
+        def build() -> tuple[Any, Any]:
+            # An encoder (a sentence-transformers folder, an embedding GGUF file) serves embeddings, rerank and score.
+            engine = (EncoderEngine if is_encoder_model(config.model) else Engine)(config, observer=proxy)
+            return engine, create_prometheus_observer(engine)  # (measures the CPU peaks)
 
-    try:
-        # Not in the main thread: it must not keep an OpenMP team beside the engine thread's.
-        engine, observer = run_in_transient_thread(build)
-    except (CapacityError, UnsupportedModelError, ValueError) as e:
-        log.error("cannot start: %s", e)
-        return 1
-    proxy.target = observer
-    interval = platform_of(engine.device).gil_switch_interval
+        try:
+            # Not in the main thread: it must not keep an OpenMP team beside the engine thread's.
+            engine, observer = run_in_transient_thread(build)
+        except (CapacityError, UnsupportedModelError, ValueError) as e:
+            log.error("cannot start: %s", e)
+            return 1
+        proxy.target = observer
+        metrics_registry = getattr(observer, "registry", None)
+        async_engine = AsyncEngine(engine, observer=proxy, max_waiting_requests=engine.config.max_waiting_requests)
+    else:
+        from servelm.server.engine_process import EngineStartError, start_engine_core
+
+        try:  # the engine builds and steps in an engine-core process (docs/architecture.md)
+            async_engine = start_engine_core(config, args.log_level)
+        except EngineStartError as e:
+            log.error("cannot start: %s", e)
+            return 1
+    info = async_engine.info
+    interval = platform_of(resolve_device(info.device)).gil_switch_interval
     if interval is not None:
         sys.setswitchinterval(interval)
-    log.info(
-        "model %s (%s); capacity: %s",
-        engine.served_model_name,
-        engine.config.model or "default",
-        engine.capacity.describe(),
-    )
-    async_engine = AsyncEngine(engine, observer=proxy, max_waiting_requests=engine.config.max_waiting_requests)
+    log.info("model %s (%s); capacity: %s", info.served_model_name, info.config.model or "default", info.capacity)
     app = build_app(
         async_engine,
         api_key=args.api_key or None,
-        metrics_registry=getattr(observer, "registry", None),
+        metrics_registry=metrics_registry,
         drain_timeout_s=args.drain_timeout,
         max_request_bytes=args.max_request_bytes,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
@@ -316,7 +324,10 @@ def run_serve(args: argparse.Namespace) -> int:
     server.drained = lambda: async_engine.drained(args.drain_timeout)
     from servelm.server.cli_models import serve_until_stopped
 
-    return serve_until_stopped(server, lambda: async_engine.dead_reason)
+    try:
+        return serve_until_stopped(server, lambda: async_engine.dead_reason)
+    finally:
+        async_engine.close()
 
 
 # ----------------------------------------------------------------------------------------- main

@@ -135,10 +135,21 @@ class Abort:
 
 @dataclass
 class Call:
-    """Run ``fn(engine)`` in the engine thread between steps (adapter loading...)."""
+    """Call ``engine.<path>(*args)`` between two steps (``"loras.add"``: an adapter...)."""
 
-    fn: Callable[[Any], Any]
+    path: str
+    args: tuple[Any, ...]
     future: asyncio.Future[Any]
+
+
+def resolve(engine: Any, path: str) -> Callable[..., Any]:
+    """``engine.a.b`` for ``"a.b"``: what the API side may call (never a private name)."""
+    target = engine
+    for name in path.split("."):
+        if not name or name.startswith("_"):
+            raise AttributeError(f"no engine call {path!r}")
+        target = getattr(target, name)
+    return target
 
 
 class EngineThread:
@@ -184,6 +195,17 @@ class EngineThread:
     @property
     def dead_reason(self) -> str | None:
         return None if self.dead is None else f"{type(self.dead).__name__}: {self.dead}"
+
+    @property
+    def running(self) -> bool:
+        return self.thread is not None and self.thread.is_alive() and self.dead is None
+
+    def join(self, timeout_s: float) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout_s)
+
+    def notify(self, path: str, *args: Any) -> None:
+        """(In this process the caller's observer counts directly.)"""
 
     def submit(self, cmd: Add | Call, num_seqs: int = 0, limit: int | None = None) -> bool:
         """Put ``cmd`` in the inbox, unless it would make more than ``limit`` sequences wait (False).
@@ -274,7 +296,7 @@ class EngineThread:
                 continue
             if isinstance(cmd, Call):
                 try:
-                    results.append((cmd.future, cmd.fn(engine), None))
+                    results.append((cmd.future, resolve(engine, cmd.path)(*cmd.args), None))
                 except Exception as exc:  # the call's own failure, reported to its caller
                     results.append((cmd.future, None, exc))
                 continue
@@ -300,7 +322,7 @@ class EngineThread:
             self._pending_adds -= sum(p.n for c in cmds if isinstance(c, Add) for _, _, p in c.requests)
             self.snapshot = snap
         if results:
-            self._call_soon(_resolve, results)
+            self._call_soon(resolve_futures, results)
         return stop
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
@@ -313,7 +335,7 @@ class EngineThread:
                 del self._routes[out.request_id]
             deliveries.append((group, out))
         if deliveries:
-            self._call_soon(_deliver, deliveries)
+            self._call_soon(deliver, deliveries)
 
     def _snapshot_now(self) -> EngineSnapshot:
         e = self.engine
@@ -349,7 +371,7 @@ class EngineThread:
         for c in cmds:
             if isinstance(c, Add):
                 groups.pop(id(c.group), None)  # its add fails instead
-        self._call_soon(_fail, list(groups.values()), futures, exc)
+        self._call_soon(fail_all, list(groups.values()), futures, exc)
 
     def _call_soon(self, fn: Callable[..., None], *args: Any) -> None:
         loop = self._loop
@@ -364,7 +386,7 @@ class EngineThread:
 # ----------------------------------------------------------------------- on the event loop's thread
 
 
-def _resolve(results: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
+def resolve_futures(results: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
     for fut, value, error in results:
         if fut.done():
             continue
@@ -374,12 +396,12 @@ def _resolve(results: list[tuple[asyncio.Future[Any], Any, BaseException | None]
             fut.set_exception(error)
 
 
-def _deliver(deliveries: list[tuple[RequestGroup, RequestOutput]]) -> None:
+def deliver(deliveries: list[tuple[RequestGroup, RequestOutput]]) -> None:
     for group, out in deliveries:
         group._put(out)
 
 
-def _fail(
+def fail_all(
     groups: list[RequestGroup],
     futures: list[tuple[asyncio.Future[None], BaseException]],
     exc: BaseException,

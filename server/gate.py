@@ -179,7 +179,7 @@ def engine_error(ae: AsyncEngine | None, path: str) -> APIError | None:
     if not ae.is_accepting:
         return _shutting_down()
     # generation on an embedding model, and the converse
-    return wrong_model_kind(OLLAMA_KIND.get(path, path), ae.engine)
+    return wrong_model_kind(OLLAMA_KIND.get(path, path), ae.info)
 
 
 def _model_fields(body: bytes) -> tuple[str | None, Any, dict[str, Any]]:

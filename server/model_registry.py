@@ -24,6 +24,7 @@ from typing import Any
 
 from servelm.metrics.observer import Observer, ObserverProxy
 from servelm.server.async_engine import AsyncEngine
+from servelm.server.engine_info import EngineInfo
 from servelm.server.errors import APIError, model_not_found, unavailable
 from servelm.server.model_specs import ModelSpec
 from servelm.server.serving_common import ServingContext
@@ -74,8 +75,9 @@ class ModelHandle:
         return self.ctx.async_engine if self.ctx is not None else None
 
     @property
-    def engine(self) -> Any:
-        return self.ctx.async_engine.engine if self.ctx is not None else None
+    def info(self) -> EngineInfo | None:
+        """The loaded engine's facts (None while it is not loaded)."""
+        return self.ctx.async_engine.info if self.ctx is not None else None
 
 
 class ModelRegistry:
@@ -108,10 +110,7 @@ class ModelRegistry:
     def single(cls, async_engine: AsyncEngine, ctx: ServingContext) -> ModelRegistry:
         """The registry of a one-model server: its engine built and loaded before the app (the
         command line as it always was), never unloaded."""
-        from servelm.scheduler.config import EngineConfig
-
-        config = getattr(async_engine.engine, "config", None) or EngineConfig()
-        registry = cls([ModelSpec(ctx.served_model_name, config)], None)
+        registry = cls([ModelSpec(ctx.served_model_name, async_engine.info.config)], None)
         handle = registry.default
         handle.ctx, handle.state = ctx, "loaded"
         return registry

@@ -44,11 +44,11 @@ def _digest(handle: ModelHandle) -> str:
 
 def details(handle: ModelHandle) -> dict[str, Any]:
     path = _path(handle)
-    engine = handle.engine
-    arch = getattr(getattr(engine, "model_config", None), "architecture", None)
+    info = handle.info
+    arch = info.architecture if info is not None else None
     if arch:  # Ollama's family names: "llama" for LlamaForCausalLM, "gemma3", "qwen2"
         arch = str(arch).removesuffix("ForCausalLM").lower()
-    quant = getattr(getattr(engine, "runner", None), "quantization", None) or handle.spec.config.quantization
+    quant = (info.quantization if info is not None else None) or handle.spec.config.quantization
     return {
         "parent_model": "",
         "format": "gguf" if path is not None and path.suffix == ".gguf" else "safetensors",
@@ -69,10 +69,10 @@ def _entry(handle: ModelHandle) -> dict[str, Any]:
 def _capabilities(handle: ModelHandle) -> list[str]:
     from servelm.server.serving_embeddings import is_encoder
 
-    engine = handle.engine
-    if engine is None:
+    info = handle.info
+    if info is None:
         return []
-    return ["embedding"] if is_encoder(engine) else ["completion", "tools"]
+    return ["embedding"] if is_encoder(info) else ["completion", "tools"]
 
 
 def _refusal(action: str) -> APIError:

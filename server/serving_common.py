@@ -141,21 +141,20 @@ class ServingContext:
 
     @classmethod
     def from_engine(cls, async_engine: AsyncEngine) -> ServingContext:
-        engine: Any = async_engine.engine
-        # The engine's own tokenizer (a Gemma 3 copy is ~80 MiB): encoding and decoding only read the
-        # Rust object, which shares reads across threads; nothing sets its truncation or padding
-        # (``load_tokenizer`` clears them), the one change that would need it exclusively.
-        tok = engine.tokenizer
-        mc = getattr(engine, "model_config", None)
+        info = async_engine.info
+        # The engine's tokenizer (in process, the engine's own object: a Gemma 3 copy is ~80 MiB):
+        # encoding and decoding only read the Rust object, which shares reads across threads; nothing
+        # sets its truncation or padding (``load_tokenizer`` clears them), the one change that would
+        # need it exclusively.
         return cls(
             async_engine=async_engine,
-            served_model_name=str(engine.served_model_name),
-            max_model_len=int(engine.config.max_model_len),
-            vocab_size=int(getattr(mc, "vocab_size", 0) or len(tok)),
-            tokenizer=tok,
-            model_path=str(getattr(engine.config, "model", None) or "") or None,
-            eos_token_ids=tuple(getattr(engine, "eos_token_ids", ())),
-            loras=dict(getattr(getattr(engine, "loras", None), "adapters", {})),  # an encoder has none
+            served_model_name=info.served_model_name,
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size,
+            tokenizer=async_engine.tokenizer,
+            model_path=info.model_path,
+            eos_token_ids=info.eos_token_ids,
+            loras=dict(info.lora_adapters),  # an encoder has none
         )
 
     def resolve_model(self, model: str | None) -> str | None:
@@ -337,9 +336,8 @@ async def _add_reading_adapter(ctx: ServingContext, add: Callable[..., Awaitable
 
 
 async def _read_again(ctx: ServingContext, e: LoRANotLoadedError) -> Any:
-    engine: Any = ctx.async_engine.engine
     try:
-        return await asyncio.to_thread(engine.loras.read, e.path)
+        return await ctx.async_engine.read_lora(e.path)
     except ValueError as err:  # runtime.lora.LoRAError: the folder is gone or no longer an adapter
         raise bad_request(
             f"The LoRA adapter '{e.name}' was unloaded from memory to make room (--max-cpu-loras) and cannot be "

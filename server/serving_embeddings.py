@@ -20,6 +20,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from servelm.scheduler.encoder_engine import PoolingParams
+from servelm.server.engine_info import EngineInfo
 from servelm.server.errors import APIError, bad_request, error_responses
 from servelm.server.protocol_embeddings import (
     EmbeddingData,
@@ -47,11 +48,11 @@ POOLING_PATHS = frozenset({"/v1/embeddings", "/v1/rerank", "/v1/score"})
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"})
 
 
-def is_encoder(engine: Any) -> bool:
-    return bool(getattr(engine, "is_encoder", False))
+def is_encoder(info: EngineInfo) -> bool:
+    return info.is_encoder
 
 
-def wrong_model_kind(path: str, engine: Any) -> APIError | None:
+def wrong_model_kind(path: str, engine: EngineInfo) -> APIError | None:
     """The 400 for a generation path on an embedding model, or an embedding path on a generative one."""
     if is_encoder(engine) and path in GENERATION_PATHS:
         return bad_request(
@@ -141,11 +142,11 @@ async def embed_inputs(
     return vectors, sum(map(len, ids))
 
 
-def _matryoshka(engine: Any, dimensions: int | None) -> int | None:
+def _matryoshka(engine: EngineInfo, dimensions: int | None) -> int | None:
     """The dimensions to truncate to (None: all), or the 400 for a model not trained for them."""
     if dimensions is None:
         return None
-    size, trained = engine.dimensions, engine.encoder.pooling.matryoshka
+    size, trained = int(engine.dimensions or 0), engine.matryoshka
     if dimensions == size:
         return None
     if not trained:
@@ -179,8 +180,7 @@ def _shaped(v: list[float], dims: int | None, fmt: str) -> list[float] | str:
 
 async def create_embeddings(ctx: ServingContext, body: EmbeddingRequest, raw: Request) -> EmbeddingResponse:
     ctx.resolve_model(body.model)
-    engine = ctx.async_engine.engine
-    dims = _matryoshka(engine, body.dimensions)
+    dims = _matryoshka(ctx.async_engine.info, body.dimensions)
     inputs: Any = body.input
     if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
         inputs = [inputs]

@@ -11,9 +11,6 @@ read again (``serving_common.add_requests``); with every loaded adapter in use, 
 
 from __future__ import annotations
 
-import asyncio
-from typing import Any
-
 from fastapi.responses import PlainTextResponse
 from pydantic import ConfigDict, Field
 
@@ -53,12 +50,10 @@ async def load_lora_adapter(ctx: ServingContext, req: LoadLoRAAdapterRequest) ->
         raise bad_request(
             f"The lora adapter '{name}' has already been loaded.", param="lora_name", code="lora_adapter_exists"
         )
-    engine: Any = ctx.async_engine.engine
     try:
         async with ctx.lora_reads:  # one read at a time: each holds a whole adapter until the engine takes it
-            # Files and checks off the event loop and off the engine thread: a big adapter takes seconds.
-            adapter = await asyncio.to_thread(engine.loras.read, req.lora_path)
-            await ctx.async_engine.call(lambda e: e.loras.add(name, adapter))
+            adapter = await ctx.async_engine.read_lora(req.lora_path)
+            await ctx.async_engine.call("loras.add", name, adapter)
     except ValueError as e:  # runtime.lora.LoRAError: the folder, or the name, is not servable
         raise bad_request(
             f"Cannot load LoRA adapter '{name}': {e}", param="lora_path", code="invalid_lora_adapter"
@@ -81,7 +76,7 @@ async def unload_lora_adapter(ctx: ServingContext, req: UnloadLoRAAdapterRequest
         )
     del ctx.loras[name]  # new requests naming it get 404 from now on
     try:
-        await ctx.async_engine.call(lambda e: e.loras.remove(name))
+        await ctx.async_engine.call("loras.remove", name)
     except Exception as e:
         raise engine_error(e) from None
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")

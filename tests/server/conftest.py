@@ -73,8 +73,8 @@ def shared_fake_server(server_tokenizer: Any) -> Iterator[tuple[ServerThread, Fa
 
 @pytest.fixture
 def serve_app(monkeypatch: pytest.MonkeyPatch, server_tokenizer: Any) -> Callable[..., Any]:
-    """``serve_app(*argv, status=0)``: run ``servelm serve --port 0 ARGV`` with the engine, metrics and
-    uvicorn faked, and return the app it built (what the flags reached); None when it is to exit with a
+    """``serve_app(*argv, status=0)``: run ``servelm serve --port 0 --engine-in-process ARGV`` with the
+    engine, metrics and uvicorn faked (the fake engine steps in this process), and return the app it built (what the flags reached); None when it is to exit with a
     non-zero ``status`` (a refused start)."""
     import servelm.scheduler.engine
     import servelm.server.app
@@ -98,7 +98,7 @@ def serve_app(monkeypatch: pytest.MonkeyPatch, server_tokenizer: Any) -> Callabl
     monkeypatch.setattr(signal, "signal", lambda *a: None)  # keep the test session's handlers
 
     def run(*argv: str, status: int = 0) -> Any:
-        args = cli.build_parser().parse_args(["serve", "--port", "0", *argv])
+        args = cli.build_parser().parse_args(["serve", "--port", "0", "--engine-in-process", *argv])
         assert args.func(args) == status
         return apps[-1] if status == 0 else None
 

@@ -268,11 +268,11 @@ def test_serve_builds_the_engine_in_a_thread_that_is_gone_before_serving(
     monkeypatch.setattr(servelm.server.app, "create_prometheus_observer", fake_observer)
     monkeypatch.setattr(cli, "_make_uvicorn_server", lambda app, args, on_stop: NoServer())
     monkeypatch.setattr(signal, "signal", lambda *a: None)  # keep the test session's handlers
-    args = build_parser().parse_args(["serve", "--port", "0"])
+    args = build_parser().parse_args(["serve", "--port", "0", "--engine-in-process"])
     assert args.func(args) == 0
     assert seen["engine"] is seen["observer"]
     assert seen["engine"] is not threading.main_thread() and not seen["engine"].is_alive()
     assert seen["serve"] is threading.current_thread()
     # A start-up failure in that thread still ends the command with its message and status 1.
-    args = build_parser().parse_args(["serve", "--port", "0", "--max-model-len", "999"])
+    args = build_parser().parse_args(["serve", "--port", "0", "--engine-in-process", "--max-model-len", "999"])
     assert args.func(args) == 1

@@ -147,7 +147,7 @@ def test_lru_model_is_unloaded_when_a_new_one_does_not_fit(models_server: Any) -
 
 
 def _loaded_engines(registry: ModelRegistry) -> list[Any]:
-    return [h.engine for h in registry.handles.values() if h.engine is not None]
+    return [h.async_engine.engine for h in registry.handles.values() if h.async_engine is not None]
 
 
 def test_a_model_with_a_request_in_flight_is_never_unloaded(models_server: Any) -> None:

@@ -1,0 +1,219 @@
+"""The engine-core process: builds the engine, then only schedules, runs and samples.
+
+``servelm serve`` starts it (``server.engine_process``) and talks to it over two ZMQ sockets
+(``server.core_protocol``). Between two steps it takes what the API process sent (adds, aborts,
+calls); after each step it sends the step's outputs in one message. Idle, it sleeps in ``poll``.
+
+It ignores SIGINT and SIGTERM: the API process owns shutdown (a terminal's Ctrl-C or systemd's
+SIGTERM reach the whole process group, and the drain needs the engine alive). It stops when told
+to, when its step fails (it says why, then exits 1), or when the API process is gone (its parent's
+sentinel turns readable: exit 1 within the poll interval).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+from typing import Any
+
+import zmq
+
+from servelm.scheduler.config import EngineConfig
+from servelm.server import core_protocol as p
+from servelm.server.engine_thread import resolve
+from servelm.server.heap import HeapTrimmer, return_free_heap
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 500  # an idle core looks for its parent's death this often
+
+
+def run_engine_core(config: EngineConfig, address_in: str, address_out: str, log_level: str) -> None:
+    """The core process's main (a spawned child of the API process)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(
+        level=getattr(logging, log_level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s",
+    )
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.connect(address_in)
+    push = _Sender(ctx, address_out)
+    code = 1
+    try:
+        core = _build(config, push)
+        if core is not None:
+            code = core.run(pull)
+    finally:
+        pull.close(0)
+        push.close()
+        ctx.term()
+    sys.exit(code)
+
+
+class _Sender:
+    """The socket to the API process. A PUSH socket blocks without a peer: a send that cannot go now
+    means the API process is gone (its sockets close with it), and the core stops."""
+
+    def __init__(self, ctx: Any, address: str) -> None:
+        self.socket = ctx.socket(zmq.PUSH)
+        self.socket.setsockopt(zmq.SNDHWM, 0)  # no bound: a slow reader never blocks a step
+        self.socket.setsockopt(zmq.LINGER, 2000)  # the last message (DIED) gets out before the exit
+        self.socket.connect(address)
+
+    def send(self, frames: list[Any], copy: bool = True) -> None:
+        try:
+            self.socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy)
+        except zmq.Again:
+            raise APIProcessGone from None
+
+    def close(self) -> None:
+        self.socket.close()
+
+
+class APIProcessGone(Exception):
+    """The API process's socket is gone."""
+
+
+def _build(config: EngineConfig, push: Any) -> EngineCore | None:
+    from servelm.metrics.observer import ObserverProxy
+    from servelm.scheduler.encoder_engine import EncoderEngine, is_encoder_model
+    from servelm.scheduler.engine import Engine
+    from servelm.server.app import create_prometheus_observer
+    from servelm.server.engine_info import engine_info
+
+    proxy = ObserverProxy()
+    try:
+        engine = (EncoderEngine if is_encoder_model(config.model) else Engine)(config, observer=proxy)
+        observer = create_prometheus_observer(engine)
+        info = engine_info(engine)
+    except Exception as e:  # the API process reports it ("cannot start: ...") and exits 1
+        log.debug("engine build failed", exc_info=True)
+        push.send([p.DIED, p.dumps(p.sendable_error(e))])
+        return None
+    proxy.target = observer
+    return_free_heap()  # loading's garbage
+    push.send([p.READY, p.dumps(info)])
+    return EngineCore(engine, observer, push)
+
+
+class EngineCore:
+    """The loop of the core process over one engine."""
+
+    def __init__(self, engine: Any, observer: Any, push: Any) -> None:
+        self.engine = engine
+        self.observer = observer
+        self.push = push
+        self.heap = HeapTrimmer()
+        parent = multiprocessing.parent_process()
+        self.parent_sentinel = parent.sentinel if parent is not None else None
+
+    def snapshot(self) -> p.Snapshot:
+        e = self.engine
+        return (e.num_running, e.num_waiting, e.block_manager.num_used_blocks)
+
+    def run(self, pull: Any) -> int:
+        """Serve until STOP (0), the parent's death or a failed step (1)."""
+        engine = self.engine
+        watch = getattr(getattr(engine, "runner", None), "watch_workers", None)
+        if watch is not None:  # tensor parallelism: a worker's death ends the core (the API process sees it)
+            watch(_worker_died)
+        poller = zmq.Poller()
+        poller.register(pull, zmq.POLLIN)
+        if self.parent_sentinel is not None:
+            poller.register(self.parent_sentinel, zmq.POLLIN)
+        try:
+            while True:
+                busy = engine.has_unfinished_requests()
+                if not busy:
+                    self.heap.idle()
+                events = dict(poller.poll(0 if busy else IDLE_POLL_MS))
+                if self.parent_sentinel is not None and self.parent_sentinel in events:
+                    log.error("the API process is gone: the engine core stops")
+                    return 1
+                if pull in events and self._take(pull):
+                    return 0  # (what still ran was failed by the API process: nobody reads it)
+                if engine.has_unfinished_requests():
+                    outputs = engine.step()
+                    if outputs:
+                        self.push.send([p.OUTPUTS, p.encode_outputs(self.snapshot(), outputs)], copy=False)
+                    self.heap.stepped()
+        except APIProcessGone:
+            log.error("the API process is gone: the engine core stops")
+            return 1
+        except Exception as e:
+            log.exception("the engine core died")
+            self.push.send([p.DIED, p.dumps(p.sendable_error(e))])
+            return 1
+        finally:
+            close = getattr(getattr(engine, "runner", None), "close", None)
+            if close is not None:
+                try:
+                    close()
+                except Exception:  # stopping anyway
+                    log.exception("closing the runner failed")
+
+    def _take(self, pull: Any) -> bool:
+        """Apply every message waiting; True on STOP."""
+        engine = self.engine
+        while True:
+            try:
+                tag, payload = pull.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return False
+            if tag == p.ABORT:
+                for rid in p.decode_ids(payload):
+                    engine.abort(rid)
+            elif tag == p.ADD:
+                seq, arrival, options, requests = p.loads(payload)
+                error = self._add(arrival, options, requests)
+                self._reply(seq, None, error)
+            elif tag == p.CALL:
+                seq, path, args = p.loads(payload)
+                try:
+                    result, error = self._call(path, args), None
+                except Exception as e:  # the call's own failure, reported to its caller
+                    result, error = None, p.sendable_error(e)
+                if seq >= 0:
+                    self._reply(seq, result, error)
+            elif tag == p.STOP:
+                return True
+
+    def _add(self, arrival: float, options: dict[str, Any], requests: list[Any]) -> Any:
+        added: list[str] = []
+        for rid, ids, params in requests:
+            try:
+                self.engine.add_request(rid, ids, params, arrival_time=arrival, **options)
+            except Exception as e:  # the request is bad, not the engine: all of the group or none
+                for done in added:
+                    self.engine.abort(done)
+                return p.sendable_error(e)
+            added.append(rid)
+        return None
+
+    def _call(self, path: str, args: tuple[Any, ...]) -> Any:
+        if path == "metrics":
+            from servelm.metrics.prometheus import render_metrics
+
+            return render_metrics(getattr(self.observer, "registry", None))
+        if path == "on_request_rejected":
+            return self.observer.on_request_rejected() if self.observer is not None else None
+        return resolve(self.engine, path)(*args)
+
+    def _reply(self, seq: int, result: Any, error: BaseException | None) -> None:
+        try:
+            payload = p.dumps((seq, result, error, self.snapshot()))
+        except Exception as e:  # a result that does not pickle: its caller gets why
+            payload = p.dumps((seq, None, RuntimeError(f"the result does not cross processes: {e}"), self.snapshot()))
+        self.push.send([p.REPLY, payload])
+
+
+def _worker_died(exc: BaseException) -> None:
+    # From the tensor-parallel watcher thread, while the engine thread may wait on a collective forever.
+    log.error("a tensor-parallel worker died (%s): the engine core stops", exc)
+    logging.shutdown()
+    os._exit(1)
