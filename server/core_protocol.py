@@ -18,12 +18,11 @@ import msgpack
 
 from servelm.runtime.batch import TokenLogprobs
 from servelm.scheduler.outputs import CompletionOutput, RequestOutput
-from servelm.scheduler.sampling_params import SamplingParams
 
 # API process -> engine core
-ADD = b"a"  # pickle: (seq, arrival_time, options, [(request_id, prompt ids, SamplingParams)])
+ADD = b"a"  # pickle: (seq, pickle of (arrival_time, options, [(request_id, prompt ids, SamplingParams)]))
 ABORT = b"x"  # msgpack: [request_id, ...]
-CALL = b"c"  # pickle: (seq, "attribute.path", args): engine.attribute.path(*args), between two steps
+CALL = b"c"  # pickle: (seq, pickle of ("attribute.path", args)): engine.attribute.path(*args), between two steps
 STOP = b"s"  # empty: abort what runs and exit 0
 
 # engine core -> API process
@@ -43,10 +42,10 @@ def loads(data: bytes) -> Any:
     return pickle.loads(data)
 
 
-def sendable_params(params: SamplingParams) -> SamplingParams:
-    """``params`` without its compiled grammar (a native object that does not pickle): the core
-    compiles the same spec again, from its own cache."""
-    so = params.structured_output
+def sendable_params(params: Any) -> Any:
+    """``params`` (``SamplingParams``, or an encoder's ``PoolingParams``) without a compiled grammar (a
+    native object that does not pickle): the core compiles the same spec again, from its own cache."""
+    so = getattr(params, "structured_output", None)
     if so is None or so.compiled is None:
         return params
     return dataclasses.replace(params, structured_output=dataclasses.replace(so, compiled=None))

@@ -169,11 +169,13 @@ class EngineCore:
                 for rid in p.decode_ids(payload):
                     engine.abort(rid)
             elif tag == p.ADD:
-                seq, arrival, options, requests = p.loads(payload)
+                seq, body = p.loads(payload)
+                arrival, options, requests = p.loads(body)
                 error = self._add(arrival, options, requests)
                 self._reply(seq, None, error)
             elif tag == p.CALL:
-                seq, path, args = p.loads(payload)
+                seq, body = p.loads(payload)
+                path, args = p.loads(body)
                 try:
                     result, error = self._call(path, args), None
                 except Exception as e:  # the call's own failure, reported to its caller

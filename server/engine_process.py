@@ -176,6 +176,11 @@ class EngineProcess:
 
     def submit(self, cmd: Add | Call, num_seqs: int = 0, limit: int | None = None) -> bool:
         """Send ``cmd``, unless it would make more than ``limit`` sequences wait (False)."""
+        if isinstance(cmd, Add):  # (before anything is registered: a request that cannot be sent leaves nothing)
+            requests = [(rid, prompt, p.sendable_params(params)) for rid, prompt, params in cmd.requests]
+            payload = p.dumps((cmd.arrival_time, cmd.options, requests))
+        else:
+            payload = p.dumps((cmd.path, cmd.args))
         with self._lock:
             if limit is not None and self.snapshot.num_waiting + self._pending_adds + num_seqs > limit:
                 return False
@@ -190,17 +195,13 @@ class EngineProcess:
                 self._futures[seq] = (cmd.future, ids, num_seqs)
             else:
                 self._futures[seq] = (cmd.future, [], 0)
-        if isinstance(cmd, Add):
-            requests = [(rid, prompt, p.sendable_params(params)) for rid, prompt, params in cmd.requests]
-            self._send(p.ADD, p.dumps((seq, cmd.arrival_time, cmd.options, requests)))
-        else:
-            self._send(p.CALL, p.dumps((seq, cmd.path, cmd.args)))
+        self._send(p.ADD if isinstance(cmd, Add) else p.CALL, p.dumps((seq, payload)))
         return True
 
     def notify(self, path: str, *args: Any) -> None:
         """A call nobody waits for (a metrics count)."""
         if self.dead is None:
-            self._send(p.CALL, p.dumps((-1, path, args)))
+            self._send(p.CALL, p.dumps((-1, p.dumps((path, args)))))
 
     def wake(self) -> None:
         """(Sending is the wake-up.)"""

@@ -41,9 +41,11 @@ def kv_bytes(model_dir: Path) -> int:
 
 
 def ranks(pid: int) -> list[int]:
-    """The spawned ranks of server ``pid`` (its children that run multiprocessing's spawn_main, not
-    its resource tracker)."""
-    kids = []
+    """The spawned tensor-parallel ranks of server ``pid``: the processes under it that run multiprocessing's
+    spawn_main (not its resource tracker) and have none of their own (the engine-core process, the ranks'
+    parent unless --engine-in-process, has them)."""
+    parent: dict[int, int] = {}
+    spawned: set[int] = set()
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
@@ -51,9 +53,18 @@ def ranks(pid: int) -> list[int]:
                 cmd = Path(f"/proc/{d}/cmdline").read_bytes()
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmd:
-                kids.append(int(d))
-    return kids
+            parent[int(d)] = int(stat.rsplit(")", 1)[1].split()[1])
+            if b"spawn_main" in cmd:
+                spawned.add(int(d))
+
+    def under(p: int) -> bool:
+        while p > 1:
+            p = parent.get(p, 0)
+            if p == pid:
+                return True
+        return False
+
+    return sorted(p for p in spawned if under(p) and not any(parent.get(q) == p for q in spawned))
 
 
 def alive(pid: int) -> bool:
