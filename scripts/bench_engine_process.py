@@ -149,15 +149,28 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--single-requests", type=int, default=4, help="requests, one after another, at one stream")
     ap.add_argument("--modes", nargs="+", default=["offline", "split", "inprocess"])
+    ap.add_argument("--rounds", type=int, default=1, help="runs of every mode, in turn; medians are printed")
+    ap.add_argument("--api-server-count", type=int, default=1, help="split: API processes in front of the core")
     ap.add_argument("--port", type=int, default=8471)
     ap.add_argument("--out", default=None, help="write the numbers here (JSON)")
     args = ap.parse_args()
-    results: dict[str, Any] = {}
-    for mode in args.modes:
-        if mode == "offline":
-            results[mode] = offline(args.model, args.streams, args)
-        else:
-            results[mode] = http(args.model, args.streams, ["--engine-in-process"] if mode == "inprocess" else [], args)
+    flags = {"inprocess": ["--engine-in-process"], "split": ["--api-server-count", str(args.api_server_count)]}
+    runs: dict[str, list[dict[int, dict[str, float]]]] = {m: [] for m in args.modes}
+    for _ in range(args.rounds):
+        for mode in args.modes:
+            if mode == "offline":
+                runs[mode].append(offline(args.model, args.streams, args))
+            else:
+                runs[mode].append(http(args.model, args.streams, flags[mode], args))
+    results = {
+        m: {s: {k: statistics.median(r[s][k] for r in rs) for k in rs[0][s]} for s in args.streams}
+        for m, rs in runs.items()
+    }
+    for m, by_s in results.items():
+        for s, v in by_s.items():
+            print(
+                f"median of {args.rounds}: {m:>9} S={s:4d}: {v['output_tok_s']:8.1f} tok/s, ITL {v['median_itl_ms']:.2f} ms"
+            )
     if "offline" in results:
         for mode in ("split", "inprocess"):
             if mode not in results:
@@ -168,7 +181,7 @@ def main() -> int:
                 itl = a["median_itl_ms"] / o["median_itl_ms"]
                 print(f"{mode:>9} / offline at S={s:4d}: throughput {ratio:.3f}x, median ITL {itl:.3f}x")
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+        Path(args.out).write_text(json.dumps({"args": vars(args), "results": results, "runs": runs}, indent=1))
     return 0
 
 

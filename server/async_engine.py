@@ -26,17 +26,16 @@ from typing import Any, Protocol, TypeVar
 from servelm.metrics.observer import NullObserver, Observer
 from servelm.scheduler.outputs import RequestOutput
 from servelm.scheduler.sampling_params import SamplingParams
-from servelm.server.engine_info import EngineInfo, engine_info
-from servelm.server.engine_thread import (
+from servelm.server.bridge import (
     Add,
     Call,
     EngineDeadError,
-    EngineLike,
     EngineSnapshot,
     EngineStoppedError,
-    EngineThread,
     resolve,
 )
+from servelm.server.engine_info import EngineInfo, engine_info
+from servelm.server.engine_thread import EngineLike, EngineThread
 from servelm.server.heap import HeapTrimmer
 from servelm.server.request_group import RequestGroup
 
@@ -159,6 +158,11 @@ class AsyncEngine:
         if self._info is None:
             self._info = engine_info(self.engine)
         return self._info
+
+    @property
+    def bridge(self) -> Bridge:
+        """What carries requests to the engine (``EngineThread`` or ``EngineProcess``)."""
+        return self._engine_thread
 
     @property
     def in_process(self) -> bool:

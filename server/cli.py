@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import sys
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from servelm.scheduler.config import EngineConfig
+from servelm.server.cli_serve import make_uvicorn_server as _make_uvicorn_server
+from servelm.server.cli_serve import serve_api
 from servelm.server.cli_types import (
     fraction,
     kv_events_config,
@@ -29,9 +29,6 @@ QUANTIZATIONS = ("int8", "int4", "auto", "none")
 
 log = logging.getLogger("servelm")
 
-# After the drain deadline, the handlers of the requests it cut get this long to write their error
-# before uvicorn cancels them (its own graceful timeout, the last resort, is the deadline plus this).
-SHUTDOWN_FLUSH_S = 2.0
 # Above --max-waiting-requests' default plus --max-num-seqs': the queue's own 503 (OpenAI-shaped, with
 # Retry-After) comes first.
 DEFAULT_MAX_CONNECTIONS = 2048
@@ -114,6 +111,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--max-connections", type=positive_int, default=DEFAULT_MAX_CONNECTIONS, help="most HTTP connections (idle keep-alive ones included) and in-flight requests served at once; a request on one more connection gets uvicorn's plain-text 503 and the connection is closed, except body-less GET/HEAD /health, /live and /metrics, answered and then closed (default: %(default)s)")
     g.add_argument("--playground", action=argparse.BooleanOptionalAction, default=True, help="serve the chat page at / and /playground (it calls /v1/* with the key typed into it); --no-playground leaves / a JSON 404 (default: on)")
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True, help="log one line per HTTP request (default: on)")
+    g.add_argument("--api-server-count", type=positive_int, default=1, help="HTTP API processes in front of the one engine core, sharing the port (SO_REUSEPORT: the kernel spreads connections): for the CPU cost of HTTP, JSON and tokenizing at high concurrency; each loads its own tokenizer (default: %(default)s)")
     g.add_argument("--engine-in-process", action="store_true", help="step the engine in a thread of the HTTP server's process instead of an engine-core process of its own (for debugging: tokenizing, HTTP and JSON then share one interpreter with the engine loop)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity (default: %(default)s)")
     # fmt: on
@@ -175,75 +173,15 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-def _make_uvicorn_server(app: Any, args: argparse.Namespace, on_exit: Callable[[], None]) -> Any:
-    import asyncio
-
-    import uvicorn
-
-    from servelm.server.http_protocol import guarded_protocol
-
-    class _Server(uvicorn.Server):
-        """uvicorn's server, starting the engine bridge's drain (refuse new requests, deadline for the
-        running ones) as soon as a signal lands, and listening until the drain ends."""
-
-        # Awaited on shutdown before uvicorn closes its listener (``run_serve`` sets the bridge's).
-        drained: Callable[[], Awaitable[None]] | None = None
-
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            on_exit()
-            super().handle_exit(sig, frame)
-
-        async def shutdown(self, sockets: Any = None) -> None:
-            # uvicorn closes its listener first; keeping it open while ``drained`` runs lets requests
-            # that arrive during the drain get its 503 (with Retry-After) rather than a refused connection.
-            loop = asyncio.get_running_loop()
-            started = loop.time()
-            if self.drained is not None and not self.force_exit:
-                drain, ticks = asyncio.ensure_future(self.drained()), 0
-                while not drain.done() and not self.force_exit:
-                    await asyncio.wait({drain}, timeout=0.1)
-                    ticks += 1
-                    await self.on_tick(ticks)  # (keeps the Date header current, as uvicorn's main loop did)
-            # uvicorn's last resort stays the deadline plus the flush, counted from the signal.
-            graceful = self.config.timeout_graceful_shutdown
-            if graceful is not None:
-                # uvicorn declares it int, and uses it as a timeout: a float is what it needs here.
-                remaining = max(SHUTDOWN_FLUSH_S, graceful - (loop.time() - started))
-                self.config.timeout_graceful_shutdown = remaining  # type: ignore[assignment]
-            await super().shutdown(sockets)
-
-        async def startup(self, sockets: Any = None) -> None:
-            await super().startup(sockets)
-            for server in self.servers:
-                for sock in server.sockets:
-                    host, port = sock.getsockname()[:2]
-                    log.info("servelm listening on http://%s:%d (OpenAI API under /v1)", host, port)
-
-    config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        access_log=args.access_log,
-        timeout_graceful_shutdown=math.ceil(max(0.0, args.drain_timeout) + SHUTDOWN_FLUSH_S),
-        http=guarded_protocol(args.header_timeout, args.body_timeout),
-        # uvicorn refuses a request when the connections, its own included, reach the limit.
-        limit_concurrency=args.max_connections + 1,
-        lifespan="on",
-    )
-    return _Server(config)
-
-
 def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     from servelm.runtime.capacity import CapacityError
     from servelm.runtime.config import UnsupportedModelError
-    from servelm.runtime.platform import platform_of, resolve_device
     from servelm.scheduler.encoder_engine import EncoderEngine, is_encoder_model
     from servelm.scheduler.engine import Engine
-    from servelm.server.app import ObserverProxy, build_app, create_prometheus_observer
+    from servelm.server.app import ObserverProxy, create_prometheus_observer
     from servelm.server.async_engine import AsyncEngine
     from servelm.server.engine_thread import run_in_transient_thread
     from servelm.server.heap import return_free_heap
@@ -264,6 +202,9 @@ def run_serve(args: argparse.Namespace) -> int:
             log.error("cannot start: --chat-template: %s", e)
             return 1
     config = engine_config_from_args(args)
+    if args.api_server_count > 1 and (args.engine_in_process or args.more_models or args.models_file):
+        log.error("cannot start: --api-server-count needs the engine-core process and one model")
+        return 1
     if args.more_models or args.models_file or args.models_memory_budget is not None or args.keep_alive is not None:
         from servelm.server.cli_models import run_models
 
@@ -290,44 +231,19 @@ def run_serve(args: argparse.Namespace) -> int:
         from servelm.server.engine_process import EngineStartError, start_engine_core
 
         try:  # the engine builds and steps in an engine-core process (docs/architecture.md)
-            async_engine = start_engine_core(config, args.log_level)
+            async_engine = start_engine_core(config, args.log_level, args.api_server_count)
         except EngineStartError as e:
             log.error("cannot start: %s", e)
             return 1
     info = async_engine.info
-    interval = platform_of(resolve_device(info.device)).gil_switch_interval
-    if interval is not None:
-        sys.setswitchinterval(interval)
     log.info("model %s (%s); capacity: %s", info.served_model_name, info.config.model or "default", info.capacity)
-    app = build_app(
-        async_engine,
-        api_key=args.api_key or None,
-        metrics_registry=metrics_registry,
-        drain_timeout_s=args.drain_timeout,
-        max_request_bytes=args.max_request_bytes,
-        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
-        playground=args.playground,
-    )
-    app.state.serving.reasoning_parser = REASONING_PARSERS[args.reasoning_parser] if args.reasoning_parser else None
-    app.state.serving.tool_parser = TOOL_PARSERS[args.tool_call_parser] if args.tool_call_parser else None
-    app.state.serving.auto_tool_choice = args.enable_auto_tool_choice
-    app.state.serving.split_special_tokens_in_content = args.split_special_tokens_in_content
-    if chat_template is None and not args.chat_template_as_stored:
-        from servelm.server.cli_models import corrected_own_template
-
-        chat_template = corrected_own_template(app.state.serving)
-    app.state.serving.chat_template = chat_template
-    app.state.serving.trust_request_chat_template = args.trust_request_chat_template
     # Loading's garbage (for Gemma 3 270M the tokenizer's, ~280 MiB) stays resident otherwise.
     return_free_heap()
-    server = _make_uvicorn_server(app, args, lambda: async_engine.begin_drain(args.drain_timeout))
-    server.drained = lambda: async_engine.drained(args.drain_timeout)
-    from servelm.server.cli_models import serve_until_stopped
+    if args.api_server_count > 1:
+        from servelm.server.api_servers import serve_behind_api_processes
 
-    try:
-        return serve_until_stopped(server, lambda: async_engine.dead_reason)
-    finally:
-        async_engine.close()
+        return serve_behind_api_processes(args, async_engine, chat_template, _make_uvicorn_server)
+    return serve_api(args, async_engine, chat_template, metrics_registry, _make_uvicorn_server)
 
 
 # ----------------------------------------------------------------------------------------- main

@@ -151,14 +151,17 @@ def run_models(args: argparse.Namespace, base: EngineConfig, make_server: Callab
     return serve_until_stopped(server, lambda: registry.dead_reason)
 
 
-def serve_until_stopped(server: Any, dead_reason: Callable[[], object]) -> int:
+def serve_until_stopped(server: Any, dead_reason: Callable[[], object], sock: Any = None) -> int:
     """Run ``server`` until a signal drains and stops it: exit status 0, or 1 where it never started or
     an engine died (a tensor-parallel worker lost: a supervisor restarts it)."""
     # uvicorn re-raises the signal that stopped it once it has shut down, with the handlers it found
     # installed; make those no-ops so a graceful SIGTERM/SIGINT ends with exit status 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    server.run()
+    if sock is None:
+        server.run()
+    else:
+        server.run(sockets=[sock])
     if not server.started:
         return 1
     log.info("servelm stopped")

@@ -1,6 +1,7 @@
 """What the API process and the engine-core process (``server.engine_core``) say to each other.
 
-Each message is two ZMQ frames: a one-byte tag and a payload. The hot path, one message of outputs
+A message is ZMQ frames: a one-byte tag, (to the core) the sending API process's index as digits,
+and a payload. The hot path, one message of outputs
 per engine step, is msgpack of plain lists (no field names, no prompt: the API process keeps each
 request's prompt); the rare control messages (adds, calls and their replies, the start-up facts)
 are pickled, because they carry dataclasses, tensors (a LoRA adapter) and exceptions. The channel
@@ -24,6 +25,7 @@ ADD = b"a"  # pickle: (seq, pickle of (arrival_time, options, [(request_id, prom
 ABORT = b"x"  # msgpack: [request_id, ...]
 CALL = b"c"  # pickle: (seq, pickle of ("attribute.path", args)): engine.attribute.path(*args), between two steps
 STOP = b"s"  # empty: abort what runs and exit 0
+CLIENT_GONE = b"g"  # the index of an API process that died (from the first): abort its requests
 
 # engine core -> API process
 READY = b"r"  # pickle: server.engine_info.EngineInfo

@@ -23,7 +23,7 @@ import zmq
 
 from servelm.scheduler.config import EngineConfig
 from servelm.server import core_protocol as p
-from servelm.server.engine_thread import resolve
+from servelm.server.bridge import resolve
 from servelm.server.heap import HeapTrimmer, return_free_heap
 
 log = logging.getLogger(__name__)
@@ -31,8 +31,9 @@ log = logging.getLogger(__name__)
 IDLE_POLL_MS = 500  # an idle core looks for its parent's death this often
 
 
-def run_engine_core(config: EngineConfig, address_in: str, address_out: str, log_level: str) -> None:
-    """The core process's main (a spawned child of the API process)."""
+def run_engine_core(config: EngineConfig, address_in: str, outputs: list[str], log_level: str) -> None:
+    """The core process's main (a spawned child of the first API process): it takes every API process's
+    messages on ``address_in`` and answers API process ``i`` on ``outputs[i]``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(
@@ -41,23 +42,25 @@ def run_engine_core(config: EngineConfig, address_in: str, address_out: str, log
     )
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
-    pull.connect(address_in)
-    push = _Sender(ctx, address_out)
+    pull.setsockopt(zmq.RCVHWM, 0)
+    pull.bind(address_in)
+    clients = [_Sender(ctx, a) for a in outputs]
     code = 1
     try:
-        core = _build(config, push)
+        core = _build(config, clients)
         if core is not None:
             code = core.run(pull)
     finally:
         pull.close(0)
-        push.close()
+        for c in clients:
+            c.close()
         ctx.term()
     sys.exit(code)
 
 
 class _Sender:
-    """The socket to the API process. A PUSH socket blocks without a peer: a send that cannot go now
-    means the API process is gone (its sockets close with it), and the core stops."""
+    """The socket to one API process. It connects (the API process binds), so a message for an API process
+    not there yet, or gone, is queued rather than blocking the step."""
 
     def __init__(self, ctx: Any, address: str) -> None:
         self.socket = ctx.socket(zmq.PUSH)
@@ -66,20 +69,13 @@ class _Sender:
         self.socket.connect(address)
 
     def send(self, frames: list[Any], copy: bool = True) -> None:
-        try:
-            self.socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy)
-        except zmq.Again:
-            raise APIProcessGone from None
+        self.socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy)
 
     def close(self) -> None:
         self.socket.close()
 
 
-class APIProcessGone(Exception):
-    """The API process's socket is gone."""
-
-
-def _build(config: EngineConfig, push: Any) -> EngineCore | None:
+def _build(config: EngineConfig, clients: list[_Sender]) -> EngineCore | None:
     from servelm.metrics.observer import ObserverProxy
     from servelm.scheduler.encoder_engine import EncoderEngine, is_encoder_model
     from servelm.scheduler.engine import Engine
@@ -93,21 +89,22 @@ def _build(config: EngineConfig, push: Any) -> EngineCore | None:
         info = engine_info(engine)
     except Exception as e:  # the API process reports it ("cannot start: ...") and exits 1
         log.debug("engine build failed", exc_info=True)
-        push.send([p.DIED, p.dumps(p.sendable_error(e))])
+        clients[0].send([p.DIED, p.dumps(p.sendable_error(e))])
         return None
     proxy.target = observer
     return_free_heap()  # loading's garbage
-    push.send([p.READY, p.dumps(info)])
-    return EngineCore(engine, observer, push)
+    clients[0].send([p.READY, p.dumps(info)])  # (the other API processes start after it, with the facts)
+    return EngineCore(engine, observer, clients)
 
 
 class EngineCore:
     """The loop of the core process over one engine."""
 
-    def __init__(self, engine: Any, observer: Any, push: Any) -> None:
+    def __init__(self, engine: Any, observer: Any, clients: list[_Sender]) -> None:
         self.engine = engine
         self.observer = observer
-        self.push = push
+        self.clients = clients
+        self.client_of: dict[str, int] = {}  # request id -> the API process that sent it
         self.heap = HeapTrimmer()
         parent = multiprocessing.parent_process()
         self.parent_sentinel = parent.sentinel if parent is not None else None
@@ -140,14 +137,12 @@ class EngineCore:
                 if engine.has_unfinished_requests():
                     outputs = engine.step()
                     if outputs:
-                        self.push.send([p.OUTPUTS, p.encode_outputs(self.snapshot(), outputs)], copy=False)
+                        self._send_outputs(outputs)
                     self.heap.stepped()
-        except APIProcessGone:
-            log.error("the API process is gone: the engine core stops")
-            return 1
         except Exception as e:
             log.exception("the engine core died")
-            self.push.send([p.DIED, p.dumps(p.sendable_error(e))])
+            for c in self.clients:
+                c.send([p.DIED, p.dumps(p.sendable_error(e))])
             return 1
         finally:
             close = getattr(getattr(engine, "runner", None), "close", None)
@@ -157,22 +152,40 @@ class EngineCore:
                 except Exception:  # stopping anyway
                     log.exception("closing the runner failed")
 
+    def _send_outputs(self, outputs: list[Any]) -> None:
+        """The step's outputs, one message per API process that has some."""
+        client_of = self.client_of
+        if len(self.clients) == 1:
+            parts = {0: outputs}
+        else:
+            parts = {}
+            for out in outputs:
+                parts.setdefault(client_of.get(out.request_id, 0), []).append(out)
+        for out in outputs:
+            if out.finished:
+                client_of.pop(out.request_id, None)
+        snapshot = self.snapshot()
+        for client, outs in parts.items():
+            self.clients[client].send([p.OUTPUTS, p.encode_outputs(snapshot, outs)], copy=False)
+
     def _take(self, pull: Any) -> bool:
         """Apply every message waiting; True on STOP."""
         engine = self.engine
         while True:
             try:
-                tag, payload = pull.recv_multipart(zmq.NOBLOCK)
+                tag, client_frame, payload = pull.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return False
+            client = int(client_frame)
             if tag == p.ABORT:
                 for rid in p.decode_ids(payload):
+                    self.client_of.pop(rid, None)
                     engine.abort(rid)
             elif tag == p.ADD:
                 seq, body = p.loads(payload)
                 arrival, options, requests = p.loads(body)
-                error = self._add(arrival, options, requests)
-                self._reply(seq, None, error)
+                error = self._add(arrival, options, requests, client)
+                self._reply(client, seq, None, error)
             elif tag == p.CALL:
                 seq, body = p.loads(payload)
                 path, args = p.loads(body)
@@ -181,20 +194,30 @@ class EngineCore:
                 except Exception as e:  # the call's own failure, reported to its caller
                     result, error = None, p.sendable_error(e)
                 if seq >= 0:
-                    self._reply(seq, result, error)
+                    self._reply(client, seq, result, error)
+            elif tag == p.CLIENT_GONE:
+                gone = int(payload)
+                rids = [rid for rid, c in self.client_of.items() if c == gone]
+                log.warning("API process %d is gone: aborting its %d request(s)", gone, len(rids))
+                for rid in rids:
+                    del self.client_of[rid]
+                    engine.abort(rid)
             elif tag == p.STOP:
                 return True
 
-    def _add(self, arrival: float, options: dict[str, Any], requests: list[Any]) -> Any:
+    def _add(self, arrival: float, options: dict[str, Any], requests: list[Any], client: int) -> Any:
         added: list[str] = []
         for rid, ids, params in requests:
             try:
                 self.engine.add_request(rid, ids, params, arrival_time=arrival, **options)
             except Exception as e:  # the request is bad, not the engine: all of the group or none
                 for done in added:
+                    self.client_of.pop(done, None)
                     self.engine.abort(done)
                 return p.sendable_error(e)
             added.append(rid)
+            if client:
+                self.client_of[rid] = client
         return None
 
     def _call(self, path: str, args: tuple[Any, ...]) -> Any:
@@ -206,12 +229,12 @@ class EngineCore:
             return self.observer.on_request_rejected() if self.observer is not None else None
         return resolve(self.engine, path)(*args)
 
-    def _reply(self, seq: int, result: Any, error: BaseException | None) -> None:
+    def _reply(self, client: int, seq: int, result: Any, error: BaseException | None) -> None:
         try:
             payload = p.dumps((seq, result, error, self.snapshot()))
         except Exception as e:  # a result that does not pickle: its caller gets why
             payload = p.dumps((seq, None, RuntimeError(f"the result does not cross processes: {e}"), self.snapshot()))
-        self.push.send([p.REPLY, payload])
+        self.clients[client].send([p.REPLY, payload])
 
 
 def _worker_died(exc: BaseException) -> None:

@@ -15,12 +15,23 @@ import os
 import signal
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from servelm.scheduler.config import EngineConfig
 from servelm.scheduler.outputs import RequestOutput
 from servelm.scheduler.sampling_params import SamplingParams
+from servelm.server.bridge import (
+    Abort,
+    Add,
+    Call,
+    EngineDeadError,
+    EngineSnapshot,
+    EngineStoppedError,
+    deliver,
+    fail_all,
+    resolve,
+    resolve_futures,
+)
 from servelm.server.heap import HeapTrimmer
 from servelm.server.request_group import RequestGroup
 
@@ -94,62 +105,6 @@ class EngineLike(Protocol):
     def step(self) -> list[RequestOutput]: ...
 
     def has_unfinished_requests(self) -> bool: ...
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread has stopped after an unexpected error; nothing can be served."""
-
-
-class EngineStoppedError(RuntimeError):
-    """The server is shutting down and accepts no new requests (or the drain deadline passed)."""
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """Engine counters as of the last step, published by the engine thread for other threads to read."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_used_blocks: int = 0
-
-
-@dataclass
-class Add:
-    """Hand a group's requests to the engine (all or none)."""
-
-    group: RequestGroup
-    requests: list[tuple[str, list[int], SamplingParams]]
-    arrival_time: float
-    future: asyncio.Future[None]
-    options: dict[
-        str, Any
-    ]  # Engine.add_request's keywords (lora_name, cache_salt, priority, lora_adapter) given for the group
-
-
-@dataclass
-class Abort:
-    """Abort requests that may still be in the engine (their group is gone or failed)."""
-
-    request_ids: list[str]
-
-
-@dataclass
-class Call:
-    """Call ``engine.<path>(*args)`` between two steps (``"loras.add"``: an adapter...)."""
-
-    path: str
-    args: tuple[Any, ...]
-    future: asyncio.Future[Any]
-
-
-def resolve(engine: Any, path: str) -> Callable[..., Any]:
-    """``engine.a.b`` for ``"a.b"``: what the API side may call (never a private name)."""
-    target = engine
-    for name in path.split("."):
-        if not name or name.startswith("_"):
-            raise AttributeError(f"no engine call {path!r}")
-        target = getattr(target, name)
-    return target
 
 
 class EngineThread:
@@ -381,33 +336,3 @@ class EngineThread:
             loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # loop closed between the check and the call
             pass
-
-
-# ----------------------------------------------------------------------- on the event loop's thread
-
-
-def resolve_futures(results: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
-    for fut, value, error in results:
-        if fut.done():
-            continue
-        if error is None:
-            fut.set_result(value)
-        else:
-            fut.set_exception(error)
-
-
-def deliver(deliveries: list[tuple[RequestGroup, RequestOutput]]) -> None:
-    for group, out in deliveries:
-        group._put(out)
-
-
-def fail_all(
-    groups: list[RequestGroup],
-    futures: list[tuple[asyncio.Future[None], BaseException]],
-    exc: BaseException,
-) -> None:
-    for g in groups:
-        g._put(exc)
-    for fut, e in futures:
-        if not fut.done():
-            fut.set_exception(e)

@@ -208,7 +208,7 @@ def test_container_args_parse_with_the_servelm_cli(rendered: dict[str, list[dict
 
 @pytest.mark.parametrize("case", CASES)
 def test_grace_period_is_prestop_plus_drain_plus_margin(rendered: dict[str, list[dict[str, Any]]], case: str) -> None:
-    from servelm.server.cli import SHUTDOWN_FLUSH_S
+    from servelm.server.cli_serve import SHUTDOWN_FLUSH_S
 
     values = yaml.safe_load((CHART / "values.yaml").read_text())["drain"] | CASES[case].get("drain", {})
     spec = _server(rendered[case])["spec"]["template"]["spec"]
