@@ -154,7 +154,12 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=8471)
     ap.add_argument("--out", default=None, help="write the numbers here (JSON)")
     args = ap.parse_args()
-    flags = {"inprocess": ["--engine-in-process"], "split": ["--api-server-count", str(args.api_server_count)]}
+    # "plain": no flag (a checkout from before the split, run through PYTHONPATH, steps its engine in a thread)
+    flags = {
+        "inprocess": ["--engine-in-process"],
+        "split": ["--api-server-count", str(args.api_server_count)],
+        "plain": [],
+    }
     runs: dict[str, list[dict[int, dict[str, float]]]] = {m: [] for m in args.modes}
     for _ in range(args.rounds):
         for mode in args.modes:
@@ -172,7 +177,7 @@ def main() -> int:
                 f"median of {args.rounds}: {m:>9} S={s:4d}: {v['output_tok_s']:8.1f} tok/s, ITL {v['median_itl_ms']:.2f} ms"
             )
     if "offline" in results:
-        for mode in ("split", "inprocess"):
+        for mode in ("split", "inprocess", "plain"):
             if mode not in results:
                 continue
             for s in args.streams:
