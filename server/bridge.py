@@ -99,3 +99,13 @@ def fail_all(
     for fut, e in futures:
         if not fut.done():
             fut.set_exception(e)
+
+
+def call_soon(loop: asyncio.AbstractEventLoop | None, fn: Callable[..., None], *args: Any) -> None:
+    """``fn(*args)`` on ``loop``'s thread, from any thread; nothing once the loop is gone."""
+    if loop is None or loop.is_closed():
+        return
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # loop closed between the check and the call
+        pass

@@ -27,6 +27,7 @@ from servelm.server.bridge import (
     EngineDeadError,
     EngineSnapshot,
     EngineStoppedError,
+    call_soon,
     deliver,
     fail_all,
     resolve,
@@ -329,10 +330,4 @@ class EngineThread:
         self._call_soon(fail_all, list(groups.values()), futures, exc)
 
     def _call_soon(self, fn: Callable[..., None], *args: Any) -> None:
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        try:
-            loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # loop closed between the check and the call
-            pass
+        call_soon(self._loop, fn, *args)
