@@ -154,16 +154,15 @@ class EngineCore:
 
     def _send_outputs(self, outputs: list[Any]) -> None:
         """The step's outputs, one message per API process that has some."""
-        client_of = self.client_of
-        if len(self.clients) == 1:
+        client_of = self.client_of  # (only requests of API processes after the first are in it)
+        if not client_of:
             parts = {0: outputs}
         else:
             parts = {}
             for out in outputs:
                 parts.setdefault(client_of.get(out.request_id, 0), []).append(out)
-        for out in outputs:
-            if out.finished:
-                client_of.pop(out.request_id, None)
+                if out.finished:
+                    client_of.pop(out.request_id, None)
         snapshot = self.snapshot()
         for client, outs in parts.items():
             self.clients[client].send([p.OUTPUTS, p.encode_outputs(snapshot, outs)], copy=False)
