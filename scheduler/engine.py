@@ -24,8 +24,9 @@ from servelm.runtime.capacity import Capacity, StepCostModel
 from servelm.runtime.lora import LoRAAdapter
 from servelm.scheduler import offline
 from servelm.scheduler.beam_search import BeamSearch
+from servelm.scheduler.choice_text import ChoiceText
 from servelm.scheduler.config import EngineConfig
-from servelm.scheduler.detokenizer import IncrementalDetokenizer, TextDecoder
+from servelm.scheduler.detokenizer import TextDecoder
 from servelm.scheduler.lora_registry import LoRARegistry
 from servelm.scheduler.outputs import ChoiceGroup, GenerationResult, RequestOutput
 from servelm.scheduler.request import Request, RequestStatus
@@ -33,7 +34,6 @@ from servelm.scheduler.sampling_params import InvalidParameterError, SamplingPar
 from servelm.scheduler.startup import RunnerLike, start_up
 from servelm.scheduler.step_plan import SampledStep
 from servelm.scheduler.stop import accept_token
-from servelm.scheduler.stop_strings import StopChecker
 from servelm.scheduler.structured_output import GrammarCompiler
 
 log = logging.getLogger(__name__)
@@ -47,8 +47,15 @@ class Engine:
     """
 
     def __init__(
-        self, config: EngineConfig, observer: Observer | None = None, *, runner: RunnerLike | None = None
+        self,
+        config: EngineConfig,
+        observer: Observer | None = None,
+        *,
+        runner: RunnerLike | None = None,
+        detokenize: bool = True,
     ) -> None:
+        """``detokenize`` False: token ids only, no stop strings (the server's API process makes the text)."""
+        self.detokenize = detokenize
         self.observer: Observer = observer if observer is not None else NullObserver()
         settled = start_up(config, runner)
         self.config = settled.config
@@ -98,12 +105,6 @@ class Engine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending_groups) or self._in_flight is not None
-
-    # -- LoRA adapters: served through ``self.loras`` (scheduler.lora_registry) ----------------------
-    def lora_request_names(self) -> tuple[list[str], list[str]]:
-        """Names of the adapters of running and of waiting requests (metrics)."""
-        running, waiting = self.scheduler.lora_ids()
-        return self.loras.names(running), self.loras.names(waiting)
 
     # -- requests ------------------------------------------------------------------------------------
     def add_request(
@@ -157,9 +158,8 @@ class Engine:
                 priority=priority,
                 group=group,
             )
-            skip = params.skip_special_tokens
-            req.detokenizer = IncrementalDetokenizer(self.tokenizer, skip, decoder=self._text_decoders[skip])
-            req.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
+            if self.detokenize:
+                req.text = ChoiceText(self._text_decoders[params.skip_special_tokens], params)
             choices.append(req)
         self._groups[request_id] = ChoiceGroup(request_id, list(prompt_token_ids), choices)
         for req in choices:
@@ -168,14 +168,25 @@ class Engine:
     def abort(self, request_id: str) -> None:
         """Finish every unfinished choice of ``request_id`` with "abort" and free its blocks now."""
         group = self._groups.get(request_id)
-        if group is None:
-            return
+        if group is not None:
+            self._end(group, group.choices, RequestStatus.FINISHED_ABORTED)
+
+    def stop_choice(self, request_id: str, index: int, stop: str) -> None:
+        """Finish choice ``index`` of ``request_id`` as stopped by the stop string ``stop`` (the server
+        found it in the text it makes from this engine's token ids) and free its blocks now."""
+        group = self._groups.get(request_id)
+        if group is not None and 0 <= index < len(group.choices):
+            self._end(group, group.choices[index : index + 1], RequestStatus.FINISHED_STOPPED, stop)
+
+    def _end(self, group: ChoiceGroup, choices: list[Request], status: RequestStatus, stop: str | None = None) -> None:
         now = time.monotonic()
-        for req in group.choices:
+        for req in choices:
             if not req.is_finished:
-                self._finish(req, RequestStatus.FINISHED_ABORTED, now)
+                if stop is not None:
+                    req.stop_reason = stop
+                self._finish(req, status, now)
                 group.report(req, "")
-        self._pending_groups[request_id] = group
+        self._pending_groups[group.request_id] = group
 
     # -- the loop ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -226,7 +237,7 @@ class Engine:
             self.kv_events.publish(self.block_manager.take_events())
         if sched.items or changed:
             accepted = self.num_accepted_drafts - accepted_before
-            loras = self.lora_request_names() if self.enable_lora else None
+            loras = self.loras.request_names(*self.scheduler.lora_ids()) if self.enable_lora else None
             stats = self.scheduler.step_stats(
                 sched, time.perf_counter() - t0, num_sampled, ttfts, itls, cost, accepted, loras
             )

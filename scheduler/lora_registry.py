@@ -154,6 +154,10 @@ class LoRARegistry:
         """Unfinished sequences per adapter id."""
         return dict(self._users)
 
+    def request_names(self, running: set[int], waiting: set[int]) -> tuple[list[str], list[str]]:
+        """Names of the adapters of running and of waiting requests (metrics)."""
+        return self.names(running), self.names(waiting)
+
     def names(self, ids: set[int]) -> list[str]:
         """Sorted names of ``ids``; an adapter unloaded by name but still computing is ``#<id>``."""
         return sorted(self._loaded.get(i) or f"#{i}" for i in ids)

@@ -118,7 +118,7 @@ def _result(group: ChoiceGroup) -> GenerationResult:
         [
             GeneratedChoice(
                 index=r.index,
-                text="".join(r.text_parts),
+                text=r.text.text if r.text is not None else "",
                 token_ids=r.output_token_ids,
                 finish_reason=r.finish_reason,
                 stop_reason=r.stop_reason,

@@ -15,8 +15,7 @@ from servelm.scheduler.block_hash import block_hash_seed
 from servelm.scheduler.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # runtime-free imports only for type checkers
-    from servelm.scheduler.detokenizer import IncrementalDetokenizer
-    from servelm.scheduler.stop_strings import StopChecker
+    from servelm.scheduler.choice_text import ChoiceText
     from servelm.scheduler.structured_output import GrammarMatcher
 
 _SEED_MASK = (1 << 64) - 1
@@ -149,13 +148,10 @@ class Request:
         self.last_token_time: float | None = None
         self.finished_time: float | None = None
 
-        # Text state, set by the engine (None in scheduler-only tests).
-        self.detokenizer: IncrementalDetokenizer | None = None
-        self.stop_checker: StopChecker | None = None
-        self.text_parts: list[str] = []  # emitted text deltas (joined once at the end, offline)
+        # Text state, set by an engine that emits text (None: token ids only, or scheduler-only tests).
+        self.text: ChoiceText | None = None
         # Engine bookkeeping for outputs: what was already reported to the client.
         self.num_reported_tokens = 0
-        self.pending_text = ""
 
     # -- views -------------------------------------------------------------------------------------
     @property

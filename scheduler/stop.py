@@ -1,4 +1,4 @@
-"""Stop conditions as each token is accepted: stop tokens, stop strings (``stop_strings``), length limits."""
+"""Stop conditions as each token is accepted: stop tokens, length limits, and stop strings (``choice_text``)."""
 
 from __future__ import annotations
 
@@ -33,42 +33,18 @@ def check_model_len(req: Request, max_model_len: int) -> RequestStatus | None:
 def accept_token(
     req: Request, token: int, lps: TokenLogprobs | None, max_model_len: int
 ) -> tuple[str, RequestStatus | None]:
-    """Append a sampled token to ``req``, detokenize it and check every stop condition (stop tokens,
-    a structured output's structure completed, length, stop strings): the text to emit now and, when
-    ``req`` must finish, how (the caller finishes it)."""
+    """Append a sampled token to ``req``, check every stop condition (stop tokens, a structured output's
+    structure completed, length) and, where the engine emits text (``req.text``), detokenize it and look
+    for stop strings: the text to emit now and, when ``req`` must finish, how (the caller finishes it)."""
     req.append_token(token, lps)
     status = check_token_stop(req, token) or check_model_len(req, max_model_len)
     stopped_by_token = status == RequestStatus.FINISHED_STOPPED
     if req.grammar is not None and req.grammar.accept(token) and status is None:
         # The structure is complete: only EOS could follow. Its last token's text is kept.
         status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None
-    detok, checker = req.detokenizer, req.stop_checker
-    if detok is None or checker is None:  # no text state (scheduler-level use)
+    if req.text is None:  # token ids only: the API process makes the text (server.output_text)
         return "", status
-    if status is None and not checker.stops:
-        # The common case, short-cut: no stop string to match, nothing held back to release.
-        text = detok.step((token,))
-        if text:
-            req.text_parts.append(text)
-        return text, None
-    honour = req.num_output_tokens >= req.params.min_tokens
-    out: list[str] = []
-    matched_string = False
-    # A stop token's own text is not returned (unless asked to include the stop in the output).
-    if not stopped_by_token or req.params.include_stop_str_in_output:
-        res = checker.feed(detok.step((token,)), honour)
-        out.append(res.text)
-        if res.stop is not None:
-            status, req.stop_reason, matched_string = RequestStatus.FINISHED_STOPPED, res.stop, True
-    if status is not None and not matched_string:
-        # Finishing for another reason: release text held back for incomplete characters/stops.
-        res = checker.feed(detok.flush(), honour)
-        out.append(res.text)
-        if res.stop is not None:
-            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, res.stop
-        else:
-            out.append(checker.flush())
-    text = "".join(out)
-    if text:
-        req.text_parts.append(text)
+    text, stop = req.text.feed(token, req.num_output_tokens, status is not None, stopped_by_token)
+    if stop is not None:
+        status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
     return text, status

@@ -37,6 +37,7 @@ from servelm.server.bridge import (
 from servelm.server.engine_info import EngineInfo, engine_info
 from servelm.server.engine_thread import EngineLike, EngineThread
 from servelm.server.heap import HeapTrimmer
+from servelm.server.output_text import RequestText, TextDecoders
 from servelm.server.request_group import RequestGroup
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,8 @@ class Bridge(Protocol):
     def wake(self) -> None: ...
 
     def abort(self, request_ids: list[str]) -> None: ...
+
+    def stop_choices(self, request_id: str, stopped: list[tuple[int, str]]) -> None: ...
 
     def stop(self) -> None: ...
 
@@ -140,6 +143,7 @@ class AsyncEngine:
             max_waiting_requests if max_waiting_requests is not None else config.max_waiting_requests  # type: ignore[union-attr]
         )
         self._engine_thread: Bridge = bridge
+        self._decoders: TextDecoders | None = None
         self._started = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._groups: set[RequestGroup] = set()  # event-loop thread only
@@ -307,6 +311,8 @@ class AsyncEngine:
         if not self._engine_thread.submit(cmd, num_seqs, self.max_waiting_requests):
             self.observer.on_request_rejected()
             raise QueueFullError(self.max_waiting_requests)
+        if self.info.makes_text_here:
+            group.texts = {rid: self._text(params) for rid, _, params in cmd.requests if not params.use_beam_search}
         group.request_ids = [r[0] for r in cmd.requests]
         group._unfinished = set(group.request_ids)
         self._groups.add(group)
@@ -363,6 +369,15 @@ class AsyncEngine:
         if not request_ids:
             return
         self._engine_thread.abort(list(request_ids))
+
+    def _text(self, params: SamplingParams) -> RequestText:
+        if self._decoders is None:  # (the tokenizer's vocabulary is read on first use)
+            self._decoders = TextDecoders(self.tokenizer)
+        return RequestText(self._decoders, params, self.info.eos_token_ids)
+
+    def stop_choices(self, request_id: str, stopped: list[tuple[int, str]]) -> None:
+        """Finish choices a stop string ended here (``RequestGroup`` found it in their text)."""
+        self._engine_thread.stop_choices(request_id, stopped)
 
     def release(self, group: RequestGroup) -> None:
         """Forget a closed group (``RequestGroup.close`` calls it); the last one lets a drain end."""

@@ -52,6 +52,14 @@ class Abort:
 
 
 @dataclass
+class StopChoices:
+    """Finish choices as stopped by the stop string the API process found in their text: (index, stop)."""
+
+    request_id: str
+    stopped: list[tuple[int, str]]
+
+
+@dataclass
 class Call:
     """Call ``engine.<path>(*args)`` between two steps (``"loras.add"``: an adapter...)."""
 

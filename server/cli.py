@@ -179,10 +179,9 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     from servelm.runtime.capacity import CapacityError
     from servelm.runtime.config import UnsupportedModelError
-    from servelm.scheduler.encoder_engine import EncoderEngine, is_encoder_model
-    from servelm.scheduler.engine import Engine
     from servelm.server.app import ObserverProxy, create_prometheus_observer
     from servelm.server.async_engine import AsyncEngine
+    from servelm.server.engine_info import serving_engine
     from servelm.server.engine_thread import run_in_transient_thread
     from servelm.server.heap import return_free_heap
 
@@ -214,8 +213,7 @@ def run_serve(args: argparse.Namespace) -> int:
         proxy = ObserverProxy()
 
         def build() -> tuple[Any, Any]:
-            # An encoder (a sentence-transformers folder, an embedding GGUF file) serves embeddings, rerank and score.
-            engine = (EncoderEngine if is_encoder_model(config.model) else Engine)(config, observer=proxy)
+            engine = serving_engine(config, proxy)
             return engine, create_prometheus_observer(engine)  # (measures the CPU peaks)
 
         try:

@@ -100,8 +100,7 @@ def run_models(args: argparse.Namespace, base: EngineConfig, make_server: Callab
     import servelm.server.app as app_module
     from servelm.metrics.models import ModelMetrics
     from servelm.runtime.platform import platform_of, resolve_device
-    from servelm.scheduler.encoder_engine import EncoderEngine, is_encoder_model
-    from servelm.scheduler.engine import Engine
+    from servelm.server.engine_info import serving_engine
     from servelm.server.model_registry import ModelRegistry
 
     try:
@@ -117,7 +116,7 @@ def run_models(args: argparse.Namespace, base: EngineConfig, make_server: Callab
         return 1
 
     def build(spec: ModelSpec, observer: Any) -> tuple[Any, Any]:
-        engine = (EncoderEngine if is_encoder_model(spec.config.model) else Engine)(spec.config, observer=observer)
+        engine = serving_engine(spec.config, observer)
         return engine, app_module.create_prometheus_observer(engine, registry=CollectorRegistry())
 
     registry = ModelRegistry(

@@ -26,6 +26,7 @@ ABORT = b"x"  # msgpack: [request_id, ...]
 CALL = b"c"  # pickle: (seq, pickle of ("attribute.path", args)): engine.attribute.path(*args), between two steps
 STOP = b"s"  # empty: abort what runs and exit 0
 CLIENT_GONE = b"g"  # the index of an API process that died (from the first): abort its requests
+STOP_CHOICES = b"t"  # msgpack: [request_id, [[choice index, stop string], ...]]: a stop string ended them
 
 # engine core -> API process
 READY = b"r"  # pickle: server.engine_info.EngineInfo
@@ -130,6 +131,16 @@ def decode_outputs(data: bytes, prompt_of: Callable[[str], list[int]]) -> tuple[
         prompt_lps = None if plps is None else [None if lp is None else _unlp(lp) for lp in plps]
         outs.append(RequestOutput(rid, prompt_of(rid), completions, finished, error, prompt_lps, cached, embedding))
     return (snapshot[0], snapshot[1], snapshot[2]), outs
+
+
+def encode_stopped(request_id: str, stopped: list[tuple[int, str]]) -> bytes:
+    packed: bytes = msgpack.packb([request_id, stopped], use_bin_type=True)
+    return packed
+
+
+def decode_stopped(data: bytes) -> tuple[str, list[tuple[int, str]]]:
+    rid, stopped = msgpack.unpackb(data, raw=False)
+    return rid, [(int(i), str(s)) for i, s in stopped]
 
 
 def encode_ids(ids: list[str]) -> bytes:

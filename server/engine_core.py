@@ -77,14 +77,12 @@ class _Sender:
 
 def _build(config: EngineConfig, clients: list[_Sender]) -> EngineCore | None:
     from servelm.metrics.observer import ObserverProxy
-    from servelm.scheduler.encoder_engine import EncoderEngine, is_encoder_model
-    from servelm.scheduler.engine import Engine
     from servelm.server.app import create_prometheus_observer
-    from servelm.server.engine_info import engine_info
+    from servelm.server.engine_info import engine_info, serving_engine
 
     proxy = ObserverProxy()
     try:
-        engine = (EncoderEngine if is_encoder_model(config.model) else Engine)(config, observer=proxy)
+        engine = serving_engine(config, proxy)
         observer = create_prometheus_observer(engine)
         info = engine_info(engine)
     except Exception as e:  # the API process reports it ("cannot start: ...") and exits 1
@@ -180,6 +178,10 @@ class EngineCore:
                 for rid in p.decode_ids(payload):
                     self.client_of.pop(rid, None)
                     engine.abort(rid)
+            elif tag == p.STOP_CHOICES:
+                rid, stopped = p.decode_stopped(payload)
+                for index, stop in stopped:
+                    engine.stop_choice(rid, index, stop)
             elif tag == p.ADD:
                 seq, body = p.loads(payload)
                 arrival, options, requests = p.loads(body)

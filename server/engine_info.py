@@ -25,6 +25,12 @@ class EngineInfo:
     lora_adapters: dict[str, str] = field(default_factory=dict)  # served at start: name -> folder
     architecture: str | None = None
     quantization: str | None = None
+    emits_text: bool = False  # the engine detokenizes itself; else the API process makes the text
+
+    @property
+    def makes_text_here(self) -> bool:
+        """Whether the API process detokenizes this engine's outputs and looks for stop strings."""
+        return not self.is_encoder and not self.emits_text
 
     @property
     def max_model_len(self) -> int:
@@ -33,6 +39,18 @@ class EngineInfo:
     @property
     def model_path(self) -> str | None:
         return str(self.config.model) if self.config.model else None
+
+
+def serving_engine(config: EngineConfig, observer: Any) -> Any:
+    """The engine a server runs for ``config``: an encoder's (a sentence-transformers folder, an embedding
+    GGUF file: embeddings, rerank, score), else a generator that sends token ids only (the API process
+    makes the text: ``server.output_text``)."""
+    from servelm.scheduler.encoder_engine import EncoderEngine, is_encoder_model
+    from servelm.scheduler.engine import Engine
+
+    if is_encoder_model(config.model):
+        return EncoderEngine(config, observer=observer)
+    return Engine(config, observer=observer, detokenize=False)
 
 
 def engine_info(engine: Any) -> EngineInfo:
@@ -59,6 +77,7 @@ def engine_info(engine: Any) -> EngineInfo:
         lora_adapters=dict(getattr(loras, "adapters", {}) or {}),
         architecture=getattr(mc, "architecture", None),
         quantization=getattr(getattr(engine, "runner", None), "quantization", None) or cfg.quantization,
+        emits_text=bool(getattr(engine, "detokenize", False)),
     )
 
 

@@ -290,6 +290,11 @@ class EngineProcess:
                 self._routes.pop(rid, None)
         self._send(p.ABORT, p.encode_ids(request_ids))
 
+    def stop_choices(self, request_id: str, stopped: list[tuple[int, str]]) -> None:
+        """Finish choices a stop string ended here (``Engine.stop_choice`` in the core)."""
+        if self.dead is None:
+            self._send(p.STOP_CHOICES, p.encode_stopped(request_id, stopped))
+
     def _send(self, tag: bytes, payload: bytes) -> None:
         with self._send_lock:
             try:

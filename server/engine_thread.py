@@ -27,6 +27,7 @@ from servelm.server.bridge import (
     EngineDeadError,
     EngineSnapshot,
     EngineStoppedError,
+    StopChoices,
     call_soon,
     deliver,
     fail_all,
@@ -103,6 +104,8 @@ class EngineLike(Protocol):
 
     def abort(self, request_id: str) -> None: ...
 
+    def stop_choice(self, request_id: str, index: int, stop: str) -> None: ...
+
     def step(self) -> list[RequestOutput]: ...
 
     def has_unfinished_requests(self) -> bool: ...
@@ -116,7 +119,7 @@ class EngineThread:
         self.engine = engine
         self.heap = heap or HeapTrimmer()
         self._lock = threading.Lock()  # guards the inbox, _pending_adds, _stop and dead
-        self._inbox: list[Add | Abort | Call] = []
+        self._inbox: list[Add | Abort | Call | StopChoices] = []
         self._pending_adds = 0  # requests in the inbox not yet handed to the engine
         self._wake = threading.Event()
         self.thread: threading.Thread | None = None
@@ -181,10 +184,17 @@ class EngineThread:
 
     def abort(self, request_ids: list[str]) -> None:
         """Abort requests (thread-safe, non-blocking); applied before the engine's next step."""
+        self._put(Abort(request_ids))
+
+    def stop_choices(self, request_id: str, stopped: list[tuple[int, str]]) -> None:
+        """Finish choices a stop string ended (``Engine.stop_choice``) before the engine's next step."""
+        self._put(StopChoices(request_id, stopped))
+
+    def _put(self, cmd: Abort | StopChoices) -> None:
         with self._lock:
             if self.dead is not None or self.thread is None:
                 return
-            self._inbox.append(Abort(request_ids))
+            self._inbox.append(cmd)
         self._wake.set()
 
     def stop(self) -> None:
@@ -249,6 +259,10 @@ class EngineThread:
                 for rid in cmd.request_ids:
                     if self._routes.pop(rid, None) is not None:
                         engine.abort(rid)
+                continue
+            if isinstance(cmd, StopChoices):
+                for index, string in cmd.stopped:
+                    engine.stop_choice(cmd.request_id, index, string)
                 continue
             if isinstance(cmd, Call):
                 try:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from servelm.scheduler.outputs import RequestOutput
+from servelm.server.output_text import RequestText
 
 
 class GroupOwner(Protocol):
@@ -15,6 +16,8 @@ class GroupOwner(Protocol):
     def abort(self, request_ids: Sequence[str]) -> None: ...
 
     def release(self, group: RequestGroup) -> None: ...
+
+    def stop_choices(self, request_id: str, stopped: list[tuple[int, str]]) -> None: ...
 
 
 class RequestGroup:
@@ -31,8 +34,18 @@ class RequestGroup:
         self.request_ids: list[str] = []
         self._unfinished: set[str] = set()
         self._closed = False
+        # By request id, where this process makes the text (the engine sends token ids only).
+        self.texts: dict[str, RequestText] = {}
 
     def _put(self, item: RequestOutput | BaseException) -> None:
+        if self.texts and isinstance(item, RequestOutput):
+            text = self.texts.get(item.request_id)
+            if text is not None:
+                if text.finished:  # the core's news of a choice a stop string ended here
+                    return
+                stopped = text.apply(item)
+                if stopped:
+                    self._owner.stop_choices(item.request_id, stopped)
         self._queue.put_nowait(item)
 
     def __aiter__(self) -> RequestGroup:

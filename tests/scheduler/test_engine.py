@@ -350,7 +350,7 @@ def test_failure_while_processing_one_request_spares_the_others(tiny_llama_dir: 
         raise RuntimeError(f"{where} exploded")
 
     if where == "detokenizer":
-        bad.detokenizer.step = boom
+        bad.text.detokenizer.step = boom
     else:
         cache = e.block_manager.cache_full_blocks
         e.block_manager.cache_full_blocks = lambda seq: boom() if seq is bad else cache(seq)

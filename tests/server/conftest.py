@@ -92,7 +92,9 @@ def serve_app(monkeypatch: pytest.MonkeyPatch, server_tokenizer: Any) -> Callabl
         apps.append(app)
         return NoServer()
 
-    monkeypatch.setattr(servelm.scheduler.engine, "Engine", lambda config, observer=None: FakeEngine(server_tokenizer))
+    monkeypatch.setattr(
+        servelm.scheduler.engine, "Engine", lambda config, observer=None, **_: FakeEngine(server_tokenizer)
+    )
     monkeypatch.setattr(servelm.server.app, "create_prometheus_observer", lambda engine: None)
     monkeypatch.setattr(cli, "_make_uvicorn_server", no_server)
     monkeypatch.setattr(signal, "signal", lambda *a: None)  # keep the test session's handlers

@@ -248,7 +248,7 @@ def test_serve_builds_the_engine_in_a_thread_that_is_gone_before_serving(
 
     seen: dict[str, threading.Thread] = {}
 
-    def fake_engine(config: EngineConfig, observer=None):
+    def fake_engine(config: EngineConfig, observer=None, **_: object):
         seen["engine"] = threading.current_thread()
         if config.max_model_len == 999:
             raise CapacityError("too big")
