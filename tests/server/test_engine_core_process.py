@@ -4,7 +4,8 @@ default model, its core killed or its API process killed under it.
 - kill -9 of the core mid-stream: the stream ends with an error event, ``/health`` answers 503 while
   the API process stops, and it exits non-zero;
 - kill -9 of the API process: the core sees its parent gone and exits within a couple of seconds;
-- the split and ``--engine-in-process`` give the same greedy tokens.
+- the split and ``--engine-in-process`` give the same greedy tokens; a stop string cuts the output
+  where it starts (the API process finds it in the token ids the core sends).
 """
 
 from __future__ import annotations
@@ -119,8 +120,30 @@ def _greedy(server: ServeProcess) -> list[str]:
     return texts
 
 
+def _stop_strings(server: ServeProcess) -> None:
+    """A stop string cuts the server's own greedy output where the string starts, streamed or not, and
+    the completion's token count ends at the token that completed it (the API process finds it)."""
+    body = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "logprobs": 0}
+    free = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    text, tokens = free["text"], free["logprobs"]["tokens"]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    expected_tokens = next(k for k in range(1, len(tokens) + 1) if stop in "".join(tokens[:k]))
+    r = httpx.post(f"{server.url}/v1/completions", json={**body, "stop": [stop]}, timeout=60).json()
+    assert r["choices"][0]["text"] == text[: text.index(stop)]
+    assert (r["choices"][0]["finish_reason"], r["usage"]["completion_tokens"]) == ("stop", expected_tokens)
+    streamed, finish = "", None
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stop": [stop], "stream": True}) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                streamed += choice["text"]
+                finish = choice["finish_reason"] or finish
+    assert (streamed, finish) == (text[: text.index(stop)], "stop")
+
+
 def test_split_and_in_process_agree() -> None:
     with ServeProcess() as split:
+        _stop_strings(split)
         a = _greedy(split)
         assert split.proc is not None and len([k for k in _children(split.proc.pid) if _is_core(k)]) == 1
         split.terminate()
