@@ -9,12 +9,14 @@ warning and yields None: a missing compiler must only cost speed.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import platform
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -65,6 +67,20 @@ def one_line(exc: Exception) -> str:
     return errors[0] if errors else (lines[0] if lines else type(exc).__name__)
 
 
+@contextlib.contextmanager
+def build_lock(build_dir: Path) -> Iterator[None]:
+    """Held while this process builds into ``build_dir``: other processes wait. The kernel drops it when its
+    holder dies, so a torch ``lock`` file found under it was left by a build that was killed (torch's own
+    check waits for that file to go, for ever): it is removed."""
+    with open(build_dir / "servelm-build.flock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 class CompiledExtension:
     """Builds one extension at most once per process and remembers the outcome (module or None).
 
@@ -109,15 +125,16 @@ class CompiledExtension:
             build_dir.mkdir(parents=True, exist_ok=True)
             if not any(build_dir.glob("*.so")):
                 self.log.info("building the %s (one-time, ~30 s; cached in %s)", self.what, build_dir)
-            module = cpp_extension.load(
-                name=name,
-                sources=[str(source)],
-                # Copies: torch appends its own flags to these lists, which would rename later builds.
-                extra_cflags=cflags(),
-                extra_ldflags=list(LDFLAGS),
-                build_directory=str(build_dir),
-                verbose=verbose,
-            )
+            with build_lock(build_dir):
+                module = cpp_extension.load(
+                    name=name,
+                    sources=[str(source)],
+                    # Copies: torch appends its own flags to these lists, which would rename later builds.
+                    extra_cflags=cflags(),
+                    extra_ldflags=list(LDFLAGS),
+                    build_directory=str(build_dir),
+                    verbose=verbose,
+                )
             flags = cpu_flags()
             if hasattr(module, "compiled_isa") and flags is not None:
                 missing = sorted(set(module.compiled_isa()) - flags)
