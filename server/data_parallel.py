@@ -19,8 +19,9 @@ import itertools
 import logging
 import multiprocessing
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, cast
 
 from servelm.scheduler.config import EngineConfig
@@ -30,7 +31,7 @@ from servelm.server.balancer import CoreLoad, choose_core, prefix_key
 from servelm.server.bridge import Add, Call, EngineDeadError, EngineSnapshot
 from servelm.server.dp_placement import Placement, PlacementError, plan_placements, run_placed_engine_core
 from servelm.server.engine_info import EngineInfo, load_api_tokenizer
-from servelm.server.engine_process import EngineProcess, EngineStartError
+from servelm.server.engine_process import CoreAddress, EngineProcess, EngineStartError
 from servelm.server.request_group import RequestGroup
 
 log = logging.getLogger(__name__)
@@ -40,16 +41,17 @@ READS = frozenset({"loras.read"})  # any one core answers (it changes nothing)
 UNDO = {"loras.add": "loras.remove"}  # a change some cores made and others refused is taken back
 
 
-def start_data_parallel(config: EngineConfig, n: int, log_level: str = "info") -> AsyncEngine:
+def start_data_parallel(config: EngineConfig, n: int, log_level: str = "info", api_servers: int = 1) -> AsyncEngine:
     """An ``AsyncEngine`` over ``n`` engine cores, each on its own CPUs or GPUs, started together; returns
-    once all are ready. Raises ``EngineStartError``."""
+    once all are ready. ``api_servers``: API processes each core will answer (this one is the first).
+    Raises ``EngineStartError``."""
     from servelm.runtime.platform import visible_gpus
 
     try:
         plan = plan_placements(config, n, visible_gpus(config.device))
     except PlacementError as e:
         raise EngineStartError(str(e)) from e
-    cores = [PlacedCore(c, pl, log_level) for pl, c in plan]
+    cores = [PlacedCore(c, pl, log_level, api_servers) for pl, c in plan]
     for pl, _ in plan:
         log.info("data parallel: %s", pl.describe())
     with ThreadPoolExecutor(max_workers=n, thread_name_prefix="servelm-dp-start") as pool:
@@ -67,31 +69,39 @@ def start_data_parallel(config: EngineConfig, n: int, log_level: str = "info") -
         raise EngineStartError("; ".join(failures))
     for i, info in enumerate(infos):
         log.info("engine core %d: capacity %s", i, info.capacity)
-    bridge = DataParallelEngines(cores, infos)
+    return _over(DataParallelEngines(cores, infos))
+
+
+def join_data_parallel(address: CoresAddress) -> AsyncEngine:
+    """An ``AsyncEngine`` over the running engine cores at ``address`` (an API process after the first)."""
+    return _over(DataParallelEngines([DataParallelCore(a) for a in address.cores], list(address.infos)))
+
+
+def _over(bridge: DataParallelEngines) -> AsyncEngine:
+    info = bridge.infos[0]
     try:
-        tokenizer = load_api_tokenizer(infos[0])
+        tokenizer = load_api_tokenizer(info)
     except Exception as e:
         bridge.close()
-        raise EngineStartError(f"the API process cannot load the tokenizer from {infos[0].tokenizer_path}: {e}") from e
+        raise EngineStartError(f"the API process cannot load the tokenizer from {info.tokenizer_path}: {e}") from e
     # (Its counters are sums, read-only: the protocol declares them settable for the bridges that publish them.)
-    return AsyncEngine(bridge=cast(Bridge, bridge), info=infos[0], tokenizer=tokenizer)
+    return AsyncEngine(bridge=cast(Bridge, bridge), info=info, tokenizer=tokenizer)
 
 
-class PlacedCore(EngineProcess):
-    """One of the engine cores: spawned on its own share of the machine, and able to fail its requests
-    when another core dies."""
+@dataclass(frozen=True)
+class CoresAddress:
+    """How an API process after the first (``--api-server-count``) reaches every engine core, and their facts."""
 
-    def __init__(self, config: EngineConfig, placement: Placement, log_level: str) -> None:
-        super().__init__(config=config, log_level=log_level)
-        self.placement = placement
+    cores: tuple[CoreAddress, ...]
+    infos: tuple[EngineInfo, ...]
+
+
+class DataParallelCore(EngineProcess):
+    """This API process's end of one of the engine cores, able to fail its requests when another core dies."""
+
+    def __init__(self, address: CoreAddress | None = None, **kwargs: Any) -> None:
+        super().__init__(address, **kwargs)
         self.on_death: list[Callable[[BaseException], None]] = []
-        spawn = multiprocessing.get_context("spawn")
-        # Not a daemon: a tensor-parallel core starts worker processes of its own.
-        self.process = spawn.Process(
-            target=run_placed_engine_core,
-            args=(placement, config, self.address.inbox, self.outboxes, log_level),
-            name=f"servelm-engine-core-{placement.index}",
-        )
 
     def fail(self, exc: BaseException) -> None:
         """Another core died: what runs here fails too (the server stops)."""
@@ -102,6 +112,21 @@ class PlacedCore(EngineProcess):
         assert self.dead is not None
         for hook in self.on_death:
             hook(self.dead)
+
+
+class PlacedCore(DataParallelCore):
+    """One of the engine cores, owned by this (the first) API process: spawned on its own share of the machine."""
+
+    def __init__(self, config: EngineConfig, placement: Placement, log_level: str, api_servers: int) -> None:
+        super().__init__(config=config, log_level=log_level, api_servers=api_servers)
+        self.placement = placement
+        spawn = multiprocessing.get_context("spawn")
+        # Not a daemon: a tensor-parallel core starts worker processes of its own.
+        self.process = spawn.Process(
+            target=run_placed_engine_core,
+            args=(placement, config, self.address.inbox, self.outboxes, log_level),
+            name=f"servelm-engine-core-{placement.index}",
+        )
 
 
 class _Routed:
@@ -122,8 +147,9 @@ class _Routed:
 class DataParallelEngines:
     """N ``EngineProcess``es behind one bridge (see the module's docstring)."""
 
-    def __init__(self, cores: list[PlacedCore], infos: list[EngineInfo]) -> None:
-        self.cores = cores
+    def __init__(self, cores: Sequence[DataParallelCore], infos: list[EngineInfo]) -> None:
+        self.cores = list(cores)
+        self.infos = infos
         self.block_size = int(infos[0].config.block_size or 0)
         self.num_blocks = [info.num_blocks for info in infos]
         self._lock = threading.Lock()  # the map and the counts (abort may come from any thread)
@@ -132,6 +158,7 @@ class DataParallelEngines:
         self._turn = itertools.count()
         self._tasks: set[asyncio.Task[None]] = set()
         self.dead: BaseException | None = None  # the first core's death, the server's
+        self.before_stop: list[Callable[[], None]] = []  # the first API process: wait for the others
         for i, core in enumerate(cores):
             core.on_death.append(functools.partial(self._core_died, i))
 
@@ -167,6 +194,8 @@ class DataParallelEngines:
             core.start(loop)
 
     def stop(self) -> None:
+        for wait in self.before_stop:
+            wait()
         for core in self.cores:
             core.stop()
 
@@ -247,6 +276,10 @@ class DataParallelEngines:
     def wake(self) -> None:
         for core in self.cores:
             core.wake()
+
+    def address_of(self, client: int) -> CoresAddress:
+        """The address API process ``client`` is given (only the owner knows them)."""
+        return CoresAddress(tuple(c.address_of(client) for c in self.cores), tuple(self.infos))
 
     def client_gone(self, client: int) -> None:
         for core in self.cores:

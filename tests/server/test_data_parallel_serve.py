@@ -3,7 +3,8 @@
 Greedy outputs equal one core's; requests land on both cores (``/metrics`` labels each core's series);
 a prompt whose first blocks were seen before meets its prefix cache on the same core; a client that
 disconnects frees its blocks; kill -9 of one core fails every stream and the server exits non-zero.
-One server serves the tests in order; the last one kills it.
+With ``--api-server-count 2`` both API processes reach both cores. One server serves the tests in order;
+the last one kills it.
 """
 
 from __future__ import annotations
@@ -104,6 +105,35 @@ def test_a_client_that_disconnects_frees_its_blocks(dp: ServeProcess) -> None:
             break
         time.sleep(0.2)
     assert not any(usage.values()) and not any(running.values()), (usage, running)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+
+
+def test_two_api_processes_in_front_of_two_cores() -> None:
+    with ServeProcess("--data-parallel-size", "2", "--api-server-count", "2") as server:
+        assert server.proc is not None
+        deadline = time.monotonic() + 180
+        while server.log.count("servelm listening on") < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        spawned = _cores(server.proc.pid)
+        assert len(spawned) == 3, server.log  # two cores and the second API process
+        for i in range(8):
+            body = {"prompt": f"Hello number {i}", "max_tokens": 4, "temperature": 0}
+            r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120, headers={"Connection": "close"})
+            assert r.status_code == 200, r.text
+        served = _per_engine(server.url, "servelm_request_success_total")
+        assert set(served) == {"0", "1"} and all(v > 0 for v in served.values()), served
+        server.terminate()
+        assert server.wait(90) == 0, server.log
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in spawned) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in spawned)
 
 
 def test_killing_one_core_fails_every_stream_and_stops_the_server(dp: ServeProcess) -> None:
