@@ -181,3 +181,23 @@ async def test_one_core_dying_fails_every_request(served: Any, fakes: list[FakeE
     assert dp.dead_reason is not None and "engine core 1" in dp.dead_reason
     with pytest.raises(EngineDeadError):
         await ae.add([("late", [1], SamplingParams(max_tokens=1))])
+
+
+@pytest.mark.parametrize(
+    ("flags", "why"),
+    [
+        (["--engine-in-process"], "needs the engine-core process and one model"),
+        (["--model", "a", "--model", "b"], "needs the engine-core process and one model"),
+        (
+            ["--data-parallel-size", "4096"],
+            "--data-parallel-size 4096 x --tensor-parallel-size 1 needs",
+        ),  # CPUs or GPUs
+    ],
+)
+def test_what_is_refused_before_anything_starts(flags: list[str], why: str, caplog: Any) -> None:
+    from servelm.server.cli import main
+
+    argv = ["serve", "--port", "0", "--data-parallel-size", "2", *flags]
+    with caplog.at_level("ERROR"):
+        assert main(argv) == 1
+    assert why in caplog.text
