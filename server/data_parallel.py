@@ -213,6 +213,7 @@ class DataParallelEngines:
             if self.dead is not None:
                 return
             self.dead = EngineDeadError(f"engine core {index} stopped: {cause}")
+        log.error("engine core %d stopped (%s): every request on every core fails", index, cause)
         for i, core in enumerate(self.cores):
             if i != index:
                 core.fail(self.dead)
