@@ -271,6 +271,12 @@ class DataParallelEngines:
         for i, ids in by_core.items():
             self.cores[i].abort(ids)
 
+    def stop_choices(self, request_id: str, stopped: list[tuple[int, str]]) -> None:
+        with self._lock:
+            i = self._core_of.get(request_id)
+        if i is not None:  # (else it has finished: nothing is left to stop)
+            self.cores[i].stop_choices(request_id, stopped)
+
     def notify(self, path: str, *args: Any) -> None:
         self.cores[0].notify(path, *args)  # (a count: the merged metrics add every core's)
 

@@ -54,7 +54,7 @@ def fakes(server_tokenizer: Any) -> list[FakeEngine]:
 @pytest.fixture
 async def served(fakes: list[FakeEngine]) -> Any:
     dp = DataParallelEngines([_Core(f) for f in fakes], [_info(), _info()])  # type: ignore[list-item]
-    ae = AsyncEngine(bridge=dp, max_waiting_requests=8, tokenizer=fakes[0].tokenizer)
+    ae = AsyncEngine(bridge=dp, info=_info(), max_waiting_requests=8, tokenizer=fakes[0].tokenizer)
     ae.start()
     yield ae, dp
     await ae.shutdown(1)
@@ -114,6 +114,20 @@ async def test_an_abort_reaches_the_core_running_it(served: Any, fakes: list[Fak
         await asyncio.sleep(0.01)
     assert fakes[1].aborted == ["long"] and fakes[0].aborted == []
     assert dp._core_of == {}
+
+
+async def test_a_stop_string_found_here_reaches_the_core_running_it(served: Any) -> None:
+    ae, dp = served
+    await _run(ae, "first", [1, 2])  # core 0; the next idle turn is core 1
+    heard: list[tuple[int, str, list[tuple[int, str]]]] = []
+    for i, core in enumerate(dp.cores):
+        core.stop_choices = lambda rid, stopped, i=i: heard.append((i, rid, stopped))
+    gen = ae.generate("long", [3, 4], SamplingParams(max_tokens=200))
+    await gen.__anext__()
+    dp.stop_choices("long", [(0, "END")])
+    dp.stop_choices("gone", [(0, "END")])  # finished already: nowhere to go
+    await gen.aclose()
+    assert heard == [(1, "long", [(0, "END")])]
 
 
 async def test_the_waiting_limit_is_the_servers(served: Any, fakes: list[FakeEngine]) -> None:
@@ -201,3 +215,12 @@ def test_what_is_refused_before_anything_starts(flags: list[str], why: str, capl
     with caplog.at_level("ERROR"):
         assert main(argv) == 1
     assert why in caplog.text
+
+
+async def test_the_bridge_has_every_member_asyncengine_uses(served: Any) -> None:
+    # (data_parallel casts it to Bridge: its counters are read-only sums, so mypy cannot check it against the protocol.)
+    from servelm.server.async_engine import Bridge
+
+    _, dp = served
+    members = {n for n in [*vars(Bridge), *Bridge.__annotations__] if not n.startswith("_")}
+    assert members and not [n for n in members if not hasattr(dp, n)]

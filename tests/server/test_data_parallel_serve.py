@@ -77,6 +77,11 @@ def test_two_cores_answer_as_one(dp: ServeProcess, one_core: list[str]) -> None:
     served = _per_engine(dp.url, "servelm_request_success_total")
     assert set(served) == {"0", "1"} and all(v > 0 for v in served.values()), served
     assert sum(served.values()) == len(PROMPTS)
+    # A stop string is found in this process, and the core running the request is told to finish it.
+    for _ in range(2):  # (one request on each core)
+        body = {"prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0, "stop": ["answer"]}
+        choice = httpx.post(f"{dp.url}/v1/completions", json=body, timeout=120).json()["choices"][0]
+        assert choice["finish_reason"] == "stop" and "answer" not in choice["text"], choice
 
 
 def test_a_shared_prefix_meets_its_cache_on_the_same_core(dp: ServeProcess) -> None:
