@@ -39,3 +39,11 @@ def platform_of(device: torch.device | str) -> Platform:
             found = Platform()
         _platforms[kind] = found
     return found
+
+
+def visible_gpus(name: str) -> int | None:
+    """The GPUs a configuration's device ``name`` may spread engine cores over (``--data-parallel-size``):
+    None when it runs on CPU, else the CUDA devices this process sees (counted without a CUDA context:
+    only the cores should hold one)."""
+    kind = ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else torch.device(name).type
+    return torch.cuda.device_count() if kind == "cuda" else None

@@ -5,6 +5,11 @@ process (``--engine-in-process``, the design before issue 47), one server at a t
 
     .venv/bin/python scripts/bench_engine_process.py [--model PATH] [--streams 1 32 128]
         [--input-len 128] [--output-len 64] [--modes offline split inprocess] [--out FILE.json]
+        [--data-parallel-size 1 2]
+
+``--data-parallel-size 1 2`` runs the split mode once per value (``split``, ``split-dp2``): one engine core
+against two, same workload (random prompts: no prefix is shared, the balancer goes by load alone).
+DP=1 against DP=2 over HTTP: ``--modes split --streams 32 128 --data-parallel-size 1 2``.
 
 Workload at S streams: S requests of ``--input-len`` random token ids and ``--output-len`` tokens
 (greedy, ignore_eos), all sent at once, timed to the last token; at one stream, ``--single-requests``
@@ -151,18 +156,30 @@ def main() -> int:
     ap.add_argument("--modes", nargs="+", default=["offline", "split", "inprocess"])
     ap.add_argument("--rounds", type=int, default=1, help="runs of every mode, in turn; medians are printed")
     ap.add_argument("--api-server-count", type=int, default=1, help="split: API processes in front of the core")
+    ap.add_argument(
+        "--data-parallel-size",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="split: engine cores behind the API process(es); one split run per value ('split', 'split-dp2'...)",
+    )
     ap.add_argument("--port", type=int, default=8471)
     ap.add_argument("--out", default=None, help="write the numbers here (JSON)")
     args = ap.parse_args()
     # "plain": no flag (a checkout from before the split, run through PYTHONPATH, steps its engine in a thread)
-    flags = {
-        "inprocess": ["--engine-in-process"],
-        "split": ["--api-server-count", str(args.api_server_count)],
-        "plain": [],
-    }
-    runs: dict[str, list[dict[int, dict[str, float]]]] = {m: [] for m in args.modes}
+    flags: dict[str, list[str]] = {}
+    for mode in args.modes:
+        if mode == "split":
+            for dp in args.data_parallel_size:
+                name = "split" if dp == 1 else f"split-dp{dp}"
+                flags[name] = ["--api-server-count", str(args.api_server_count)]
+                if dp != 1:  # (one core: the command line of the runs before the flag existed)
+                    flags[name] += ["--data-parallel-size", str(dp)]
+        else:
+            flags[mode] = {"inprocess": ["--engine-in-process"], "plain": [], "offline": []}[mode]
+    runs: dict[str, list[dict[int, dict[str, float]]]] = {m: [] for m in flags}
     for _ in range(args.rounds):
-        for mode in args.modes:
+        for mode in flags:
             if mode == "offline":
                 runs[mode].append(offline(args.model, args.streams, args))
             else:
@@ -174,11 +191,11 @@ def main() -> int:
     for m, by_s in results.items():
         for s, v in by_s.items():
             print(
-                f"median of {args.rounds}: {m:>9} S={s:4d}: {v['output_tok_s']:8.1f} tok/s, ITL {v['median_itl_ms']:.2f} ms"
+                f"median of {args.rounds}: {m:>10} S={s:4d}: {v['output_tok_s']:8.1f} tok/s, ITL {v['median_itl_ms']:.2f} ms"
             )
     if "offline" in results:
-        for mode in ("split", "inprocess", "plain"):
-            if mode not in results:
+        for mode in results:
+            if mode == "offline":
                 continue
             for s in args.streams:
                 a, o = results[mode][s], results["offline"][s]

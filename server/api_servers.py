@@ -27,6 +27,7 @@ from typing import Any
 
 from servelm.server.async_engine import AsyncEngine
 from servelm.server.cli_serve import run_api_process, serve_api
+from servelm.server.data_parallel import CoresAddress, DataParallelEngines
 from servelm.server.engine_info import EngineInfo
 from servelm.server.engine_process import CoreAddress, EngineProcess
 
@@ -46,7 +47,13 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
 class APIProcesses:
     """The API processes after the first: started, watched, stopped."""
 
-    def __init__(self, target: Callable[..., None], args: argparse.Namespace, core: EngineProcess, info: EngineInfo):
+    def __init__(
+        self,
+        target: Callable[..., None],
+        args: argparse.Namespace,
+        core: EngineProcess | DataParallelEngines,
+        info: EngineInfo,
+    ):
         self.target, self.args, self.core, self.info = target, args, core, info
         self.processes: list[Any] = []
         self.stopping = False
@@ -96,7 +103,7 @@ def serve_behind_api_processes(
 ) -> int:
     """The first API process: start the others, then serve as one of them."""
     core = async_engine.bridge
-    assert isinstance(core, EngineProcess)
+    assert isinstance(core, (EngineProcess, DataParallelEngines))
     sock = reuse_port_socket(args.host, args.port)
     others = APIProcesses(run_api_process, args, core, async_engine.info)
     others.start(sock.getsockname()[1])
@@ -105,7 +112,7 @@ def serve_behind_api_processes(
 
 
 def _api_process_main(
-    target: Callable[..., None], args: argparse.Namespace, address: CoreAddress, info: EngineInfo
+    target: Callable[..., None], args: argparse.Namespace, address: CoreAddress | CoresAddress, info: EngineInfo
 ) -> None:
     # Its own process group: a terminal's Ctrl-C reaches the first API process, which passes the drain
     # on; a second signal here would cut the drain short (uvicorn's force exit).

@@ -112,6 +112,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--playground", action=argparse.BooleanOptionalAction, default=True, help="serve the chat page at / and /playground (it calls /v1/* with the key typed into it); --no-playground leaves / a JSON 404 (default: on)")
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True, help="log one line per HTTP request (default: on)")
     g.add_argument("--api-server-count", type=positive_int, default=1, help="HTTP API processes in front of the one engine core, sharing the port (SO_REUSEPORT: the kernel spreads connections): for the CPU cost of HTTP, JSON and tokenizing at high concurrency; each loads its own tokenizer (default: %(default)s)")
+    g.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1, help="engine cores behind the API process, each a whole copy of the model with its own KV pool: one per GPU (N x --tensor-parallel-size GPUs needed; CUDA_VISIBLE_DEVICES chooses which), on CPU each pinned to its share of the allowed CPUs with that many threads (--num-threads overrides). A request goes to the least-loaded core (4 x waiting + running + KV use), or to the core its prompt's first KV blocks hash to unless that one is overloaded, so a shared prefix meets its prefix cache; /metrics labels every core's series engine=\"i\". With --api-server-count every API process talks to every core. One core's death stops the server (exit status 1). Not with --engine-in-process or several models (default: %(default)s)")
     g.add_argument("--engine-in-process", action="store_true", help="step the engine in a thread of the HTTP server's process instead of an engine-core process of its own (for debugging: tokenizing, HTTP and JSON then share one interpreter with the engine loop)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity (default: %(default)s)")
     # fmt: on
@@ -204,7 +205,13 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.api_server_count > 1 and (args.engine_in_process or args.more_models or args.models_file):
         log.error("cannot start: --api-server-count needs the engine-core process and one model")
         return 1
-    if args.more_models or args.models_file or args.models_memory_budget is not None or args.keep_alive is not None:
+    several = (
+        args.more_models or args.models_file or args.models_memory_budget is not None or args.keep_alive is not None
+    )
+    if args.data_parallel_size > 1 and (args.engine_in_process or several):
+        log.error("cannot start: --data-parallel-size needs the engine-core process and one model")
+        return 1
+    if several:
         from servelm.server.cli_models import run_models
 
         return run_models(args, config, _make_uvicorn_server)
@@ -229,7 +236,13 @@ def run_serve(args: argparse.Namespace) -> int:
         from servelm.server.engine_process import EngineStartError, start_engine_core
 
         try:  # the engine builds and steps in an engine-core process (docs/architecture.md)
-            async_engine = start_engine_core(config, args.log_level, args.api_server_count)
+            if args.data_parallel_size > 1:
+                from servelm.server.data_parallel import start_data_parallel
+
+                n = args.data_parallel_size
+                async_engine = start_data_parallel(config, n, args.log_level, args.api_server_count)
+            else:
+                async_engine = start_engine_core(config, args.log_level, args.api_server_count)
         except EngineStartError as e:
             log.error("cannot start: %s", e)
             return 1

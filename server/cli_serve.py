@@ -82,12 +82,16 @@ def make_uvicorn_server(app: Any, args: argparse.Namespace, on_exit: Callable[[]
 def run_api_process(args: argparse.Namespace, address: Any, info: Any, sock: Any) -> None:
     """An API process after the first (``--api-server-count``): serves HTTP on the shared port in front
     of the engine core the first one started."""
+    from servelm.server.data_parallel import CoresAddress, join_data_parallel
     from servelm.server.engine_process import join_engine_core
 
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    async_engine = join_engine_core(address, info)
+    if isinstance(address, CoresAddress):  # --data-parallel-size: every engine core
+        async_engine = join_data_parallel(address)
+    else:
+        async_engine = join_engine_core(address, info)
     chat_template = None
     if args.chat_template is not None:
         from servelm.server.chat_template import load_chat_template

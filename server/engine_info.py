@@ -26,6 +26,7 @@ class EngineInfo:
     architecture: str | None = None
     quantization: str | None = None
     emits_text: bool = False  # the engine detokenizes itself; else the API process makes the text
+    num_blocks: int = 0  # the KV pool's blocks (0: none, an encoder)
 
     @property
     def makes_text_here(self) -> bool:
@@ -78,6 +79,7 @@ def engine_info(engine: Any) -> EngineInfo:
         architecture=getattr(mc, "architecture", None),
         quantization=getattr(getattr(engine, "runner", None), "quantization", None) or cfg.quantization,
         emits_text=bool(getattr(engine, "detokenize", False)),
+        num_blocks=int(getattr(getattr(engine, "block_manager", None), "num_blocks", 0) or 0),
     )
 
 

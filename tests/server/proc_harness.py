@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -13,6 +14,23 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def _port() -> str:
+    """0 (the kernel picks a free port), or on a machine whose ports are shared out, the first free one of
+    ``$SERVELM_TEST_PORTS`` ("LOW-HIGH")."""
+    given = os.environ.get("SERVELM_TEST_PORTS")
+    if not given:
+        return "0"
+    low, high = (int(p) for p in given.split("-"))
+    for port in range(low, high + 1):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return str(port)
+    raise RuntimeError(f"no free port in SERVELM_TEST_PORTS={given}")
 
 
 class ServeProcess:
@@ -26,7 +44,7 @@ class ServeProcess:
         path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""), str(REPO)) if p)
         env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
         env.pop("SERVELM_API_KEY", None)
-        self.argv = [sys.executable, "-m", "servelm.server.cli", "serve", "--port", "0", *args]
+        self.argv = [sys.executable, "-m", "servelm.server.cli", "serve", "--port", _port(), *args]
         self.env = env
         self.proc: subprocess.Popen[str] | None = None
         self.lines: list[str] = []
