@@ -11,6 +11,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from servelm.metrics.models import add_families
+
 
 class LabelledExpositions:
     """Text expositions parsed back into families, every sample of the ``i``-th labelled
@@ -33,12 +35,7 @@ class LabelledExpositions:
                     for s in family.samples
                 )
         if self.own is not None:
-            for family in self.own.collect():
-                seen = families.get(family.name)
-                if seen is None:
-                    families[family.name] = family
-                else:
-                    seen.samples.extend(family.samples)
+            add_families(families, self.own.collect())
         yield from families.values()
 
 

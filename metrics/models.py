@@ -80,13 +80,18 @@ class MergedRegistry:
     def collect(self) -> Iterator[Metric]:
         families: dict[str, Metric] = {}
         for registry in self.registries():
-            for family in registry.collect():
-                seen = families.get(family.name)
-                if seen is None:
-                    families[family.name] = family
-                else:
-                    seen.samples.extend(family.samples)
+            add_families(families, registry.collect())
         yield from families.values()
+
+
+def add_families(into: dict[str, Metric], families: Iterable[Metric]) -> None:
+    """Each family once: the samples of one already in ``into`` join it."""
+    for family in families:
+        seen = into.get(family.name)
+        if seen is None:
+            into[family.name] = family
+        else:
+            seen.samples.extend(family.samples)
 
 
 def render_merged(registries: Callable[[], Iterable[CollectorRegistry]]) -> tuple[bytes, str]:
