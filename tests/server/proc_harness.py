@@ -96,3 +96,21 @@ class ServeProcess:
             self.proc.wait()
         if self._reader is not None:
             self._reader.join(5)
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie does not: it has exited, unreaped)."""
+    try:
+        return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+
+
+def all_exit(pids: list[int], timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for every process in ``pids`` to exit; whether they all did."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(alive(p) for p in pids)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from proc_harness import ServeProcess
+from proc_harness import ServeProcess, alive, all_exit
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads child processes from /proc")
 
@@ -23,13 +23,6 @@ def _children(pid: int) -> list[int]:
 def _spawned(pid: int) -> list[int]:
     # multiprocessing's spawned children: the engine core and the second API process (not the resource tracker)
     return [k for k in _children(pid) if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
 
 
 def _complete(url: str, prompt: str) -> httpx.Response:
@@ -73,14 +66,11 @@ def test_two_api_processes_share_the_port_and_survive_each_other() -> None:
         for _ in range(8):
             assert _complete(server.url, "Hello").status_code == 200
         assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
-        assert _alive(core)
+        assert alive(core)
 
         server.terminate()
         assert server.wait(60) == 0, server.log
-        deadline = time.monotonic() + 10
-        while _alive(core) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _alive(core)
+        assert all_exit([core], 10)
 
 
 def test_sigterm_stops_every_api_process_and_the_core() -> None:
@@ -94,7 +84,4 @@ def test_sigterm_stops_every_api_process_and_the_core() -> None:
         assert _complete(server.url, "Hi").status_code == 200
         server.terminate()
         assert server.wait(60) == 0, server.log
-        deadline = time.monotonic() + 10
-        while any(_alive(p) for p in spawned) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(_alive(p) for p in spawned)
+        assert all_exit(spawned, 10)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from proc_harness import ServeProcess
+from proc_harness import ServeProcess, all_exit
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads child processes from /proc")
@@ -112,13 +112,6 @@ def test_a_client_that_disconnects_frees_its_blocks(dp: ServeProcess) -> None:
     assert not any(usage.values()) and not any(running.values()), (usage, running)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
-
-
 def test_two_api_processes_in_front_of_two_cores() -> None:
     with ServeProcess("--data-parallel-size", "2", "--api-server-count", "2") as server:
         assert server.proc is not None
@@ -135,10 +128,7 @@ def test_two_api_processes_in_front_of_two_cores() -> None:
         assert set(served) == {"0", "1"} and all(v > 0 for v in served.values()), served
         server.terminate()
         assert server.wait(90) == 0, server.log
-        deadline = time.monotonic() + 10
-        while any(_alive(p) for p in spawned) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(_alive(p) for p in spawned)
+        assert all_exit(spawned, 10)
 
 
 def test_killing_one_core_fails_every_stream_and_stops_the_server(dp: ServeProcess) -> None:

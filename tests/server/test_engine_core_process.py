@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from proc_harness import ServeProcess
+from proc_harness import ServeProcess, all_exit
 
 LONG = {"prompt": "Count: one, two,", "max_tokens": 600, "temperature": 0, "ignore_eos": True, "stream": True}
 
@@ -44,15 +44,6 @@ def _core_pid(server: ServeProcess) -> int:
 def _is_core(pid: int) -> bool:
     # multiprocessing's spawned child (its resource tracker is the other child, and no core)
     return b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    status = Path(f"/proc/{pid}/status").read_text()
-    return "State:\tZ" not in status
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads child processes from Linux /proc")
@@ -104,10 +95,7 @@ def test_killing_the_api_process_ends_the_core() -> None:
         assert server.proc is not None
         server.proc.kill()
         server.proc.wait()
-        deadline = time.monotonic() + 5
-        while _alive(core) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(core), "the engine core outlived its API process"
+        assert all_exit([core], 5), "the engine core outlived its API process"
 
 
 def _greedy(server: ServeProcess) -> list[str]:
